@@ -1,0 +1,222 @@
+//! The backward engine: iterative (no recursion, so a 100,000-node chain is fine) and
+//! deterministic (nodes run in reverse creation order; leaves accumulate as soon as all their
+//! incoming gradients are summed, as PyTorch's AccumulateGrad does).
+
+use std::collections::{BinaryHeap, HashMap};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use super::grad_mode::no_grad;
+use super::meta::AutogradMeta;
+use super::node::{Edge, Node};
+use super::edge_of;
+use crate::error::{Error, Result};
+use crate::memory::Category;
+use crate::tensor::Tensor;
+
+/// Options of `Tensor::backward_with`.
+#[derive(Clone, Debug, Default)]
+pub struct BackwardOptions {
+    /// The gradient of the root; required unless the root has one element.
+    pub gradient: Option<Tensor>,
+    /// Keep saved tensors so the graph can be walked again.
+    pub retain_graph: bool,
+}
+
+const RELEASED: &str = "Trying to backward through the graph a second time (or to use saved tensors after they were freed): saved tensors are released during backward. Pass retain_graph=true to the first backward if you need to backward through the graph again.";
+
+impl Tensor {
+    /// `loss.backward()`: the root must hold a single element.
+    pub fn backward(&self) -> Result<()> {
+        self.backward_with(BackwardOptions::default())
+    }
+
+    pub fn backward_with(&self, opts: BackwardOptions) -> Result<()> {
+        let root = edge_of(self).ok_or_else(|| {
+            Error::autograd(
+                "this tensor does not require grad and has no grad_fn: nothing to differentiate. Did you create it under no_grad, or forget requires_grad_(true) on a parameter?",
+            )
+        })?;
+        let grad = match opts.gradient {
+            Some(g) => {
+                if g.shape() != self.shape() {
+                    return Err(Error::shape(
+                        "backward",
+                        format!("gradient shape {:?} differs from the tensor's {:?}", g.shape(), self.shape()),
+                    ));
+                }
+                g
+            }
+            None if self.numel() == 1 => Tensor::ones(self.shape(), self.dtype(), self.device())?,
+            None => {
+                return Err(Error::autograd(format!(
+                    "grad can be implicitly created only for scalar outputs; this tensor has shape {:?}: pass a gradient (BackwardOptions::gradient) or reduce it first (e.g. .sum())",
+                    self.shape()
+                )));
+            }
+        };
+        let _guard = no_grad();
+        run(root, grad, opts.retain_graph)
+    }
+}
+
+/// Number of incoming edges of every node reachable from `root`.
+fn dependencies(root: &Edge) -> HashMap<usize, usize> {
+    let mut deps: HashMap<usize, usize> = HashMap::new();
+    let mut stack = vec![root.clone()];
+    let mut seen = std::collections::HashSet::new();
+    seen.insert(root.key());
+    while let Some(e) = stack.pop() {
+        if let Edge::Node(n) = e {
+            for next in n.edges.iter().flatten() {
+                *deps.entry(next.key()).or_insert(0) += 1;
+                if seen.insert(next.key()) {
+                    stack.push(next.clone());
+                }
+            }
+        }
+    }
+    deps
+}
+
+/// Ready work, highest priority first: leaves, then later-created nodes.
+struct Ready {
+    priority: u64,
+    edge: Edge,
+}
+impl PartialEq for Ready {
+    fn eq(&self, o: &Self) -> bool {
+        self.priority == o.priority && self.edge.key() == o.edge.key()
+    }
+}
+impl Eq for Ready {}
+impl PartialOrd for Ready {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Ready {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        (self.priority, self.edge.key()).cmp(&(o.priority, o.edge.key()))
+    }
+}
+
+fn priority(e: &Edge) -> u64 {
+    match e {
+        Edge::Leaf(_) => u64::MAX,
+        Edge::Node(n) => n.seq,
+    }
+}
+
+fn run(root: Edge, grad: Tensor, retain_graph: bool) -> Result<()> {
+    let mut deps = dependencies(&root);
+    let mut buffers: HashMap<usize, Tensor> = HashMap::new();
+    buffers.insert(root.key(), grad);
+    let mut heap = BinaryHeap::new();
+    heap.push(Ready { priority: priority(&root), edge: root });
+    while let Some(Ready { edge, .. }) = heap.pop() {
+        let grad = buffers.remove(&edge.key());
+        match &edge {
+            Edge::Leaf(meta) => {
+                if let Some(g) = grad {
+                    accumulate(meta, g)?;
+                }
+            }
+            Edge::Node(node) => {
+                let grads = match grad {
+                    Some(g) => run_node(node, g, retain_graph)?,
+                    None => vec![None; node.edges.len()],
+                };
+                for (next, g) in node.edges.iter().zip(grads) {
+                    let Some(next) = next else { continue };
+                    if let Some(g) = g {
+                        add_to_buffer(&mut buffers, next.key(), g)?;
+                    }
+                    let d = deps.get_mut(&next.key()).map(|d| {
+                        *d -= 1;
+                        *d
+                    });
+                    if d == Some(0) {
+                        heap.push(Ready { priority: priority(next), edge: next.clone() });
+                    }
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn add_to_buffer(buffers: &mut HashMap<usize, Tensor>, key: usize, g: Tensor) -> Result<()> {
+    match buffers.remove(&key) {
+        None => buffers.insert(key, g),
+        Some(prev) => buffers.insert(key, prev.add(&g)?),
+    };
+    Ok(())
+}
+
+/// Runs one node: its output's hooks and retain_grad, then its backward. Without
+/// retain_graph the closure (and with it every saved tensor) is dropped right after.
+fn run_node(node: &Arc<Node>, grad: Tensor, retain_graph: bool) -> Result<Vec<Option<Tensor>>> {
+    let out_meta = node.output.lock().ok().and_then(|w| w.upgrade());
+    let grad = match &out_meta {
+        Some(m) => {
+            let g = m.run_hooks(grad)?;
+            if m.retains_grad.load(Ordering::Relaxed) {
+                let mut slot = m.grad_slot();
+                *slot = Some(match slot.take() {
+                    Some(prev) => prev.add(&g)?,
+                    None => g.contiguous_copy()?,
+                });
+            }
+            g
+        }
+        None => grad,
+    };
+    let needs: Vec<bool> = node.edges.iter().map(Option::is_some).collect();
+    let mut slot = node.backward.lock().unwrap_or_else(|e| e.into_inner());
+    let grads = if retain_graph {
+        let f = slot.as_mut().ok_or_else(|| Error::autograd(RELEASED))?;
+        f(&grad, &needs)?
+    } else {
+        let mut f = slot.take().ok_or_else(|| Error::autograd(RELEASED))?;
+        drop(slot);
+        let grads = f(&grad, &needs)?;
+        drop(f);
+        grads
+    };
+    if grads.len() != node.edges.len() {
+        return Err(Error::autograd(format!(
+            "backward of {} returned {} gradients for {} inputs",
+            node.name,
+            grads.len(),
+            node.edges.len()
+        )));
+    }
+    Ok(grads)
+}
+
+/// AccumulateGrad: the first gradient is stored (stolen when nothing else holds it), later
+/// ones are added in place. Then the leaf's post-accumulate hooks run.
+fn accumulate(meta: &Arc<AutogradMeta>, grad: Tensor) -> Result<()> {
+    let grad = meta.run_hooks(grad)?;
+    {
+        let mut slot = meta.grad_slot();
+        match slot.as_ref() {
+            Some(existing) => existing.add_(&grad)?,
+            None => {
+                let owned = if grad.is_exclusive() { grad } else { grad.contiguous_copy()? };
+                owned.set_category(Category::Gradient);
+                *slot = Some(owned);
+            }
+        }
+    }
+    let mut hooks = meta.post_accumulate_hooks.lock().unwrap_or_else(|e| e.into_inner());
+    if !hooks.is_empty()
+        && let Some(leaf) = meta.owner()
+    {
+        for h in hooks.iter_mut() {
+            h(&leaf)?;
+        }
+    }
+    Ok(())
+}

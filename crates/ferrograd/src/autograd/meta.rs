@@ -1,0 +1,58 @@
+//! Per-tensor autograd state: `requires_grad` (leaves), `grad_fn` (non-leaves), the `.grad`
+//! slot, retain_grad, and hooks.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
+
+use super::node::Node;
+use crate::error::Result;
+use crate::tensor::{Tensor, TensorImpl};
+
+/// Runs on a tensor's gradient during backward; may return a replacement.
+pub type TensorHook = Box<dyn Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync>;
+/// Runs on a leaf after its gradient was accumulated into `.grad` (the leaf is passed).
+pub type PostAccumulateHook = Box<dyn FnMut(&Tensor) -> Result<()> + Send>;
+
+#[derive(Default)]
+pub struct AutogradMeta {
+    pub(crate) grad_fn: Option<Arc<Node>>,
+    pub(crate) requires_grad: AtomicBool,
+    pub(crate) grad: Mutex<Option<Tensor>>,
+    pub(crate) retains_grad: AtomicBool,
+    pub(crate) hooks: Mutex<Vec<TensorHook>>,
+    pub(crate) post_accumulate_hooks: Mutex<Vec<PostAccumulateHook>>,
+    /// The leaf tensor itself, for post-accumulate hooks (weak: the leaf owns this meta).
+    pub(crate) owner: OnceLock<Weak<TensorImpl>>,
+}
+
+impl AutogradMeta {
+    pub(crate) fn with_grad_fn(node: Arc<Node>) -> AutogradMeta {
+        AutogradMeta {
+            grad_fn: Some(node),
+            ..Default::default()
+        }
+    }
+
+    pub(crate) fn requires_grad(&self) -> bool {
+        self.grad_fn.is_some() || self.requires_grad.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn grad_slot(&self) -> std::sync::MutexGuard<'_, Option<Tensor>> {
+        self.grad.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Applies the tensor hooks in registration order.
+    pub(crate) fn run_hooks(&self, mut grad: Tensor) -> Result<Tensor> {
+        let hooks = self.hooks.lock().unwrap_or_else(|e| e.into_inner());
+        for h in hooks.iter() {
+            if let Some(g) = h(&grad)? {
+                grad = g;
+            }
+        }
+        Ok(grad)
+    }
+
+    pub(crate) fn owner(&self) -> Option<Tensor> {
+        self.owner.get().and_then(|w| w.upgrade()).map(Tensor)
+    }
+}

@@ -1,0 +1,68 @@
+//! Autograd: dynamic graphs recorded as ops run, PyTorch semantics.
+//!
+//! - An op whose inputs require grad records a `Node` holding a backward closure and what it
+//!   saved; the output tensor owns the node (`grad_fn`).
+//! - `backward` walks the graph from the root in reverse creation order (`engine`), releasing
+//!   each node's saved tensors right after its backward unless `retain_graph` is set.
+//! - Leaves that require grad accumulate into `.grad`: assigned on the first backward, added
+//!   in place after.
+
+mod engine;
+mod function;
+mod grad_mode;
+mod meta;
+mod node;
+mod saved;
+
+pub use engine::BackwardOptions;
+pub use function::{CustomFunction, FunctionCtx, apply_custom};
+pub use grad_mode::{GradModeGuard, enable_grad, is_grad_enabled, no_grad};
+pub use meta::{AutogradMeta, PostAccumulateHook, TensorHook};
+pub use node::{BackwardFn, Edge, Node};
+pub use saved::SavedTensor;
+
+use std::sync::Arc;
+
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// Where the gradient for `t` should flow, if anywhere.
+pub(crate) fn edge_of(t: &Tensor) -> Option<Edge> {
+    let meta = t.meta();
+    if let Some(n) = &meta.grad_fn {
+        Some(Edge::Node(Arc::clone(n)))
+    } else if meta.requires_grad() {
+        Some(Edge::Leaf(Arc::clone(meta)))
+    } else {
+        None
+    }
+}
+
+/// Whether an op on `inputs` should record a node now.
+pub(crate) fn should_record(inputs: &[&Tensor]) -> bool {
+    is_grad_enabled() && inputs.iter().any(|t| t.requires_grad())
+}
+
+/// Attaches a backward to an op's output when recording; otherwise returns `out` unchanged.
+///
+/// `make(out, needs)` builds the backward closure: `needs[i]` says whether input `i` needs a
+/// gradient, so the op saves only what those gradients use (a frozen weight's layer does not
+/// keep its input for a weight gradient nobody wants).
+pub fn record<F>(
+    name: &'static str,
+    inputs: &[&Tensor],
+    out: Tensor,
+    make: impl FnOnce(&Tensor, &[bool]) -> F,
+) -> Tensor
+where
+    F: FnMut(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + 'static,
+{
+    if !should_record(inputs) {
+        return out;
+    }
+    let edges: Vec<Option<Edge>> = inputs.iter().map(|t| edge_of(t)).collect();
+    let needs: Vec<bool> = edges.iter().map(Option::is_some).collect();
+    let backward = make(&out, &needs);
+    let node = Arc::new(Node::new(name, edges, Box::new(backward)));
+    out.with_grad_fn(node)
+}

@@ -1,0 +1,93 @@
+//! Graph nodes. A non-leaf tensor owns the node that made it (`grad_fn`); a node owns its
+//! backward closure (with the saved tensors) and edges to the nodes or leaves of its inputs.
+//! The graph is therefore the tensors themselves: dropping the last output frees it.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+
+use super::meta::AutogradMeta;
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// A node's backward: given the gradient of its output and which inputs need a gradient,
+/// returns one optional gradient per input.
+pub type BackwardFn = Box<dyn FnMut(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send>;
+
+/// Where an input's gradient goes.
+#[derive(Clone)]
+pub enum Edge {
+    Node(Arc<Node>),
+    /// A leaf that requires grad: its gradient accumulates into `.grad`.
+    Leaf(Arc<AutogradMeta>),
+}
+
+impl Edge {
+    /// Identity for the engine's tables.
+    pub(crate) fn key(&self) -> usize {
+        match self {
+            Edge::Node(n) => Arc::as_ptr(n) as usize,
+            Edge::Leaf(m) => Arc::as_ptr(m) as usize,
+        }
+    }
+}
+
+pub struct Node {
+    /// Creation order; the engine runs later nodes first (as PyTorch's sequence_nr).
+    pub(crate) seq: u64,
+    pub(crate) name: &'static str,
+    pub(crate) backward: Mutex<Option<BackwardFn>>,
+    pub(crate) edges: Vec<Option<Edge>>,
+    /// The output tensor's meta, for its hooks and retain_grad.
+    pub(crate) output: Mutex<Weak<AutogradMeta>>,
+}
+
+static NEXT_SEQ: AtomicU64 = AtomicU64::new(1);
+
+pub(crate) fn next_seq() -> u64 {
+    NEXT_SEQ.fetch_add(1, Ordering::Relaxed)
+}
+
+impl Node {
+    pub(crate) fn new(name: &'static str, edges: Vec<Option<Edge>>, backward: BackwardFn) -> Node {
+        Node {
+            seq: next_seq(),
+            name,
+            backward: Mutex::new(Some(backward)),
+            edges,
+            output: Mutex::new(Weak::new()),
+        }
+    }
+
+    pub fn name(&self) -> &'static str {
+        self.name
+    }
+
+    /// Whether the saved state was already released by a backward without retain_graph.
+    pub fn is_released(&self) -> bool {
+        self.backward.lock().map(|b| b.is_none()).unwrap_or(true)
+    }
+}
+
+impl Drop for Node {
+    /// Drops a chain of nodes iteratively: a 100,000-node graph must not overflow the stack.
+    fn drop(&mut self) {
+        let mut stack: Vec<Arc<Node>> = std::mem::take(&mut self.edges)
+            .into_iter()
+            .filter_map(|e| match e {
+                Some(Edge::Node(n)) => Some(n),
+                _ => None,
+            })
+            .collect();
+        while let Some(n) = stack.pop() {
+            if let Ok(mut node) = Arc::try_unwrap(n) {
+                // Its saved tensors may own tensors whose grad_fn ends in further nodes.
+                let f = node.backward.get_mut().ok().and_then(|b| b.take());
+                drop(f);
+                stack.extend(std::mem::take(&mut node.edges).into_iter().filter_map(|e| match e {
+                    Some(Edge::Node(n)) => Some(n),
+                    _ => None,
+                }));
+            }
+        }
+    }
+}

@@ -1,0 +1,180 @@
+//! Host buffers of each dtype, the element trait the float kernels are generic over, and the
+//! dispatch macro that picks the typed buffer.
+
+use half::{bf16, f16};
+
+use crate::backend::HostValues;
+use crate::error::{Error, Result};
+use crate::tensor::DType;
+
+pub enum CpuData {
+    F32(Vec<f32>),
+    F64(Vec<f64>),
+    F16(Vec<f16>),
+    BF16(Vec<bf16>),
+    I64(Vec<i64>),
+    U8(Vec<u8>),
+}
+
+/// Float element types the CPU kernels compute in. f16/bf16 arithmetic widens to f32 per
+/// operation (half's `Float` impl), which is slow but exact to their rounding.
+pub trait Elem: num_traits::Float + Send + Sync + Default + 'static {
+    fn from_f64(v: f64) -> Self;
+    fn to_f64(self) -> f64;
+}
+
+macro_rules! impl_elem {
+    ($t:ty, $from:expr, $to:expr) => {
+        impl Elem for $t {
+            #[inline(always)]
+            fn from_f64(v: f64) -> Self {
+                $from(v)
+            }
+            #[inline(always)]
+            fn to_f64(self) -> f64 {
+                $to(self)
+            }
+        }
+    };
+}
+impl_elem!(f32, |v| v as f32, |x: f32| x as f64);
+impl_elem!(f64, |v| v, |x: f64| x);
+impl_elem!(f16, f16::from_f64, |x: f16| x.to_f64());
+impl_elem!(bf16, bf16::from_f64, |x: bf16| x.to_f64());
+
+/// Runs `$body` with `$v` bound to the typed float buffer; integer buffers are an error.
+macro_rules! with_float {
+    ($data:expr, $op:expr, $v:ident => $body:expr) => {
+        match $data {
+            $crate::backend::cpu::CpuData::F32($v) => $body,
+            $crate::backend::cpu::CpuData::F64($v) => $body,
+            $crate::backend::cpu::CpuData::F16($v) => $body,
+            $crate::backend::cpu::CpuData::BF16($v) => $body,
+            other => {
+                return Err($crate::error::Error::UnsupportedDType {
+                    op: $op,
+                    dtype: other.dtype(),
+                    hint: "this op needs a floating-point tensor; convert with .to_dtype(DType::F32)",
+                })
+            }
+        }
+    };
+}
+pub(crate) use with_float;
+
+/// Runs `$body` with `$a`, `$b` bound to two float buffers of the same type.
+macro_rules! with_float_pair {
+    ($x:expr, $y:expr, $op:expr, $a:ident, $b:ident => $body:expr) => {
+        match ($x, $y) {
+            ($crate::backend::cpu::CpuData::F32($a), $crate::backend::cpu::CpuData::F32($b)) => $body,
+            ($crate::backend::cpu::CpuData::F64($a), $crate::backend::cpu::CpuData::F64($b)) => $body,
+            ($crate::backend::cpu::CpuData::F16($a), $crate::backend::cpu::CpuData::F16($b)) => $body,
+            ($crate::backend::cpu::CpuData::BF16($a), $crate::backend::cpu::CpuData::BF16($b)) => $body,
+            (x, y) => {
+                return Err($crate::error::Error::DType {
+                    op: $op,
+                    expected: x.dtype(),
+                    got: y.dtype(),
+                })
+            }
+        }
+    };
+}
+pub(crate) use with_float_pair;
+
+impl CpuData {
+    pub fn dtype(&self) -> DType {
+        match self {
+            CpuData::F32(_) => DType::F32,
+            CpuData::F64(_) => DType::F64,
+            CpuData::F16(_) => DType::F16,
+            CpuData::BF16(_) => DType::BF16,
+            CpuData::I64(_) => DType::I64,
+            CpuData::U8(_) => DType::U8,
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        match self {
+            CpuData::F32(v) => v.len(),
+            CpuData::F64(v) => v.len(),
+            CpuData::F16(v) => v.len(),
+            CpuData::BF16(v) => v.len(),
+            CpuData::I64(v) => v.len(),
+            CpuData::U8(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// A zeroed buffer; allocation failure is an error, never an abort.
+    pub fn zeros(dtype: DType, len: usize) -> Result<CpuData> {
+        Ok(match dtype {
+            DType::F32 => CpuData::F32(try_vec(len)?),
+            DType::F64 => CpuData::F64(try_vec(len)?),
+            DType::F16 => CpuData::F16(try_vec(len)?),
+            DType::BF16 => CpuData::BF16(try_vec(len)?),
+            DType::I64 => CpuData::I64(try_vec(len)?),
+            DType::U8 => CpuData::U8(try_vec(len)?),
+        })
+    }
+
+    pub fn from_host(dtype: DType, values: HostValues) -> Result<CpuData> {
+        fn conv<T: Elem>(v: &[f64]) -> Vec<T> {
+            v.iter().map(|&x| T::from_f64(x)).collect()
+        }
+        Ok(match (dtype, values) {
+            (DType::F32, HostValues::F32(v)) => CpuData::F32(v),
+            (d, HostValues::F32(v)) => {
+                CpuData::from_host(d, HostValues::F64(v.iter().map(|&x| x as f64).collect()))?
+            }
+            (DType::F64, HostValues::F64(v)) => CpuData::F64(v),
+            (DType::F32, HostValues::F64(v)) => CpuData::F32(conv(&v)),
+            (DType::F16, HostValues::F64(v)) => CpuData::F16(conv(&v)),
+            (DType::BF16, HostValues::F64(v)) => CpuData::BF16(conv(&v)),
+            (DType::I64, HostValues::I64(v)) => CpuData::I64(v),
+            (DType::U8, HostValues::I64(v)) => CpuData::U8(v.iter().map(|&x| (x != 0) as u8).collect()),
+            (DType::I64, HostValues::F64(v)) => CpuData::I64(v.iter().map(|&x| x as i64).collect()),
+            (DType::U8, HostValues::F64(v)) => CpuData::U8(v.iter().map(|&x| (x != 0.0) as u8).collect()),
+            (d, HostValues::I64(v)) => {
+                CpuData::from_host(d, HostValues::F64(v.iter().map(|&x| x as f64).collect()))?
+            }
+        })
+    }
+
+    /// Element `i` as f64 (integers converted).
+    pub fn get_f64(&self, i: usize) -> f64 {
+        match self {
+            CpuData::F32(v) => v[i] as f64,
+            CpuData::F64(v) => v[i],
+            CpuData::F16(v) => v[i].to_f64(),
+            CpuData::BF16(v) => v[i].to_f64(),
+            CpuData::I64(v) => v[i] as f64,
+            CpuData::U8(v) => v[i] as f64,
+        }
+    }
+
+    pub fn get_i64(&self, i: usize) -> i64 {
+        match self {
+            CpuData::I64(v) => v[i],
+            CpuData::U8(v) => v[i] as i64,
+            other => other.get_f64(i) as i64,
+        }
+    }
+}
+
+fn try_vec<T: Default + Clone>(len: usize) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(len).map_err(|_| {
+        Error::invalid(
+            "allocate",
+            format!(
+                "the host could not allocate {len} elements; use smaller sizes or free other tensors"
+            ),
+        )
+    })?;
+    v.resize(len, T::default());
+    Ok(v)
+}

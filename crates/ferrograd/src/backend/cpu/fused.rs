@@ -1,0 +1,18 @@
+//! Dispatch of the fused ops to their CPU kernels: normalisation-style row kernels
+//! (softmax, layer norm, cross-entropy) and index kernels (index select/add, where).
+
+use super::{fused_index, fused_rows};
+use crate::backend::{FusedOp, Storage, View};
+use crate::error::Result;
+
+pub(crate) fn run(op: &FusedOp, inputs: &[View], outputs: &[&Storage]) -> Result<()> {
+    match op {
+        FusedOp::Softmax { .. }
+        | FusedOp::SoftmaxBackward { .. }
+        | FusedOp::LayerNorm { .. }
+        | FusedOp::LayerNormBackward { .. }
+        | FusedOp::CrossEntropy { .. }
+        | FusedOp::CrossEntropyBackward { .. } => fused_rows::run(op, inputs, outputs),
+        FusedOp::IndexSelect | FusedOp::IndexAdd | FusedOp::Where => fused_index::run(op, inputs, outputs),
+    }
+}

@@ -1,0 +1,93 @@
+//! Reductions over any set of dims of a strided input: the kept dims index the output, the
+//! reduced dims are walked as a list of relative offsets. Sums accumulate in f64.
+
+use rayon::prelude::*;
+
+use super::data::{CpuData, Elem, with_float};
+use super::elementwise::PAR_MIN;
+use crate::backend::ReduceOp;
+use crate::error::{Error, Result};
+use crate::tensor::Layout;
+
+/// Base offsets of each output element and relative offsets of the elements reduced into it.
+fn plan(xl: &Layout, dims: &[usize]) -> (Vec<usize>, Vec<isize>) {
+    let (shape, strides) = (xl.shape(), xl.strides());
+    let kept: Vec<usize> = (0..shape.len()).filter(|d| !dims.contains(d)).collect();
+    let outer = Layout::new(
+        kept.iter().map(|&d| shape[d]).collect(),
+        kept.iter().map(|&d| strides[d]).collect(),
+        xl.offset(),
+    );
+    let inner = Layout::new(
+        dims.iter().map(|&d| shape[d]).collect(),
+        dims.iter().map(|&d| strides[d]).collect(),
+        0,
+    );
+    let rel = relative_offsets(&inner);
+    (outer.offsets().collect(), rel)
+}
+
+/// Offsets (possibly negative strides) relative to the layout's offset 0.
+fn relative_offsets(l: &Layout) -> Vec<isize> {
+    let mut out = Vec::with_capacity(l.numel());
+    let mut idx = vec![0usize; l.rank()];
+    for _ in 0..l.numel() {
+        out.push(idx.iter().zip(l.strides()).map(|(&i, &s)| i as isize * s).sum());
+        for d in (0..l.rank()).rev() {
+            idx[d] += 1;
+            if idx[d] < l.shape()[d] {
+                break;
+            }
+            idx[d] = 0;
+        }
+    }
+    out
+}
+
+fn reduce_one<T: Elem>(op: ReduceOp, x: &[T], base: usize, rel: &[isize]) -> f64 {
+    let get = |r: &isize| x[(base as isize + r) as usize].to_f64();
+    match op {
+        ReduceOp::Sum => {
+            if rel.len() >= PAR_MIN {
+                rel.par_iter().map(get).sum()
+            } else {
+                rel.iter().map(get).sum()
+            }
+        }
+        ReduceOp::Max => rel.iter().map(get).fold(f64::NEG_INFINITY, f64::max),
+        ReduceOp::Min => rel.iter().map(get).fold(f64::INFINITY, f64::min),
+        ReduceOp::ArgMax => {
+            let mut best = (0usize, f64::NEG_INFINITY);
+            for (j, r) in rel.iter().enumerate() {
+                let v = get(r);
+                if v > best.1 || v.is_nan() {
+                    best = (j, v);
+                }
+            }
+            best.0 as f64
+        }
+    }
+}
+
+pub(crate) fn reduce(op: ReduceOp, x: &CpuData, xl: &Layout, dims: &[usize], out: &mut CpuData) -> Result<()> {
+    let (bases, rel) = plan(xl, dims);
+    if op == ReduceOp::ArgMax && dims.len() != 1 {
+        return Err(Error::invalid("argmax", "argmax reduces exactly one dim"));
+    }
+    with_float!(x, "reduce", xv => {
+        let value = |i: usize| reduce_one(op, xv, bases[i], &rel);
+        match out {
+            CpuData::I64(o) => fill_out(o, &value, |v| v as i64),
+            other => with_float!(other, "reduce", o => fill_out(o, &value, Elem::from_f64)),
+        }
+    });
+    Ok(())
+}
+
+fn fill_out<U: Send>(o: &mut [U], value: &(dyn Fn(usize) -> f64 + Sync), conv: impl Fn(f64) -> U + Sync) {
+    if o.len() >= 64 {
+        o.par_iter_mut().enumerate().for_each(|(i, v)| *v = conv(value(i)));
+    } else {
+        o.iter_mut().enumerate().for_each(|(i, v)| *v = conv(value(i)));
+    }
+}

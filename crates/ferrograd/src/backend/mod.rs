@@ -1,0 +1,85 @@
+//! Backends: the narrow contract between tensor ops and devices. Backends know nothing of
+//! autograd: they receive storages with layouts and an op kind passed as data, and write into
+//! output storages that the caller has already allocated through the device's allocator.
+//!
+//! `cpu` is the reference implementation. A device backend (CUDA) and the shape-only `meta`
+//! backend implement the same trait.
+
+pub mod cpu;
+mod meta;
+mod ops;
+mod storage;
+
+pub use ops::{BinaryOp, FusedOp, MatmulSpec, ReduceOp, UnaryOp};
+pub use storage::{BackendData, Storage};
+
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Device, Layout};
+
+/// A storage seen through a layout: the input of every backend op.
+#[derive(Clone, Copy)]
+pub struct View<'a> {
+    pub storage: &'a Storage,
+    pub layout: &'a Layout,
+}
+
+/// What a backend does. Outputs are contiguous storages allocated by the caller, never
+/// aliasing an input (except `binary_inplace`'s destination).
+pub trait Backend: Send + Sync {
+    /// Fresh device data of `len` elements, zero-filled.
+    fn zeros(&self, dtype: DType, len: usize) -> Result<BackendData>;
+    /// Uploads host values (given as f64, or i64 for integer dtypes).
+    fn from_host(&self, dtype: DType, values: HostValues) -> Result<BackendData>;
+    /// Downloads a view as contiguous host values.
+    fn to_host(&self, src: View) -> Result<HostValues>;
+    /// Copies `src` into the (possibly strided) region `dst` of the same shape, converting
+    /// dtype if they differ. `dst` must not overlap `src`.
+    fn copy(&self, src: View, dst: View) -> Result<()>;
+    fn fill(&self, dst: &Storage, value: f64) -> Result<()>;
+    fn unary(&self, op: UnaryOp, x: View, out: &Storage) -> Result<()>;
+    /// `a` and `b` are already broadcast to the output shape (stride 0 where stretched).
+    fn binary(&self, op: BinaryOp, a: View, b: View, out: &Storage) -> Result<()>;
+    /// `dst = op(dst, src)` where `dst` is a whole contiguous storage and `src` is broadcast
+    /// to its shape. `src` may share `dst`'s storage.
+    fn binary_inplace(&self, op: BinaryOp, dst: &Storage, src: View) -> Result<()>;
+    /// Reduces `dims` (sorted, unique); the output is contiguous with those dims kept as 1.
+    fn reduce(&self, op: ReduceOp, x: View, dims: &[usize], out: &Storage) -> Result<()>;
+    /// Batched `out = a @ b` where a: (..., m, k), b: (..., k, n) with equal batch dims.
+    fn matmul(&self, spec: &MatmulSpec, a: View, b: View, out: &Storage) -> Result<()>;
+    /// Ops with their own kernels (softmax, layer norm, cross-entropy, embedding...).
+    fn fused(&self, op: &FusedOp, inputs: &[View], outputs: &[&Storage]) -> Result<()>;
+}
+
+/// Host-side values crossing the device boundary.
+#[derive(Clone, Debug, PartialEq)]
+pub enum HostValues {
+    F64(Vec<f64>),
+    /// f32 values travel without widening (large parameter initialisations).
+    F32(Vec<f32>),
+    I64(Vec<i64>),
+}
+
+/// The backend that serves `device`.
+pub fn backend(device: Device) -> Result<&'static dyn Backend> {
+    match device {
+        Device::Cpu => Ok(&cpu::CpuBackend),
+        Device::Meta => Ok(&meta::MetaBackend),
+        Device::Cuda(_) => Err(Error::DeviceUnavailable {
+            device,
+            reason: "this build has no CUDA backend yet; use --device cpu".into(),
+        }),
+    }
+}
+
+impl HostValues {
+    pub fn len(&self) -> usize {
+        match self {
+            HostValues::F64(v) => v.len(),
+            HostValues::F32(v) => v.len(),
+            HostValues::I64(v) => v.len(),
+        }
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}

@@ -1,0 +1,79 @@
+//! Storage: a device buffer plus the allocator's record of it. A storage is shared by all
+//! views of it (`Arc<Storage>`); dropping the last view frees the bytes in the allocator.
+
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+
+use super::cpu::CpuData;
+use crate::memory::{self, Allocation, Category};
+use crate::error::Result;
+use crate::tensor::{DType, Device};
+
+/// Device-specific contents.
+pub enum BackendData {
+    Cpu(CpuData),
+    /// The meta device holds no bytes; only the allocator's accounting exists.
+    Meta,
+}
+
+pub struct Storage {
+    alloc: Allocation,
+    dtype: DType,
+    len: usize,
+    data: RwLock<BackendData>,
+}
+
+impl Storage {
+    /// Accounts the bytes first (so an impossible request is an OOM error before any host or
+    /// device allocation is attempted), then builds the data with `make`.
+    pub fn new(
+        device: Device,
+        dtype: DType,
+        len: usize,
+        category: Category,
+        origin: &'static str,
+        make: impl FnOnce() -> Result<BackendData>,
+    ) -> Result<Storage> {
+        let bytes = len * dtype.size_in_bytes();
+        let alloc = memory::allocator(device)?.malloc(bytes, category, origin)?;
+        let data = make()?;
+        Ok(Storage {
+            alloc,
+            dtype,
+            len,
+            data: RwLock::new(data),
+        })
+    }
+
+    pub fn device(&self) -> Device {
+        self.alloc.device()
+    }
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    pub fn allocation(&self) -> &Allocation {
+        &self.alloc
+    }
+    pub fn read(&self) -> RwLockReadGuard<'_, BackendData> {
+        self.data.read().unwrap_or_else(|e| e.into_inner())
+    }
+    pub fn write(&self) -> RwLockWriteGuard<'_, BackendData> {
+        self.data.write().unwrap_or_else(|e| e.into_inner())
+    }
+    /// Same buffer?
+    pub fn same(&self, other: &Storage) -> bool {
+        std::ptr::eq(self, other)
+    }
+}
+
+impl std::fmt::Debug for Storage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Storage({} x {}, {:?})", self.len, self.dtype, self.alloc)
+    }
+}

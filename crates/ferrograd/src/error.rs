@@ -1,0 +1,87 @@
+//! The one error type of the library. Every failure a user can cause (shapes, dtypes, devices,
+//! autograd misuse, files, out of memory) is a variant here with a message that says what to do.
+//! Panics are reserved for broken internal invariants.
+
+use crate::memory::OomReport;
+use crate::tensor::{DType, Device};
+
+/// Result alias used across the crate.
+pub type Result<T> = std::result::Result<T, Error>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("shape mismatch in {op}: {detail}")]
+    Shape { op: &'static str, detail: String },
+
+    #[error("dtype mismatch in {op}: expected {expected:?}, got {got:?}; convert with .to_dtype() first")]
+    DType {
+        op: &'static str,
+        expected: DType,
+        got: DType,
+    },
+
+    #[error("{op} does not support dtype {dtype:?}: {hint}")]
+    UnsupportedDType {
+        op: &'static str,
+        dtype: DType,
+        hint: &'static str,
+    },
+
+    #[error(
+        "device mismatch in {op}: tensors on {a} and {b}; move one with .to_device() so both are on the same device"
+    )]
+    DeviceMismatch { op: &'static str, a: Device, b: Device },
+
+    #[error("device {device} is not available: {reason}")]
+    DeviceUnavailable { device: Device, reason: String },
+
+    #[error("{op}: the operation is not supported on {device}")]
+    NotSupportedOnDevice { op: &'static str, device: Device },
+
+    #[error("index out of range in {op}: {detail}")]
+    Index { op: &'static str, detail: String },
+
+    #[error("invalid argument to {op}: {detail}")]
+    InvalidArgument { op: &'static str, detail: String },
+
+    #[error("{0}")]
+    Autograd(String),
+
+    #[error("{0}")]
+    OutOfMemory(Box<OomReport>),
+
+    #[error("i/o error on {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+
+    #[error("bad file {path}: {detail}")]
+    BadFile { path: String, detail: String },
+}
+
+impl Error {
+    pub(crate) fn shape(op: &'static str, detail: impl Into<String>) -> Self {
+        Error::Shape {
+            op,
+            detail: detail.into(),
+        }
+    }
+
+    pub(crate) fn invalid(op: &'static str, detail: impl Into<String>) -> Self {
+        Error::InvalidArgument {
+            op,
+            detail: detail.into(),
+        }
+    }
+
+    pub(crate) fn autograd(msg: impl Into<String>) -> Self {
+        Error::Autograd(msg.into())
+    }
+
+    /// True for out-of-memory errors: callers can retry with a smaller batch.
+    pub fn is_out_of_memory(&self) -> bool {
+        matches!(self, Error::OutOfMemory(_))
+    }
+}

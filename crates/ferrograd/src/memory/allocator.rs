@@ -1,0 +1,281 @@
+//! The per-device allocator front: the single source of truth for bytes on a device.
+//!
+//! It owns the statistics, the live-block table (category, origin) and the category sums,
+//! and delegates *where* bytes come from to a `Policy`: the host policy counts exact bytes
+//! (CPU tensors own their buffers), the caching policy hands out sub-blocks of reserved
+//! segments with PyTorch's rules. Tensor storages hold an `Allocation`, whose drop frees it.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use super::category::{Category, CategoryBytes};
+use super::oom::{LiveBlockInfo, OomReport};
+use super::stats::{DeviceStats, Pool};
+use crate::error::{Error, Result};
+use crate::tensor::Device;
+
+/// A block as the policy hands it out.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PolicyBlock {
+    /// Device address (0 on the host, where the buffer is owned by the storage).
+    pub addr: u64,
+    /// Size after rounding: what `allocated_bytes` counts.
+    pub size: usize,
+    pub pool: Pool,
+}
+
+/// Total and free bytes of the device, as its driver reports them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemInfo {
+    pub total: u64,
+    pub free: u64,
+}
+
+/// Where a device's bytes come from. Implementations update the statistics they own
+/// (allocation, allocated/active/requested bytes, segments, reserved, inactive split).
+pub trait Policy: Send {
+    /// A block of at least `requested` bytes, or None when even freeing the cache and retrying
+    /// cannot serve it. The front counts the OOM.
+    fn malloc(&mut self, requested: usize, stats: &mut DeviceStats) -> Option<PolicyBlock>;
+    fn free(&mut self, block: &PolicyBlock, requested: usize, stats: &mut DeviceStats);
+    /// Returns whole free segments to the driver.
+    fn empty_cache(&mut self, stats: &mut DeviceStats);
+    fn mem_info(&self) -> MemInfo;
+}
+
+struct LiveBlock {
+    block: PolicyBlock,
+    requested: usize,
+    base: Category,
+    saved_refs: u32,
+    origin: &'static str,
+}
+
+impl LiveBlock {
+    fn category(&self) -> Category {
+        if self.saved_refs > 0 && self.base.becomes_saved_when_held_by_graph() {
+            Category::SavedActivation
+        } else {
+            self.base
+        }
+    }
+}
+
+struct State {
+    policy: Box<dyn Policy>,
+    stats: DeviceStats,
+    categories: CategoryBytes,
+    categories_at_peak: CategoryBytes,
+    live: HashMap<u64, LiveBlock>,
+    next_id: u64,
+}
+
+/// One device's allocator.
+pub struct Allocator {
+    device: Device,
+    state: Mutex<State>,
+}
+
+/// A live block; dropping it frees the bytes.
+pub struct Allocation {
+    id: u64,
+    size: usize,
+    addr: u64,
+    allocator: Arc<Allocator>,
+}
+
+impl Allocator {
+    pub fn new(device: Device, policy: Box<dyn Policy>) -> Arc<Self> {
+        Arc::new(Allocator {
+            device,
+            state: Mutex::new(State {
+                policy,
+                stats: DeviceStats::default(),
+                categories: CategoryBytes::default(),
+                categories_at_peak: CategoryBytes::default(),
+                live: HashMap::new(),
+                next_id: 1,
+            }),
+        })
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic while holding the lock cannot leave the counters half-updated in a way that
+        // matters more than losing all statistics, so recover the guard.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Accounts `requested` bytes under `category`; `origin` names the op that asked.
+    pub fn malloc(
+        self: &Arc<Self>,
+        requested: usize,
+        category: Category,
+        origin: &'static str,
+    ) -> Result<Allocation> {
+        let mut st = self.lock();
+        let st = &mut *st;
+        let Some(block) = st.policy.malloc(requested, &mut st.stats) else {
+            st.stats.num_ooms += 1;
+            return Err(Error::OutOfMemory(Box::new(self.oom_report(st, requested, origin))));
+        };
+        let id = st.next_id;
+        st.next_id += 1;
+        st.categories.add(category, block.size as u64);
+        if st.stats.allocated_bytes.all.current >= st.stats.allocated_bytes.all.peak {
+            st.categories_at_peak = st.categories;
+        }
+        let (size, addr) = (block.size, block.addr);
+        st.live.insert(
+            id,
+            LiveBlock {
+                block,
+                requested,
+                base: category,
+                saved_refs: 0,
+                origin,
+            },
+        );
+        Ok(Allocation {
+            id,
+            size,
+            addr,
+            allocator: Arc::clone(self),
+        })
+    }
+
+    fn free(&self, id: u64) {
+        let mut st = self.lock();
+        let st = &mut *st;
+        if let Some(b) = st.live.remove(&id) {
+            st.categories.sub(b.category(), b.block.size as u64);
+            st.policy.free(&b.block, b.requested, &mut st.stats);
+        }
+    }
+
+    /// Applies `f` to a live block's category state, moving its bytes between sums.
+    fn relabel(&self, id: u64, f: impl FnOnce(&mut LiveBlock)) {
+        let mut st = self.lock();
+        let st = &mut *st;
+        if let Some(b) = st.live.get_mut(&id) {
+            let before = b.category();
+            f(b);
+            let after = b.category();
+            if before != after {
+                st.categories.sub(before, b.block.size as u64);
+                st.categories.add(after, b.block.size as u64);
+            }
+        }
+    }
+
+    fn oom_report(&self, st: &State, requested: usize, origin: &'static str) -> OomReport {
+        let mut largest: Vec<LiveBlockInfo> = st
+            .live
+            .values()
+            .map(|b| LiveBlockInfo {
+                bytes: b.block.size as u64,
+                category: b.category(),
+                origin: b.origin,
+            })
+            .collect();
+        largest.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+        largest.truncate(5);
+        let info = st.policy.mem_info();
+        OomReport {
+            device: self.device,
+            requested: requested as u64,
+            origin,
+            capacity: info.total,
+            free: info.free,
+            allocated: st.stats.allocated_bytes.all.current as u64,
+            reserved: st.stats.reserved_bytes.all.current as u64,
+            by_category: st.categories,
+            largest,
+        }
+    }
+
+    pub fn stats(&self) -> DeviceStats {
+        self.lock().stats.clone()
+    }
+    pub fn memory_allocated(&self) -> u64 {
+        self.lock().stats.allocated_bytes.all.current as u64
+    }
+    pub fn max_memory_allocated(&self) -> u64 {
+        self.lock().stats.allocated_bytes.all.peak as u64
+    }
+    pub fn memory_reserved(&self) -> u64 {
+        self.lock().stats.reserved_bytes.all.current as u64
+    }
+    pub fn max_memory_reserved(&self) -> u64 {
+        self.lock().stats.reserved_bytes.all.peak as u64
+    }
+    pub fn by_category(&self) -> CategoryBytes {
+        self.lock().categories
+    }
+    /// Category sums at the moment `max_memory_allocated` was last reached.
+    pub fn by_category_at_peak(&self) -> CategoryBytes {
+        self.lock().categories_at_peak
+    }
+    pub fn reset_peak_memory_stats(&self) {
+        let mut st = self.lock();
+        st.stats.reset_peak();
+        st.categories_at_peak = st.categories;
+    }
+    pub fn reset_accumulated_memory_stats(&self) {
+        self.lock().stats.reset_accumulated();
+    }
+    pub fn empty_cache(&self) {
+        let mut st = self.lock();
+        let st = &mut *st;
+        st.policy.empty_cache(&mut st.stats);
+    }
+    pub fn mem_info(&self) -> MemInfo {
+        self.lock().policy.mem_info()
+    }
+    /// Number of live blocks (for leak checks in tests).
+    pub fn live_blocks(&self) -> usize {
+        self.lock().live.len()
+    }
+}
+
+impl Allocation {
+    /// Rounded size, as counted in `allocated_bytes`.
+    pub fn size(&self) -> usize {
+        self.size
+    }
+    pub fn addr(&self) -> u64 {
+        self.addr
+    }
+    pub fn device(&self) -> Device {
+        self.allocator.device
+    }
+    pub fn set_category(&self, c: Category) {
+        self.allocator.relabel(self.id, |b| b.base = c);
+    }
+    pub fn category(&self) -> Option<Category> {
+        self.allocator.lock().live.get(&self.id).map(|b| b.category())
+    }
+    /// The autograd graph starts holding this block for backward.
+    pub(crate) fn add_saved_ref(&self) {
+        self.allocator.relabel(self.id, |b| b.saved_refs += 1);
+    }
+    pub(crate) fn remove_saved_ref(&self) {
+        self.allocator
+            .relabel(self.id, |b| b.saved_refs = b.saved_refs.saturating_sub(1));
+    }
+}
+
+impl Drop for Allocation {
+    fn drop(&mut self) {
+        self.allocator.free(self.id);
+    }
+}
+
+impl std::fmt::Debug for Allocation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Allocation({} bytes on {})", self.size, self.allocator.device)
+    }
+}

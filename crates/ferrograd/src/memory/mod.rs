@@ -1,0 +1,106 @@
+//! Memory: the source of truth for bytes. One `Allocator` per device keeps PyTorch-style
+//! statistics and attributes every live block to a `Category`. The free functions here are
+//! the user-facing API (`memory_allocated(device)` and friends), named as in `torch.cuda`.
+
+mod allocator;
+mod category;
+mod format;
+mod host;
+mod oom;
+mod stats;
+mod summary;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+pub use allocator::{Allocation, Allocator, MemInfo, Policy, PolicyBlock};
+pub use category::{Category, CategoryBytes};
+pub use format::format_size;
+pub use host::HostPolicy;
+pub use oom::{LiveBlockInfo, OomReport};
+pub use stats::{DeviceStats, Pool, SMALL_SIZE, Stat, StatArray};
+
+use crate::error::{Error, Result};
+use crate::tensor::Device;
+
+type Registry = Mutex<HashMap<Device, Arc<Allocator>>>;
+
+fn registry() -> &'static Registry {
+    static REG: OnceLock<Registry> = OnceLock::new();
+    REG.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+/// The allocator of `device`, created on first use.
+pub fn allocator(device: Device) -> Result<Arc<Allocator>> {
+    let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(a) = reg.get(&device) {
+        return Ok(Arc::clone(a));
+    }
+    let policy: Box<dyn Policy> = match device {
+        Device::Cpu => Box::new(HostPolicy::new(HostPolicy::physical_memory())),
+        Device::Meta => Box::new(HostPolicy::new(u64::MAX)),
+        Device::Cuda(_) => {
+            return Err(Error::DeviceUnavailable {
+                device,
+                reason: "this build has no CUDA backend yet; use --device cpu".into(),
+            });
+        }
+    };
+    let a = Allocator::new(device, policy);
+    reg.insert(device, Arc::clone(&a));
+    Ok(a)
+}
+
+/// Replaces a device's allocator policy (e.g. a memory limit for the host, or a simulated
+/// device in tests). Only valid while the device has no live blocks.
+pub fn install_policy(device: Device, policy: Box<dyn Policy>) -> Result<()> {
+    let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(a) = reg.get(&device)
+        && a.live_blocks() > 0
+    {
+        return Err(Error::invalid(
+            "install_policy",
+            format!("{device} still has {} live blocks; drop its tensors first", a.live_blocks()),
+        ));
+    }
+    reg.insert(device, Allocator::new(device, policy));
+    Ok(())
+}
+
+/// Bytes occupied by tensors on `device` (`torch.cuda.memory_allocated`).
+pub fn memory_allocated(device: Device) -> Result<u64> {
+    Ok(allocator(device)?.memory_allocated())
+}
+/// Peak of `memory_allocated` since start or the last `reset_peak_memory_stats`.
+pub fn max_memory_allocated(device: Device) -> Result<u64> {
+    Ok(allocator(device)?.max_memory_allocated())
+}
+/// Bytes held by the allocator (allocated + cached).
+pub fn memory_reserved(device: Device) -> Result<u64> {
+    Ok(allocator(device)?.memory_reserved())
+}
+pub fn max_memory_reserved(device: Device) -> Result<u64> {
+    Ok(allocator(device)?.max_memory_reserved())
+}
+pub fn reset_peak_memory_stats(device: Device) -> Result<()> {
+    allocator(device)?.reset_peak_memory_stats();
+    Ok(())
+}
+/// All statistics, flattened and key-sorted like `torch.cuda.memory_stats()`.
+pub fn memory_stats(device: Device) -> Result<std::collections::BTreeMap<String, i64>> {
+    Ok(allocator(device)?.stats().to_flat_map())
+}
+/// Live bytes per category; the sum equals `memory_allocated`.
+pub fn memory_by_category(device: Device) -> Result<CategoryBytes> {
+    Ok(allocator(device)?.by_category())
+}
+/// A readable table of the statistics and the category breakdown.
+pub fn memory_summary(device: Device) -> Result<String> {
+    let a = allocator(device)?;
+    Ok(summary::memory_summary(device, &a.stats(), &a.by_category(), false))
+}
+/// Returns cached, unused memory to the driver (a no-op on the host, which caches nothing).
+pub fn empty_cache(device: Device) -> Result<()> {
+    allocator(device)?.empty_cache();
+    Ok(())
+}

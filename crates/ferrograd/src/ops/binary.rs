@@ -1,0 +1,154 @@
+//! Binary elementwise ops with broadcasting, and ops with a scalar operand.
+//! Each backward sums the gradient back over broadcast dims (`sum_to`).
+
+use super::check_pair;
+use crate::autograd::{SavedTensor, record};
+use crate::backend::{BinaryOp, UnaryOp, View};
+use crate::error::Result;
+use crate::tensor::{Tensor, broadcast_shape};
+
+/// `out = op(a, b)` with broadcasting, no autograd.
+pub(crate) fn binary_forward(op: BinaryOp, a: &Tensor, b: &Tensor, name: &'static str) -> Result<Tensor> {
+    check_pair(name, a, b)?;
+    super::check_float(name, a)?;
+    let shape = broadcast_shape(name, a.shape(), b.shape())?;
+    let (la, lb) = (a.broadcast_layout(&shape)?, b.broadcast_layout(&shape)?);
+    let out = Tensor::output(&shape, a.dtype(), a.device(), name)?;
+    a.backend()?.binary(
+        op,
+        View { storage: a.storage(), layout: &la },
+        View { storage: b.storage(), layout: &lb },
+        out.storage(),
+    )?;
+    Ok(out)
+}
+
+/// `out = op(x)`, no autograd.
+pub(crate) fn unary_forward(op: UnaryOp, x: &Tensor, name: &'static str) -> Result<Tensor> {
+    super::check_float(name, x)?;
+    let out = Tensor::output(x.shape(), x.dtype(), x.device(), name)?;
+    x.backend()?.unary(op, x.view(), out.storage())?;
+    Ok(out)
+}
+
+fn grad_if(need: bool, f: impl FnOnce() -> Result<Tensor>) -> Result<Option<Tensor>> {
+    if need { f().map(Some) } else { Ok(None) }
+}
+
+fn saved_if(need: bool, t: &Tensor) -> Option<SavedTensor> {
+    need.then(|| SavedTensor::new(t))
+}
+
+fn get(s: &Option<SavedTensor>) -> &Tensor {
+    // The closure saved exactly what the requested gradients read.
+    s.as_ref().map(SavedTensor::get).expect("saved tensor for a requested gradient")
+}
+
+impl Tensor {
+    /// a + b. Backward: (g, g), each summed to its input's shape.
+    pub fn add(&self, other: &Tensor) -> Result<Tensor> {
+        let out = binary_forward(BinaryOp::Add, self, other, "add")?;
+        let (sa, sb) = (self.shape().to_vec(), other.shape().to_vec());
+        Ok(record("add", &[self, other], out, move |_, _| {
+            move |g: &Tensor, n: &[bool]| Ok(vec![grad_if(n[0], || g.sum_to(&sa))?, grad_if(n[1], || g.sum_to(&sb))?])
+        }))
+    }
+
+    /// a - b. Backward: (g, -g).
+    pub fn sub(&self, other: &Tensor) -> Result<Tensor> {
+        let out = binary_forward(BinaryOp::Sub, self, other, "sub")?;
+        let (sa, sb) = (self.shape().to_vec(), other.shape().to_vec());
+        Ok(record("sub", &[self, other], out, move |_, _| {
+            move |g: &Tensor, n: &[bool]| {
+                Ok(vec![grad_if(n[0], || g.sum_to(&sa))?, grad_if(n[1], || g.neg()?.sum_to(&sb))?])
+            }
+        }))
+    }
+
+    /// a * b. Backward: (g * b, g * a); saves only the factor each gradient needs.
+    pub fn mul(&self, other: &Tensor) -> Result<Tensor> {
+        let out = binary_forward(BinaryOp::Mul, self, other, "mul")?;
+        let (sa, sb) = (self.shape().to_vec(), other.shape().to_vec());
+        Ok(record("mul", &[self, other], out, |_, needs| {
+            let (a, b) = (saved_if(needs[1], self), saved_if(needs[0], other));
+            move |g: &Tensor, n: &[bool]| {
+                Ok(vec![
+                    grad_if(n[0], || g.mul(get(&b))?.sum_to(&sa))?,
+                    grad_if(n[1], || g.mul(get(&a))?.sum_to(&sb))?,
+                ])
+            }
+        }))
+    }
+
+    /// a / b. Backward: (g / b, -g * a / b²).
+    pub fn div(&self, other: &Tensor) -> Result<Tensor> {
+        let out = binary_forward(BinaryOp::Div, self, other, "div")?;
+        let (sa, sb) = (self.shape().to_vec(), other.shape().to_vec());
+        Ok(record("div", &[self, other], out, |_, needs| {
+            let (a, b) = (saved_if(needs[1], self), SavedTensor::new(other));
+            move |g: &Tensor, n: &[bool]| {
+                let b = b.get();
+                Ok(vec![
+                    grad_if(n[0], || g.div(b)?.sum_to(&sa))?,
+                    grad_if(n[1], || g.mul(get(&a))?.div(&b.mul(b)?)?.neg()?.sum_to(&sb))?,
+                ])
+            }
+        }))
+    }
+
+    /// a ^ b elementwise. Backward: (g * b * a^(b-1), g * a^b * ln a).
+    pub fn pow(&self, other: &Tensor) -> Result<Tensor> {
+        let out = binary_forward(BinaryOp::Pow, self, other, "pow")?;
+        let (sa, sb) = (self.shape().to_vec(), other.shape().to_vec());
+        Ok(record("pow", &[self, other], out, |out, needs| {
+            let (a, b) = (SavedTensor::new(self), SavedTensor::new(other));
+            let y = saved_if(needs[1], out);
+            move |g: &Tensor, n: &[bool]| {
+                let (a, b) = (a.get(), b.get());
+                Ok(vec![
+                    grad_if(n[0], || g.mul(&b.mul(&a.pow(&b.add_scalar(-1.0)?)?)?)?.sum_to(&sa))?,
+                    grad_if(n[1], || g.mul(&get(&y).mul(&a.log()?)?)?.sum_to(&sb))?,
+                ])
+            }
+        }))
+    }
+
+    /// x + c. Backward: g.
+    pub fn add_scalar(&self, c: f64) -> Result<Tensor> {
+        let out = unary_forward(UnaryOp::AddScalar(c), self, "add_scalar")?;
+        Ok(record("add_scalar", &[self], out, |_, _| |g: &Tensor, _: &[bool]| Ok(vec![Some(g.clone())])))
+    }
+
+    /// x - c.
+    pub fn sub_scalar(&self, c: f64) -> Result<Tensor> {
+        self.add_scalar(-c)
+    }
+
+    /// x * c. Backward: g * c.
+    pub fn mul_scalar(&self, c: f64) -> Result<Tensor> {
+        let out = unary_forward(UnaryOp::MulScalar(c), self, "mul_scalar")?;
+        Ok(record("mul_scalar", &[self], out, move |_, _| {
+            move |g: &Tensor, _: &[bool]| Ok(vec![Some(g.mul_scalar(c)?)])
+        }))
+    }
+
+    /// x / c.
+    pub fn div_scalar(&self, c: f64) -> Result<Tensor> {
+        self.mul_scalar(1.0 / c)
+    }
+
+    /// x ^ c. Backward: g * c * x^(c-1).
+    pub fn pow_scalar(&self, c: f64) -> Result<Tensor> {
+        let out = unary_forward(UnaryOp::PowScalar(c), self, "pow_scalar")?;
+        Ok(record("pow_scalar", &[self], out, |_, _| {
+            let x = SavedTensor::new(self);
+            move |g: &Tensor, _: &[bool]| Ok(vec![Some(g.mul(&x.get().pow_scalar(c - 1.0)?.mul_scalar(c)?)?)])
+        }))
+    }
+
+    /// -x. Backward: -g.
+    pub fn neg(&self) -> Result<Tensor> {
+        let out = unary_forward(UnaryOp::Neg, self, "neg")?;
+        Ok(record("neg", &[self], out, |_, _| |g: &Tensor, _: &[bool]| Ok(vec![Some(g.neg()?)])))
+    }
+}

@@ -1,0 +1,74 @@
+//! `linear(x, w, b) = x @ wᵀ + b` as one op, like PyTorch's addmm: the bias is added into
+//! the GEMM's output in place, so the forward allocates one (N, out) tensor, not two.
+//! Backward: dx = g @ w, dw = gᵀ @ x, db = Σ_rows g.
+
+use super::matmul::matmul_forward;
+use crate::autograd::{SavedTensor, record};
+use crate::backend::{BinaryOp, ReduceOp};
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+impl Tensor {
+    /// x: (..., in), weight: (out, in), bias: (out) → (..., out)
+    pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        let (rank, inner) = (self.dims(), weight.dims());
+        if rank < 1 || inner != 2 || self.shape()[rank - 1] != weight.shape()[1] {
+            return Err(Error::shape(
+                "linear",
+                format!(
+                    "input {:?} does not match weight {:?}: the input's last dim must equal the weight's second dim (in_features)",
+                    self.shape(),
+                    weight.shape()
+                ),
+            ));
+        }
+        if let Some(b) = bias
+            && b.shape() != [weight.shape()[0]]
+        {
+            return Err(Error::shape("linear", format!("bias {:?} must have shape [{}]", b.shape(), weight.shape()[0])));
+        }
+        let k = weight.shape()[1];
+        let rows = self.numel() / k.max(1);
+        let x2 = if self.is_contiguous() { self.detach().reshape(&[rows, k])? } else { self.contiguous_copy()?.reshape(&[rows, k])? };
+        let out = matmul_forward(&x2, &weight.t_view()?)?;
+        if let Some(b) = bias {
+            super::check_pair("linear", self, b)?;
+            let lb = b.broadcast_layout(out.shape())?;
+            out.backend()?.binary_inplace(BinaryOp::Add, out.storage(), crate::backend::View { storage: b.storage(), layout: &lb })?;
+        }
+        let mut shape = self.shape().to_vec();
+        shape[rank - 1] = weight.shape()[0];
+        let out = out.with_layout(crate::tensor::Layout::contiguous(&shape));
+        let inputs: Vec<&Tensor> = match bias {
+            Some(b) => vec![self, weight, b],
+            None => vec![self, weight],
+        };
+        let x_shape = self.shape().to_vec();
+        Ok(record("linear", &inputs, out, |_, needs| {
+            let x = needs[1].then(|| SavedTensor::new(&x2));
+            let w = needs[0].then(|| SavedTensor::new(weight));
+            move |g: &Tensor, n: &[bool]| {
+                let n_out = g.shape()[g.dims() - 1];
+                let g2 = g.reshape(&[rows, n_out])?;
+                let gx = match (&w, n[0]) {
+                    (Some(w), true) => Some(matmul_forward(&g2, w.get())?.reshape(&x_shape)?),
+                    _ => None,
+                };
+                let gw = match (&x, n[1]) {
+                    (Some(x), true) => Some(matmul_forward(&g2.t_view()?, x.get())?),
+                    _ => None,
+                };
+                let mut grads = vec![gx, gw];
+                if n.len() == 3 {
+                    grads.push(if n[2] { Some(g2.reduce_dims(ReduceOp::Sum, &[0], "linear_backward")?.reshape(&[n_out])?) } else { None });
+                }
+                Ok(grads)
+            }
+        }))
+    }
+
+    /// Transposed 2-D view without autograd (internal).
+    pub(crate) fn t_view(&self) -> Result<Tensor> {
+        Ok(self.with_layout(self.layout().permute(&[1, 0])?))
+    }
+}

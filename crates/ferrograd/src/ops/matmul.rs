@@ -1,0 +1,78 @@
+//! Matrix products. `matmul` follows `torch.matmul`: 1-D operands are promoted, batch dims
+//! broadcast. Transposed operands are strided views handed to the GEMM, never copies.
+//! Backward: dA = dC @ Bᵀ, dB = Aᵀ @ dC, each summed over broadcast batch dims.
+
+use crate::autograd::{SavedTensor, record};
+use crate::backend::{MatmulSpec, View};
+use crate::error::{Error, Result};
+use crate::tensor::{Tensor, broadcast_shape};
+
+/// `a @ b` for rank ≥ 2 operands with broadcast batch dims, no autograd.
+/// a: (..., m, k), b: (..., k, n) → (..., m, n)
+pub(crate) fn matmul_forward(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    super::check_pair("matmul", a, b)?;
+    super::check_float("matmul", a)?;
+    let (ra, rb) = (a.dims(), b.dims());
+    let (m, k, k2, n) = (a.shape()[ra - 2], a.shape()[ra - 1], b.shape()[rb - 2], b.shape()[rb - 1]);
+    if k != k2 {
+        return Err(Error::shape(
+            "matmul",
+            format!("{:?} @ {:?}: inner dims {k} and {k2} differ", a.shape(), b.shape()),
+        ));
+    }
+    let batch = broadcast_shape("matmul", &a.shape()[..ra - 2], &b.shape()[..rb - 2])?;
+    let with = |x: usize, y: usize| [batch.as_slice(), &[x, y]].concat();
+    let (la, lb) = (a.broadcast_layout(&with(m, k))?, b.broadcast_layout(&with(k, n))?);
+    let out = Tensor::output(&with(m, n), a.dtype(), a.device(), "matmul")?;
+    let spec = MatmulSpec { batch: batch.iter().product(), m, n, k };
+    a.backend()?.matmul(
+        &spec,
+        View { storage: a.storage(), layout: &la },
+        View { storage: b.storage(), layout: &lb },
+        out.storage(),
+    )?;
+    Ok(out)
+}
+
+impl Tensor {
+    /// Matrix product with PyTorch's rules for 1-D and batched operands.
+    pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
+        match (self.dims(), other.dims()) {
+            (0, _) | (_, 0) => Err(Error::shape("matmul", "both operands need at least one dim")),
+            (1, _) => self.unsqueeze(0)?.matmul(other)?.squeeze(-2),
+            (_, 1) => self.matmul(&other.unsqueeze(1)?)?.squeeze(-1),
+            (ra, 2) if ra > 2 && self.is_contiguous() => {
+                // (B, T, k) @ (k, n): one GEMM over B*T rows, and a weight gradient without a
+                // batch of temporaries.
+                let k = self.shape()[ra - 1];
+                let rows = self.numel() / k.max(1);
+                let out = self.reshape(&[rows, k])?.matmul(other)?;
+                let mut shape = self.shape().to_vec();
+                shape[ra - 1] = other.shape()[1];
+                out.reshape(&shape)
+            }
+            _ => self.matmul_nd(other),
+        }
+    }
+
+    fn matmul_nd(&self, other: &Tensor) -> Result<Tensor> {
+        let out = matmul_forward(self, other)?;
+        let (sa, sb) = (self.shape().to_vec(), other.shape().to_vec());
+        Ok(record("matmul", &[self, other], out, |_, needs| {
+            // dA needs B, dB needs A: save only those.
+            let a = needs[1].then(|| SavedTensor::new(self));
+            let b = needs[0].then(|| SavedTensor::new(other));
+            move |g: &Tensor, n: &[bool]| {
+                let ga = match (&b, n[0]) {
+                    (Some(b), true) => Some(matmul_forward(g, &b.get().transpose(-1, -2)?)?.sum_to(&sa)?),
+                    _ => None,
+                };
+                let gb = match (&a, n[1]) {
+                    (Some(a), true) => Some(matmul_forward(&a.get().transpose(-1, -2)?, g)?.sum_to(&sb)?),
+                    _ => None,
+                };
+                Ok(vec![ga, gb])
+            }
+        }))
+    }
+}

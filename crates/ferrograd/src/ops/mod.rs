@@ -1,0 +1,101 @@
+//! Tensor ops: one file per family, each op's forward and backward side by side. Forwards
+//! allocate outputs through the device allocator and call the backend; `autograd::record`
+//! attaches the backward closure with what it saved.
+
+mod binary;
+mod cross_entropy;
+mod dropout;
+mod embedding;
+mod inplace;
+mod linear;
+mod loss;
+mod matmul;
+mod movement;
+mod norm;
+mod reduce;
+mod select;
+mod softmax;
+mod unary;
+
+pub use unary::GeluApprox;
+
+use crate::backend::{self, Backend};
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Layout, Tensor};
+
+pub(crate) fn check_same_device(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+    if a.device() != b.device() {
+        return Err(Error::DeviceMismatch { op, a: a.device(), b: b.device() });
+    }
+    Ok(())
+}
+
+pub(crate) fn check_same_dtype(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+    if a.dtype() != b.dtype() {
+        return Err(Error::DType { op, expected: a.dtype(), got: b.dtype() });
+    }
+    Ok(())
+}
+
+pub(crate) fn check_float(op: &'static str, t: &Tensor) -> Result<()> {
+    if !t.dtype().is_float() {
+        return Err(Error::UnsupportedDType {
+            op,
+            dtype: t.dtype(),
+            hint: "this op needs a floating-point tensor; convert with .to_dtype(DType::F32)",
+        });
+    }
+    Ok(())
+}
+
+/// Both checks every binary op needs.
+pub(crate) fn check_pair(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
+    check_same_device(op, a, b)?;
+    check_same_dtype(op, a, b)
+}
+
+impl Tensor {
+    pub(crate) fn backend(&self) -> Result<&'static dyn Backend> {
+        backend::backend(self.device())
+    }
+
+    /// A fresh contiguous copy with no autograd history (counted as temporary).
+    pub(crate) fn contiguous_copy(&self) -> Result<Tensor> {
+        self.copy_as(self.dtype(), "contiguous")
+    }
+
+    /// A fresh contiguous copy in `dtype`, no autograd history.
+    pub(crate) fn copy_as(&self, dtype: DType, origin: &'static str) -> Result<Tensor> {
+        let out = Tensor::output(self.shape(), dtype, self.device(), origin)?;
+        self.backend()?.copy(self.view(), out.view())?;
+        Ok(out)
+    }
+
+    /// True when nothing else can observe this tensor's buffer: the engine may then keep it
+    /// as `.grad` instead of copying.
+    pub(crate) fn is_exclusive(&self) -> bool {
+        std::sync::Arc::strong_count(&self.0) == 1
+            && std::sync::Arc::strong_count(self.storage()) == 1
+            && self.is_contiguous()
+            && self.layout().offset() == 0
+            && self.numel() == self.storage().len()
+    }
+
+    /// Sums a broadcast gradient back to `shape` (the inverse of broadcasting).
+    pub(crate) fn sum_to(&self, shape: &[usize]) -> Result<Tensor> {
+        if self.shape() == shape {
+            return Ok(self.clone());
+        }
+        let lead = self.dims() - shape.len();
+        let dims: Vec<usize> = (0..self.dims())
+            .filter(|&d| d < lead || (shape[d - lead] == 1 && self.shape()[d] != 1))
+            .collect();
+        let summed = self.reduce_dims(crate::backend::ReduceOp::Sum, &dims, "sum_to")?;
+        summed.reshape(shape)
+    }
+
+    /// Layout of this tensor broadcast to `shape`.
+    pub(crate) fn broadcast_layout(&self, shape: &[usize]) -> Result<Layout> {
+        self.layout().broadcast_to(shape)
+    }
+}

@@ -1,0 +1,159 @@
+//! Shape and movement ops: views where the layout allows (no copy), a copy otherwise.
+//! Backward of a view is the inverse movement of the gradient.
+
+use crate::autograd::record;
+use crate::error::{Error, Result};
+use crate::tensor::{Layout, Tensor, resolve_dim};
+
+impl Tensor {
+    /// Same elements in a new shape (see `reshape_infer` for -1). A view when the tensor is
+    /// contiguous, else a copy.
+    pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        if n != self.numel() {
+            return Err(Error::shape(
+                "reshape",
+                format!("cannot reshape {:?} ({} elements) into {shape:?} ({n} elements)", self.shape(), self.numel()),
+            ));
+        }
+        if self.shape() == shape {
+            return Ok(self.clone());
+        }
+        let out = match self.layout().reshape_view(shape) {
+            Some(l) => self.with_layout(l),
+            None => {
+                let c = self.contiguous_copy()?;
+                c.with_layout(Layout::contiguous(shape))
+            }
+        };
+        let orig = self.shape().to_vec();
+        Ok(record("reshape", &[self], out, move |_, _| {
+            move |g: &Tensor, _: &[bool]| Ok(vec![Some(g.reshape(&orig)?)])
+        }))
+    }
+
+    /// Reshape where one entry may be -1 (inferred).
+    pub fn reshape_infer(&self, shape: &[isize]) -> Result<Tensor> {
+        let known: usize = shape.iter().filter(|&&d| d >= 0).map(|&d| d as usize).product();
+        let inferred = shape.iter().filter(|&&d| d < 0).count();
+        if inferred > 1 || (inferred == 1 && (known == 0 || self.numel() % known != 0)) {
+            return Err(Error::shape("reshape", format!("cannot infer {shape:?} for {:?}", self.shape())));
+        }
+        let dims: Vec<usize> = shape
+            .iter()
+            .map(|&d| if d < 0 { self.numel() / known.max(1) } else { d as usize })
+            .collect();
+        self.reshape(&dims)
+    }
+
+    /// Reorders dims (a view). Backward: the inverse permutation.
+    pub fn permute(&self, dims: &[usize]) -> Result<Tensor> {
+        let out = self.with_layout(self.layout().permute(dims)?);
+        let mut inverse = vec![0; dims.len()];
+        for (i, &d) in dims.iter().enumerate() {
+            inverse[d] = i;
+        }
+        Ok(record("permute", &[self], out, move |_, _| {
+            move |g: &Tensor, _: &[bool]| Ok(vec![Some(g.permute(&inverse)?)])
+        }))
+    }
+
+    /// Swaps two dims (negative dims count from the end). A view.
+    pub fn transpose(&self, d0: isize, d1: isize) -> Result<Tensor> {
+        let r = self.dims();
+        let (a, b) = (resolve_dim("transpose", d0, r)?, resolve_dim("transpose", d1, r)?);
+        let mut dims: Vec<usize> = (0..r).collect();
+        dims.swap(a, b);
+        self.permute(&dims)
+    }
+
+    /// Transpose of a 2-D tensor (a view).
+    pub fn t(&self) -> Result<Tensor> {
+        if self.dims() != 2 {
+            return Err(Error::shape("t", format!("t() needs a 2-D tensor, got shape {:?}", self.shape())));
+        }
+        self.transpose(0, 1)
+    }
+
+    /// `len` entries of `dim` from `start` (a view). Backward: the gradient placed into zeros.
+    pub fn narrow(&self, dim: isize, start: usize, len: usize) -> Result<Tensor> {
+        let d = resolve_dim("narrow", dim, self.dims())?;
+        let out = self.with_layout(self.layout().narrow(d, start, len)?);
+        let shape = self.shape().to_vec();
+        Ok(record("narrow", &[self], out, move |_, _| {
+            move |g: &Tensor, _: &[bool]| {
+                let full = Tensor::output(&shape, g.dtype(), g.device(), "narrow_backward")?;
+                let region = full.layout().narrow(d, start, len)?;
+                full.backend()?.copy(g.view(), crate::backend::View { storage: full.storage(), layout: &region })?;
+                Ok(vec![Some(full)])
+            }
+        }))
+    }
+
+    /// Broadcast to `shape` (a view with stride 0). Backward: sum over the stretched dims.
+    pub fn expand(&self, shape: &[usize]) -> Result<Tensor> {
+        let out = self.with_layout(self.layout().broadcast_to(shape)?);
+        let orig = self.shape().to_vec();
+        Ok(record("expand", &[self], out, move |_, _| {
+            move |g: &Tensor, _: &[bool]| Ok(vec![Some(g.sum_to(&orig)?)])
+        }))
+    }
+
+    /// A contiguous tensor with the same values (self when already contiguous).
+    pub fn contiguous(&self) -> Result<Tensor> {
+        if self.is_contiguous() {
+            return Ok(self.clone());
+        }
+        let out = self.contiguous_copy()?;
+        Ok(record("contiguous", &[self], out, |_, _| |g: &Tensor, _: &[bool]| Ok(vec![Some(g.clone())])))
+    }
+
+    /// Inserts a dim of size 1 at `dim`.
+    pub fn unsqueeze(&self, dim: isize) -> Result<Tensor> {
+        let d = resolve_dim("unsqueeze", dim, self.dims() + 1)?;
+        let mut shape = self.shape().to_vec();
+        shape.insert(d, 1);
+        self.reshape_or_view(&shape)
+    }
+
+    /// Removes `dim` if it has size 1.
+    pub fn squeeze(&self, dim: isize) -> Result<Tensor> {
+        let d = resolve_dim("squeeze", dim, self.dims())?;
+        if self.shape()[d] != 1 {
+            return Ok(self.clone());
+        }
+        let mut shape = self.shape().to_vec();
+        shape.remove(d);
+        self.reshape_or_view(&shape)
+    }
+
+    /// Reshape that only adds or removes size-1 dims: always a view, even when strided.
+    fn reshape_or_view(&self, shape: &[usize]) -> Result<Tensor> {
+        if self.is_contiguous() {
+            return self.reshape(shape);
+        }
+        // Keep the strides of the non-unit dims in order.
+        let mut strides = Vec::with_capacity(shape.len());
+        let mut src = self.shape().iter().zip(self.strides()).filter(|(d, _)| **d != 1);
+        for &d in shape {
+            strides.push(if d == 1 { 1 } else { *src.next().map(|(_, s)| s).unwrap_or(&1) });
+        }
+        let out = self.with_layout(Layout::new(shape.to_vec(), strides, self.layout().offset()));
+        let orig = self.shape().to_vec();
+        Ok(record("view", &[self], out, move |_, _| {
+            move |g: &Tensor, _: &[bool]| Ok(vec![Some(g.reshape(&orig)?)])
+        }))
+    }
+
+    /// Converts to `dtype`. Backward: the gradient converted back.
+    pub fn to_dtype(&self, dtype: crate::tensor::DType) -> Result<Tensor> {
+        if dtype == self.dtype() {
+            return Ok(self.clone());
+        }
+        let out = self.copy_as(dtype, "to_dtype")?;
+        let orig = self.dtype();
+        Ok(record("to_dtype", &[self], out, move |_, _| {
+            move |g: &Tensor, _: &[bool]| Ok(vec![Some(g.to_dtype(orig)?)])
+        }))
+    }
+}

@@ -1,0 +1,79 @@
+//! Unary elementwise ops. Each backward reads the saved output where the derivative is a
+//! function of it (exp, sqrt, tanh, sigmoid, relu), else the saved input.
+
+use super::binary::{binary_forward, unary_forward};
+use crate::autograd::{SavedTensor, record};
+use crate::backend::{BinaryOp, UnaryOp};
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+/// GELU flavours, as `approximate` in PyTorch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GeluApprox {
+    /// 0.5 x (1 + erf(x / √2))
+    None,
+    /// 0.5 x (1 + tanh(√(2/π) (x + 0.044715 x³)))
+    Tanh,
+}
+
+impl Tensor {
+    /// Backward from the saved output: g ∘ f'(y) through one fused kernel.
+    fn unary_from_output(&self, op: UnaryOp, back: BinaryOp, name: &'static str) -> Result<Tensor> {
+        let out = unary_forward(op, self, name)?;
+        Ok(record(name, &[self], out, |out, _| {
+            let y = SavedTensor::new(out);
+            move |g: &Tensor, _: &[bool]| Ok(vec![Some(binary_forward(back, g, y.get(), name)?)])
+        }))
+    }
+
+    /// e^x. Backward: g * y.
+    pub fn exp(&self) -> Result<Tensor> {
+        self.unary_from_output(UnaryOp::Exp, BinaryOp::Mul, "exp")
+    }
+
+    /// tanh x. Backward: g * (1 - y²).
+    pub fn tanh(&self) -> Result<Tensor> {
+        self.unary_from_output(UnaryOp::Tanh, BinaryOp::TanhBackward, "tanh")
+    }
+
+    /// 1 / (1 + e^-x). Backward: g * y * (1 - y).
+    pub fn sigmoid(&self) -> Result<Tensor> {
+        self.unary_from_output(UnaryOp::Sigmoid, BinaryOp::SigmoidBackward, "sigmoid")
+    }
+
+    /// max(x, 0). Backward: g where y > 0 (PyTorch saves the output too).
+    pub fn relu(&self) -> Result<Tensor> {
+        self.unary_from_output(UnaryOp::Relu, BinaryOp::ReluBackward, "relu")
+    }
+
+    /// √x. Backward: g / (2 y).
+    pub fn sqrt(&self) -> Result<Tensor> {
+        let out = unary_forward(UnaryOp::Sqrt, self, "sqrt")?;
+        Ok(record("sqrt", &[self], out, |out, _| {
+            let y = SavedTensor::new(out);
+            move |g: &Tensor, _: &[bool]| Ok(vec![Some(g.div(&y.get().mul_scalar(2.0)?)?)])
+        }))
+    }
+
+    /// ln x. Backward: g / x.
+    pub fn log(&self) -> Result<Tensor> {
+        let out = unary_forward(UnaryOp::Log, self, "log")?;
+        Ok(record("log", &[self], out, |_, _| {
+            let x = SavedTensor::new(self);
+            move |g: &Tensor, _: &[bool]| Ok(vec![Some(g.div(x.get())?)])
+        }))
+    }
+
+    /// GELU. Backward: g * gelu'(x) from the saved input.
+    pub fn gelu(&self, approx: GeluApprox) -> Result<Tensor> {
+        let (op, back) = match approx {
+            GeluApprox::None => (UnaryOp::GeluErf, BinaryOp::GeluErfBackward),
+            GeluApprox::Tanh => (UnaryOp::GeluTanh, BinaryOp::GeluTanhBackward),
+        };
+        let out = unary_forward(op, self, "gelu")?;
+        Ok(record("gelu", &[self], out, |_, _| {
+            let x = SavedTensor::new(self);
+            move |g: &Tensor, _: &[bool]| Ok(vec![Some(binary_forward(back, g, x.get(), "gelu_backward")?)])
+        }))
+    }
+}
