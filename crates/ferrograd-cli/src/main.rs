@@ -1,3 +1,19 @@
-fn main() {
-    println!("Hello, world!");
+//! The `ferrograd` command: `demo` (gradient memory, byte by byte) and `info` (devices).
+//! With no subcommand it runs the demo on its defaults.
+
+mod cli;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let args = cli::Cli::parse();
+    match cli::run(args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }

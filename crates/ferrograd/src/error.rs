@@ -50,6 +50,15 @@ pub enum Error {
     #[error("{0}")]
     OutOfMemory(Box<OomReport>),
 
+    #[error("{what} needs about {needed} at its peak but only {available} is available on {device}; {hint}", needed = crate::memory::format_size(*.needed), available = crate::memory::format_size(*.available))]
+    DoesNotFit {
+        what: String,
+        device: Device,
+        needed: u64,
+        available: u64,
+        hint: String,
+    },
+
     #[error("i/o error on {path}: {source}")]
     Io {
         path: String,

@@ -16,8 +16,11 @@
 pub mod autograd;
 pub mod backend;
 pub mod error;
+pub mod demo;
 pub mod memory;
+pub mod nn;
 pub mod ops;
+pub mod optim;
 pub mod tensor;
 
 pub use autograd::{BackwardOptions, enable_grad, is_grad_enabled, no_grad};

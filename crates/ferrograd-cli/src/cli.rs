@@ -1,0 +1,87 @@
+//! Command-line definitions and dispatch. Configuration is explicit: every knob is a flag.
+
+use clap::{Args, Parser, Subcommand};
+use ferrograd::demo::{self, DemoConfig};
+use ferrograd::{Device, memory};
+
+#[derive(Parser, Debug)]
+#[command(name = "ferrograd", version, about = "A training engine that accounts for every byte")]
+pub struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Gradient memory of Linear-ReLU-Linear, before/after backward, peak, by category.
+    Demo(DemoArgs),
+    /// Devices, their memory, and library versions.
+    Info,
+}
+
+#[derive(Args, Debug)]
+struct DemoArgs {
+    /// Width d of both Linear(d, d) layers.
+    #[arg(long, default_value_t = 10_000)]
+    dim: usize,
+    /// Batch size B of the (B, d) input.
+    #[arg(long, default_value_t = 1_000)]
+    batch: usize,
+    /// cpu, cuda, cuda:N
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Print one JSON object instead of the table.
+    #[arg(long)]
+    json: bool,
+    /// Seed for the weights and the input.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+}
+
+impl Default for DemoArgs {
+    fn default() -> Self {
+        DemoArgs { dim: 10_000, batch: 1_000, device: "cpu".into(), json: false, seed: 0 }
+    }
+}
+
+pub fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command.unwrap_or(Command::Demo(DemoArgs::default())) {
+        Command::Demo(a) => run_demo(a),
+        Command::Info => run_info(),
+    }
+}
+
+fn run_demo(a: DemoArgs) -> anyhow::Result<()> {
+    let device: Device = a.device.parse()?;
+    let cfg = DemoConfig { dim: a.dim, batch: a.batch, device, seed: a.seed };
+    let report = demo::run(&cfg)?;
+    if a.json {
+        println!("{}", demo::to_json(&report));
+    } else {
+        print!("{}", demo::render(&report));
+    }
+    Ok(())
+}
+
+fn run_info() -> anyhow::Result<()> {
+    println!("ferrograd {}", env!("CARGO_PKG_VERSION"));
+    let cpu = memory::allocator(Device::Cpu)?.mem_info();
+    println!(
+        "cpu: {} threads, {} total, {} available",
+        rayon_threads(),
+        memory::format_size(cpu.total),
+        memory::format_size(cpu.free)
+    );
+    match memory::allocator(Device::Cuda(0)) {
+        Ok(a) => {
+            let i = a.mem_info();
+            println!("cuda:0: {} total, {} free", memory::format_size(i.total), memory::format_size(i.free));
+        }
+        Err(e) => println!("cuda: not available ({e})"),
+    }
+    Ok(())
+}
+
+fn rayon_threads() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+}

@@ -1,0 +1,192 @@
+//! The classic gradient-memory demo: `Sequential(Linear(d,d), ReLU, Linear(d,d))` on an input
+//! (B, d), forward, then `output.sum().backward()`, with every byte accounted for.
+//!
+//! With P = parameter bytes = 2·(d² + d)·4 and A = one (B, d) f32 activation = B·d·4:
+//!   before backward = P + input A + saved ReLU output A + output A          = P + 3A
+//!   after backward  = P + gradients P + input A + output A                   = 2P + 2A
+//!   peak            = P + gradients P + input A + output A + dReLU A + loss   = 2P + 3A + 4
+//! (the ReLU-input gradient is still alive while the first layer's weight gradient is made,
+//! and so is the 4-byte scalar loss that backward started from).
+
+use serde::Serialize;
+
+use crate::error::{Error, Result};
+use crate::memory::{self, Category, CategoryBytes, HostPolicy, format_size};
+use crate::nn::{Linear, Module, Relu, Sequential};
+use crate::tensor::{DType, Device, Generator, Tensor};
+
+#[derive(Clone, Debug)]
+pub struct DemoConfig {
+    pub dim: usize,
+    pub batch: usize,
+    pub device: Device,
+    pub seed: u64,
+}
+
+impl Default for DemoConfig {
+    fn default() -> Self {
+        DemoConfig { dim: 10_000, batch: 1_000, device: Device::Cpu, seed: 0 }
+    }
+}
+
+/// What the demo measured (bytes above the allocator's level when it started).
+#[derive(Clone, Debug, Serialize)]
+pub struct DemoReport {
+    pub dim: usize,
+    pub batch: usize,
+    pub device: String,
+    pub parameter_bytes: u64,
+    pub activation_bytes: u64,
+    pub before_backward_bytes: u64,
+    pub after_backward_bytes: u64,
+    pub peak_bytes: u64,
+    pub reserved_bytes: u64,
+    pub by_category_before: std::collections::BTreeMap<String, u64>,
+    pub by_category: std::collections::BTreeMap<String, u64>,
+}
+
+impl DemoReport {
+    /// P + 3A: what must be alive before backward.
+    pub fn expected_before(&self) -> u64 {
+        self.parameter_bytes + 3 * self.activation_bytes
+    }
+    /// 2P + 2A
+    pub fn expected_after(&self) -> u64 {
+        2 * self.parameter_bytes + 2 * self.activation_bytes
+    }
+    /// 2P + 3A + the f32 scalar loss
+    pub fn expected_peak(&self) -> u64 {
+        2 * self.parameter_bytes + 3 * self.activation_bytes + 4
+    }
+}
+
+fn category_map(c: &CategoryBytes) -> std::collections::BTreeMap<String, u64> {
+    c.iter().map(|(k, v)| (k.name().to_string(), v)).collect()
+}
+
+/// Bytes of the parameters and of one activation for a configuration.
+fn sizes(cfg: &DemoConfig) -> Result<(u64, u64)> {
+    let d = cfg.dim as u64;
+    let p = d.checked_mul(d).and_then(|dd| (dd + d).checked_mul(8));
+    let a = (cfg.batch as u64).checked_mul(d).and_then(|x| x.checked_mul(4));
+    match (p, a) {
+        (Some(p), Some(a)) => Ok((p, a)),
+        _ => Err(Error::invalid("demo", "--dim and --batch are too large to even count the bytes")),
+    }
+}
+
+/// Refuses sizes whose predicted peak exceeds what the device can give, before allocating.
+fn check_fits(cfg: &DemoConfig, p: u64, a: u64) -> Result<()> {
+    let needed = 2 * p + 3 * a + 4;
+    let available = match cfg.device {
+        Device::Cpu => HostPolicy::available_memory().unwrap_or(u64::MAX),
+        _ => memory::allocator(cfg.device)?.mem_info().free,
+    };
+    if needed > available {
+        return Err(Error::DoesNotFit {
+            what: format!("the demo with --dim {} --batch {}", cfg.dim, cfg.batch),
+            device: cfg.device,
+            needed,
+            available,
+            hint: "use a smaller --dim (memory grows with dim²) or --batch".into(),
+        });
+    }
+    Ok(())
+}
+
+/// Runs the demo and measures it.
+pub fn run(cfg: &DemoConfig) -> Result<DemoReport> {
+    if cfg.dim == 0 || cfg.batch == 0 {
+        return Err(Error::invalid("demo", "--dim and --batch must be at least 1"));
+    }
+    let (p, a) = sizes(cfg)?;
+    check_fits(cfg, p, a)?;
+    let alloc = memory::allocator(cfg.device)?;
+    let base = alloc.memory_allocated();
+    alloc.reset_peak_memory_stats();
+    let mut g = Generator::new(cfg.seed);
+    let model = Sequential::new()
+        .add(Linear::new(cfg.dim, cfg.dim, true, cfg.device, &mut g)?)
+        .add(Relu)
+        .add(Linear::new(cfg.dim, cfg.dim, true, cfg.device, &mut g)?);
+    let x = Tensor::randn_with(&[cfg.batch, cfg.dim], DType::F32, cfg.device, &mut g)?;
+    let out = model.forward(&x)?;
+    let before = alloc.memory_allocated() - base;
+    let by_category_before = category_map(&alloc.by_category());
+    out.sum_all()?.backward()?;
+    let report = DemoReport {
+        dim: cfg.dim,
+        batch: cfg.batch,
+        device: cfg.device.to_string(),
+        parameter_bytes: p,
+        activation_bytes: a,
+        before_backward_bytes: before,
+        after_backward_bytes: alloc.memory_allocated() - base,
+        peak_bytes: alloc.max_memory_allocated() - base,
+        reserved_bytes: alloc.memory_reserved(),
+        by_category_before,
+        by_category: category_map(&alloc.by_category()),
+    };
+    drop((model, x, out));
+    Ok(report)
+}
+
+/// The human-readable report: each number with the line that explains it.
+pub fn render(r: &DemoReport) -> String {
+    let row = |name: &str, v: u64, why: String| format!("{name:<16} {:>14}  {:>11}  {why}\n", v, format_size(v));
+    let check = |got: u64, want: u64| if got == want { "exact".to_string() } else { format!("expected {want}") };
+    let (p, a) = (r.parameter_bytes, r.activation_bytes);
+    let mut s = format!(
+        "gradient memory demo: Sequential(Linear({d},{d}), ReLU, Linear({d},{d})), input ({b}, {d}) f32 on {dev}\n\
+         P = parameters = 2·(d²+d)·4 = {p} bytes; A = one (B, d) activation = B·d·4 = {a} bytes\n\n",
+        d = r.dim, b = r.batch, dev = r.device
+    );
+    s += &format!("{:<16} {:>14}  {:>11}  how it arises\n", "", "bytes", "");
+    s += &row(
+        "before backward",
+        r.before_backward_bytes,
+        format!("= P + input A + saved ReLU output A + output A ({})", check(r.before_backward_bytes, r.expected_before())),
+    );
+    s += &row(
+        "after backward",
+        r.after_backward_bytes,
+        format!("= P + gradients P + input A + output A; the saved ReLU output was freed during backward ({})", check(r.after_backward_bytes, r.expected_after())),
+    );
+    s += &row(
+        "peak",
+        r.peak_bytes,
+        format!("= P + gradients P + input A + output A + ReLU-input gradient A (alive while the first layer's weight gradient is made) + the 4-byte loss ({})", check(r.peak_bytes, r.expected_peak())),
+    );
+    s += &row("reserved", r.reserved_bytes, reserved_line(&r.device));
+    s += "\nby category      before backward   after backward\n";
+    for c in Category::ALL {
+        let get = |m: &std::collections::BTreeMap<String, u64>| m.get(c.name()).copied().unwrap_or(0);
+        s += &format!("  {:<17} {:>14}  {:>14}\n", c.name(), get(&r.by_category_before), get(&r.by_category));
+    }
+    s
+}
+
+fn reserved_line(device: &str) -> String {
+    if device == "cpu" {
+        "= allocated: the host allocator caches nothing, so freed bytes go straight back".into()
+    } else {
+        "= allocated + blocks the caching allocator keeps for reuse (empty_cache returns them)".into()
+    }
+}
+
+/// The one-object JSON form (`--json`).
+pub fn to_json(r: &DemoReport) -> serde_json::Value {
+    serde_json::json!({
+        "before_backward_bytes": r.before_backward_bytes,
+        "after_backward_bytes": r.after_backward_bytes,
+        "peak_bytes": r.peak_bytes,
+        "reserved_bytes": r.reserved_bytes,
+        "by_category": r.by_category,
+        "by_category_before_backward": r.by_category_before,
+        "parameter_bytes": r.parameter_bytes,
+        "activation_bytes": r.activation_bytes,
+        "dim": r.dim,
+        "batch": r.batch,
+        "device": r.device,
+    })
+}

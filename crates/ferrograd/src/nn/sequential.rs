@@ -1,0 +1,55 @@
+//! Sequential: modules applied in order. Each intermediate is dropped as soon as the next
+//! layer has consumed it, so only what the graph saved stays alive.
+
+use super::Module;
+use crate::error::Result;
+use crate::tensor::Tensor;
+
+#[derive(Default)]
+pub struct Sequential {
+    layers: Vec<Box<dyn Module>>,
+}
+
+impl Sequential {
+    pub fn new() -> Self {
+        Sequential::default()
+    }
+
+    /// Appends a layer (builder style).
+    pub fn add(mut self, layer: impl Module + 'static) -> Self {
+        self.layers.push(Box::new(layer));
+        self
+    }
+
+    pub fn len(&self) -> usize {
+        self.layers.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.layers.is_empty()
+    }
+}
+
+impl Module for Sequential {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut h = x.clone();
+        for layer in &self.layers {
+            h = layer.forward(&h)?;
+        }
+        Ok(h)
+    }
+
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        self.layers
+            .iter()
+            .enumerate()
+            .flat_map(|(i, l)| l.named_parameters().into_iter().map(move |(n, p)| (format!("{i}.{n}"), p)))
+            .collect()
+    }
+
+    fn train(&mut self, mode: bool) {
+        for l in &mut self.layers {
+            l.train(mode);
+        }
+    }
+}

@@ -1,0 +1,106 @@
+//! SGD with momentum, dampening, Nesterov and weight decay: PyTorch's algorithm.
+//!
+//!   g ← grad + wd·p
+//!   buf ← g                          (first step)
+//!   buf ← μ·buf + (1 − dampening)·g  (later steps)
+//!   g ← g + μ·buf (nesterov) or buf
+//!   p ← p − lr·g
+//!
+//! Momentum buffers are created at the first step and count as optimizer state.
+
+use super::Optimizer;
+use crate::autograd::no_grad;
+use crate::error::{Error, Result};
+use crate::memory::Category;
+use crate::tensor::Tensor;
+
+#[derive(Clone, Debug)]
+pub struct SgdConfig {
+    pub lr: f64,
+    pub momentum: f64,
+    pub dampening: f64,
+    pub weight_decay: f64,
+    pub nesterov: bool,
+}
+
+impl Default for SgdConfig {
+    fn default() -> Self {
+        SgdConfig {
+            lr: 1e-3,
+            momentum: 0.0,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+        }
+    }
+}
+
+pub struct Sgd {
+    params: Vec<Tensor>,
+    cfg: SgdConfig,
+    momentum_buffers: Vec<Option<Tensor>>,
+}
+
+impl Sgd {
+    pub fn new(params: Vec<Tensor>, cfg: SgdConfig) -> Result<Sgd> {
+        if cfg.lr < 0.0 || cfg.momentum < 0.0 || cfg.weight_decay < 0.0 {
+            return Err(Error::invalid("SGD", "lr, momentum and weight_decay must be non-negative"));
+        }
+        if cfg.nesterov && (cfg.momentum <= 0.0 || cfg.dampening != 0.0) {
+            return Err(Error::invalid("SGD", "Nesterov momentum requires a momentum > 0 and zero dampening"));
+        }
+        let n = params.len();
+        Ok(Sgd { params, cfg, momentum_buffers: vec![None; n] })
+    }
+
+    pub fn config(&self) -> &SgdConfig {
+        &self.cfg
+    }
+
+    /// The momentum buffer of parameter `i`, if created.
+    pub fn momentum_buffer(&self, i: usize) -> Option<&Tensor> {
+        self.momentum_buffers.get(i).and_then(Option::as_ref)
+    }
+
+    fn update(&mut self, i: usize, grad: Tensor) -> Result<()> {
+        let c = self.cfg.clone();
+        let p = &self.params[i];
+        let mut g = grad;
+        if c.weight_decay != 0.0 {
+            g = g.add(&p.mul_scalar(c.weight_decay)?)?;
+        }
+        if c.momentum != 0.0 {
+            let buf = match &self.momentum_buffers[i] {
+                None => {
+                    let b = g.contiguous_copy()?;
+                    b.set_category(Category::OptimizerState);
+                    self.momentum_buffers[i] = Some(b.clone());
+                    b
+                }
+                Some(b) => {
+                    b.mul_scalar_(c.momentum)?;
+                    b.add_scaled_(&g, 1.0 - c.dampening)?;
+                    b.clone()
+                }
+            };
+            g = if c.nesterov { g.add(&buf.mul_scalar(c.momentum)?)? } else { buf };
+        }
+        p.add_scaled_(&g, -c.lr)
+    }
+}
+
+impl Optimizer for Sgd {
+    fn step(&mut self) -> Result<()> {
+        let _g = no_grad();
+        for i in 0..self.params.len() {
+            if let Some(grad) = self.params[i].grad() {
+                self.update(i, grad)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn params(&self) -> &[Tensor] {
+        &self.params
+    }
+}
