@@ -3,7 +3,9 @@
 //! the user-facing API (`memory_allocated(device)` and friends), named as in `torch.cuda`.
 
 mod allocator;
+mod caching;
 mod category;
+mod device_memory;
 mod format;
 mod host;
 mod oom;
@@ -14,7 +16,9 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 pub use allocator::{Allocation, Allocator, MemInfo, Policy, PolicyBlock};
+pub use caching::{BlockInfo, CachingPolicy, SegmentInfo, StreamId};
 pub use category::{Category, CategoryBytes};
+pub use device_memory::{DeviceMemory, SimulatedDevice};
 pub use format::format_size;
 pub use host::HostPolicy;
 pub use oom::{LiveBlockInfo, OomReport};
@@ -60,7 +64,10 @@ pub fn install_policy(device: Device, policy: Box<dyn Policy>) -> Result<()> {
     {
         return Err(Error::invalid(
             "install_policy",
-            format!("{device} still has {} live blocks; drop its tensors first", a.live_blocks()),
+            format!(
+                "{device} still has {} live blocks; drop its tensors first",
+                a.live_blocks()
+            ),
         ));
     }
     reg.insert(device, Allocator::new(device, policy));
@@ -97,7 +104,12 @@ pub fn memory_by_category(device: Device) -> Result<CategoryBytes> {
 /// A readable table of the statistics and the category breakdown.
 pub fn memory_summary(device: Device) -> Result<String> {
     let a = allocator(device)?;
-    Ok(summary::memory_summary(device, &a.stats(), &a.by_category(), false))
+    Ok(summary::memory_summary(
+        device,
+        &a.stats(),
+        &a.by_category(),
+        false,
+    ))
 }
 /// Returns cached, unused memory to the driver (a no-op on the host, which caches nothing).
 pub fn empty_cache(device: Device) -> Result<()> {
