@@ -1,1 +1,85 @@
-//! (being written)
+//! Cross-entropy of logits against class indices, mean over the targets that are not
+//! ignored, as one fused op. The forward keeps no softmax: it saves a reference to the logits
+//! (no copy when they are contiguous) and one log-sum-exp per row, so the graph holds R extra
+//! floats rather than another (R, C) tensor. Backward rebuilds the softmax row by row:
+//! glogits = (softmax - onehot) · g / count, zero rows for ignored targets.
+
+use super::{check_float, check_same_device, stats_dtype};
+use crate::autograd::{SavedTensor, record};
+use crate::backend::FusedOp;
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Tensor};
+
+impl Tensor {
+    /// Mean cross-entropy of logits `self` (N, C) against `targets` I64 (N), or of (B, T, C)
+    /// against (B, T) (the class dim is LAST, as in language models, not PyTorch's
+    /// (N, C, d1...)). Targets equal to `ignore_index` (PyTorch's default is -100) count
+    /// neither in the sum nor in the mean; when all are ignored the loss is NaN, as PyTorch's.
+    /// Returns a 0-dim tensor in the logits' dtype.
+    pub fn cross_entropy(&self, targets: &Tensor, ignore_index: i64) -> Result<Tensor> {
+        let rows = check_args(self, targets)?;
+        let x = self.detached_contiguous()?;
+        let t = targets.detached_contiguous()?;
+        let loss = Tensor::output(&[], self.dtype(), self.device(), "cross_entropy")?;
+        let lse = Tensor::output(
+            &[rows],
+            stats_dtype(self.dtype()),
+            self.device(),
+            "cross_entropy",
+        )?;
+        self.backend()?.fused(
+            &FusedOp::CrossEntropy { ignore_index },
+            &[x.view(), t.view()],
+            &[loss.storage(), lse.storage()],
+        )?;
+        Ok(record("cross_entropy", &[self], loss, |_, _| {
+            let (x, t, lse) = (
+                SavedTensor::new(&x),
+                SavedTensor::new(&t),
+                SavedTensor::new(&lse),
+            );
+            move |g: &Tensor, _: &[bool]| {
+                let g = g.detached_contiguous()?;
+                let (x, t, lse) = (x.get(), t.get(), lse.get());
+                let gx =
+                    Tensor::output(x.shape(), x.dtype(), x.device(), "cross_entropy_backward")?;
+                x.backend()?.fused(
+                    &FusedOp::CrossEntropyBackward { ignore_index },
+                    &[x.view(), t.view(), lse.view(), g.view()],
+                    &[gx.storage()],
+                )?;
+                Ok(vec![Some(gx)])
+            }
+        }))
+    }
+}
+
+/// Checks dtypes, devices and shapes; returns the number of rows (targets).
+fn check_args(logits: &Tensor, targets: &Tensor) -> Result<usize> {
+    check_float("cross_entropy", logits)?;
+    check_same_device("cross_entropy", logits, targets)?;
+    if targets.dtype() != DType::I64 {
+        return Err(Error::DType {
+            op: "cross_entropy",
+            expected: DType::I64,
+            got: targets.dtype(),
+        });
+    }
+    let shape = logits.shape();
+    let Some((_, lead)) = shape.split_last().filter(|_| matches!(shape.len(), 2 | 3)) else {
+        return Err(Error::shape(
+            "cross_entropy",
+            format!("logits must be (N, C) or (B, T, C), got {shape:?}"),
+        ));
+    };
+    if targets.shape() != lead {
+        return Err(Error::shape(
+            "cross_entropy",
+            format!(
+                "targets {:?} must have the logits' shape without the class dim: logits {shape:?} need targets {lead:?}",
+                targets.shape()
+            ),
+        ));
+    }
+    Ok(lead.iter().product())
+}

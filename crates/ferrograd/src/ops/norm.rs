@@ -1,1 +1,156 @@
-//! (being written)
+//! Layer normalisation over the trailing dims, as one fused op each way. The input is read
+//! as rows (R, N) with N the product of `normalized_shape`; the variance is the biased one,
+//! like PyTorch's. The forward saves a reference to x, the weight, and two floats per row
+//! (mean and 1/std), never the normalised x̂: backward recomputes it.
+
+use super::{check_pair, stats_dtype};
+use crate::autograd::{SavedTensor, record};
+use crate::backend::FusedOp;
+use crate::error::{Error, Result};
+use crate::tensor::Tensor;
+
+impl Tensor {
+    /// (x - mean) / √(var + eps) · weight + bias over the trailing dims `normalized_shape`
+    /// (x: (..., *normalized_shape); weight, bias: normalized_shape, each optional).
+    /// Gradients flow to x, weight and bias.
+    pub fn layer_norm(
+        &self,
+        normalized_shape: &[usize],
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f64,
+    ) -> Result<Tensor> {
+        let rows = check_args(self, normalized_shape, weight, bias)?;
+        let n: usize = normalized_shape.iter().product();
+        // The kernel reads rows of the last dim: flatten to (R, N) and the parameters to (N).
+        let x = self.detached_contiguous()?.reshape(&[rows, n])?;
+        let flat = |p: &Tensor| p.detached_contiguous()?.reshape(&[n]);
+        let (w, b) = (weight.map(flat).transpose()?, bias.map(flat).transpose()?);
+        let y = Tensor::output(self.shape(), self.dtype(), self.device(), "layer_norm")?;
+        let stats = stats_dtype(self.dtype());
+        let mean = Tensor::output(&[rows], stats, self.device(), "layer_norm")?;
+        let rstd = Tensor::output(&[rows], stats, self.device(), "layer_norm")?;
+        let inputs: Vec<_> = [Some(&x), w.as_ref(), b.as_ref()]
+            .into_iter()
+            .flatten()
+            .map(Tensor::view)
+            .collect();
+        self.backend()?.fused(
+            &FusedOp::LayerNorm {
+                eps,
+                weight: w.is_some(),
+                bias: b.is_some(),
+            },
+            &inputs,
+            &[y.storage(), mean.storage(), rstd.storage()],
+        )?;
+        let recorded: Vec<&Tensor> = [Some(self), weight, bias].into_iter().flatten().collect();
+        Ok(record("layer_norm", &recorded, y, |_, _| {
+            let saved = Saved {
+                x: SavedTensor::new(&x),
+                weight: w.as_ref().map(SavedTensor::new),
+                mean: SavedTensor::new(&mean),
+                rstd: SavedTensor::new(&rstd),
+                bias: b.is_some(),
+                x_shape: self.shape().to_vec(),
+                param_shape: normalized_shape.to_vec(),
+            };
+            move |g: &Tensor, needs: &[bool]| saved.backward(g, needs)
+        }))
+    }
+}
+
+/// What layer norm's backward reads: x as (R, N), the weight as (N), the row statistics.
+struct Saved {
+    x: SavedTensor,
+    weight: Option<SavedTensor>,
+    mean: SavedTensor,
+    rstd: SavedTensor,
+    /// The bias needs no values, only a gradient.
+    bias: bool,
+    x_shape: Vec<usize>,
+    param_shape: Vec<usize>,
+}
+
+impl Saved {
+    /// [gx, gweight (if weight), gbias (if bias)], each only when needed.
+    fn backward(&self, g: &Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
+        let (x, w) = (self.x.get(), self.weight.as_ref().map(SavedTensor::get));
+        let g = g.detached_contiguous()?.reshape(x.shape())?;
+        let n = x.shape()[1];
+        let grad =
+            |shape: &[usize]| Tensor::output(shape, x.dtype(), x.device(), "layer_norm_backward");
+        let gx = grad(x.shape())?;
+        let gw = w.map(|_| grad(&[n])).transpose()?;
+        let gb = self.bias.then(|| grad(&[n])).transpose()?;
+        let inputs: Vec<_> = [
+            Some(x),
+            w,
+            Some(self.mean.get()),
+            Some(self.rstd.get()),
+            Some(&g),
+        ]
+        .into_iter()
+        .flatten()
+        .map(Tensor::view)
+        .collect();
+        let outputs: Vec<_> = [Some(&gx), gw.as_ref(), gb.as_ref()]
+            .into_iter()
+            .flatten()
+            .map(|t| &**t.storage())
+            .collect();
+        let op = FusedOp::LayerNormBackward {
+            weight: w.is_some(),
+            bias: self.bias,
+        };
+        x.backend()?.fused(&op, &inputs, &outputs)?;
+        let gx = gx.reshape(&self.x_shape)?;
+        let params = [gw, gb]
+            .into_iter()
+            .flatten()
+            .map(|t| t.reshape(&self.param_shape));
+        let grads = std::iter::once(Ok(gx))
+            .chain(params)
+            .collect::<Result<Vec<_>>>()?;
+        Ok(grads
+            .into_iter()
+            .zip(needs)
+            .map(|(t, &need)| need.then_some(t))
+            .collect())
+    }
+}
+
+/// Checks dtypes, devices and shapes; returns the number of rows R.
+fn check_args(
+    x: &Tensor,
+    normalized_shape: &[usize],
+    weight: Option<&Tensor>,
+    bias: Option<&Tensor>,
+) -> Result<usize> {
+    super::check_float("layer_norm", x)?;
+    let shape = x.shape();
+    if normalized_shape.is_empty() || !shape.ends_with(normalized_shape) {
+        return Err(Error::shape(
+            "layer_norm",
+            format!(
+                "normalized_shape {normalized_shape:?} must be non-empty and equal the input's trailing dims; the input has shape {shape:?}"
+            ),
+        ));
+    }
+    for (name, p) in [("weight", weight), ("bias", bias)] {
+        let Some(p) = p else { continue };
+        check_pair("layer_norm", x, p)?;
+        if p.shape() != normalized_shape {
+            return Err(Error::shape(
+                "layer_norm",
+                format!(
+                    "{name} has shape {:?}; it must equal normalized_shape {normalized_shape:?}",
+                    p.shape()
+                ),
+            ));
+        }
+    }
+    Ok(shape[..shape.len() - normalized_shape.len()]
+        .iter()
+        .product())
+}

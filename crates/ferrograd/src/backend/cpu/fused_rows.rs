@@ -1,8 +1,610 @@
-//! (being written)
+//! CPU kernels of the row-wise fused ops: softmax and log-softmax, layer norm, cross-entropy,
+//! each with its backward. Every input is read as independent rows (R, N) of its last dim, so
+//! rows run in parallel (rayon) once a tensor is large.
+//!
+//! Per-row statistics (max, sums of exponentials, mean, variance, log-sum-exp) accumulate in
+//! f64 whatever the element type, with the max subtracted before exponentials. Sums across
+//! rows (weight gradients, the mean loss) add fixed blocks of rows in order, so results do not
+//! depend on the thread count. Not here: the index kernels (fused_index.rs).
 
+use std::any::Any;
+
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use super::data::{CpuData, Elem, with_float};
+use super::elementwise::PAR_MIN;
+use super::{CpuRead, read, write};
 use crate::backend::{FusedOp, Storage, View};
 use crate::error::{Error, Result};
+use crate::tensor::{DType, Layout};
 
-pub(crate) fn run(op: &FusedOp, _inputs: &[View], _outputs: &[&Storage]) -> Result<()> {
-    Err(Error::invalid("fused", format!("{op:?} has no CPU kernel yet")))
+/// Calls `$f::<T>(args)` with `T` the float element type named by `$dtype`.
+macro_rules! dispatch {
+    ($dtype:expr, $op:expr, $f:ident($($arg:expr),*)) => {
+        match $dtype {
+            DType::F32 => $f::<f32>($($arg),*),
+            DType::F64 => $f::<f64>($($arg),*),
+            DType::F16 => $f::<f16>($($arg),*),
+            DType::BF16 => $f::<bf16>($($arg),*),
+            dtype => Err(Error::UnsupportedDType {
+                op: $op,
+                dtype,
+                hint: "this op needs a floating-point tensor; convert with .to_dtype(DType::F32)",
+            }),
+        }
+    };
+}
+
+pub(crate) fn run(op: &FusedOp, inputs: &[View], outputs: &[&Storage]) -> Result<()> {
+    let ins = Inputs::read(inputs)?;
+    match *op {
+        FusedOp::Softmax { log } => dispatch!(ins.dtype(0), "softmax", softmax(log, &ins, outputs)),
+        FusedOp::SoftmaxBackward { log } => {
+            dispatch!(
+                ins.dtype(0),
+                "softmax_backward",
+                softmax_backward(log, &ins, outputs)
+            )
+        }
+        FusedOp::LayerNorm { eps, weight, bias } => {
+            dispatch!(
+                ins.dtype(0),
+                "layer_norm",
+                layer_norm(eps, weight, bias, &ins, outputs)
+            )
+        }
+        FusedOp::LayerNormBackward { weight, bias } => {
+            dispatch!(
+                ins.dtype(0),
+                "layer_norm_backward",
+                layer_norm_backward(weight, bias, &ins, outputs)
+            )
+        }
+        FusedOp::CrossEntropy { ignore_index } => {
+            dispatch!(
+                ins.dtype(0),
+                "cross_entropy",
+                cross_entropy(ignore_index, &ins, outputs)
+            )
+        }
+        FusedOp::CrossEntropyBackward { ignore_index } => {
+            dispatch!(
+                ins.dtype(0),
+                "cross_entropy_backward",
+                cross_entropy_backward(ignore_index, &ins, outputs)
+            )
+        }
+        _ => Err(Error::invalid(
+            "fused",
+            format!("{op:?} is not a row kernel"),
+        )),
+    }
+}
+
+// ---- access to inputs and outputs -----------------------------------------------------------
+
+/// The inputs, read-locked once per distinct storage: two views of one buffer share a guard
+/// (locking one RwLock twice from a thread can deadlock behind a waiting writer).
+struct Inputs<'a> {
+    views: &'a [View<'a>],
+    guards: Vec<CpuRead<'a>>,
+    slot: Vec<usize>,
+}
+
+impl<'a> Inputs<'a> {
+    fn read(views: &'a [View<'a>]) -> Result<Inputs<'a>> {
+        let mut guards = Vec::new();
+        let mut owners: Vec<&Storage> = Vec::new();
+        let mut slot = Vec::with_capacity(views.len());
+        for v in views {
+            match owners.iter().position(|s| s.same(v.storage)) {
+                Some(i) => slot.push(i),
+                None => {
+                    guards.push(read(v.storage)?);
+                    owners.push(v.storage);
+                    slot.push(guards.len() - 1);
+                }
+            }
+        }
+        Ok(Inputs {
+            views,
+            guards,
+            slot,
+        })
+    }
+
+    fn expect(&self, op: &'static str, count: usize) -> Result<()> {
+        if self.views.len() != count {
+            return Err(Error::invalid(
+                op,
+                format!("expected {count} inputs, got {}", self.views.len()),
+            ));
+        }
+        Ok(())
+    }
+
+    fn data(&self, i: usize) -> &CpuData {
+        &self.guards[self.slot[i]]
+    }
+
+    fn layout(&self, i: usize) -> &Layout {
+        self.views[i].layout
+    }
+
+    fn dtype(&self, i: usize) -> DType {
+        self.views.get(i).map_or(DType::F32, |v| v.storage.dtype())
+    }
+
+    /// (rows, cols): input `i` read as rows of its last dim (a 0-dim tensor is one row of one element).
+    fn rows_cols(&self, i: usize) -> (usize, usize) {
+        let shape = self.layout(i).shape();
+        match shape.split_last() {
+            Some((&n, lead)) => (lead.iter().product(), n),
+            None => (1, 1),
+        }
+    }
+
+    /// The element range of input `i`, which must be contiguous with `len` elements.
+    fn range(&self, op: &'static str, i: usize, len: usize) -> Result<std::ops::Range<usize>> {
+        let l = self.layout(i);
+        if !l.is_contiguous() || l.numel() != len || l.offset() + len > self.data(i).len() {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "input {i} must be contiguous with {len} elements, got shape {:?}",
+                    l.shape()
+                ),
+            ));
+        }
+        Ok(l.offset()..l.offset() + len)
+    }
+
+    /// Input `i` as a contiguous slice of `len` elements of `T`.
+    fn slice<T: Elem>(&self, op: &'static str, i: usize, len: usize) -> Result<&[T]> {
+        let r = self.range(op, i, len)?;
+        let any: &dyn Any = match self.data(i) {
+            CpuData::F32(v) => v,
+            CpuData::F64(v) => v,
+            CpuData::F16(v) => v,
+            CpuData::BF16(v) => v,
+            CpuData::I64(v) => v,
+            CpuData::U8(v) => v,
+        };
+        match any.downcast_ref::<Vec<T>>() {
+            Some(v) => Ok(&v[r]),
+            None => Err(Error::DType {
+                op,
+                expected: self.dtype(0),
+                got: self.dtype(i),
+            }),
+        }
+    }
+
+    /// Input `i` as I64 values (class targets).
+    fn i64s(&self, op: &'static str, i: usize, len: usize) -> Result<&[i64]> {
+        let r = self.range(op, i, len)?;
+        match self.data(i) {
+            CpuData::I64(v) => Ok(&v[r]),
+            other => Err(Error::DType {
+                op,
+                expected: DType::I64,
+                got: other.dtype(),
+            }),
+        }
+    }
+
+    /// Input `i` widened to f64: the small per-row statistics and the scalar loss gradient,
+    /// which may have a float dtype other than the rows'.
+    fn f64s(&self, op: &'static str, i: usize, len: usize) -> Result<Vec<f64>> {
+        let r = self.range(op, i, len)?;
+        let d = self.data(i);
+        Ok(r.map(|k| d.get_f64(k)).collect())
+    }
+}
+
+/// An output buffer as a mutable slice of `T`, checked to hold `len` elements.
+fn typed_mut<'d, T: Elem>(op: &'static str, d: &'d mut CpuData, len: usize) -> Result<&'d mut [T]> {
+    let dtype = d.dtype();
+    let any: &mut dyn Any = match d {
+        CpuData::F32(v) => v,
+        CpuData::F64(v) => v,
+        CpuData::F16(v) => v,
+        CpuData::BF16(v) => v,
+        CpuData::I64(v) => v,
+        CpuData::U8(v) => v,
+    };
+    match any.downcast_mut::<Vec<T>>() {
+        Some(v) if v.len() == len => Ok(v.as_mut_slice()),
+        Some(v) => Err(Error::invalid(
+            op,
+            format!("output holds {} elements, expected {len}", v.len()),
+        )),
+        None => Err(Error::invalid(
+            op,
+            format!("output dtype {dtype} differs from the input's"),
+        )),
+    }
+}
+
+/// Writes f64 values into a float output of any dtype (statistics, losses).
+fn store_f64(op: &'static str, out: &Storage, values: &[f64]) -> Result<()> {
+    write(out, |d| {
+        if d.len() != values.len() {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "output holds {} elements, expected {}",
+                    d.len(),
+                    values.len()
+                ),
+            ));
+        }
+        with_float!(d, op, v => v.iter_mut().zip(values).for_each(|(o, &x)| *o = Elem::from_f64(x)));
+        Ok(())
+    })
+}
+
+fn output<'s>(op: &'static str, outputs: &[&'s Storage], i: usize) -> Result<&'s Storage> {
+    outputs
+        .get(i)
+        .copied()
+        .ok_or_else(|| Error::invalid(op, format!("missing output {i}")))
+}
+
+// ---- row iteration --------------------------------------------------------------------------
+
+/// Runs `f(r, out_row, scratch)` for each row `r` of `out` (`rows` rows of `n`) and returns
+/// the results in row order. Rows run in parallel once `out` is large; each thread keeps one
+/// f64 scratch buffer.
+fn map_rows<T: Send, U: Send>(
+    out: &mut [T],
+    rows: usize,
+    n: usize,
+    f: impl Fn(usize, &mut [T], &mut Vec<f64>) -> U + Sync + Send,
+) -> Vec<U> {
+    let mut scratch = Vec::new();
+    if n == 0 {
+        return (0..rows).map(|r| f(r, &mut [], &mut scratch)).collect();
+    }
+    if out.len() >= PAR_MIN && rows > 1 {
+        out.par_chunks_mut(n)
+            .enumerate()
+            .map_init(Vec::new, |s, (r, o)| f(r, o, s))
+            .collect()
+    } else {
+        out.chunks_mut(n)
+            .enumerate()
+            .map(|(r, o)| f(r, o, &mut scratch))
+            .collect()
+    }
+}
+
+/// `f(r)` for every row index, in parallel when the rows hold `work` >= PAR_MIN elements.
+fn map_indices<U: Send>(rows: usize, work: usize, f: impl Fn(usize) -> U + Sync + Send) -> Vec<U> {
+    if work >= PAR_MIN && rows > 1 {
+        (0..rows).into_par_iter().map(f).collect()
+    } else {
+        (0..rows).map(f).collect()
+    }
+}
+
+#[inline]
+fn row<T>(v: &[T], r: usize, n: usize) -> &[T] {
+    &v[r * n..(r + 1) * n]
+}
+
+/// (max, log Σ exp(x - max)) of a row; the log-sum-exp is their sum. All -inf (or NaN) rows
+/// give NaN, as PyTorch's.
+fn max_and_log_sum<T: Elem>(x: &[T]) -> (f64, f64) {
+    let max = x
+        .iter()
+        .map(|&v| v.to_f64())
+        .fold(f64::NEG_INFINITY, f64::max);
+    let sum: f64 = x.iter().map(|&v| (v.to_f64() - max).exp()).sum();
+    (max, sum.ln())
+}
+
+// ---- softmax --------------------------------------------------------------------------------
+
+fn softmax<T: Elem>(log: bool, ins: &Inputs, outputs: &[&Storage]) -> Result<()> {
+    const OP: &str = "softmax";
+    ins.expect(OP, 1)?;
+    let (rows, n) = ins.rows_cols(0);
+    let x = ins.slice::<T>(OP, 0, rows * n)?;
+    write(output(OP, outputs, 0)?, |d| {
+        let y = typed_mut::<T>(OP, d, rows * n)?;
+        map_rows(y, rows, n, |r, yr, buf| {
+            softmax_row(log, row(x, r, n), yr, buf)
+        });
+        Ok(())
+    })
+}
+
+fn softmax_row<T: Elem>(log: bool, x: &[T], y: &mut [T], buf: &mut Vec<f64>) {
+    let max = x
+        .iter()
+        .map(|&v| v.to_f64())
+        .fold(f64::NEG_INFINITY, f64::max);
+    buf.clear();
+    buf.extend(x.iter().map(|&v| v.to_f64() - max));
+    if log {
+        let log_sum = buf.iter().map(|d| d.exp()).sum::<f64>().ln();
+        y.iter_mut()
+            .zip(buf.iter())
+            .for_each(|(o, d)| *o = T::from_f64(d - log_sum));
+    } else {
+        buf.iter_mut().for_each(|d| *d = d.exp());
+        let inv = 1.0 / buf.iter().sum::<f64>();
+        y.iter_mut()
+            .zip(buf.iter())
+            .for_each(|(o, e)| *o = T::from_f64(e * inv));
+    }
+}
+
+fn softmax_backward<T: Elem>(log: bool, ins: &Inputs, outputs: &[&Storage]) -> Result<()> {
+    const OP: &str = "softmax_backward";
+    ins.expect(OP, 2)?;
+    let (rows, n) = ins.rows_cols(0);
+    let (y, gy) = (
+        ins.slice::<T>(OP, 0, rows * n)?,
+        ins.slice::<T>(OP, 1, rows * n)?,
+    );
+    write(output(OP, outputs, 0)?, |d| {
+        let gx = typed_mut::<T>(OP, d, rows * n)?;
+        map_rows(gx, rows, n, |r, gr, _| {
+            softmax_backward_row(log, row(y, r, n), row(gy, r, n), gr)
+        });
+        Ok(())
+    })
+}
+
+fn softmax_backward_row<T: Elem>(log: bool, y: &[T], gy: &[T], gx: &mut [T]) {
+    let pairs = || y.iter().zip(gy).map(|(&a, &b)| (a.to_f64(), b.to_f64()));
+    if log {
+        let s: f64 = gy.iter().map(|&g| g.to_f64()).sum();
+        gx.iter_mut()
+            .zip(pairs())
+            .for_each(|(o, (y, g))| *o = T::from_f64(g - y.exp() * s));
+    } else {
+        let s: f64 = pairs().map(|(y, g)| y * g).sum();
+        gx.iter_mut()
+            .zip(pairs())
+            .for_each(|(o, (y, g))| *o = T::from_f64(y * (g - s)));
+    }
+}
+
+// ---- layer norm -----------------------------------------------------------------------------
+
+fn layer_norm<T: Elem>(
+    eps: f64,
+    weight: bool,
+    bias: bool,
+    ins: &Inputs,
+    outputs: &[&Storage],
+) -> Result<()> {
+    const OP: &str = "layer_norm";
+    ins.expect(OP, 1 + weight as usize + bias as usize)?;
+    let (rows, n) = ins.rows_cols(0);
+    let x = ins.slice::<T>(OP, 0, rows * n)?;
+    let w = weight.then(|| ins.slice::<T>(OP, 1, n)).transpose()?;
+    let b = bias
+        .then(|| ins.slice::<T>(OP, 1 + weight as usize, n))
+        .transpose()?;
+    let stats = write(output(OP, outputs, 0)?, |d| {
+        let y = typed_mut::<T>(OP, d, rows * n)?;
+        Ok(map_rows(y, rows, n, |r, yr, _| {
+            layer_norm_row(row(x, r, n), w, b, eps, yr)
+        }))
+    })?;
+    let (mean, rstd): (Vec<f64>, Vec<f64>) = stats.into_iter().unzip();
+    store_f64(OP, output(OP, outputs, 1)?, &mean)?;
+    store_f64(OP, output(OP, outputs, 2)?, &rstd)
+}
+
+/// Normalises one row into `y`; returns (mean, rstd). Two passes: the variance of the
+/// centred values, not E[x²] - E[x]², which cancels badly when |mean| >> std.
+fn layer_norm_row<T: Elem>(
+    x: &[T],
+    w: Option<&[T]>,
+    b: Option<&[T]>,
+    eps: f64,
+    y: &mut [T],
+) -> (f64, f64) {
+    let n = x.len() as f64;
+    let mean = x.iter().map(|&v| v.to_f64()).sum::<f64>() / n;
+    let var = x.iter().map(|&v| (v.to_f64() - mean).powi(2)).sum::<f64>() / n;
+    let rstd = 1.0 / (var + eps).sqrt();
+    for (j, (o, &v)) in y.iter_mut().zip(x).enumerate() {
+        let mut h = (v.to_f64() - mean) * rstd;
+        if let Some(w) = w {
+            h *= w[j].to_f64();
+        }
+        if let Some(b) = b {
+            h += b[j].to_f64();
+        }
+        *o = T::from_f64(h);
+    }
+    (mean, rstd)
+}
+
+fn layer_norm_backward<T: Elem>(
+    weight: bool,
+    bias: bool,
+    ins: &Inputs,
+    outputs: &[&Storage],
+) -> Result<()> {
+    const OP: &str = "layer_norm_backward";
+    let k = weight as usize;
+    ins.expect(OP, 4 + k)?;
+    let (rows, n) = ins.rows_cols(0);
+    let x = ins.slice::<T>(OP, 0, rows * n)?;
+    let w = weight.then(|| ins.slice::<T>(OP, 1, n)).transpose()?;
+    let (mean, rstd) = (ins.f64s(OP, 1 + k, rows)?, ins.f64s(OP, 2 + k, rows)?);
+    let gy = ins.slice::<T>(OP, 3 + k, rows * n)?;
+    write(output(OP, outputs, 0)?, |d| {
+        let gx = typed_mut::<T>(OP, d, rows * n)?;
+        map_rows(gx, rows, n, |r, gr, buf| {
+            let rs = RowStats {
+                mean: mean[r],
+                rstd: rstd[r],
+            };
+            layer_norm_backward_row(row(x, r, n), row(gy, r, n), w, rs, gr, buf)
+        });
+        Ok(())
+    })?;
+    if weight || bias {
+        let (gw, gb) = layer_norm_param_grads(x, gy, &mean, &rstd, rows, n);
+        if weight {
+            store_f64(OP, output(OP, outputs, 1)?, &gw)?;
+        }
+        if bias {
+            store_f64(OP, output(OP, outputs, 1 + k)?, &gb)?;
+        }
+    }
+    Ok(())
+}
+
+#[derive(Clone, Copy)]
+struct RowStats {
+    mean: f64,
+    rstd: f64,
+}
+
+/// gx = rstd (ĝ - mean(ĝ) - x̂ mean(ĝ x̂)) with x̂ = (x - mean) rstd and ĝ = gy · weight.
+fn layer_norm_backward_row<T: Elem>(
+    x: &[T],
+    gy: &[T],
+    w: Option<&[T]>,
+    s: RowStats,
+    gx: &mut [T],
+    gh: &mut Vec<f64>,
+) {
+    let n = x.len() as f64;
+    let xhat = |j: usize| (x[j].to_f64() - s.mean) * s.rstd;
+    gh.clear();
+    gh.extend(
+        gy.iter()
+            .enumerate()
+            .map(|(j, &g)| g.to_f64() * w.map_or(1.0, |w| w[j].to_f64())),
+    );
+    let mean_g = gh.iter().sum::<f64>() / n;
+    let mean_gx = gh.iter().enumerate().map(|(j, g)| g * xhat(j)).sum::<f64>() / n;
+    for (j, o) in gx.iter_mut().enumerate() {
+        *o = T::from_f64(s.rstd * (gh[j] - mean_g - xhat(j) * mean_gx));
+    }
+}
+
+/// (Σ_r gy x̂, Σ_r gy) per column. Fixed blocks of rows are summed in parallel, then the
+/// blocks in order, so the result does not depend on scheduling.
+fn layer_norm_param_grads<T: Elem>(
+    x: &[T],
+    gy: &[T],
+    mean: &[f64],
+    rstd: &[f64],
+    rows: usize,
+    n: usize,
+) -> (Vec<f64>, Vec<f64>) {
+    let block = (PAR_MIN / n.max(1)).max(1);
+    let partial = |start: usize| {
+        let (mut gw, mut gb) = (vec![0.0; n], vec![0.0; n]);
+        for r in start..(start + block).min(rows) {
+            for (j, (&xv, &g)) in row(x, r, n).iter().zip(row(gy, r, n)).enumerate() {
+                let g = g.to_f64();
+                gw[j] += g * (xv.to_f64() - mean[r]) * rstd[r];
+                gb[j] += g;
+            }
+        }
+        (gw, gb)
+    };
+    let starts: Vec<usize> = (0..rows).step_by(block).collect();
+    let parts: Vec<(Vec<f64>, Vec<f64>)> = if starts.len() > 1 {
+        starts.par_iter().map(|&s| partial(s)).collect()
+    } else {
+        starts.iter().map(|&s| partial(s)).collect()
+    };
+    let (mut gw, mut gb) = (vec![0.0; n], vec![0.0; n]);
+    for (pw, pb) in parts {
+        gw.iter_mut().zip(pw).for_each(|(a, b)| *a += b);
+        gb.iter_mut().zip(pb).for_each(|(a, b)| *a += b);
+    }
+    (gw, gb)
+}
+
+// ---- cross-entropy --------------------------------------------------------------------------
+
+/// Every target is a class in [0, C) or the ignored index; the first one that is not is named.
+fn check_targets(targets: &[i64], classes: usize, ignore_index: i64) -> Result<()> {
+    let bad = targets
+        .iter()
+        .enumerate()
+        .find(|&(_, &t)| t != ignore_index && (t < 0 || t as u64 >= classes as u64));
+    match bad {
+        None => Ok(()),
+        Some((i, &t)) => Err(Error::Index {
+            op: "cross_entropy",
+            detail: format!(
+                "target {t} at position {i} is not a class index: targets must be in [0, {classes}) or equal ignore_index ({ignore_index})"
+            ),
+        }),
+    }
+}
+
+fn cross_entropy<T: Elem>(ignore_index: i64, ins: &Inputs, outputs: &[&Storage]) -> Result<()> {
+    const OP: &str = "cross_entropy";
+    ins.expect(OP, 2)?;
+    let (rows, c) = ins.rows_cols(0);
+    let x = ins.slice::<T>(OP, 0, rows * c)?;
+    let t = ins.i64s(OP, 1, rows)?;
+    check_targets(t, c, ignore_index)?;
+    // Per row: log-sum-exp (saved for backward) and -log p(target) (0 when ignored).
+    let per_row = map_indices(rows, rows * c, |r| {
+        let xr = row(x, r, c);
+        let (max, log_sum) = max_and_log_sum(xr);
+        let lse = max + log_sum;
+        let nll = if t[r] == ignore_index {
+            0.0
+        } else {
+            lse - xr[t[r] as usize].to_f64()
+        };
+        (lse, nll)
+    });
+    let count = t.iter().filter(|&&v| v != ignore_index).count();
+    // 0 / 0 = NaN when every target is ignored, as PyTorch's mean reduction.
+    let loss = per_row.iter().map(|p| p.1).sum::<f64>() / count as f64;
+    let lse: Vec<f64> = per_row.into_iter().map(|p| p.0).collect();
+    store_f64(OP, output(OP, outputs, 0)?, &[loss])?;
+    store_f64(OP, output(OP, outputs, 1)?, &lse)
+}
+
+fn cross_entropy_backward<T: Elem>(
+    ignore_index: i64,
+    ins: &Inputs,
+    outputs: &[&Storage],
+) -> Result<()> {
+    const OP: &str = "cross_entropy_backward";
+    ins.expect(OP, 4)?;
+    let (rows, c) = ins.rows_cols(0);
+    let x = ins.slice::<T>(OP, 0, rows * c)?;
+    let t = ins.i64s(OP, 1, rows)?;
+    check_targets(t, c, ignore_index)?;
+    let lse = ins.f64s(OP, 2, rows)?;
+    let gloss = ins.f64s(OP, 3, 1)?[0];
+    let count = t.iter().filter(|&&v| v != ignore_index).count();
+    let scale = gloss / count as f64;
+    write(output(OP, outputs, 0)?, |d| {
+        let gx = typed_mut::<T>(OP, d, rows * c)?;
+        map_rows(gx, rows, c, |r, gr, _| {
+            if t[r] == ignore_index {
+                gr.fill(T::zero());
+                return;
+            }
+            for (j, (o, &v)) in gr.iter_mut().zip(row(x, r, c)).enumerate() {
+                let p = (v.to_f64() - lse[r]).exp();
+                let hot = if j as i64 == t[r] { 1.0 } else { 0.0 };
+                *o = T::from_f64((p - hot) * scale);
+            }
+        });
+        Ok(())
+    })
 }
