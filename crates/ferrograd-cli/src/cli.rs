@@ -5,7 +5,11 @@ use ferrograd::demo::{self, DemoConfig};
 use ferrograd::{Device, memory};
 
 #[derive(Parser, Debug)]
-#[command(name = "ferrograd", version, about = "A training engine that accounts for every byte")]
+#[command(
+    name = "ferrograd",
+    version,
+    about = "A training engine that accounts for every byte"
+)]
 pub struct Cli {
     #[command(subcommand)]
     command: Option<Command>,
@@ -40,7 +44,13 @@ struct DemoArgs {
 
 impl Default for DemoArgs {
     fn default() -> Self {
-        DemoArgs { dim: 10_000, batch: 1_000, device: "cpu".into(), json: false, seed: 0 }
+        DemoArgs {
+            dim: 10_000,
+            batch: 1_000,
+            device: "cpu".into(),
+            json: false,
+            seed: 0,
+        }
     }
 }
 
@@ -53,7 +63,12 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
 
 fn run_demo(a: DemoArgs) -> anyhow::Result<()> {
     let device: Device = a.device.parse()?;
-    let cfg = DemoConfig { dim: a.dim, batch: a.batch, device, seed: a.seed };
+    let cfg = DemoConfig {
+        dim: a.dim,
+        batch: a.batch,
+        device,
+        seed: a.seed,
+    };
     let report = demo::run(&cfg)?;
     if a.json {
         println!("{}", demo::to_json(&report));
@@ -75,7 +90,11 @@ fn run_info() -> anyhow::Result<()> {
     match memory::allocator(Device::Cuda(0)) {
         Ok(a) => {
             let i = a.mem_info();
-            println!("cuda:0: {} total, {} free", memory::format_size(i.total), memory::format_size(i.free));
+            println!(
+                "cuda:0: {} total, {} free",
+                memory::format_size(i.total),
+                memory::format_size(i.free)
+            );
         }
         Err(e) => println!("cuda: not available ({e})"),
     }
@@ -83,5 +102,7 @@ fn run_info() -> anyhow::Result<()> {
 }
 
 fn rayon_threads() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
 }

@@ -25,10 +25,14 @@ fn main() -> ferrograd::Result<()> {
     let dev = Device::Cpu;
     let mut g = Generator::new(0);
     let model = Sequential::new()
-        .add(Linear::new(d, d, true, dev, &mut g)?)
-        .add(Relu)
-        .add(Linear::new(d, d, true, dev, &mut g)?);
-    let cfg = SgdConfig { lr: 1e-3, momentum: 0.9, ..Default::default() };
+        .push(Linear::new(d, d, true, dev, &mut g)?)
+        .push(Relu)
+        .push(Linear::new(d, d, true, dev, &mut g)?);
+    let cfg = SgdConfig {
+        lr: 1e-3,
+        momentum: 0.9,
+        ..Default::default()
+    };
     let mut opt = Sgd::new(model.parameters(), cfg)?;
     let x = Tensor::randn_with(&[b, d], DType::F32, dev, &mut g)?;
     let y = Tensor::randn_with(&[b, d], DType::F32, dev, &mut g)?;

@@ -25,7 +25,12 @@ pub struct DemoConfig {
 
 impl Default for DemoConfig {
     fn default() -> Self {
-        DemoConfig { dim: 10_000, batch: 1_000, device: Device::Cpu, seed: 0 }
+        DemoConfig {
+            dim: 10_000,
+            batch: 1_000,
+            device: Device::Cpu,
+            seed: 0,
+        }
     }
 }
 
@@ -68,10 +73,15 @@ fn category_map(c: &CategoryBytes) -> std::collections::BTreeMap<String, u64> {
 fn sizes(cfg: &DemoConfig) -> Result<(u64, u64)> {
     let d = cfg.dim as u64;
     let p = d.checked_mul(d).and_then(|dd| (dd + d).checked_mul(8));
-    let a = (cfg.batch as u64).checked_mul(d).and_then(|x| x.checked_mul(4));
+    let a = (cfg.batch as u64)
+        .checked_mul(d)
+        .and_then(|x| x.checked_mul(4));
     match (p, a) {
         (Some(p), Some(a)) => Ok((p, a)),
-        _ => Err(Error::invalid("demo", "--dim and --batch are too large to even count the bytes")),
+        _ => Err(Error::invalid(
+            "demo",
+            "--dim and --batch are too large to even count the bytes",
+        )),
     }
 }
 
@@ -97,7 +107,10 @@ fn check_fits(cfg: &DemoConfig, p: u64, a: u64) -> Result<()> {
 /// Runs the demo and measures it.
 pub fn run(cfg: &DemoConfig) -> Result<DemoReport> {
     if cfg.dim == 0 || cfg.batch == 0 {
-        return Err(Error::invalid("demo", "--dim and --batch must be at least 1"));
+        return Err(Error::invalid(
+            "demo",
+            "--dim and --batch must be at least 1",
+        ));
     }
     let (p, a) = sizes(cfg)?;
     check_fits(cfg, p, a)?;
@@ -106,9 +119,9 @@ pub fn run(cfg: &DemoConfig) -> Result<DemoReport> {
     alloc.reset_peak_memory_stats();
     let mut g = Generator::new(cfg.seed);
     let model = Sequential::new()
-        .add(Linear::new(cfg.dim, cfg.dim, true, cfg.device, &mut g)?)
-        .add(Relu)
-        .add(Linear::new(cfg.dim, cfg.dim, true, cfg.device, &mut g)?);
+        .push(Linear::new(cfg.dim, cfg.dim, true, cfg.device, &mut g)?)
+        .push(Relu)
+        .push(Linear::new(cfg.dim, cfg.dim, true, cfg.device, &mut g)?);
     let x = Tensor::randn_with(&[cfg.batch, cfg.dim], DType::F32, cfg.device, &mut g)?;
     let out = model.forward(&x)?;
     let before = alloc.memory_allocated() - base;
@@ -133,35 +146,60 @@ pub fn run(cfg: &DemoConfig) -> Result<DemoReport> {
 
 /// The human-readable report: each number with the line that explains it.
 pub fn render(r: &DemoReport) -> String {
-    let row = |name: &str, v: u64, why: String| format!("{name:<16} {:>14}  {:>11}  {why}\n", v, format_size(v));
-    let check = |got: u64, want: u64| if got == want { "exact".to_string() } else { format!("expected {want}") };
+    let row = |name: &str, v: u64, why: String| {
+        format!("{name:<16} {:>14}  {:>11}  {why}\n", v, format_size(v))
+    };
+    let check = |got: u64, want: u64| {
+        if got == want {
+            "exact".to_string()
+        } else {
+            format!("expected {want}")
+        }
+    };
     let (p, a) = (r.parameter_bytes, r.activation_bytes);
     let mut s = format!(
         "gradient memory demo: Sequential(Linear({d},{d}), ReLU, Linear({d},{d})), input ({b}, {d}) f32 on {dev}\n\
          P = parameters = 2·(d²+d)·4 = {p} bytes; A = one (B, d) activation = B·d·4 = {a} bytes\n\n",
-        d = r.dim, b = r.batch, dev = r.device
+        d = r.dim,
+        b = r.batch,
+        dev = r.device
     );
     s += &format!("{:<16} {:>14}  {:>11}  how it arises\n", "", "bytes", "");
     s += &row(
         "before backward",
         r.before_backward_bytes,
-        format!("= P + input A + saved ReLU output A + output A ({})", check(r.before_backward_bytes, r.expected_before())),
+        format!(
+            "= P + input A + saved ReLU output A + output A ({})",
+            check(r.before_backward_bytes, r.expected_before())
+        ),
     );
     s += &row(
         "after backward",
         r.after_backward_bytes,
-        format!("= P + gradients P + input A + output A; the saved ReLU output was freed during backward ({})", check(r.after_backward_bytes, r.expected_after())),
+        format!(
+            "= P + gradients P + input A + output A; the saved ReLU output was freed during backward ({})",
+            check(r.after_backward_bytes, r.expected_after())
+        ),
     );
     s += &row(
         "peak",
         r.peak_bytes,
-        format!("= P + gradients P + input A + output A + ReLU-input gradient A (alive while the first layer's weight gradient is made) + the 4-byte loss ({})", check(r.peak_bytes, r.expected_peak())),
+        format!(
+            "= P + gradients P + input A + output A + ReLU-input gradient A (alive while the first layer's weight gradient is made) + the 4-byte loss ({})",
+            check(r.peak_bytes, r.expected_peak())
+        ),
     );
     s += &row("reserved", r.reserved_bytes, reserved_line(&r.device));
     s += "\nby category      before backward   after backward\n";
     for c in Category::ALL {
-        let get = |m: &std::collections::BTreeMap<String, u64>| m.get(c.name()).copied().unwrap_or(0);
-        s += &format!("  {:<17} {:>14}  {:>14}\n", c.name(), get(&r.by_category_before), get(&r.by_category));
+        let get =
+            |m: &std::collections::BTreeMap<String, u64>| m.get(c.name()).copied().unwrap_or(0);
+        s += &format!(
+            "  {:<17} {:>14}  {:>14}\n",
+            c.name(),
+            get(&r.by_category_before),
+            get(&r.by_category)
+        );
     }
     s
 }
@@ -170,7 +208,8 @@ fn reserved_line(device: &str) -> String {
     if device == "cpu" {
         "= allocated: the host allocator caches nothing, so freed bytes go straight back".into()
     } else {
-        "= allocated + blocks the caching allocator keeps for reuse (empty_cache returns them)".into()
+        "= allocated + blocks the caching allocator keeps for reuse (empty_cache returns them)"
+            .into()
     }
 }
 

@@ -13,7 +13,9 @@ pub enum Error {
     #[error("shape mismatch in {op}: {detail}")]
     Shape { op: &'static str, detail: String },
 
-    #[error("dtype mismatch in {op}: expected {expected:?}, got {got:?}; convert with .to_dtype() first")]
+    #[error(
+        "dtype mismatch in {op}: expected {expected:?}, got {got:?}; convert with .to_dtype() first"
+    )]
     DType {
         op: &'static str,
         expected: DType,
@@ -30,7 +32,11 @@ pub enum Error {
     #[error(
         "device mismatch in {op}: tensors on {a} and {b}; move one with .to_device() so both are on the same device"
     )]
-    DeviceMismatch { op: &'static str, a: Device, b: Device },
+    DeviceMismatch {
+        op: &'static str,
+        a: Device,
+        b: Device,
+    },
 
     #[error("device {device} is not available: {reason}")]
     DeviceUnavailable { device: Device, reason: String },

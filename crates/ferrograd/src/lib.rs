@@ -15,8 +15,8 @@
 
 pub mod autograd;
 pub mod backend;
-pub mod error;
 pub mod demo;
+pub mod error;
 pub mod memory;
 pub mod nn;
 pub mod ops;

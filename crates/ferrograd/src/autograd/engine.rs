@@ -6,10 +6,10 @@ use std::collections::{BinaryHeap, HashMap};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
+use super::edge_of;
 use super::grad_mode::no_grad;
 use super::meta::AutogradMeta;
 use super::node::{Edge, Node};
-use super::edge_of;
 use crate::error::{Error, Result};
 use crate::memory::Category;
 use crate::tensor::Tensor;
@@ -42,9 +42,15 @@ impl Tensor {
                 if g.shape() != self.shape() {
                     return Err(Error::shape(
                         "backward",
-                        format!("gradient shape {:?} differs from the tensor's {:?}", g.shape(), self.shape()),
+                        format!(
+                            "gradient shape {:?} differs from the tensor's {:?}",
+                            g.shape(),
+                            self.shape()
+                        ),
                     ));
                 }
+                // A gradient of another dtype or device would end up as a leaf's .grad.
+                crate::ops::check_pair("backward", self, &g)?;
                 g
             }
             None if self.numel() == 1 => Tensor::ones(self.shape(), self.dtype(), self.device())?,
@@ -113,7 +119,10 @@ fn run(root: Edge, grad: Tensor, retain_graph: bool) -> Result<()> {
     let mut buffers: HashMap<usize, Tensor> = HashMap::new();
     buffers.insert(root.key(), grad);
     let mut heap = BinaryHeap::new();
-    heap.push(Ready { priority: priority(&root), edge: root });
+    heap.push(Ready {
+        priority: priority(&root),
+        edge: root,
+    });
     while let Some(Ready { edge, .. }) = heap.pop() {
         let grad = buffers.remove(&edge.key());
         match &edge {
@@ -137,7 +146,10 @@ fn run(root: Edge, grad: Tensor, retain_graph: bool) -> Result<()> {
                         *d
                     });
                     if d == Some(0) {
-                        heap.push(Ready { priority: priority(next), edge: next.clone() });
+                        heap.push(Ready {
+                            priority: priority(next),
+                            edge: next.clone(),
+                        });
                     }
                 }
             }
@@ -204,13 +216,20 @@ fn accumulate(meta: &Arc<AutogradMeta>, grad: Tensor) -> Result<()> {
         match slot.as_ref() {
             Some(existing) => existing.add_(&grad)?,
             None => {
-                let owned = if grad.is_exclusive() { grad } else { grad.contiguous_copy()? };
+                let owned = if grad.is_exclusive() {
+                    grad
+                } else {
+                    grad.contiguous_copy()?
+                };
                 owned.set_category(Category::Gradient);
                 *slot = Some(owned);
             }
         }
     }
-    let mut hooks = meta.post_accumulate_hooks.lock().unwrap_or_else(|e| e.into_inner());
+    let mut hooks = meta
+        .post_accumulate_hooks
+        .lock()
+        .unwrap_or_else(|e| e.into_inner());
     if !hooks.is_empty()
         && let Some(leaf) = meta.owner()
     {

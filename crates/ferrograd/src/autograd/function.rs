@@ -17,7 +17,8 @@ pub struct FunctionCtx {
 impl FunctionCtx {
     /// Keeps tensors for backward; released with the graph node.
     pub fn save_for_backward(&mut self, tensors: &[&Tensor]) {
-        self.saved.extend(tensors.iter().map(|t| SavedTensor::new(t)));
+        self.saved
+            .extend(tensors.iter().map(|t| SavedTensor::new(t)));
     }
     pub fn saved_tensors(&self) -> Vec<Tensor> {
         self.saved.iter().map(|s| s.get().clone()).collect()

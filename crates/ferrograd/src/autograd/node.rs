@@ -83,10 +83,14 @@ impl Drop for Node {
                 // Its saved tensors may own tensors whose grad_fn ends in further nodes.
                 let f = node.backward.get_mut().ok().and_then(|b| b.take());
                 drop(f);
-                stack.extend(std::mem::take(&mut node.edges).into_iter().filter_map(|e| match e {
-                    Some(Edge::Node(n)) => Some(n),
-                    _ => None,
-                }));
+                stack.extend(
+                    std::mem::take(&mut node.edges)
+                        .into_iter()
+                        .filter_map(|e| match e {
+                            Some(Edge::Node(n)) => Some(n),
+                            _ => None,
+                        }),
+                );
             }
         }
     }

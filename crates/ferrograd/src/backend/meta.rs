@@ -1,7 +1,10 @@
 //! The meta backend: shapes and allocator accounting only. Every kernel is a no-op, so a
 //! training step can run on it to predict memory without touching any.
 
-use super::{Backend, BackendData, BinaryOp, FusedOp, HostValues, MatmulSpec, ReduceOp, Storage, UnaryOp, View};
+use super::{
+    Backend, BackendData, BinaryOp, FusedOp, HostValues, MatmulSpec, ReduceOp, Storage, UnaryOp,
+    View,
+};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Device};
 
@@ -11,7 +14,7 @@ impl Backend for MetaBackend {
     fn zeros(&self, _: DType, _: usize) -> Result<BackendData> {
         Ok(BackendData::Meta)
     }
-    fn from_host(&self, _: DType, _: HostValues) -> Result<BackendData> {
+    fn upload(&self, _: DType, _: HostValues) -> Result<BackendData> {
         Ok(BackendData::Meta)
     }
     fn to_host(&self, _: View) -> Result<HostValues> {

@@ -29,7 +29,7 @@ pub trait Backend: Send + Sync {
     /// Fresh device data of `len` elements, zero-filled.
     fn zeros(&self, dtype: DType, len: usize) -> Result<BackendData>;
     /// Uploads host values (given as f64, or i64 for integer dtypes).
-    fn from_host(&self, dtype: DType, values: HostValues) -> Result<BackendData>;
+    fn upload(&self, dtype: DType, values: HostValues) -> Result<BackendData>;
     /// Downloads a view as contiguous host values.
     fn to_host(&self, src: View) -> Result<HostValues>;
     /// Copies `src` into the (possibly strided) region `dst` of the same shape, converting

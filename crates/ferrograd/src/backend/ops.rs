@@ -73,25 +73,45 @@ pub struct MatmulSpec {
 /// contiguous, and inputs are contiguous unless noted.
 #[derive(Clone, Debug, PartialEq)]
 pub enum FusedOp {
-    /// inputs [x (R, N)]; outputs [y (R, N)] — softmax over the last dim
+    /// inputs [x (R, N)]; outputs [y (R, N)] — softmax (or log-softmax) over the last dim.
+    /// Any shape is read as rows of its last dim.
     Softmax { log: bool },
-    /// inputs [y (R, N), gy (R, N)]; outputs [gx (R, N)] — from the saved output
+    /// inputs [y (R, N), gy (R, N)]; outputs [gx (R, N)] — from the saved output:
+    /// softmax gx = y (gy - Σ gy·y); log-softmax gx = gy - exp(y) Σ gy
     SoftmaxBackward { log: bool },
-    /// inputs [x (R, N), weight (N)?, bias (N)?]; outputs [y (R, N), mean (R), rstd (R)]
-    LayerNorm { eps: f64, affine: bool },
-    /// inputs [x, weight?, mean, rstd, gy]; outputs [gx, gweight?, gbias?]
-    LayerNormBackward { affine: bool },
-    /// inputs [logits (R, C), targets I64 (R)]; outputs [loss () f32-like, lse (R)]
-    /// mean over targets != ignore_index
+    /// inputs [x (R, N), weight (N) if `weight`, bias (N) if `bias`];
+    /// outputs [y (R, N), mean (R), rstd (R)]. Biased variance, rstd = 1/√(var + eps).
+    /// mean and rstd may have any float dtype (callers use F32, or F64 for F64 inputs).
+    LayerNorm { eps: f64, weight: bool, bias: bool },
+    /// inputs [x (R, N), weight (N) if `weight`, mean (R), rstd (R), gy (R, N)];
+    /// outputs [gx (R, N), gweight (N) if `weight`, gbias (N) if `bias`]
+    LayerNormBackward { weight: bool, bias: bool },
+    /// inputs [logits (R, C), targets I64 (R)]; outputs [loss () in the logits' dtype,
+    /// lse (R) any float dtype]. Mean over targets != ignore_index (NaN when all are
+    /// ignored); a target outside [0, C) that is not ignore_index is an error.
     CrossEntropy { ignore_index: i64 },
-    /// inputs [logits (R, C), targets (R), lse (R), gloss ()]; outputs [glogits (R, C)]
+    /// inputs [logits (R, C), targets I64 (R), lse (R), gloss ()]; outputs [glogits (R, C)]
+    /// = (softmax - onehot) · gloss / count, zero rows where the target is ignored
     CrossEntropyBackward { ignore_index: i64 },
-    /// inputs [weight (V, D), ids I64 (N)]; outputs [rows (N, D)]
+    /// inputs [weight (V, D) strided allowed, ids I64 of any layout with N elements (read in
+    /// row-major order)]; outputs [rows (N, D)]. An id outside 0..V is an `Error::Index`
+    /// naming it, raised before anything is written.
     IndexSelect,
-    /// inputs [grad_rows (N, D), ids I64 (N)]; outputs [gweight (V, D)] (zero-initialised
-    /// by the caller), rows added in order
+    /// inputs [grad_rows (N, D) strided allowed (stride 0 too), ids I64 as in IndexSelect];
+    /// outputs [gweight (V, D)], added into (the caller zero-initialises it). Rows are added
+    /// in id order, summed in f64 and rounded once: deterministic. Ids checked as above.
     IndexAdd,
+    /// One SGD update in a single pass, in place. inputs [grad]; outputs [param, buf?]
+    /// (buf present iff momentum != 0; `first_step` initialises it from the gradient).
+    SgdStep {
+        lr: f64,
+        momentum: f64,
+        dampening: f64,
+        weight_decay: f64,
+        nesterov: bool,
+        first_step: bool,
+    },
     /// inputs [cond U8, a, b] all broadcast to the output shape (strided allowed);
-    /// outputs [out]
+    /// outputs [out] = cond != 0 ? a : b. a, b and out share one dtype (any).
     Where,
 }

@@ -4,8 +4,8 @@
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::cpu::CpuData;
-use crate::memory::{self, Allocation, Category};
 use crate::error::Result;
+use crate::memory::{self, Allocation, Category};
 use crate::tensor::{DType, Device};
 
 /// Device-specific contents.
@@ -74,6 +74,10 @@ impl Storage {
 
 impl std::fmt::Debug for Storage {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Storage({} x {}, {:?})", self.len, self.dtype, self.alloc)
+        write!(
+            f,
+            "Storage({} x {}, {:?})",
+            self.len, self.dtype, self.alloc
+        )
     }
 }

@@ -120,7 +120,9 @@ impl Allocator {
         let st = &mut *st;
         let Some(block) = st.policy.malloc(requested, &mut st.stats) else {
             st.stats.num_ooms += 1;
-            return Err(Error::OutOfMemory(Box::new(self.oom_report(st, requested, origin))));
+            return Err(Error::OutOfMemory(Box::new(
+                self.oom_report(st, requested, origin),
+            )));
         };
         let id = st.next_id;
         st.next_id += 1;
@@ -181,7 +183,7 @@ impl Allocator {
                 origin: b.origin,
             })
             .collect();
-        largest.sort_by(|a, b| b.bytes.cmp(&a.bytes));
+        largest.sort_by_key(|b| std::cmp::Reverse(b.bytes));
         largest.truncate(5);
         let info = st.policy.mem_info();
         OomReport {
@@ -256,7 +258,11 @@ impl Allocation {
         self.allocator.relabel(self.id, |b| b.base = c);
     }
     pub fn category(&self) -> Option<Category> {
-        self.allocator.lock().live.get(&self.id).map(|b| b.category())
+        self.allocator
+            .lock()
+            .live
+            .get(&self.id)
+            .map(|b| b.category())
     }
     /// The autograd graph starts holding this block for backward.
     pub(crate) fn add_saved_ref(&self) {
@@ -276,6 +282,10 @@ impl Drop for Allocation {
 
 impl std::fmt::Debug for Allocation {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Allocation({} bytes on {})", self.size, self.allocator.device)
+        write!(
+            f,
+            "Allocation({} bytes on {})",
+            self.size, self.allocator.device
+        )
     }
 }

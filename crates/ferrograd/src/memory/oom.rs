@@ -68,7 +68,13 @@ impl fmt::Display for OomReport {
         if !self.largest.is_empty() {
             writeln!(f, "largest live blocks:")?;
             for b in &self.largest {
-                writeln!(f, "  {:>12}  {:<17} from {}", format_size(b.bytes), b.category.name(), b.origin)?;
+                writeln!(
+                    f,
+                    "  {:>12}  {:<17} from {}",
+                    format_size(b.bytes),
+                    b.category.name(),
+                    b.origin
+                )?;
             }
         }
         writeln!(f, "what to try:")?;

@@ -72,7 +72,11 @@ pub fn memory_summary(
 ) -> String {
     let mut lines = vec![
         "=".repeat(RULE),
-        format!(" {:<16} ferrograd memory summary, device {:<19} ", "", device.to_string()),
+        format!(
+            " {:<16} ferrograd memory summary, device {:<19} ",
+            "",
+            device.to_string()
+        ),
         "-".repeat(RULE),
         format!(
             "  {:9} OOMs: {:<17} | {:6} device-alloc retries: {:<8}",
@@ -105,7 +109,12 @@ pub fn memory_summary(
     lines.push("-".repeat(RULE));
     let total = categories.total() as i64;
     for (c, b) in categories.iter() {
-        lines.push(format!(" {:<21} | {} {:<37}", c.name(), format_size_cell(b as i64, total), ""));
+        lines.push(format!(
+            " {:<21} | {} {:<37}",
+            c.name(),
+            format_size_cell(b as i64, total),
+            ""
+        ));
     }
     lines.push("=".repeat(RULE));
     let body: Vec<String> = lines.iter().map(|l| format!("|{l:<RULE$}|")).collect();
@@ -126,7 +135,12 @@ mod tests {
 
     #[test]
     fn summary_lines_have_fixed_width() {
-        let s = memory_summary(Device::Cpu, &DeviceStats::default(), &CategoryBytes::default(), false);
+        let s = memory_summary(
+            Device::Cpu,
+            &DeviceStats::default(),
+            &CategoryBytes::default(),
+            false,
+        );
         assert!(s.lines().all(|l| l.chars().count() == RULE + 2), "{s}");
         assert!(s.contains("Allocated memory"));
         assert!(s.contains("saved_activation"));

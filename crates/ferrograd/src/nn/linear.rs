@@ -12,7 +12,13 @@ pub struct Linear {
 }
 
 impl Linear {
-    pub fn new(in_features: usize, out_features: usize, bias: bool, device: Device, g: &mut Generator) -> Result<Linear> {
+    pub fn new(
+        in_features: usize,
+        out_features: usize,
+        bias: bool,
+        device: Device,
+        g: &mut Generator,
+    ) -> Result<Linear> {
         Linear::new_with_dtype(in_features, out_features, bias, DType::F32, device, g)
     }
 
@@ -31,7 +37,11 @@ impl Linear {
             t.requires_grad_(true)
         };
         let weight = param(&[out_features, in_features], g)?;
-        let bias = if bias { Some(param(&[out_features], g)?) } else { None };
+        let bias = if bias {
+            Some(param(&[out_features], g)?)
+        } else {
+            None
+        };
         Ok(Linear { weight, bias })
     }
 }

@@ -11,7 +11,10 @@ pub trait Module: Send {
     fn named_parameters(&self) -> Vec<(String, Tensor)>;
 
     fn parameters(&self) -> Vec<Tensor> {
-        self.named_parameters().into_iter().map(|(_, p)| p).collect()
+        self.named_parameters()
+            .into_iter()
+            .map(|(_, p)| p)
+            .collect()
     }
 
     /// Switches training behaviour (dropout); containers forward it to children.

@@ -15,8 +15,8 @@ impl Sequential {
         Sequential::default()
     }
 
-    /// Appends a layer (builder style).
-    pub fn add(mut self, layer: impl Module + 'static) -> Self {
+    /// Appends a layer (builder style): `Sequential::new().push(a).push(b)`.
+    pub fn push(mut self, layer: impl Module + 'static) -> Self {
         self.layers.push(Box::new(layer));
         self
     }
@@ -43,7 +43,11 @@ impl Module for Sequential {
         self.layers
             .iter()
             .enumerate()
-            .flat_map(|(i, l)| l.named_parameters().into_iter().map(move |(n, p)| (format!("{i}.{n}"), p)))
+            .flat_map(|(i, l)| {
+                l.named_parameters()
+                    .into_iter()
+                    .map(move |(n, p)| (format!("{i}.{n}"), p))
+            })
             .collect()
     }
 

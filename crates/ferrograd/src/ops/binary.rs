@@ -8,7 +8,12 @@ use crate::error::Result;
 use crate::tensor::{Tensor, broadcast_shape};
 
 /// `out = op(a, b)` with broadcasting, no autograd.
-pub(crate) fn binary_forward(op: BinaryOp, a: &Tensor, b: &Tensor, name: &'static str) -> Result<Tensor> {
+pub(crate) fn binary_forward(
+    op: BinaryOp,
+    a: &Tensor,
+    b: &Tensor,
+    name: &'static str,
+) -> Result<Tensor> {
     check_pair(name, a, b)?;
     super::check_float(name, a)?;
     let shape = broadcast_shape(name, a.shape(), b.shape())?;
@@ -16,8 +21,14 @@ pub(crate) fn binary_forward(op: BinaryOp, a: &Tensor, b: &Tensor, name: &'stati
     let out = Tensor::output(&shape, a.dtype(), a.device(), name)?;
     a.backend()?.binary(
         op,
-        View { storage: a.storage(), layout: &la },
-        View { storage: b.storage(), layout: &lb },
+        View {
+            storage: a.storage(),
+            layout: &la,
+        },
+        View {
+            storage: b.storage(),
+            layout: &lb,
+        },
         out.storage(),
     )?;
     Ok(out)
@@ -41,7 +52,9 @@ fn saved_if(need: bool, t: &Tensor) -> Option<SavedTensor> {
 
 fn get(s: &Option<SavedTensor>) -> &Tensor {
     // The closure saved exactly what the requested gradients read.
-    s.as_ref().map(SavedTensor::get).expect("saved tensor for a requested gradient")
+    s.as_ref()
+        .map(SavedTensor::get)
+        .expect("saved tensor for a requested gradient")
 }
 
 impl Tensor {
@@ -50,7 +63,12 @@ impl Tensor {
         let out = binary_forward(BinaryOp::Add, self, other, "add")?;
         let (sa, sb) = (self.shape().to_vec(), other.shape().to_vec());
         Ok(record("add", &[self, other], out, move |_, _| {
-            move |g: &Tensor, n: &[bool]| Ok(vec![grad_if(n[0], || g.sum_to(&sa))?, grad_if(n[1], || g.sum_to(&sb))?])
+            move |g: &Tensor, n: &[bool]| {
+                Ok(vec![
+                    grad_if(n[0], || g.sum_to(&sa))?,
+                    grad_if(n[1], || g.sum_to(&sb))?,
+                ])
+            }
         }))
     }
 
@@ -60,7 +78,10 @@ impl Tensor {
         let (sa, sb) = (self.shape().to_vec(), other.shape().to_vec());
         Ok(record("sub", &[self, other], out, move |_, _| {
             move |g: &Tensor, n: &[bool]| {
-                Ok(vec![grad_if(n[0], || g.sum_to(&sa))?, grad_if(n[1], || g.neg()?.sum_to(&sb))?])
+                Ok(vec![
+                    grad_if(n[0], || g.sum_to(&sa))?,
+                    grad_if(n[1], || g.neg()?.sum_to(&sb))?,
+                ])
             }
         }))
     }
@@ -106,7 +127,9 @@ impl Tensor {
             move |g: &Tensor, n: &[bool]| {
                 let (a, b) = (a.get(), b.get());
                 Ok(vec![
-                    grad_if(n[0], || g.mul(&b.mul(&a.pow(&b.add_scalar(-1.0)?)?)?)?.sum_to(&sa))?,
+                    grad_if(n[0], || {
+                        g.mul(&b.mul(&a.pow(&b.add_scalar(-1.0)?)?)?)?.sum_to(&sa)
+                    })?,
                     grad_if(n[1], || g.mul(&get(&y).mul(&a.log()?)?)?.sum_to(&sb))?,
                 ])
             }
@@ -116,7 +139,9 @@ impl Tensor {
     /// x + c. Backward: g.
     pub fn add_scalar(&self, c: f64) -> Result<Tensor> {
         let out = unary_forward(UnaryOp::AddScalar(c), self, "add_scalar")?;
-        Ok(record("add_scalar", &[self], out, |_, _| |g: &Tensor, _: &[bool]| Ok(vec![Some(g.clone())])))
+        Ok(record("add_scalar", &[self], out, |_, _| {
+            |g: &Tensor, _: &[bool]| Ok(vec![Some(g.clone())])
+        }))
     }
 
     /// x - c.
@@ -142,13 +167,19 @@ impl Tensor {
         let out = unary_forward(UnaryOp::PowScalar(c), self, "pow_scalar")?;
         Ok(record("pow_scalar", &[self], out, |_, _| {
             let x = SavedTensor::new(self);
-            move |g: &Tensor, _: &[bool]| Ok(vec![Some(g.mul(&x.get().pow_scalar(c - 1.0)?.mul_scalar(c)?)?)])
+            move |g: &Tensor, _: &[bool]| {
+                Ok(vec![Some(
+                    g.mul(&x.get().pow_scalar(c - 1.0)?.mul_scalar(c)?)?,
+                )])
+            }
         }))
     }
 
     /// -x. Backward: -g.
     pub fn neg(&self) -> Result<Tensor> {
         let out = unary_forward(UnaryOp::Neg, self, "neg")?;
-        Ok(record("neg", &[self], out, |_, _| |g: &Tensor, _: &[bool]| Ok(vec![Some(g.neg()?)])))
+        Ok(record("neg", &[self], out, |_, _| {
+            |g: &Tensor, _: &[bool]| Ok(vec![Some(g.neg()?)])
+        }))
     }
 }

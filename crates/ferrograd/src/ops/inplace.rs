@@ -9,7 +9,10 @@ use crate::tensor::Tensor;
 
 impl Tensor {
     fn check_inplace_target(&self, op: &'static str) -> Result<()> {
-        if !self.is_contiguous() || self.layout().offset() != 0 || self.numel() != self.storage().len() {
+        if !self.is_contiguous()
+            || self.layout().offset() != 0
+            || self.numel() != self.storage().len()
+        {
             return Err(Error::invalid(
                 op,
                 "in-place ops need a tensor that owns its whole contiguous storage; call .contiguous_owned() first",
@@ -27,7 +30,14 @@ impl Tensor {
         self.check_inplace_target(name)?;
         super::check_pair(name, self, src)?;
         let l = src.broadcast_layout(self.shape())?;
-        self.backend()?.binary_inplace(op, self.storage(), View { storage: src.storage(), layout: &l })
+        self.backend()?.binary_inplace(
+            op,
+            self.storage(),
+            View {
+                storage: src.storage(),
+                layout: &l,
+            },
+        )
     }
 
     /// self += other
@@ -63,7 +73,10 @@ impl Tensor {
     }
     /// A tensor that owns its whole contiguous storage (self if it already does).
     pub fn contiguous_owned(&self) -> Result<Tensor> {
-        if self.is_contiguous() && self.layout().offset() == 0 && self.numel() == self.storage().len() {
+        if self.is_contiguous()
+            && self.layout().offset() == 0
+            && self.numel() == self.storage().len()
+        {
             Ok(self.clone())
         } else {
             self.contiguous_copy()

@@ -25,16 +25,34 @@ impl Tensor {
         if let Some(b) = bias
             && b.shape() != [weight.shape()[0]]
         {
-            return Err(Error::shape("linear", format!("bias {:?} must have shape [{}]", b.shape(), weight.shape()[0])));
+            return Err(Error::shape(
+                "linear",
+                format!(
+                    "bias {:?} must have shape [{}]",
+                    b.shape(),
+                    weight.shape()[0]
+                ),
+            ));
         }
         let k = weight.shape()[1];
         let rows = self.numel() / k.max(1);
-        let x2 = if self.is_contiguous() { self.detach().reshape(&[rows, k])? } else { self.contiguous_copy()?.reshape(&[rows, k])? };
+        let x2 = if self.is_contiguous() {
+            self.detach().reshape(&[rows, k])?
+        } else {
+            self.contiguous_copy()?.reshape(&[rows, k])?
+        };
         let out = matmul_forward(&x2, &weight.t_view()?)?;
         if let Some(b) = bias {
             super::check_pair("linear", self, b)?;
             let lb = b.broadcast_layout(out.shape())?;
-            out.backend()?.binary_inplace(BinaryOp::Add, out.storage(), crate::backend::View { storage: b.storage(), layout: &lb })?;
+            out.backend()?.binary_inplace(
+                BinaryOp::Add,
+                out.storage(),
+                crate::backend::View {
+                    storage: b.storage(),
+                    layout: &lb,
+                },
+            )?;
         }
         let mut shape = self.shape().to_vec();
         shape[rank - 1] = weight.shape()[0];
@@ -60,7 +78,14 @@ impl Tensor {
                 };
                 let mut grads = vec![gx, gw];
                 if n.len() == 3 {
-                    grads.push(if n[2] { Some(g2.reduce_dims(ReduceOp::Sum, &[0], "linear_backward")?.reshape(&[n_out])?) } else { None });
+                    grads.push(if n[2] {
+                        Some(
+                            g2.reduce_dims(ReduceOp::Sum, &[0], "linear_backward")?
+                                .reshape(&[n_out])?,
+                        )
+                    } else {
+                        None
+                    });
                 }
                 Ok(grads)
             }

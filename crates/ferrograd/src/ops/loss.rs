@@ -11,7 +11,11 @@ impl Tensor {
         if self.shape() != target.shape() {
             return Err(Error::shape(
                 "mse_loss",
-                format!("input {:?} and target {:?} must have the same shape", self.shape(), target.shape()),
+                format!(
+                    "input {:?} and target {:?} must have the same shape",
+                    self.shape(),
+                    target.shape()
+                ),
             ));
         }
         let loss = {

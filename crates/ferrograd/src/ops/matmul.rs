@@ -13,22 +13,45 @@ pub(crate) fn matmul_forward(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     super::check_pair("matmul", a, b)?;
     super::check_float("matmul", a)?;
     let (ra, rb) = (a.dims(), b.dims());
-    let (m, k, k2, n) = (a.shape()[ra - 2], a.shape()[ra - 1], b.shape()[rb - 2], b.shape()[rb - 1]);
+    let (m, k, k2, n) = (
+        a.shape()[ra - 2],
+        a.shape()[ra - 1],
+        b.shape()[rb - 2],
+        b.shape()[rb - 1],
+    );
     if k != k2 {
         return Err(Error::shape(
             "matmul",
-            format!("{:?} @ {:?}: inner dims {k} and {k2} differ", a.shape(), b.shape()),
+            format!(
+                "{:?} @ {:?}: inner dims {k} and {k2} differ",
+                a.shape(),
+                b.shape()
+            ),
         ));
     }
     let batch = broadcast_shape("matmul", &a.shape()[..ra - 2], &b.shape()[..rb - 2])?;
     let with = |x: usize, y: usize| [batch.as_slice(), &[x, y]].concat();
-    let (la, lb) = (a.broadcast_layout(&with(m, k))?, b.broadcast_layout(&with(k, n))?);
+    let (la, lb) = (
+        a.broadcast_layout(&with(m, k))?,
+        b.broadcast_layout(&with(k, n))?,
+    );
     let out = Tensor::output(&with(m, n), a.dtype(), a.device(), "matmul")?;
-    let spec = MatmulSpec { batch: batch.iter().product(), m, n, k };
+    let spec = MatmulSpec {
+        batch: batch.iter().product(),
+        m,
+        n,
+        k,
+    };
     a.backend()?.matmul(
         &spec,
-        View { storage: a.storage(), layout: &la },
-        View { storage: b.storage(), layout: &lb },
+        View {
+            storage: a.storage(),
+            layout: &la,
+        },
+        View {
+            storage: b.storage(),
+            layout: &lb,
+        },
         out.storage(),
     )?;
     Ok(out)
@@ -38,7 +61,15 @@ impl Tensor {
     /// Matrix product with PyTorch's rules for 1-D and batched operands.
     pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
         match (self.dims(), other.dims()) {
-            (0, _) | (_, 0) => Err(Error::shape("matmul", "both operands need at least one dim")),
+            (0, _) | (_, 0) => Err(Error::shape(
+                "matmul",
+                "both operands need at least one dim",
+            )),
+            // Dot product: (k) @ (k) → ().
+            (1, 1) => self
+                .unsqueeze(0)?
+                .matmul(&other.unsqueeze(1)?)?
+                .reshape(&[]),
             (1, _) => self.unsqueeze(0)?.matmul(other)?.squeeze(-2),
             (_, 1) => self.matmul(&other.unsqueeze(1)?)?.squeeze(-1),
             (ra, 2) if ra > 2 && self.is_contiguous() => {
@@ -64,11 +95,15 @@ impl Tensor {
             let b = needs[0].then(|| SavedTensor::new(other));
             move |g: &Tensor, n: &[bool]| {
                 let ga = match (&b, n[0]) {
-                    (Some(b), true) => Some(matmul_forward(g, &b.get().transpose(-1, -2)?)?.sum_to(&sa)?),
+                    (Some(b), true) => {
+                        Some(matmul_forward(g, &b.get().transpose(-1, -2)?)?.sum_to(&sa)?)
+                    }
                     _ => None,
                 };
                 let gb = match (&a, n[1]) {
-                    (Some(a), true) => Some(matmul_forward(&a.get().transpose(-1, -2)?, g)?.sum_to(&sb)?),
+                    (Some(a), true) => {
+                        Some(matmul_forward(&a.get().transpose(-1, -2)?, g)?.sum_to(&sb)?)
+                    }
                     _ => None,
                 };
                 Ok(vec![ga, gb])

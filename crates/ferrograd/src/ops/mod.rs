@@ -25,14 +25,22 @@ use crate::tensor::{DType, Layout, Tensor};
 
 pub(crate) fn check_same_device(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
     if a.device() != b.device() {
-        return Err(Error::DeviceMismatch { op, a: a.device(), b: b.device() });
+        return Err(Error::DeviceMismatch {
+            op,
+            a: a.device(),
+            b: b.device(),
+        });
     }
     Ok(())
 }
 
 pub(crate) fn check_same_dtype(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
     if a.dtype() != b.dtype() {
-        return Err(Error::DType { op, expected: a.dtype(), got: b.dtype() });
+        return Err(Error::DType {
+            op,
+            expected: a.dtype(),
+            got: b.dtype(),
+        });
     }
     Ok(())
 }
@@ -54,7 +62,28 @@ pub(crate) fn check_pair(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()>
     check_same_dtype(op, a, b)
 }
 
+/// The dtype of per-row statistics a fused op keeps for its backward (mean, rstd,
+/// log-sum-exp): F64 for F64 tensors, else F32, as half-precision statistics would cost
+/// gradient accuracy (PyTorch keeps them in the accumulate type too).
+pub(crate) fn stats_dtype(d: DType) -> DType {
+    if d == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
+}
+
 impl Tensor {
+    /// The same data without history, contiguous: a view of itself when already contiguous
+    /// (no copy), else a fresh copy. The form fused kernels take their inputs in.
+    pub(crate) fn detached_contiguous(&self) -> Result<Tensor> {
+        if self.is_contiguous() {
+            Ok(self.detach())
+        } else {
+            self.contiguous_copy()
+        }
+    }
+
     pub(crate) fn backend(&self) -> Result<&'static dyn Backend> {
         backend::backend(self.device())
     }

@@ -13,7 +13,11 @@ impl Tensor {
         if n != self.numel() {
             return Err(Error::shape(
                 "reshape",
-                format!("cannot reshape {:?} ({} elements) into {shape:?} ({n} elements)", self.shape(), self.numel()),
+                format!(
+                    "cannot reshape {:?} ({} elements) into {shape:?} ({n} elements)",
+                    self.shape(),
+                    self.numel()
+                ),
             ));
         }
         if self.shape() == shape {
@@ -34,14 +38,27 @@ impl Tensor {
 
     /// Reshape where one entry may be -1 (inferred).
     pub fn reshape_infer(&self, shape: &[isize]) -> Result<Tensor> {
-        let known: usize = shape.iter().filter(|&&d| d >= 0).map(|&d| d as usize).product();
+        let known: usize = shape
+            .iter()
+            .filter(|&&d| d >= 0)
+            .map(|&d| d as usize)
+            .product();
         let inferred = shape.iter().filter(|&&d| d < 0).count();
-        if inferred > 1 || (inferred == 1 && (known == 0 || self.numel() % known != 0)) {
-            return Err(Error::shape("reshape", format!("cannot infer {shape:?} for {:?}", self.shape())));
+        if inferred > 1 || (inferred == 1 && (known == 0 || !self.numel().is_multiple_of(known))) {
+            return Err(Error::shape(
+                "reshape",
+                format!("cannot infer {shape:?} for {:?}", self.shape()),
+            ));
         }
         let dims: Vec<usize> = shape
             .iter()
-            .map(|&d| if d < 0 { self.numel() / known.max(1) } else { d as usize })
+            .map(|&d| {
+                if d < 0 {
+                    self.numel() / known.max(1)
+                } else {
+                    d as usize
+                }
+            })
             .collect();
         self.reshape(&dims)
     }
@@ -61,7 +78,13 @@ impl Tensor {
     /// Swaps two dims (negative dims count from the end). A view.
     pub fn transpose(&self, d0: isize, d1: isize) -> Result<Tensor> {
         let r = self.dims();
-        let (a, b) = (resolve_dim("transpose", d0, r)?, resolve_dim("transpose", d1, r)?);
+        let (a, b) = (
+            resolve_dim("transpose", d0, r)?,
+            resolve_dim("transpose", d1, r)?,
+        );
+        if r == 0 {
+            return Ok(self.clone()); // a 0-dim tensor is its own transpose
+        }
         let mut dims: Vec<usize> = (0..r).collect();
         dims.swap(a, b);
         self.permute(&dims)
@@ -70,7 +93,10 @@ impl Tensor {
     /// Transpose of a 2-D tensor (a view).
     pub fn t(&self) -> Result<Tensor> {
         if self.dims() != 2 {
-            return Err(Error::shape("t", format!("t() needs a 2-D tensor, got shape {:?}", self.shape())));
+            return Err(Error::shape(
+                "t",
+                format!("t() needs a 2-D tensor, got shape {:?}", self.shape()),
+            ));
         }
         self.transpose(0, 1)
     }
@@ -84,7 +110,13 @@ impl Tensor {
             move |g: &Tensor, _: &[bool]| {
                 let full = Tensor::output(&shape, g.dtype(), g.device(), "narrow_backward")?;
                 let region = full.layout().narrow(d, start, len)?;
-                full.backend()?.copy(g.view(), crate::backend::View { storage: full.storage(), layout: &region })?;
+                full.backend()?.copy(
+                    g.view(),
+                    crate::backend::View {
+                        storage: full.storage(),
+                        layout: &region,
+                    },
+                )?;
                 Ok(vec![Some(full)])
             }
         }))
@@ -105,7 +137,9 @@ impl Tensor {
             return Ok(self.clone());
         }
         let out = self.contiguous_copy()?;
-        Ok(record("contiguous", &[self], out, |_, _| |g: &Tensor, _: &[bool]| Ok(vec![Some(g.clone())])))
+        Ok(record("contiguous", &[self], out, |_, _| {
+            |g: &Tensor, _: &[bool]| Ok(vec![Some(g.clone())])
+        }))
     }
 
     /// Inserts a dim of size 1 at `dim`.
@@ -119,7 +153,7 @@ impl Tensor {
     /// Removes `dim` if it has size 1.
     pub fn squeeze(&self, dim: isize) -> Result<Tensor> {
         let d = resolve_dim("squeeze", dim, self.dims())?;
-        if self.shape()[d] != 1 {
+        if self.shape().get(d) != Some(&1) {
             return Ok(self.clone());
         }
         let mut shape = self.shape().to_vec();
@@ -134,9 +168,17 @@ impl Tensor {
         }
         // Keep the strides of the non-unit dims in order.
         let mut strides = Vec::with_capacity(shape.len());
-        let mut src = self.shape().iter().zip(self.strides()).filter(|(d, _)| **d != 1);
+        let mut src = self
+            .shape()
+            .iter()
+            .zip(self.strides())
+            .filter(|(d, _)| **d != 1);
         for &d in shape {
-            strides.push(if d == 1 { 1 } else { *src.next().map(|(_, s)| s).unwrap_or(&1) });
+            strides.push(if d == 1 {
+                1
+            } else {
+                *src.next().map(|(_, s)| s).unwrap_or(&1)
+            });
         }
         let out = self.with_layout(Layout::new(shape.to_vec(), strides, self.layout().offset()));
         let orig = self.shape().to_vec();

@@ -7,7 +7,12 @@ use crate::error::{Error, Result};
 use crate::tensor::{DType, Tensor, resolve_dim};
 
 fn resolve_dims(op: &'static str, dims: &[isize], rank: usize) -> Result<Vec<usize>> {
-    let mut out: Vec<usize> = dims.iter().map(|&d| resolve_dim(op, d, rank)).collect::<Result<_>>()?;
+    let mut out: Vec<usize> = dims
+        .iter()
+        .map(|&d| resolve_dim(op, d, rank))
+        .collect::<Result<_>>()?;
+    // A 0-dim tensor accepts dim 0 / -1 (as in PyTorch) and has nothing to reduce.
+    out.retain(|&d| d < rank);
     out.sort_unstable();
     out.dedup();
     Ok(out)
@@ -27,12 +32,22 @@ fn kept_shape(shape: &[usize], dims: &[usize], keepdim: bool) -> Vec<usize> {
 
 impl Tensor {
     /// Raw reduction with the reduced dims kept as size 1, no autograd.
-    pub(crate) fn reduce_dims(&self, op: ReduceOp, dims: &[usize], name: &'static str) -> Result<Tensor> {
+    pub(crate) fn reduce_dims(
+        &self,
+        op: ReduceOp,
+        dims: &[usize],
+        name: &'static str,
+    ) -> Result<Tensor> {
         super::check_float(name, self)?;
         let shape = kept_shape(self.shape(), dims, true);
-        let dtype = if op == ReduceOp::ArgMax { DType::I64 } else { self.dtype() };
+        let dtype = if op == ReduceOp::ArgMax {
+            DType::I64
+        } else {
+            self.dtype()
+        };
         let out = Tensor::output(&shape, dtype, self.device(), name)?;
-        self.backend()?.reduce(op, self.view(), dims, out.storage())?;
+        self.backend()?
+            .reduce(op, self.view(), dims, out.storage())?;
         Ok(out)
     }
 
@@ -63,12 +78,17 @@ impl Tensor {
     pub fn mean(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
         let d = resolve_dims("mean", dims, self.dims())?;
         let count: usize = d.iter().map(|&i| self.shape()[i]).product();
-        self.sum(dims, keepdim)?.mul_scalar(1.0 / count.max(1) as f64)
+        self.sum(dims, keepdim)?
+            .mul_scalar(1.0 / count.max(1) as f64)
     }
 
     /// Maximum over one dim: (values, indices). Backward routes the gradient to the arg max.
     pub fn max_dim(&self, dim: isize, keepdim: bool) -> Result<(Tensor, Tensor)> {
         let d = resolve_dim("max", dim, self.dims())?;
+        if self.dims() == 0 {
+            // PyTorch: the value itself and index 0, both 0-dim whatever keepdim says.
+            return self.reshape(&[1])?.max_dim(0, false);
+        }
         if self.shape().get(d) == Some(&0) {
             return Err(Error::shape("max", "cannot take the max of an empty dim"));
         }
@@ -82,7 +102,9 @@ impl Tensor {
             let idx = SavedTensor::new(&indices);
             move |g: &Tensor, _: &[bool]| {
                 let hot = one_hot_along(idx.get(), &shape, d, g.dtype())?;
-                Ok(vec![Some(hot.mul(&g.reshape(&keep_shape)?.expand(&shape)?)?)])
+                Ok(vec![Some(
+                    hot.mul(&g.reshape(&keep_shape)?.expand(&shape)?)?,
+                )])
             }
         });
         Ok((out, idx_out))
@@ -93,7 +115,13 @@ impl Tensor {
 fn one_hot_along(idx: &Tensor, shape: &[usize], dim: usize, dtype: DType) -> Result<Tensor> {
     let mut pos_shape = vec![1; shape.len()];
     pos_shape[dim] = shape[dim];
-    let positions = Tensor::arange(0.0, shape[dim] as f64, 1.0, dtype, idx.device())?.reshape(&pos_shape)?;
+    let positions =
+        Tensor::arange(0.0, shape[dim] as f64, 1.0, dtype, idx.device())?.reshape(&pos_shape)?;
     let idx_f = idx.copy_as(dtype, "max_backward")?;
-    super::binary::binary_forward(BinaryOp::Eq, &positions.expand(shape)?, &idx_f.expand(shape)?, "max_backward")
+    super::binary::binary_forward(
+        BinaryOp::Eq,
+        &positions.expand(shape)?,
+        &idx_f.expand(shape)?,
+        "max_backward",
+    )
 }

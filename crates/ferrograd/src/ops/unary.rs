@@ -19,7 +19,12 @@ pub enum GeluApprox {
 /// `op(g, saved)`, written into `g`'s own buffer when nothing else can see it (the engine
 /// hands each node a gradient it owns). This keeps one (B, T, C) buffer fewer alive at the
 /// backward peak than allocating a fresh result, as PyTorch's threshold_backward does.
-fn backward_into_grad(op: BinaryOp, g: &Tensor, saved: &Tensor, name: &'static str) -> Result<Tensor> {
+fn backward_into_grad(
+    op: BinaryOp,
+    g: &Tensor,
+    saved: &Tensor,
+    name: &'static str,
+) -> Result<Tensor> {
     if g.is_exclusive() && g.shape() == saved.shape() && g.dtype() == saved.dtype() {
         g.backend()?.binary_inplace(op, g.storage(), saved.view())?;
         return Ok(g.clone());
@@ -33,7 +38,9 @@ impl Tensor {
         let out = unary_forward(op, self, name)?;
         Ok(record(name, &[self], out, |out, _| {
             let y = SavedTensor::new(out);
-            move |g: &Tensor, _: &[bool]| Ok(vec![Some(backward_into_grad(back, g, y.get(), name)?)])
+            move |g: &Tensor, _: &[bool]| {
+                Ok(vec![Some(backward_into_grad(back, g, y.get(), name)?)])
+            }
         }))
     }
 
@@ -84,7 +91,14 @@ impl Tensor {
         let out = unary_forward(op, self, "gelu")?;
         Ok(record("gelu", &[self], out, |_, _| {
             let x = SavedTensor::new(self);
-            move |g: &Tensor, _: &[bool]| Ok(vec![Some(backward_into_grad(back, g, x.get(), "gelu_backward")?)])
+            move |g: &Tensor, _: &[bool]| {
+                Ok(vec![Some(backward_into_grad(
+                    back,
+                    g,
+                    x.get(),
+                    "gelu_backward",
+                )?)])
+            }
         }))
     }
 }

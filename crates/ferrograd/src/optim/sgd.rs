@@ -10,6 +10,7 @@
 
 use super::Optimizer;
 use crate::autograd::no_grad;
+use crate::backend::FusedOp;
 use crate::error::{Error, Result};
 use crate::memory::Category;
 use crate::tensor::Tensor;
@@ -44,13 +45,23 @@ pub struct Sgd {
 impl Sgd {
     pub fn new(params: Vec<Tensor>, cfg: SgdConfig) -> Result<Sgd> {
         if cfg.lr < 0.0 || cfg.momentum < 0.0 || cfg.weight_decay < 0.0 {
-            return Err(Error::invalid("SGD", "lr, momentum and weight_decay must be non-negative"));
+            return Err(Error::invalid(
+                "SGD",
+                "lr, momentum and weight_decay must be non-negative",
+            ));
         }
         if cfg.nesterov && (cfg.momentum <= 0.0 || cfg.dampening != 0.0) {
-            return Err(Error::invalid("SGD", "Nesterov momentum requires a momentum > 0 and zero dampening"));
+            return Err(Error::invalid(
+                "SGD",
+                "Nesterov momentum requires a momentum > 0 and zero dampening",
+            ));
         }
         let n = params.len();
-        Ok(Sgd { params, cfg, momentum_buffers: vec![None; n] })
+        Ok(Sgd {
+            params,
+            cfg,
+            momentum_buffers: vec![None; n],
+        })
     }
 
     pub fn config(&self) -> &SgdConfig {
@@ -62,30 +73,49 @@ impl Sgd {
         self.momentum_buffers.get(i).and_then(Option::as_ref)
     }
 
+    /// One fused pass per parameter: reads the gradient once, updates buffer and parameter.
     fn update(&mut self, i: usize, grad: Tensor) -> Result<()> {
-        let c = self.cfg.clone();
+        let c = &self.cfg;
         let p = &self.params[i];
-        let mut g = grad;
-        if c.weight_decay != 0.0 {
-            g = g.add(&p.mul_scalar(c.weight_decay)?)?;
+        if grad.shape() != p.shape() || grad.dtype() != p.dtype() {
+            return Err(Error::shape(
+                "SGD",
+                format!(
+                    "gradient {:?} does not match parameter {:?}",
+                    grad.shape(),
+                    p.shape()
+                ),
+            ));
         }
-        if c.momentum != 0.0 {
-            let buf = match &self.momentum_buffers[i] {
-                None => {
-                    let b = g.contiguous_copy()?;
-                    b.set_category(Category::OptimizerState);
-                    self.momentum_buffers[i] = Some(b.clone());
-                    b
-                }
-                Some(b) => {
-                    b.mul_scalar_(c.momentum)?;
-                    b.add_scaled_(&g, 1.0 - c.dampening)?;
-                    b.clone()
-                }
-            };
-            g = if c.nesterov { g.add(&buf.mul_scalar(c.momentum)?)? } else { buf };
+        let grad = if grad.is_contiguous() {
+            grad
+        } else {
+            grad.contiguous_copy()?
+        };
+        let first_step = c.momentum != 0.0 && self.momentum_buffers[i].is_none();
+        if first_step {
+            let b = Tensor::alloc(
+                p.shape(),
+                p.dtype(),
+                p.device(),
+                Category::OptimizerState,
+                "sgd_momentum",
+            )?;
+            self.momentum_buffers[i] = Some(b);
         }
-        p.add_scaled_(&g, -c.lr)
+        let op = FusedOp::SgdStep {
+            lr: c.lr,
+            momentum: c.momentum,
+            dampening: c.dampening,
+            weight_decay: c.weight_decay,
+            nesterov: c.nesterov,
+            first_step,
+        };
+        let mut outputs = vec![p.storage().as_ref()];
+        if let Some(b) = &self.momentum_buffers[i] {
+            outputs.push(b.storage().as_ref());
+        }
+        p.backend()?.fused(&op, &[grad.view()], &outputs)
     }
 }
 

@@ -76,7 +76,12 @@ fn numel_of(op: &'static str, shape: &[usize]) -> Result<usize> {
     shape
         .iter()
         .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| Error::shape(op, format!("shape {shape:?} has more elements than fit in memory")))
+        .ok_or_else(|| {
+            Error::shape(
+                op,
+                format!("shape {shape:?} has more elements than fit in memory"),
+            )
+        })
 }
 
 impl Tensor {
@@ -90,16 +95,31 @@ impl Tensor {
     ) -> Result<Tensor> {
         let len = numel_of(origin, shape)?;
         let be = backend::backend(device)?;
-        let storage = Storage::new(device, dtype, len, category, origin, || be.zeros(dtype, len))?;
-        Ok(Tensor::from_storage(Arc::new(storage), Layout::contiguous(shape)))
+        let storage = Storage::new(device, dtype, len, category, origin, || {
+            be.zeros(dtype, len)
+        })?;
+        Ok(Tensor::from_storage(
+            Arc::new(storage),
+            Layout::contiguous(shape),
+        ))
     }
 
     /// An op output: a fresh contiguous tensor counted as `temporary`.
-    pub(crate) fn output(shape: &[usize], dtype: DType, device: Device, origin: &'static str) -> Result<Tensor> {
+    pub(crate) fn output(
+        shape: &[usize],
+        dtype: DType,
+        device: Device,
+        origin: &'static str,
+    ) -> Result<Tensor> {
         Tensor::alloc(shape, dtype, device, Category::Temporary, origin)
     }
 
-    fn from_host_values(values: HostValues, shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+    fn from_host_values(
+        values: HostValues,
+        shape: &[usize],
+        dtype: DType,
+        device: Device,
+    ) -> Result<Tensor> {
         let len = numel_of("from_vec", shape)?;
         let n = values.len();
         if n != len {
@@ -110,9 +130,12 @@ impl Tensor {
         }
         let be = backend::backend(device)?;
         let storage = Storage::new(device, dtype, len, Category::Input, "from_vec", || {
-            be.from_host(dtype, values)
+            be.upload(dtype, values)
         })?;
-        Ok(Tensor::from_storage(Arc::new(storage), Layout::contiguous(shape)))
+        Ok(Tensor::from_storage(
+            Arc::new(storage),
+            Layout::contiguous(shape),
+        ))
     }
 
     /// A tensor holding `data` with `shape`, on `device`; its dtype is `T`'s.
@@ -121,7 +144,12 @@ impl Tensor {
     }
 
     /// Like `from_vec` but stored as `dtype` (values converted).
-    pub fn from_vec_as<T: HostElem>(data: Vec<T>, shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+    pub fn from_vec_as<T: HostElem>(
+        data: Vec<T>,
+        shape: &[usize],
+        dtype: DType,
+        device: Device,
+    ) -> Result<Tensor> {
         Tensor::from_host_values(T::to_host(data), shape, dtype, device)
     }
 
@@ -180,7 +208,12 @@ impl Tensor {
         with_default(|g| Tensor::randn_with(shape, dtype, device, g))
     }
 
-    pub fn rand_with(shape: &[usize], dtype: DType, device: Device, g: &mut Generator) -> Result<Tensor> {
+    pub fn rand_with(
+        shape: &[usize],
+        dtype: DType,
+        device: Device,
+        g: &mut Generator,
+    ) -> Result<Tensor> {
         Tensor::uniform_with(shape, 0.0, 1.0, dtype, device, g)
     }
 
@@ -201,7 +234,12 @@ impl Tensor {
         Tensor::from_host_values(values, shape, dtype, device)
     }
 
-    pub fn randn_with(shape: &[usize], dtype: DType, device: Device, g: &mut Generator) -> Result<Tensor> {
+    pub fn randn_with(
+        shape: &[usize],
+        dtype: DType,
+        device: Device,
+        g: &mut Generator,
+    ) -> Result<Tensor> {
         Tensor::normal_with(shape, 0.0, 1.0, dtype, device, g)
     }
 
@@ -215,7 +253,12 @@ impl Tensor {
     ) -> Result<Tensor> {
         let n = numel_of("randn", shape)?;
         let values = if dtype == DType::F32 {
-            HostValues::F32(g.normal(n, mean, std).into_iter().map(|x| x as f32).collect())
+            HostValues::F32(
+                g.normal(n, mean, std)
+                    .into_iter()
+                    .map(|x| x as f32)
+                    .collect(),
+            )
         } else {
             HostValues::F64(g.normal(n, mean, std))
         };

@@ -24,9 +24,10 @@ pub fn contiguous_strides(shape: &[usize]) -> Vec<isize> {
 
 /// Resolves a possibly negative dim (PyTorch style: -1 = last) against a rank.
 pub fn resolve_dim(op: &'static str, dim: isize, rank: usize) -> Result<usize> {
-    let r = rank as isize;
+    // A 0-dim tensor takes dim 0 or -1, as in PyTorch.
+    let r = rank.max(1) as isize;
     let d = if dim < 0 { dim + r } else { dim };
-    if d < 0 || d >= r.max(1) {
+    if d < 0 || d >= r {
         return Err(Error::Index {
             op,
             detail: format!("dim {dim} is out of range for a tensor of rank {rank}"),
@@ -40,8 +41,16 @@ pub fn broadcast_shape(op: &'static str, a: &[usize], b: &[usize]) -> Result<Vec
     let rank = a.len().max(b.len());
     let mut out = vec![0; rank];
     for i in 0..rank {
-        let da = if i + a.len() >= rank { a[i + a.len() - rank] } else { 1 };
-        let db = if i + b.len() >= rank { b[i + b.len() - rank] } else { 1 };
+        let da = if i + a.len() >= rank {
+            a[i + a.len() - rank]
+        } else {
+            1
+        };
+        let db = if i + b.len() >= rank {
+            b[i + b.len() - rank]
+        } else {
+            1
+        };
         out[i] = match (da, db) {
             (x, y) if x == y => x,
             (1, y) => y,
@@ -49,7 +58,9 @@ pub fn broadcast_shape(op: &'static str, a: &[usize], b: &[usize]) -> Result<Vec
             _ => {
                 return Err(Error::shape(
                     op,
-                    format!("shapes {a:?} and {b:?} cannot be broadcast together (dim {i}: {da} vs {db})"),
+                    format!(
+                        "shapes {a:?} and {b:?} cannot be broadcast together (dim {i}: {da} vs {db})"
+                    ),
                 ));
             }
         };
@@ -106,10 +117,17 @@ impl Layout {
     pub fn permute(&self, dims: &[usize]) -> Result<Layout> {
         let rank = self.rank();
         let mut seen = vec![false; rank];
-        if dims.len() != rank || dims.iter().any(|&d| d >= rank || std::mem::replace(&mut seen[d], true)) {
+        if dims.len() != rank
+            || dims
+                .iter()
+                .any(|&d| d >= rank || std::mem::replace(&mut seen[d], true))
+        {
             return Err(Error::shape(
                 "permute",
-                format!("{dims:?} is not a permutation of the {rank} dims of shape {:?}", self.shape),
+                format!(
+                    "{dims:?} is not a permutation of the {rank} dims of shape {:?}",
+                    self.shape
+                ),
             ));
         }
         Ok(Layout {
@@ -145,7 +163,10 @@ impl Layout {
         if shape.len() < self.rank() {
             return Err(Error::shape(
                 "expand",
-                format!("cannot expand shape {:?} to fewer dims {shape:?}", self.shape),
+                format!(
+                    "cannot expand shape {:?} to fewer dims {shape:?}",
+                    self.shape
+                ),
             ));
         }
         let lead = shape.len() - self.rank();
@@ -159,7 +180,10 @@ impl Layout {
             } else {
                 return Err(Error::shape(
                     "expand",
-                    format!("cannot expand shape {:?} to {shape:?}: dim {i} is {d}, not 1", self.shape),
+                    format!(
+                        "cannot expand shape {:?} to {shape:?}: dim {i} is {d}, not 1",
+                        self.shape
+                    ),
                 ));
             };
         }
@@ -261,13 +285,18 @@ mod tests {
 
     #[test]
     fn broadcast_shapes() {
-        assert_eq!(broadcast_shape("t", &[2, 1, 4], &[3, 1]).unwrap(), vec![2, 3, 4]);
+        assert_eq!(
+            broadcast_shape("t", &[2, 1, 4], &[3, 1]).unwrap(),
+            vec![2, 3, 4]
+        );
         assert!(broadcast_shape("t", &[2, 3], &[4]).is_err());
     }
 
     #[test]
     fn expand_uses_zero_strides() {
-        let l = Layout::contiguous(&[3, 1]).broadcast_to(&[2, 3, 4]).unwrap();
+        let l = Layout::contiguous(&[3, 1])
+            .broadcast_to(&[2, 3, 4])
+            .unwrap();
         assert_eq!(l.strides(), &[0, 1, 0]);
         assert_eq!(l.offsets().take(5).collect::<Vec<_>>(), vec![0, 0, 0, 0, 1]);
     }

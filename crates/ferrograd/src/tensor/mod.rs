@@ -11,11 +11,12 @@ pub use create::HostElem;
 pub use device::Device;
 pub use dtype::DType;
 pub use layout::{Layout, broadcast_shape, contiguous_strides, resolve_dim};
+pub(crate) use random::with_default;
 pub use random::{Generator, manual_seed};
 
 use std::fmt;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 use crate::autograd::{AutogradMeta, Node, PostAccumulateHook, TensorHook};
 use crate::backend::{self, HostValues, Storage, View};
@@ -154,9 +155,14 @@ impl Tensor {
             if g.shape() != self.shape() {
                 return Err(Error::shape(
                     "set_grad",
-                    format!("gradient shape {:?} differs from the tensor's {:?}", g.shape(), self.shape()),
+                    format!(
+                        "gradient shape {:?} differs from the tensor's {:?}",
+                        g.shape(),
+                        self.shape()
+                    ),
                 ));
             }
+            crate::ops::check_pair("set_grad", self, g)?;
             g.set_category(Category::Gradient);
         }
         *self.0.meta.grad_slot() = grad;
@@ -167,9 +173,17 @@ impl Tensor {
         self.0.meta.retains_grad.store(true, Ordering::Relaxed);
     }
     /// Registers a hook on this tensor's gradient; it may return a replacement.
-    pub fn register_hook(&self, hook: impl Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync + 'static) {
+    pub fn register_hook(
+        &self,
+        hook: impl Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync + 'static,
+    ) {
         let h: TensorHook = Box::new(hook);
-        self.0.meta.hooks.lock().unwrap_or_else(|e| e.into_inner()).push(h);
+        self.0
+            .meta
+            .hooks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(h);
     }
     /// Registers a hook that runs after this leaf's `.grad` was accumulated in a backward.
     pub fn register_post_accumulate_grad_hook(
@@ -182,7 +196,12 @@ impl Tensor {
             ));
         }
         let h: PostAccumulateHook = Box::new(hook);
-        self.0.meta.post_accumulate_hooks.lock().unwrap_or_else(|e| e.into_inner()).push(h);
+        self.0
+            .meta
+            .post_accumulate_hooks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(h);
         Ok(())
     }
     /// The same data without autograd history.
@@ -206,7 +225,10 @@ impl Tensor {
         if self.numel() != 1 {
             return Err(Error::shape(
                 "item",
-                format!("item() needs exactly one element, the tensor has shape {:?}", self.shape()),
+                format!(
+                    "item() needs exactly one element, the tensor has shape {:?}",
+                    self.shape()
+                ),
             ));
         }
         Ok(self.to_vec::<f64>()?[0])
@@ -215,7 +237,13 @@ impl Tensor {
 
 impl fmt::Debug for Tensor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "Tensor(shape={:?}, dtype={}, device={}", self.shape(), self.dtype(), self.device())?;
+        write!(
+            f,
+            "Tensor(shape={:?}, dtype={}, device={}",
+            self.shape(),
+            self.dtype(),
+            self.device()
+        )?;
         if let Some(n) = self.grad_fn() {
             write!(f, ", grad_fn={}", n.name())?;
         } else if self.requires_grad() {

@@ -28,12 +28,16 @@ impl Generator {
 
     /// Uniform samples in [low, high).
     pub fn uniform(&mut self, n: usize, low: f64, high: f64) -> Vec<f64> {
-        (0..n).map(|_| low + (high - low) * self.rng.random::<f64>()).collect()
+        (0..n)
+            .map(|_| low + (high - low) * self.rng.random::<f64>())
+            .collect()
     }
 
     /// Uniform f32 samples in [low, high), drawn without an f64 buffer.
     pub fn uniform_f32(&mut self, n: usize, low: f32, high: f32) -> Vec<f32> {
-        (0..n).map(|_| low + (high - low) * self.rng.random::<f32>()).collect()
+        (0..n)
+            .map(|_| low + (high - low) * self.rng.random::<f32>())
+            .collect()
     }
 
     /// Normal samples with the given mean and standard deviation.
@@ -61,10 +65,14 @@ fn default_generator() -> &'static Mutex<Generator> {
 
 /// Seeds the default generator.
 pub fn manual_seed(seed: u64) {
-    *default_generator().lock().unwrap_or_else(|e| e.into_inner()) = Generator::new(seed);
+    *default_generator()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner()) = Generator::new(seed);
 }
 
 /// Runs `f` with the default generator.
 pub(crate) fn with_default<R>(f: impl FnOnce(&mut Generator) -> R) -> R {
-    f(&mut default_generator().lock().unwrap_or_else(|e| e.into_inner()))
+    f(&mut default_generator()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner()))
 }

@@ -66,10 +66,18 @@ pub(crate) use with_float;
 macro_rules! with_float_pair {
     ($x:expr, $y:expr, $op:expr, $a:ident, $b:ident => $body:expr) => {
         match ($x, $y) {
-            ($crate::backend::cpu::CpuData::F32($a), $crate::backend::cpu::CpuData::F32($b)) => $body,
-            ($crate::backend::cpu::CpuData::F64($a), $crate::backend::cpu::CpuData::F64($b)) => $body,
-            ($crate::backend::cpu::CpuData::F16($a), $crate::backend::cpu::CpuData::F16($b)) => $body,
-            ($crate::backend::cpu::CpuData::BF16($a), $crate::backend::cpu::CpuData::BF16($b)) => $body,
+            ($crate::backend::cpu::CpuData::F32($a), $crate::backend::cpu::CpuData::F32($b)) => {
+                $body
+            }
+            ($crate::backend::cpu::CpuData::F64($a), $crate::backend::cpu::CpuData::F64($b)) => {
+                $body
+            }
+            ($crate::backend::cpu::CpuData::F16($a), $crate::backend::cpu::CpuData::F16($b)) => {
+                $body
+            }
+            ($crate::backend::cpu::CpuData::BF16($a), $crate::backend::cpu::CpuData::BF16($b)) => {
+                $body
+            }
             (x, y) => {
                 return Err($crate::error::Error::DType {
                     op: $op,
@@ -135,9 +143,13 @@ impl CpuData {
             (DType::F16, HostValues::F64(v)) => CpuData::F16(conv(&v)),
             (DType::BF16, HostValues::F64(v)) => CpuData::BF16(conv(&v)),
             (DType::I64, HostValues::I64(v)) => CpuData::I64(v),
-            (DType::U8, HostValues::I64(v)) => CpuData::U8(v.iter().map(|&x| (x != 0) as u8).collect()),
+            (DType::U8, HostValues::I64(v)) => {
+                CpuData::U8(v.iter().map(|&x| (x != 0) as u8).collect())
+            }
             (DType::I64, HostValues::F64(v)) => CpuData::I64(v.iter().map(|&x| x as i64).collect()),
-            (DType::U8, HostValues::F64(v)) => CpuData::U8(v.iter().map(|&x| (x != 0.0) as u8).collect()),
+            (DType::U8, HostValues::F64(v)) => {
+                CpuData::U8(v.iter().map(|&x| (x != 0.0) as u8).collect())
+            }
             (d, HostValues::I64(v)) => {
                 CpuData::from_host(d, HostValues::F64(v.iter().map(|&x| x as f64).collect()))?
             }

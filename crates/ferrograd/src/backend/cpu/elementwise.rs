@@ -31,7 +31,11 @@ pub(crate) fn rows(layout: &Layout, flat: bool) -> Rows {
         };
     }
     let r = shape.len() - 1;
-    let outer = Layout::new(shape[..r].to_vec(), layout.strides()[..r].to_vec(), layout.offset());
+    let outer = Layout::new(
+        shape[..r].to_vec(),
+        layout.strides()[..r].to_vec(),
+        layout.offset(),
+    );
     Rows {
         inner: shape[r],
         stride: layout.strides()[r],
@@ -40,13 +44,17 @@ pub(crate) fn rows(layout: &Layout, flat: bool) -> Rows {
 }
 
 #[inline(always)]
-fn at<T: Copy>(v: &[T], base: usize, stride: isize, j: usize) -> T {
+pub(crate) fn at<T: Copy>(v: &[T], base: usize, stride: isize, j: usize) -> T {
     v[(base as isize + stride * j as isize) as usize]
 }
 
 /// Applies `f(out_chunk, start_index_in_row_space)` over `out` in parallel where it pays.
 /// For the flat case rows are split into chunks; otherwise each row is one unit.
-fn for_each_out<T: Send>(out: &mut [T], r: &Rows, f: impl Fn(&mut [T], usize, usize) + Sync) {
+pub(crate) fn for_each_out<T: Send>(
+    out: &mut [T],
+    r: &Rows,
+    f: impl Fn(&mut [T], usize, usize) + Sync,
+) {
     // f(chunk, row, offset within row)
     if r.bases.len() == 1 {
         if out.len() >= PAR_MIN {
@@ -62,7 +70,9 @@ fn for_each_out<T: Send>(out: &mut [T], r: &Rows, f: impl Fn(&mut [T], usize, us
                 .enumerate()
                 .for_each(|(i, ch)| f(ch, i, 0));
         } else {
-            out.chunks_mut(r.inner).enumerate().for_each(|(i, ch)| f(ch, i, 0));
+            out.chunks_mut(r.inner)
+                .enumerate()
+                .for_each(|(i, ch)| f(ch, i, 0));
         }
     }
 }
@@ -89,7 +99,9 @@ pub(crate) fn unary_scalar<T: Elem>(op: UnaryOp, x: T) -> T {
             let u = T::from_f64(GELU_C) * (x + T::from_f64(GELU_A) * x * x * x);
             half * x * (one + u.tanh())
         }
-        UnaryOp::GeluErf => T::from_f64(0.5 * x.to_f64() * (1.0 + libm::erf(x.to_f64() * FRAC_1_SQRT_2))),
+        UnaryOp::GeluErf => {
+            T::from_f64(0.5 * x.to_f64() * (1.0 + libm::erf(x.to_f64() * FRAC_1_SQRT_2)))
+        }
         UnaryOp::Abs => x.abs(),
         UnaryOp::AddScalar(c) => x + T::from_f64(c),
         UnaryOp::MulScalar(c) => x * T::from_f64(c),
@@ -133,7 +145,8 @@ pub(crate) fn binary_scalar<T: Elem>(op: BinaryOp, a: T, b: T) -> T {
             let (c, k) = (T::from_f64(GELU_C), T::from_f64(GELU_A));
             let half = T::from_f64(0.5);
             let t = (c * (b + k * b * b * b)).tanh();
-            let d = half * (one + t) + half * b * (one - t * t) * c * (one + T::from_f64(3.0) * k * b * b);
+            let d = half * (one + t)
+                + half * b * (one - t * t) * c * (one + T::from_f64(3.0) * k * b * b);
             a * d
         }
         BinaryOp::GeluErfBackward => {
@@ -157,14 +170,126 @@ pub(crate) fn unary(op: UnaryOp, x: &CpuData, xl: &Layout, out: &mut CpuData) ->
     Ok(())
 }
 
+/// Calls `$k(closure)` with the op fixed per arm, so each op gets its own loop that the
+/// compiler can vectorise (a `match` inside the element loop would block that).
+macro_rules! per_unary_op {
+    ($op:expr, $k:ident($($arg:expr),*)) => {
+        match $op {
+            UnaryOp::Neg => $k($($arg,)* |v| unary_scalar(UnaryOp::Neg, v)),
+            UnaryOp::Exp => $k($($arg,)* |v| unary_scalar(UnaryOp::Exp, v)),
+            UnaryOp::Log => $k($($arg,)* |v| unary_scalar(UnaryOp::Log, v)),
+            UnaryOp::Sqrt => $k($($arg,)* |v| unary_scalar(UnaryOp::Sqrt, v)),
+            UnaryOp::Tanh => $k($($arg,)* |v| unary_scalar(UnaryOp::Tanh, v)),
+            UnaryOp::Sigmoid => $k($($arg,)* |v| unary_scalar(UnaryOp::Sigmoid, v)),
+            UnaryOp::Relu => $k($($arg,)* |v| unary_scalar(UnaryOp::Relu, v)),
+            UnaryOp::GeluTanh => $k($($arg,)* |v| unary_scalar(UnaryOp::GeluTanh, v)),
+            UnaryOp::GeluErf => $k($($arg,)* |v| unary_scalar(UnaryOp::GeluErf, v)),
+            UnaryOp::Abs => $k($($arg,)* |v| unary_scalar(UnaryOp::Abs, v)),
+            UnaryOp::AddScalar(c) => $k($($arg,)* move |v| unary_scalar(UnaryOp::AddScalar(c), v)),
+            UnaryOp::MulScalar(c) => $k($($arg,)* move |v| unary_scalar(UnaryOp::MulScalar(c), v)),
+            UnaryOp::PowScalar(c) => $k($($arg,)* move |v| unary_scalar(UnaryOp::PowScalar(c), v)),
+            UnaryOp::Step => $k($($arg,)* |v| unary_scalar(UnaryOp::Step, v)),
+        }
+    };
+}
+
+macro_rules! per_binary_op {
+    ($op:expr, $k:ident($($arg:expr),*)) => {
+        match $op {
+            BinaryOp::Add => $k($($arg,)* |a, b| binary_scalar(BinaryOp::Add, a, b)),
+            BinaryOp::Sub => $k($($arg,)* |a, b| binary_scalar(BinaryOp::Sub, a, b)),
+            BinaryOp::Mul => $k($($arg,)* |a, b| binary_scalar(BinaryOp::Mul, a, b)),
+            BinaryOp::Div => $k($($arg,)* |a, b| binary_scalar(BinaryOp::Div, a, b)),
+            BinaryOp::Pow => $k($($arg,)* |a, b| binary_scalar(BinaryOp::Pow, a, b)),
+            BinaryOp::Maximum => $k($($arg,)* |a, b| binary_scalar(BinaryOp::Maximum, a, b)),
+            BinaryOp::AddScaled(c) => $k($($arg,)* move |a, b| binary_scalar(BinaryOp::AddScaled(c), a, b)),
+            BinaryOp::Assign => $k($($arg,)* |a, b| binary_scalar(BinaryOp::Assign, a, b)),
+            BinaryOp::ReluBackward => $k($($arg,)* |a, b| binary_scalar(BinaryOp::ReluBackward, a, b)),
+            BinaryOp::TanhBackward => $k($($arg,)* |a, b| binary_scalar(BinaryOp::TanhBackward, a, b)),
+            BinaryOp::SigmoidBackward => $k($($arg,)* |a, b| binary_scalar(BinaryOp::SigmoidBackward, a, b)),
+            BinaryOp::GeluTanhBackward => $k($($arg,)* |a, b| binary_scalar(BinaryOp::GeluTanhBackward, a, b)),
+            BinaryOp::GeluErfBackward => $k($($arg,)* |a, b| binary_scalar(BinaryOp::GeluErfBackward, a, b)),
+            BinaryOp::Eq => $k($($arg,)* |a, b| binary_scalar(BinaryOp::Eq, a, b)),
+        }
+    };
+}
+
+/// One row segment of an operand: contiguous, a broadcast scalar, or strided.
+#[derive(Clone, Copy)]
+enum Seg<'a, T> {
+    Slice(&'a [T]),
+    Splat(T),
+    Strided(&'a [T], usize, isize),
+}
+
+#[inline(always)]
+fn seg<T: Copy>(v: &[T], base: usize, stride: isize, off: usize, len: usize) -> Seg<'_, T> {
+    match stride {
+        1 => Seg::Slice(&v[base + off..base + off + len]),
+        0 => Seg::Splat(v[base]),
+        s => Seg::Strided(v, (base as isize + s * off as isize) as usize, s),
+    }
+}
+
+#[inline(always)]
+fn map1<T: Elem>(out: &mut [T], x: Seg<T>, f: &impl Fn(T) -> T) {
+    match x {
+        Seg::Slice(xs) => out.iter_mut().zip(xs).for_each(|(o, &v)| *o = f(v)),
+        Seg::Splat(v) => out.fill(f(v)),
+        Seg::Strided(xs, b, s) => out
+            .iter_mut()
+            .enumerate()
+            .for_each(|(j, o)| *o = f(at(xs, b, s, j))),
+    }
+}
+
+#[inline(always)]
+fn map2<T: Elem>(out: &mut [T], a: Seg<T>, b: Seg<T>, f: &impl Fn(T, T) -> T) {
+    match (a, b) {
+        (Seg::Slice(xa), Seg::Slice(xb)) => out
+            .iter_mut()
+            .zip(xa.iter().zip(xb))
+            .for_each(|(o, (&p, &q))| *o = f(p, q)),
+        (Seg::Slice(xa), Seg::Splat(q)) => out.iter_mut().zip(xa).for_each(|(o, &p)| *o = f(p, q)),
+        (Seg::Splat(p), Seg::Slice(xb)) => out.iter_mut().zip(xb).for_each(|(o, &q)| *o = f(p, q)),
+        (a, b) => out
+            .iter_mut()
+            .enumerate()
+            .for_each(|(j, o)| *o = f(get(a, j), get(b, j))),
+    }
+}
+
+/// In place: `out[j] = f(out[j], b[j])`.
+#[inline(always)]
+fn update<T: Elem>(out: &mut [T], b: Seg<T>, f: &impl Fn(T, T) -> T) {
+    match b {
+        Seg::Slice(xb) => out.iter_mut().zip(xb).for_each(|(o, &q)| *o = f(*o, q)),
+        Seg::Splat(q) => out.iter_mut().for_each(|o| *o = f(*o, q)),
+        b => out
+            .iter_mut()
+            .enumerate()
+            .for_each(|(j, o)| *o = f(*o, get(b, j))),
+    }
+}
+
+#[inline(always)]
+fn get<T: Copy>(s: Seg<T>, j: usize) -> T {
+    match s {
+        Seg::Slice(v) => v[j],
+        Seg::Splat(v) => v,
+        Seg::Strided(v, b, st) => at(v, b, st, j),
+    }
+}
+
 fn unary_typed<T: Elem>(op: UnaryOp, x: &[T], xl: &Layout, out: &mut [T]) {
+    per_unary_op!(op, unary_run(x, xl, out))
+}
+
+fn unary_run<T: Elem>(x: &[T], xl: &Layout, out: &mut [T], f: impl Fn(T) -> T + Sync) {
     let r = rows(xl, xl.is_contiguous());
     for_each_out(out, &r, |ch, row, off| {
-        let base = r.bases[row];
-        for (j, o) in ch.iter_mut().enumerate() {
-            *o = unary_scalar(op, at(x, base, r.stride, off + j));
-        }
-    });
+        map1(ch, seg(x, r.bases[row], r.stride, off, ch.len()), &f)
+    })
 }
 
 pub(crate) fn binary(
@@ -195,32 +320,50 @@ fn same_type_out<'a, T: Elem>(_like: &[T], out: &'a mut CpuData) -> Result<&'a m
     };
     any.downcast_mut::<Vec<T>>()
         .map(|v| v.as_mut_slice())
-        .ok_or_else(|| Error::invalid("binary", format!("output dtype {dtype} differs from the inputs'")))
+        .ok_or_else(|| {
+            Error::invalid(
+                "binary",
+                format!("output dtype {dtype} differs from the inputs'"),
+            )
+        })
 }
 
 fn binary_typed<T: Elem>(op: BinaryOp, a: &[T], al: &Layout, b: &[T], bl: &Layout, out: &mut [T]) {
+    per_binary_op!(op, binary_run(a, al, b, bl, out))
+}
+
+fn binary_run<T: Elem>(
+    a: &[T],
+    al: &Layout,
+    b: &[T],
+    bl: &Layout,
+    out: &mut [T],
+    f: impl Fn(T, T) -> T + Sync,
+) {
     let flat = al.is_contiguous() && bl.is_contiguous();
     let (ra, rb) = (rows(al, flat), rows(bl, flat));
     for_each_out(out, &ra, |ch, row, off| {
-        let (ba, bb) = (ra.bases[row], rb.bases[row]);
-        for (j, o) in ch.iter_mut().enumerate() {
-            *o = binary_scalar(op, at(a, ba, ra.stride, off + j), at(b, bb, rb.stride, off + j));
-        }
-    });
+        let n = ch.len();
+        let sa = seg(a, ra.bases[row], ra.stride, off, n);
+        map2(ch, sa, seg(b, rb.bases[row], rb.stride, off, n), &f)
+    })
 }
 
-pub(crate) fn binary_inplace(op: BinaryOp, dst: &mut CpuData, src: &CpuData, sl: &Layout) -> Result<()> {
-    with_float_pair!(dst, src, "binary_inplace", dv, sv => {
-        let flat = sl.is_contiguous();
-        let r = rows(sl, flat);
-        for_each_out(dv.as_mut_slice(), &r, |ch, row, off| {
-            let base = r.bases[row];
-            for (j, o) in ch.iter_mut().enumerate() {
-                *o = binary_scalar(op, *o, at(sv, base, r.stride, off + j));
-            }
-        });
-    });
+pub(crate) fn binary_inplace(
+    op: BinaryOp,
+    dst: &mut CpuData,
+    src: &CpuData,
+    sl: &Layout,
+) -> Result<()> {
+    with_float_pair!(dst, src, "binary_inplace", dv, sv => per_binary_op!(op, inplace_run(dv, sv, sl)));
     Ok(())
+}
+
+fn inplace_run<T: Elem>(dst: &mut [T], src: &[T], sl: &Layout, f: impl Fn(T, T) -> T + Sync) {
+    let r = rows(sl, sl.is_contiguous());
+    for_each_out(dst, &r, |ch, row, off| {
+        update(ch, seg(src, r.bases[row], r.stride, off, ch.len()), &f)
+    })
 }
 
 /// Runs `$typed!(s, d, conv)` for the buffer pair's element types.
@@ -261,7 +404,6 @@ pub(crate) fn copy(src: &CpuData, sl: &Layout, dst: &mut CpuData, dl: &Layout) -
     convert_dispatch!(src, dst, typed);
     Ok(())
 }
-
 
 fn copy_to_contiguous(src: &CpuData, sl: &Layout, dst: &mut CpuData) -> Result<()> {
     let r = rows(sl, sl.is_contiguous());

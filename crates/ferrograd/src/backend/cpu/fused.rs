@@ -1,7 +1,7 @@
 //! Dispatch of the fused ops to their CPU kernels: normalisation-style row kernels
 //! (softmax, layer norm, cross-entropy) and index kernels (index select/add, where).
 
-use super::{fused_index, fused_rows};
+use super::{fused_index, fused_optim, fused_rows};
 use crate::backend::{FusedOp, Storage, View};
 use crate::error::Result;
 
@@ -13,6 +13,9 @@ pub(crate) fn run(op: &FusedOp, inputs: &[View], outputs: &[&Storage]) -> Result
         | FusedOp::LayerNormBackward { .. }
         | FusedOp::CrossEntropy { .. }
         | FusedOp::CrossEntropyBackward { .. } => fused_rows::run(op, inputs, outputs),
-        FusedOp::IndexSelect | FusedOp::IndexAdd | FusedOp::Where => fused_index::run(op, inputs, outputs),
+        FusedOp::IndexSelect | FusedOp::IndexAdd | FusedOp::Where => {
+            fused_index::run(op, inputs, outputs)
+        }
+        FusedOp::SgdStep { .. } => fused_optim::run(op, inputs, outputs),
     }
 }

@@ -21,7 +21,11 @@ struct Operand<'a, T> {
 
 fn operand<'a, T>(data: &'a [T], l: &Layout) -> Operand<'a, T> {
     let r = l.rank();
-    let batch = Layout::new(l.shape()[..r - 2].to_vec(), l.strides()[..r - 2].to_vec(), l.offset());
+    let batch = Layout::new(
+        l.shape()[..r - 2].to_vec(),
+        l.strides()[..r - 2].to_vec(),
+        l.offset(),
+    );
     Operand {
         data,
         bases: batch.offsets().collect(),
@@ -44,11 +48,25 @@ fn gemm_typed<T: 'static + Copy + Send + Sync + num_traits::Zero + num_traits::O
         // storages, and dst is a disjoint (m, n) row-major chunk.
         unsafe {
             gemm(
-                m, n, k,
-                dst.as_mut_ptr(), 1, n as isize, false,
-                a.data.as_ptr().add(a.bases[i]), a.cs, a.rs,
-                b.data.as_ptr().add(b.bases[i]), b.cs, b.rs,
-                T::zero(), T::one(), false, false, false, par,
+                m,
+                n,
+                k,
+                dst.as_mut_ptr(),
+                1,
+                n as isize,
+                false,
+                a.data.as_ptr().add(a.bases[i]),
+                a.cs,
+                a.rs,
+                b.data.as_ptr().add(b.bases[i]),
+                b.cs,
+                b.rs,
+                T::zero(),
+                T::one(),
+                false,
+                false,
+                false,
+                par,
             )
         }
     };
@@ -56,32 +74,57 @@ fn gemm_typed<T: 'static + Copy + Send + Sync + num_traits::Zero + num_traits::O
         return;
     }
     if s.batch >= threads && flops < (1 << 24) {
-        out.par_chunks_mut(m * n).enumerate().for_each(|(i, dst)| run(dst, i, Parallelism::None));
+        out.par_chunks_mut(m * n)
+            .enumerate()
+            .for_each(|(i, dst)| run(dst, i, Parallelism::None));
     } else {
-        let par = if flops >= (1 << 18) { Parallelism::Rayon(threads) } else { Parallelism::None };
+        let par = if flops >= (1 << 18) {
+            Parallelism::Rayon(threads)
+        } else {
+            Parallelism::None
+        };
         for (i, dst) in out.chunks_mut(m * n).enumerate() {
             run(dst, i, par);
         }
     }
 }
 
-pub(crate) fn matmul(s: &MatmulSpec, a: &CpuData, al: &Layout, b: &CpuData, bl: &Layout, out: &mut CpuData) -> Result<()> {
+pub(crate) fn matmul(
+    s: &MatmulSpec,
+    a: &CpuData,
+    al: &Layout,
+    b: &CpuData,
+    bl: &Layout,
+    out: &mut CpuData,
+) -> Result<()> {
     if s.k == 0 {
         return super::elementwise::fill(out, 0.0);
     }
     match (a, b, out) {
-        (CpuData::F32(x), CpuData::F32(y), CpuData::F32(o)) => gemm_typed(s, operand(x, al), operand(y, bl), o),
-        (CpuData::F64(x), CpuData::F64(y), CpuData::F64(o)) => gemm_typed(s, operand(x, al), operand(y, bl), o),
-        (CpuData::F16(x), CpuData::F16(y), CpuData::F16(o)) => gemm_typed(s, operand(x, al), operand(y, bl), o),
+        (CpuData::F32(x), CpuData::F32(y), CpuData::F32(o)) => {
+            gemm_typed(s, operand(x, al), operand(y, bl), o)
+        }
+        (CpuData::F64(x), CpuData::F64(y), CpuData::F64(o)) => {
+            gemm_typed(s, operand(x, al), operand(y, bl), o)
+        }
+        (CpuData::F16(x), CpuData::F16(y), CpuData::F16(o)) => {
+            gemm_typed(s, operand(x, al), operand(y, bl), o)
+        }
         (CpuData::BF16(x), CpuData::BF16(y), CpuData::BF16(o)) => {
             let widen = |v: &[bf16]| v.iter().map(|h| h.to_f32()).collect::<Vec<f32>>();
             let (xw, yw) = (widen(x), widen(y));
             let mut ow = vec![0f32; o.len()];
             gemm_typed(s, operand(&xw, al), operand(&yw, bl), &mut ow);
-            o.iter_mut().zip(ow).for_each(|(d, v)| *d = bf16::from_f32(v));
+            o.iter_mut()
+                .zip(ow)
+                .for_each(|(d, v)| *d = bf16::from_f32(v));
         }
         (x, y, _) => {
-            return Err(Error::DType { op: "matmul", expected: x.dtype(), got: y.dtype() });
+            return Err(Error::DType {
+                op: "matmul",
+                expected: x.dtype(),
+                got: y.dtype(),
+            });
         }
     }
     Ok(())

@@ -5,6 +5,7 @@ mod data;
 mod elementwise;
 mod fused;
 mod fused_index;
+mod fused_optim;
 mod fused_rows;
 mod matmul;
 mod reduce;
@@ -15,7 +16,10 @@ pub(crate) use data::{with_float, with_float_pair};
 
 use std::ops::Deref;
 
-use super::{Backend, BackendData, BinaryOp, FusedOp, HostValues, MatmulSpec, ReduceOp, Storage, UnaryOp, View};
+use super::{
+    Backend, BackendData, BinaryOp, FusedOp, HostValues, MatmulSpec, ReduceOp, Storage, UnaryOp,
+    View,
+};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Layout};
 
@@ -39,7 +43,10 @@ pub(crate) fn read(s: &Storage) -> Result<CpuRead<'_>> {
     let g = s.read();
     match &*g {
         BackendData::Cpu(_) => Ok(CpuRead(g)),
-        _ => Err(Error::NotSupportedOnDevice { op: "cpu kernel", device: s.device() }),
+        _ => Err(Error::NotSupportedOnDevice {
+            op: "cpu kernel",
+            device: s.device(),
+        }),
     }
 }
 
@@ -48,7 +55,10 @@ pub(crate) fn write<R>(s: &Storage, f: impl FnOnce(&mut CpuData) -> Result<R>) -
     let mut g = s.write();
     match &mut *g {
         BackendData::Cpu(d) => f(d),
-        _ => Err(Error::NotSupportedOnDevice { op: "cpu kernel", device: s.device() }),
+        _ => Err(Error::NotSupportedOnDevice {
+            op: "cpu kernel",
+            device: s.device(),
+        }),
     }
 }
 
@@ -57,7 +67,7 @@ impl Backend for CpuBackend {
         Ok(BackendData::Cpu(CpuData::zeros(dtype, len)?))
     }
 
-    fn from_host(&self, dtype: DType, values: HostValues) -> Result<BackendData> {
+    fn upload(&self, dtype: DType, values: HostValues) -> Result<BackendData> {
         Ok(BackendData::Cpu(CpuData::from_host(dtype, values)?))
     }
 
@@ -65,14 +75,18 @@ impl Backend for CpuBackend {
         let d = read(src.storage)?;
         let offs = src.layout.offsets();
         Ok(match &*d {
-            CpuData::I64(_) | CpuData::U8(_) => HostValues::I64(offs.map(|i| d.get_i64(i)).collect()),
+            CpuData::I64(_) | CpuData::U8(_) => {
+                HostValues::I64(offs.map(|i| d.get_i64(i)).collect())
+            }
             _ => HostValues::F64(offs.map(|i| d.get_f64(i)).collect()),
         })
     }
 
     fn copy(&self, src: View, dst: View) -> Result<()> {
         let s = read(src.storage)?;
-        write(dst.storage, |d| elementwise::copy(&s, src.layout, d, dst.layout))
+        write(dst.storage, |d| {
+            elementwise::copy(&s, src.layout, d, dst.layout)
+        })
     }
 
     fn fill(&self, dst: &Storage, value: f64) -> Result<()> {
@@ -87,10 +101,14 @@ impl Backend for CpuBackend {
     fn binary(&self, op: BinaryOp, a: View, b: View, out: &Storage) -> Result<()> {
         let ad = read(a.storage)?;
         if a.storage.same(b.storage) {
-            return write(out, |o| elementwise::binary(op, &ad, a.layout, &ad, b.layout, o));
+            return write(out, |o| {
+                elementwise::binary(op, &ad, a.layout, &ad, b.layout, o)
+            });
         }
         let bd = read(b.storage)?;
-        write(out, |o| elementwise::binary(op, &ad, a.layout, &bd, b.layout, o))
+        write(out, |o| {
+            elementwise::binary(op, &ad, a.layout, &bd, b.layout, o)
+        })
     }
 
     fn binary_inplace(&self, op: BinaryOp, dst: &Storage, src: View) -> Result<()> {
@@ -99,7 +117,12 @@ impl Backend for CpuBackend {
             let copy = {
                 let s = read(src.storage)?;
                 let mut c = CpuData::zeros(s.dtype(), src.layout.numel())?;
-                elementwise::copy(&s, src.layout, &mut c, &Layout::contiguous(src.layout.shape()))?;
+                elementwise::copy(
+                    &s,
+                    src.layout,
+                    &mut c,
+                    &Layout::contiguous(src.layout.shape()),
+                )?;
                 c
             };
             let l = Layout::contiguous(src.layout.shape());
@@ -117,10 +140,14 @@ impl Backend for CpuBackend {
     fn matmul(&self, spec: &MatmulSpec, a: View, b: View, out: &Storage) -> Result<()> {
         let ad = read(a.storage)?;
         if a.storage.same(b.storage) {
-            return write(out, |o| matmul::matmul(spec, &ad, a.layout, &ad, b.layout, o));
+            return write(out, |o| {
+                matmul::matmul(spec, &ad, a.layout, &ad, b.layout, o)
+            });
         }
         let bd = read(b.storage)?;
-        write(out, |o| matmul::matmul(spec, &ad, a.layout, &bd, b.layout, o))
+        write(out, |o| {
+            matmul::matmul(spec, &ad, a.layout, &bd, b.layout, o)
+        })
     }
 
     fn fused(&self, op: &FusedOp, inputs: &[View], outputs: &[&Storage]) -> Result<()> {

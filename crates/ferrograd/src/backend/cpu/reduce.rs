@@ -9,6 +9,9 @@ use crate::backend::ReduceOp;
 use crate::error::{Error, Result};
 use crate::tensor::Layout;
 
+/// Elements summed sequentially before partial sums are combined.
+const SUM_CHUNK: usize = 1 << 12;
+
 /// Base offsets of each output element and relative offsets of the elements reduced into it.
 fn plan(xl: &Layout, dims: &[usize]) -> (Vec<usize>, Vec<isize>) {
     let (shape, strides) = (xl.shape(), xl.strides());
@@ -32,7 +35,12 @@ fn relative_offsets(l: &Layout) -> Vec<isize> {
     let mut out = Vec::with_capacity(l.numel());
     let mut idx = vec![0usize; l.rank()];
     for _ in 0..l.numel() {
-        out.push(idx.iter().zip(l.strides()).map(|(&i, &s)| i as isize * s).sum());
+        out.push(
+            idx.iter()
+                .zip(l.strides())
+                .map(|(&i, &s)| i as isize * s)
+                .sum(),
+        );
         for d in (0..l.rank()).rev() {
             idx[d] += 1;
             if idx[d] < l.shape()[d] {
@@ -48,11 +56,16 @@ fn reduce_one<T: Elem>(op: ReduceOp, x: &[T], base: usize, rel: &[isize]) -> f64
     let get = |r: &isize| x[(base as isize + r) as usize].to_f64();
     match op {
         ReduceOp::Sum => {
-            if rel.len() >= PAR_MIN {
-                rel.par_iter().map(get).sum()
+            // Fixed chunks added in order: the same bits on every run and thread count
+            // (rayon's `sum` splits adaptively, so its rounding changed from run to run).
+            // Starting from +0.0 as PyTorch does (`Iterator::sum` starts at -0.0).
+            let part = |c: &[isize]| c.iter().map(get).fold(0.0, |acc, v| acc + v);
+            let parts: Vec<f64> = if rel.len() >= PAR_MIN {
+                rel.par_chunks(SUM_CHUNK).map(part).collect()
             } else {
-                rel.iter().map(get).sum()
-            }
+                rel.chunks(SUM_CHUNK).map(part).collect()
+            };
+            parts.into_iter().fold(0.0, |acc, v| acc + v)
         }
         ReduceOp::Max => rel.iter().map(get).fold(f64::NEG_INFINITY, f64::max),
         ReduceOp::Min => rel.iter().map(get).fold(f64::INFINITY, f64::min),
@@ -69,7 +82,13 @@ fn reduce_one<T: Elem>(op: ReduceOp, x: &[T], base: usize, rel: &[isize]) -> f64
     }
 }
 
-pub(crate) fn reduce(op: ReduceOp, x: &CpuData, xl: &Layout, dims: &[usize], out: &mut CpuData) -> Result<()> {
+pub(crate) fn reduce(
+    op: ReduceOp,
+    x: &CpuData,
+    xl: &Layout,
+    dims: &[usize],
+    out: &mut CpuData,
+) -> Result<()> {
     let (bases, rel) = plan(xl, dims);
     if op == ReduceOp::ArgMax && dims.len() != 1 {
         return Err(Error::invalid("argmax", "argmax reduces exactly one dim"));
@@ -84,10 +103,18 @@ pub(crate) fn reduce(op: ReduceOp, x: &CpuData, xl: &Layout, dims: &[usize], out
     Ok(())
 }
 
-fn fill_out<U: Send>(o: &mut [U], value: &(dyn Fn(usize) -> f64 + Sync), conv: impl Fn(f64) -> U + Sync) {
+fn fill_out<U: Send>(
+    o: &mut [U],
+    value: &(dyn Fn(usize) -> f64 + Sync),
+    conv: impl Fn(f64) -> U + Sync,
+) {
     if o.len() >= 64 {
-        o.par_iter_mut().enumerate().for_each(|(i, v)| *v = conv(value(i)));
+        o.par_iter_mut()
+            .enumerate()
+            .for_each(|(i, v)| *v = conv(value(i)));
     } else {
-        o.iter_mut().enumerate().for_each(|(i, v)| *v = conv(value(i)));
+        o.iter_mut()
+            .enumerate()
+            .for_each(|(i, v)| *v = conv(value(i)));
     }
 }
