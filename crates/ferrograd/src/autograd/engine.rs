@@ -8,11 +8,11 @@ use std::sync::atomic::Ordering;
 
 use super::edge_of;
 use super::grad_mode::no_grad;
-use super::meta::AutogradMeta;
-use super::node::{Edge, Node};
+use super::meta::{AutogradMeta, run_hooks};
+use super::node::{Edge, InputMeta, Node};
 use crate::error::{Error, Result};
 use crate::memory::Category;
-use crate::tensor::Tensor;
+use crate::tensor::{Tensor, broadcast_shape};
 
 /// Options of `Tensor::backward_with`.
 #[derive(Clone, Debug, Default)]
@@ -169,21 +169,17 @@ fn add_to_buffer(buffers: &mut HashMap<usize, Tensor>, key: usize, g: Tensor) ->
 /// Runs one node: its output's hooks and retain_grad, then its backward. Without
 /// retain_graph the closure (and with it every saved tensor) is dropped right after.
 fn run_node(node: &Arc<Node>, grad: Tensor, retain_graph: bool) -> Result<Vec<Option<Tensor>>> {
+    let grad = run_hooks(&node.hooks, grad)?;
     let out_meta = node.output.lock().ok().and_then(|w| w.upgrade());
-    let grad = match &out_meta {
-        Some(m) => {
-            let g = m.run_hooks(grad)?;
-            if m.retains_grad.load(Ordering::Relaxed) {
-                let mut slot = m.grad_slot();
-                *slot = Some(match slot.take() {
-                    Some(prev) => prev.add(&g)?,
-                    None => g.contiguous_copy()?,
-                });
-            }
-            g
-        }
-        None => grad,
-    };
+    if let Some(m) = &out_meta
+        && m.retains_grad.load(Ordering::Relaxed)
+    {
+        let mut slot = m.grad_slot();
+        *slot = Some(match slot.take() {
+            Some(prev) => prev.add(&grad)?,
+            None => grad.contiguous_copy()?,
+        });
+    }
     let needs: Vec<bool> = node.edges.iter().map(Option::is_some).collect();
     let mut slot = node.backward.lock().unwrap_or_else(|e| e.into_inner());
     let grads = if retain_graph {
@@ -204,7 +200,34 @@ fn run_node(node: &Arc<Node>, grad: Tensor, retain_graph: bool) -> Result<Vec<Op
             node.edges.len()
         )));
     }
-    Ok(grads)
+    grads
+        .into_iter()
+        .zip(&node.inputs)
+        .enumerate()
+        .map(|(i, (g, meta))| g.map(|g| conform(node.name, i, g, meta)).transpose())
+        .collect()
+}
+
+/// Checks a gradient against its input, as PyTorch's validate_outputs does: a broadcast
+/// gradient is summed back to the input's shape, another dtype is converted, any other
+/// shape is an error (a custom backward's bug would otherwise land in `.grad`).
+fn conform(name: &str, i: usize, g: Tensor, meta: &InputMeta) -> Result<Tensor> {
+    let g = if g.shape() == meta.shape.as_slice() {
+        g
+    } else if broadcast_shape("backward", &meta.shape, g.shape()).is_ok_and(|s| s == g.shape()) {
+        g.sum_to(&meta.shape)?
+    } else {
+        return Err(Error::autograd(format!(
+            "backward of {name} returned a gradient of shape {:?} for input {i} of shape {:?}",
+            g.shape(),
+            meta.shape
+        )));
+    };
+    if g.dtype() == meta.dtype {
+        Ok(g)
+    } else {
+        g.to_dtype(meta.dtype)
+    }
 }
 
 /// AccumulateGrad: the first gradient is stored (stolen when nothing else holds it), later

@@ -42,17 +42,22 @@ impl AutogradMeta {
     }
 
     /// Applies the tensor hooks in registration order.
-    pub(crate) fn run_hooks(&self, mut grad: Tensor) -> Result<Tensor> {
-        let hooks = self.hooks.lock().unwrap_or_else(|e| e.into_inner());
-        for h in hooks.iter() {
-            if let Some(g) = h(&grad)? {
-                grad = g;
-            }
-        }
-        Ok(grad)
+    pub(crate) fn run_hooks(&self, grad: Tensor) -> Result<Tensor> {
+        run_hooks(&self.hooks, grad)
     }
 
     pub(crate) fn owner(&self) -> Option<Tensor> {
         self.owner.get().and_then(|w| w.upgrade()).map(Tensor)
     }
+}
+
+/// Applies `hooks` to `grad` in registration order; a hook may return a replacement.
+pub(crate) fn run_hooks(hooks: &Mutex<Vec<TensorHook>>, mut grad: Tensor) -> Result<Tensor> {
+    let hooks = hooks.lock().unwrap_or_else(|e| e.into_inner());
+    for h in hooks.iter() {
+        if let Some(g) = h(&grad)? {
+            grad = g;
+        }
+    }
+    Ok(grad)
 }

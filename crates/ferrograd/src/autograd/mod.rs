@@ -62,7 +62,14 @@ where
     }
     let edges: Vec<Option<Edge>> = inputs.iter().map(|t| edge_of(t)).collect();
     let needs: Vec<bool> = edges.iter().map(Option::is_some).collect();
+    let metas = inputs
+        .iter()
+        .map(|t| node::InputMeta {
+            shape: t.shape().to_vec(),
+            dtype: t.dtype(),
+        })
+        .collect();
     let backward = make(&out, &needs);
-    let node = Arc::new(Node::new(name, edges, Box::new(backward)));
+    let node = Arc::new(Node::new(name, edges, metas, Box::new(backward)));
     out.with_grad_fn(node)
 }

@@ -5,9 +5,9 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
-use super::meta::AutogradMeta;
+use super::meta::{AutogradMeta, TensorHook};
 use crate::error::Result;
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 /// A node's backward: given the gradient of its output and which inputs need a gradient,
 /// returns one optional gradient per input.
@@ -31,14 +31,24 @@ impl Edge {
     }
 }
 
+/// Shape and dtype of an input, to check the gradients a backward returns for it.
+pub(crate) struct InputMeta {
+    pub(crate) shape: Vec<usize>,
+    pub(crate) dtype: DType,
+}
+
 pub struct Node {
     /// Creation order; the engine runs later nodes first (as PyTorch's sequence_nr).
     pub(crate) seq: u64,
     pub(crate) name: &'static str,
     pub(crate) backward: Mutex<Option<BackwardFn>>,
     pub(crate) edges: Vec<Option<Edge>>,
-    /// The output tensor's meta, for its hooks and retain_grad.
+    pub(crate) inputs: Vec<InputMeta>,
+    /// The output tensor's meta, for retain_grad.
     pub(crate) output: Mutex<Weak<AutogradMeta>>,
+    /// Hooks registered on the output tensor. They live here, not on the tensor, so they
+    /// still run after the tensor itself was dropped (as PyTorch keeps them on grad_fn).
+    pub(crate) hooks: Mutex<Vec<TensorHook>>,
 }
 
 static NEXT_SEQ: AtomicU64 = AtomicU64::new(1);
@@ -48,13 +58,20 @@ pub(crate) fn next_seq() -> u64 {
 }
 
 impl Node {
-    pub(crate) fn new(name: &'static str, edges: Vec<Option<Edge>>, backward: BackwardFn) -> Node {
+    pub(crate) fn new(
+        name: &'static str,
+        edges: Vec<Option<Edge>>,
+        inputs: Vec<InputMeta>,
+        backward: BackwardFn,
+    ) -> Node {
         Node {
             seq: next_seq(),
             name,
             backward: Mutex::new(Some(backward)),
             edges,
+            inputs,
             output: Mutex::new(Weak::new()),
+            hooks: Mutex::new(Vec::new()),
         }
     }
 

@@ -172,18 +172,18 @@ impl Tensor {
     pub fn retain_grad(&self) {
         self.0.meta.retains_grad.store(true, Ordering::Relaxed);
     }
-    /// Registers a hook on this tensor's gradient; it may return a replacement.
+    /// Registers a hook on this tensor's gradient; it may return a replacement. On a
+    /// non-leaf the hook is kept by its grad_fn, so it runs even if this handle is dropped.
     pub fn register_hook(
         &self,
         hook: impl Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync + 'static,
     ) {
         let h: TensorHook = Box::new(hook);
-        self.0
-            .meta
-            .hooks
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(h);
+        let hooks = match self.grad_fn() {
+            Some(node) => &node.hooks,
+            None => &self.0.meta.hooks,
+        };
+        hooks.lock().unwrap_or_else(|e| e.into_inner()).push(h);
     }
     /// Registers a hook that runs after this leaf's `.grad` was accumulated in a backward.
     pub fn register_post_accumulate_grad_hook(

@@ -177,16 +177,29 @@ impl CpuData {
     }
 }
 
-fn try_vec<T: Default + Clone>(len: usize) -> Result<Vec<T>> {
-    let mut v = Vec::new();
-    v.try_reserve_exact(len).map_err(|_| {
+/// A zero-filled buffer from the allocator's zeroed path (calloc): large buffers arrive as
+/// fresh zero pages with no memset pass. Failure is an error, never an abort.
+fn try_vec<T: bytemuck::Zeroable>(len: usize) -> Result<Vec<T>> {
+    let fail = || {
         Error::invalid(
             "allocate",
             format!(
                 "the host could not allocate {len} elements; use smaller sizes or free other tensors"
             ),
         )
-    })?;
-    v.resize(len, T::default());
-    Ok(v)
+    };
+    if len == 0 || std::mem::size_of::<T>() == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<T>(len).map_err(|_| fail())?;
+    // SAFETY: the layout is non-zero-sized; all-zero bytes are a valid T (Zeroable); the
+    // pointer comes from the global allocator with exactly this layout, which is what
+    // Vec::from_raw_parts requires (capacity = len).
+    unsafe {
+        let ptr = std::alloc::alloc_zeroed(layout) as *mut T;
+        if ptr.is_null() {
+            return Err(fail());
+        }
+        Ok(Vec::from_raw_parts(ptr, len, len))
+    }
 }
