@@ -101,6 +101,10 @@ pub enum FusedOp {
     /// outputs [gweight (V, D)], added into (the caller zero-initialises it). Rows are added
     /// in id order, summed in f64 and rounded once: deterministic. Ids checked as above.
     IndexAdd,
+    /// inputs [x, y] (same shape, contiguous); outputs [loss ()]: mean((x - y)²) in one pass
+    MseLoss,
+    /// inputs [x, y, gloss ()] (contiguous); outputs [gx]: 2 (x - y) · gloss / N in one pass
+    MseLossBackward,
     /// One SGD update in a single pass, in place. inputs [grad]; outputs [param, buf?]
     /// (buf present iff momentum != 0; `first_step` initialises it from the gradient).
     SgdStep {

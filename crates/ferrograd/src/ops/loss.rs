@@ -1,7 +1,9 @@
-//! Mean squared error. Fused like PyTorch's: the forward keeps no (x - y) temporary alive and
-//! saves only references to its inputs; backward recomputes 2 (x - y) / N.
+//! Mean squared error, fused like PyTorch's: the forward reduces (x - y)² in one pass without
+//! a difference temporary and saves only references to its inputs; backward writes
+//! 2 (x - y) · g / N in one pass.
 
-use crate::autograd::{SavedTensor, no_grad, record};
+use crate::autograd::{SavedTensor, record};
+use crate::backend::FusedOp;
 use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -18,17 +20,23 @@ impl Tensor {
                 ),
             ));
         }
-        let loss = {
-            let _g = no_grad();
-            let diff = self.sub(target)?;
-            diff.mul(&diff)?.mean_all()?
-        };
-        let n = self.numel().max(1) as f64;
+        super::check_pair("mse_loss", self, target)?;
+        super::check_float("mse_loss", self)?;
+        let (x, y) = (self.detached_contiguous()?, target.detached_contiguous()?);
+        let loss = Tensor::output(&[], self.dtype(), self.device(), "mse_loss")?;
+        self.backend()?
+            .fused(&FusedOp::MseLoss, &[x.view(), y.view()], &[loss.storage()])?;
         Ok(record("mse_loss", &[self, target], loss, |_, _| {
-            let (x, y) = (SavedTensor::new(self), SavedTensor::new(target));
+            let (x, y) = (SavedTensor::new(&x), SavedTensor::new(&y));
             move |g: &Tensor, needs: &[bool]| {
                 // d/dx = 2 (x - y) / N · g ; d/dy = -d/dx
-                let gx = x.get().sub(y.get())?.mul(&g.mul_scalar(2.0 / n)?)?;
+                let (x, y) = (x.get(), y.get());
+                let gx = Tensor::output(x.shape(), x.dtype(), x.device(), "mse_loss_backward")?;
+                x.backend()?.fused(
+                    &FusedOp::MseLossBackward,
+                    &[x.view(), y.view(), g.view()],
+                    &[gx.storage()],
+                )?;
                 let gy = if needs[1] { Some(gx.neg()?) } else { None };
                 Ok(vec![needs[0].then_some(gx), gy])
             }

@@ -1,7 +1,8 @@
 //! Dispatch of the fused ops to their CPU kernels: normalisation-style row kernels
-//! (softmax, layer norm, cross-entropy) and index kernels (index select/add, where).
+//! (softmax, layer norm, cross-entropy), index kernels (index select/add, where), pointwise
+//! losses (MSE) and optimizer updates.
 
-use super::{fused_index, fused_optim, fused_rows};
+use super::{fused_index, fused_loss, fused_optim, fused_rows};
 use crate::backend::{FusedOp, Storage, View};
 use crate::error::Result;
 
@@ -17,5 +18,6 @@ pub(crate) fn run(op: &FusedOp, inputs: &[View], outputs: &[&Storage]) -> Result
             fused_index::run(op, inputs, outputs)
         }
         FusedOp::SgdStep { .. } => fused_optim::run(op, inputs, outputs),
+        FusedOp::MseLoss | FusedOp::MseLossBackward => fused_loss::run(op, inputs, outputs),
     }
 }

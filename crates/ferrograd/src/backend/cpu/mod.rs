@@ -5,6 +5,7 @@ mod data;
 mod elementwise;
 mod fused;
 mod fused_index;
+mod fused_loss;
 mod fused_optim;
 mod fused_rows;
 mod matmul;

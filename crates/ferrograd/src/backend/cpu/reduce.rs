@@ -12,8 +12,15 @@ use crate::tensor::Layout;
 /// Elements summed sequentially before partial sums are combined.
 const SUM_CHUNK: usize = 1 << 12;
 
-/// Base offsets of each output element and relative offsets of the elements reduced into it.
-fn plan(xl: &Layout, dims: &[usize]) -> (Vec<usize>, Vec<isize>) {
+/// The elements reduced into one output, relative to its base offset.
+enum Inner {
+    /// `n` consecutive elements (reduced dims trailing and contiguous): read as a slice.
+    Contiguous(usize),
+    Offsets(Vec<isize>),
+}
+
+/// Base offsets of each output element and the elements reduced into it.
+fn plan(xl: &Layout, dims: &[usize]) -> (Vec<usize>, Inner) {
     let (shape, strides) = (xl.shape(), xl.strides());
     let kept: Vec<usize> = (0..shape.len()).filter(|d| !dims.contains(d)).collect();
     let outer = Layout::new(
@@ -26,7 +33,11 @@ fn plan(xl: &Layout, dims: &[usize]) -> (Vec<usize>, Vec<isize>) {
         dims.iter().map(|&d| strides[d]).collect(),
         0,
     );
-    let rel = relative_offsets(&inner);
+    let rel = if inner.is_contiguous() {
+        Inner::Contiguous(inner.numel())
+    } else {
+        Inner::Offsets(relative_offsets(&inner))
+    };
     (outer.offsets().collect(), rel)
 }
 
@@ -52,27 +63,36 @@ fn relative_offsets(l: &Layout) -> Vec<isize> {
     out
 }
 
-fn reduce_one<T: Elem>(op: ReduceOp, x: &[T], base: usize, rel: &[isize]) -> f64 {
-    let get = |r: &isize| x[(base as isize + r) as usize].to_f64();
+fn reduce_one<T: Elem>(op: ReduceOp, x: &[T], base: usize, inner: &Inner) -> f64 {
+    match inner {
+        Inner::Contiguous(n) => reduce_values(op, &x[base..base + n], |v: &T| Elem::to_f64(*v)),
+        Inner::Offsets(rel) => reduce_values(op, rel, |r: &isize| {
+            x[(base as isize + r) as usize].to_f64()
+        }),
+    }
+}
+
+/// Reduces the values `get` reads from `items` (a slice of elements or of offsets).
+fn reduce_values<I: Sync>(op: ReduceOp, items: &[I], get: impl Fn(&I) -> f64 + Sync) -> f64 {
     match op {
         ReduceOp::Sum => {
             // Fixed chunks added in order: the same bits on every run and thread count
             // (rayon's `sum` splits adaptively, so its rounding changed from run to run).
             // Starting from +0.0 as PyTorch does (`Iterator::sum` starts at -0.0).
-            let part = |c: &[isize]| c.iter().map(get).fold(0.0, |acc, v| acc + v);
-            let parts: Vec<f64> = if rel.len() >= PAR_MIN {
-                rel.par_chunks(SUM_CHUNK).map(part).collect()
+            let part = |c: &[I]| c.iter().map(&get).fold(0.0, |acc, v| acc + v);
+            let parts: Vec<f64> = if items.len() >= PAR_MIN {
+                items.par_chunks(SUM_CHUNK).map(part).collect()
             } else {
-                rel.chunks(SUM_CHUNK).map(part).collect()
+                items.chunks(SUM_CHUNK).map(part).collect()
             };
             parts.into_iter().fold(0.0, |acc, v| acc + v)
         }
-        ReduceOp::Max => rel.iter().map(get).fold(f64::NEG_INFINITY, f64::max),
-        ReduceOp::Min => rel.iter().map(get).fold(f64::INFINITY, f64::min),
+        ReduceOp::Max => items.iter().map(&get).fold(f64::NEG_INFINITY, f64::max),
+        ReduceOp::Min => items.iter().map(&get).fold(f64::INFINITY, f64::min),
         ReduceOp::ArgMax => {
             let mut best = (0usize, f64::NEG_INFINITY);
-            for (j, r) in rel.iter().enumerate() {
-                let v = get(r);
+            for (j, it) in items.iter().enumerate() {
+                let v = get(it);
                 if v > best.1 || v.is_nan() {
                     best = (j, v);
                 }
