@@ -99,7 +99,7 @@ fn non_leaf_grad_only_with_retain_grad() {
     let x = leaf(&[1.0, 2.0], &[2]);
     let y = x.mul_scalar(3.0).unwrap();
     let z = x.mul_scalar(3.0).unwrap();
-    z.retain_grad();
+    z.retain_grad().unwrap();
     let loss = y.mul(&z).unwrap().sum_all().unwrap(); // sum(9 x²)
     loss.backward().unwrap();
     assert!(
@@ -114,7 +114,7 @@ fn non_leaf_grad_only_with_retain_grad() {
 fn retain_grad_accumulates_over_backwards() {
     let x = leaf(&[1.0, 2.0], &[2]);
     let y = x.mul(&x).unwrap();
-    y.retain_grad();
+    y.retain_grad().unwrap();
     let loss = y.mul_scalar(2.0).unwrap().sum_all().unwrap();
     let keep = BackwardOptions {
         retain_graph: true,
@@ -280,9 +280,13 @@ fn backward_without_requires_grad_is_an_error() {
 #[test]
 fn second_backward_needs_retain_graph() {
     let x = leaf(&[1.0, 2.0], &[2]);
-    let loss = x.exp().unwrap().sum_all().unwrap();
+    let y = x.exp().unwrap();
+    let loss = y.sum_all().unwrap();
     loss.backward().unwrap();
-    assert!(loss.grad_fn().unwrap().is_released());
+    assert!(
+        y.grad_fn().unwrap().is_released(),
+        "exp saved its output and released it"
+    );
     let err = loss.backward().unwrap_err();
     assert!(matches!(err, Error::Autograd(_)), "{err:?}");
     assert!(msg(err).contains("retain_graph"));
@@ -779,4 +783,67 @@ fn shape_dtype_device_mismatches_are_errors() {
 
     let idx = Tensor::from_vec(vec![1i64, 2], &[2], CPU).unwrap();
     assert!(matches!(idx.exp(), Err(Error::UnsupportedDType { .. })));
+}
+
+// ---- PyTorch details: re-running nodes that saved nothing, version counters, pow at 0 ----
+
+#[test]
+fn backward_twice_through_nodes_that_saved_nothing_works() {
+    // SumBackward saves only sizes in PyTorch, so a second backward is allowed and adds.
+    let x = Tensor::ones(&[3], DType::F32, Device::Cpu)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    let y = x.sum_all().unwrap();
+    y.backward().unwrap();
+    y.backward().unwrap();
+    assert_eq!(x.grad().unwrap().to_vec::<f32>().unwrap(), vec![2.0; 3]);
+}
+
+#[test]
+fn modifying_a_saved_tensor_in_place_is_an_error_at_backward() {
+    let a = Tensor::from_vec(vec![1.0f32, 2.0], &[2], Device::Cpu)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    let b = Tensor::from_vec(vec![3.0f32, 4.0], &[2], Device::Cpu).unwrap();
+    let y = a.mul(&b).unwrap().sum_all().unwrap();
+    b.add_(&Tensor::ones(&[2], DType::F32, Device::Cpu).unwrap())
+        .unwrap();
+    let err = y.backward().unwrap_err().to_string();
+    assert!(err.contains("modified by an in-place operation"), "{err}");
+    assert!(err.contains("mul"), "names the op: {err}");
+}
+
+#[test]
+fn untouched_saved_tensors_pass_the_version_check() {
+    let a = Tensor::from_vec(vec![1.0f32, 2.0], &[2], Device::Cpu)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    let b = Tensor::from_vec(vec![3.0f32, 4.0], &[2], Device::Cpu).unwrap();
+    let other = Tensor::zeros(&[2], DType::F32, Device::Cpu).unwrap();
+    let y = a.mul(&b).unwrap().sum_all().unwrap();
+    other.add_(&b).unwrap(); // an in-place op on an unrelated tensor
+    y.backward().unwrap();
+    assert_eq!(a.grad().unwrap().to_vec::<f32>().unwrap(), vec![3.0, 4.0]);
+}
+
+#[test]
+fn pow_exponent_gradient_is_zero_where_the_base_is_zero() {
+    let a = Tensor::from_vec(vec![0.0f64, 2.0], &[2], Device::Cpu).unwrap();
+    let b = Tensor::from_vec(vec![2.0f64, 3.0], &[2], Device::Cpu)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    a.pow(&b).unwrap().sum_all().unwrap().backward().unwrap();
+    let g = b.grad().unwrap().to_vec::<f64>().unwrap();
+    assert_eq!(g[0], 0.0);
+    assert!((g[1] - 8.0 * 2f64.ln()).abs() < 1e-12);
+}
+
+#[test]
+fn retain_grad_on_a_tensor_without_grad_is_an_error() {
+    let x = Tensor::ones(&[2], DType::F32, Device::Cpu).unwrap();
+    assert!(x.exp().unwrap().retain_grad().is_err());
 }

@@ -181,8 +181,10 @@ fn run_node(node: &Arc<Node>, grad: Tensor, retain_graph: bool) -> Result<Vec<Op
         });
     }
     let needs: Vec<bool> = node.edges.iter().map(Option::is_some).collect();
+    node.check_saved_versions()?;
     let mut slot = node.backward.lock().unwrap_or_else(|e| e.into_inner());
-    let grads = if retain_graph {
+    // A node that saved nothing keeps its closure: running it again needs no freed state.
+    let grads = if retain_graph || !node.saves_tensors() {
         let f = slot.as_mut().ok_or_else(|| Error::autograd(RELEASED))?;
         f(&grad, &needs)?
     } else {

@@ -44,6 +44,8 @@ pub trait CustomFunction: Send + 'static {
 pub fn apply_custom<F: CustomFunction>(mut f: F, inputs: &[Tensor]) -> Result<Tensor> {
     let refs: Vec<&Tensor> = inputs.iter().collect();
     let mut ctx = FunctionCtx::default();
+    // Saves made by the forward belong to this function's node alone.
+    let _ = super::saved::take_pending();
     let out = {
         let _g = no_grad();
         f.forward(&mut ctx, inputs)?

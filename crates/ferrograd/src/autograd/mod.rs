@@ -70,6 +70,7 @@ where
         })
         .collect();
     let backward = make(&out, &needs);
-    let node = Arc::new(Node::new(name, edges, metas, Box::new(backward)));
+    let saved = saved::take_pending();
+    let node = Arc::new(Node::new(name, edges, metas, Box::new(backward), saved));
     out.with_grad_fn(node)
 }

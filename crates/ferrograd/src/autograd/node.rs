@@ -49,6 +49,8 @@ pub struct Node {
     /// Hooks registered on the output tensor. They live here, not on the tensor, so they
     /// still run after the tensor itself was dropped (as PyTorch keeps them on grad_fn).
     pub(crate) hooks: Mutex<Vec<TensorHook>>,
+    /// Buffers the backward reads, with their versions when saved.
+    pub(crate) saved: Vec<super::saved::SavedVersion>,
 }
 
 static NEXT_SEQ: AtomicU64 = AtomicU64::new(1);
@@ -63,6 +65,7 @@ impl Node {
         edges: Vec<Option<Edge>>,
         inputs: Vec<InputMeta>,
         backward: BackwardFn,
+        saved: Vec<super::saved::SavedVersion>,
     ) -> Node {
         Node {
             seq: next_seq(),
@@ -71,8 +74,31 @@ impl Node {
             edges,
             inputs,
             output: Mutex::new(Weak::new()),
+            saved,
             hooks: Mutex::new(Vec::new()),
         }
+    }
+
+    /// A node that saved nothing can run again without retain_graph (as in PyTorch).
+    pub(crate) fn saves_tensors(&self) -> bool {
+        !self.saved.is_empty()
+    }
+
+    /// Fails if a buffer this node saved was modified in place since.
+    pub(crate) fn check_saved_versions(&self) -> crate::error::Result<()> {
+        for (storage, version) in &self.saved {
+            if let Some(s) = storage.upgrade()
+                && s.version() != *version
+            {
+                return Err(crate::error::Error::autograd(format!(
+                    "one of the tensors needed for the gradient of {} was modified by an in-place operation (its version is {}, it was saved at version {}); avoid in-place updates of tensors that backward needs, or update a .detach()ed copy made with contiguous_copy()",
+                    self.name,
+                    s.version(),
+                    version
+                )));
+            }
+        }
+        Ok(())
     }
 
     pub fn name(&self) -> &'static str {

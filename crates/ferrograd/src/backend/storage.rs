@@ -1,6 +1,7 @@
 //! Storage: a device buffer plus the allocator's record of it. A storage is shared by all
 //! views of it (`Arc<Storage>`); dropping the last view frees the bytes in the allocator.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::cpu::CpuData;
@@ -20,6 +21,8 @@ pub struct Storage {
     dtype: DType,
     len: usize,
     data: RwLock<BackendData>,
+    /// Bumped by every in-place write, so autograd can tell that a saved tensor changed.
+    version: AtomicU64,
 }
 
 impl Storage {
@@ -41,6 +44,7 @@ impl Storage {
             dtype,
             len,
             data: RwLock::new(data),
+            version: AtomicU64::new(0),
         })
     }
 
@@ -65,6 +69,14 @@ impl Storage {
     }
     pub fn write(&self) -> RwLockWriteGuard<'_, BackendData> {
         self.data.write().unwrap_or_else(|e| e.into_inner())
+    }
+    /// How many in-place writes this buffer has seen.
+    pub fn version(&self) -> u64 {
+        self.version.load(Ordering::Relaxed)
+    }
+    /// Records an in-place write.
+    pub fn bump_version(&self) {
+        self.version.fetch_add(1, Ordering::Relaxed);
     }
     /// Same buffer?
     pub fn same(&self, other: &Storage) -> bool {

@@ -57,6 +57,15 @@ fn get(s: &Option<SavedTensor>) -> &Tensor {
         .expect("saved tensor for a requested gradient")
 }
 
+/// d(a^b)/db = a^b · ln a, taken as 0 where a == 0 (PyTorch's convention: the limit for
+/// b > 0, instead of 0 · -inf = NaN).
+fn exponent_grad_factor(a: &Tensor, y: &Tensor) -> Result<Tensor> {
+    let zero = Tensor::scalar(0.0, a.dtype(), a.device())?;
+    let at_zero = binary_forward(BinaryOp::Eq, a, &zero, "pow_backward")?
+        .to_dtype(crate::tensor::DType::U8)?;
+    y.mul(&a.log()?)?.masked_fill(&at_zero, 0.0)
+}
+
 impl Tensor {
     /// a + b. Backward: (g, g), each summed to its input's shape.
     pub fn add(&self, other: &Tensor) -> Result<Tensor> {
@@ -130,7 +139,9 @@ impl Tensor {
                     grad_if(n[0], || {
                         g.mul(&b.mul(&a.pow(&b.add_scalar(-1.0)?)?)?)?.sum_to(&sa)
                     })?,
-                    grad_if(n[1], || g.mul(&get(&y).mul(&a.log()?)?)?.sum_to(&sb))?,
+                    grad_if(n[1], || {
+                        g.mul(&exponent_grad_factor(a, get(&y))?)?.sum_to(&sb)
+                    })?,
                 ])
             }
         }))

@@ -37,7 +37,9 @@ impl Tensor {
                 storage: src.storage(),
                 layout: &l,
             },
-        )
+        )?;
+        self.storage().bump_version();
+        Ok(())
     }
 
     /// self += other
@@ -65,7 +67,9 @@ impl Tensor {
     /// Every element = value
     pub fn fill_(&self, value: f64) -> Result<()> {
         self.check_inplace_target("fill_")?;
-        self.backend()?.fill(self.storage(), value)
+        self.backend()?.fill(self.storage(), value)?;
+        self.storage().bump_version();
+        Ok(())
     }
     /// Every element = 0
     pub fn zero_(&self) -> Result<()> {

@@ -27,6 +27,7 @@ fn backward_into_grad(
 ) -> Result<Tensor> {
     if g.is_exclusive() && g.shape() == saved.shape() && g.dtype() == saved.dtype() {
         g.backend()?.binary_inplace(op, g.storage(), saved.view())?;
+        g.storage().bump_version();
         return Ok(g.clone());
     }
     binary_forward(op, g, saved, name)

@@ -115,7 +115,9 @@ impl Sgd {
         if let Some(b) = &self.momentum_buffers[i] {
             outputs.push(b.storage().as_ref());
         }
-        p.backend()?.fused(&op, &[grad.view()], &outputs)
+        p.backend()?.fused(&op, &[grad.view()], &outputs)?;
+        outputs.iter().for_each(|s| s.bump_version());
+        Ok(())
     }
 }
 

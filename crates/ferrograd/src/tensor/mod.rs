@@ -169,8 +169,15 @@ impl Tensor {
         Ok(())
     }
     /// Keep `.grad` for this non-leaf tensor during backward.
-    pub fn retain_grad(&self) {
+    /// Errors on a tensor that does not require grad (it will never have one), as PyTorch.
+    pub fn retain_grad(&self) -> Result<()> {
+        if !self.requires_grad() {
+            return Err(Error::autograd(
+                "retain_grad() on a tensor that does not require grad: it will never receive a gradient",
+            ));
+        }
         self.0.meta.retains_grad.store(true, Ordering::Relaxed);
+        Ok(())
     }
     /// Registers a hook on this tensor's gradient; it may return a replacement. On a
     /// non-leaf the hook is kept by its grad_fn, so it runs even if this handle is dropped.
