@@ -11,10 +11,10 @@ use crate::tensor::{DType, Device};
 pub struct MetaBackend;
 
 impl Backend for MetaBackend {
-    fn zeros(&self, _: DType, _: usize) -> Result<BackendData> {
+    fn zeros(&self, _: DType, _: usize, _: u64) -> Result<BackendData> {
         Ok(BackendData::Meta)
     }
-    fn upload(&self, _: DType, _: HostValues) -> Result<BackendData> {
+    fn upload(&self, _: DType, _: HostValues, _: u64) -> Result<BackendData> {
         Ok(BackendData::Meta)
     }
     fn to_host(&self, _: View) -> Result<HostValues> {

@@ -6,6 +6,7 @@
 //! backend implement the same trait.
 
 pub mod cpu;
+pub mod cuda;
 mod meta;
 mod ops;
 mod storage;
@@ -13,7 +14,7 @@ mod storage;
 pub use ops::{BinaryOp, FusedOp, MatmulSpec, ReduceOp, UnaryOp};
 pub use storage::{BackendData, Storage};
 
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::tensor::{DType, Device, Layout};
 
 /// A storage seen through a layout: the input of every backend op.
@@ -26,10 +27,11 @@ pub struct View<'a> {
 /// What a backend does. Outputs are contiguous storages allocated by the caller, never
 /// aliasing an input (except `binary_inplace`'s destination).
 pub trait Backend: Send + Sync {
-    /// Fresh device data of `len` elements, zero-filled.
-    fn zeros(&self, dtype: DType, len: usize) -> Result<BackendData>;
-    /// Uploads host values (given as f64, or i64 for integer dtypes).
-    fn upload(&self, dtype: DType, values: HostValues) -> Result<BackendData>;
+    /// Fresh device data of `len` elements, zero-filled, at `addr` (the address the device's
+    /// allocator handed out; 0 on the host, where the backend owns its buffers).
+    fn zeros(&self, dtype: DType, len: usize, addr: u64) -> Result<BackendData>;
+    /// Uploads host values into fresh data at `addr`.
+    fn upload(&self, dtype: DType, values: HostValues, addr: u64) -> Result<BackendData>;
     /// Downloads a view as contiguous host values.
     fn to_host(&self, src: View) -> Result<HostValues>;
     /// Copies `src` into the (possibly strided) region `dst` of the same shape, converting
@@ -64,10 +66,7 @@ pub fn backend(device: Device) -> Result<&'static dyn Backend> {
     match device {
         Device::Cpu => Ok(&cpu::CpuBackend),
         Device::Meta => Ok(&meta::MetaBackend),
-        Device::Cuda(_) => Err(Error::DeviceUnavailable {
-            device,
-            reason: "this build has no CUDA backend yet; use --device cpu".into(),
-        }),
+        Device::Cuda(ordinal) => cuda::backend(ordinal),
     }
 }
 

@@ -12,6 +12,8 @@ use crate::tensor::{DType, Device};
 /// Device-specific contents.
 pub enum BackendData {
     Cpu(CpuData),
+    /// A sub-block of a segment the device's caching allocator reserved.
+    Cuda(super::cuda::CudaBuffer),
     /// The meta device holds no bytes; only the allocator's accounting exists.
     Meta,
 }
@@ -27,18 +29,18 @@ pub struct Storage {
 
 impl Storage {
     /// Accounts the bytes first (so an impossible request is an OOM error before any host or
-    /// device allocation is attempted), then builds the data with `make`.
+    /// device allocation is attempted), then builds the data with `make(address)`.
     pub fn new(
         device: Device,
         dtype: DType,
         len: usize,
         category: Category,
         origin: &'static str,
-        make: impl FnOnce() -> Result<BackendData>,
+        make: impl FnOnce(u64) -> Result<BackendData>,
     ) -> Result<Storage> {
         let bytes = len * dtype.size_in_bytes();
         let alloc = memory::allocator(device)?.malloc(bytes, category, origin)?;
-        let data = make()?;
+        let data = make(alloc.addr())?;
         Ok(Storage {
             alloc,
             dtype,

@@ -43,12 +43,9 @@ pub fn allocator(device: Device) -> Result<Arc<Allocator>> {
     let policy: Box<dyn Policy> = match device {
         Device::Cpu => Box::new(HostPolicy::new(HostPolicy::physical_memory())),
         Device::Meta => Box::new(HostPolicy::new(u64::MAX)),
-        Device::Cuda(_) => {
-            return Err(Error::DeviceUnavailable {
-                device,
-                reason: "this build has no CUDA backend yet; use --device cpu".into(),
-            });
-        }
+        Device::Cuda(ordinal) => Box::new(CachingPolicy::new(
+            crate::backend::cuda::CudaMemory::new(ordinal)?,
+        )),
     };
     let a = Allocator::new(device, policy);
     reg.insert(device, Arc::clone(&a));

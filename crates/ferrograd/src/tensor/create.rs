@@ -95,8 +95,8 @@ impl Tensor {
     ) -> Result<Tensor> {
         let len = numel_of(origin, shape)?;
         let be = backend::backend(device)?;
-        let storage = Storage::new(device, dtype, len, category, origin, || {
-            be.zeros(dtype, len)
+        let storage = Storage::new(device, dtype, len, category, origin, |addr| {
+            be.zeros(dtype, len, addr)
         })?;
         Ok(Tensor::from_storage(
             Arc::new(storage),
@@ -129,8 +129,8 @@ impl Tensor {
             ));
         }
         let be = backend::backend(device)?;
-        let storage = Storage::new(device, dtype, len, Category::Input, "from_vec", || {
-            be.upload(dtype, values)
+        let storage = Storage::new(device, dtype, len, Category::Input, "from_vec", |addr| {
+            be.upload(dtype, values, addr)
         })?;
         Ok(Tensor::from_storage(
             Arc::new(storage),

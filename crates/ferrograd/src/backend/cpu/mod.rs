@@ -35,7 +35,7 @@ impl Deref for CpuRead<'_> {
         match &*self.0 {
             BackendData::Cpu(d) => d,
             // Storages are created by the backend of their own device.
-            BackendData::Meta => unreachable!("a meta storage reached the CPU backend"),
+            _ => unreachable!("a non-CPU storage reached the CPU backend"),
         }
     }
 }
@@ -64,11 +64,11 @@ pub(crate) fn write<R>(s: &Storage, f: impl FnOnce(&mut CpuData) -> Result<R>) -
 }
 
 impl Backend for CpuBackend {
-    fn zeros(&self, dtype: DType, len: usize) -> Result<BackendData> {
+    fn zeros(&self, dtype: DType, len: usize, _addr: u64) -> Result<BackendData> {
         Ok(BackendData::Cpu(CpuData::zeros(dtype, len)?))
     }
 
-    fn upload(&self, dtype: DType, values: HostValues) -> Result<BackendData> {
+    fn upload(&self, dtype: DType, values: HostValues, _addr: u64) -> Result<BackendData> {
         Ok(BackendData::Cpu(CpuData::from_host(dtype, values)?))
     }
 

@@ -1,0 +1,255 @@
+//! One GPU: its context, compute stream, cuBLAS handle and compiled kernel modules.
+//! Devices are created on first use and live for the process. Every entry point binds the
+//! context to the calling thread first (rayon and test threads call in from anywhere).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::cublas::CudaBlas;
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, result};
+use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
+
+use crate::error::{Error, Result};
+use crate::tensor::Device;
+
+pub struct CudaDevice {
+    ordinal: usize,
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    blas: CudaBlas,
+    arch: &'static str,
+    modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+}
+
+static ALLOW_TF32: AtomicBool = AtomicBool::new(false);
+
+/// Whether f32 GEMMs may use TF32 tensor cores (off by default, as in PyTorch).
+pub fn allow_tf32() -> bool {
+    ALLOW_TF32.load(Ordering::Relaxed)
+}
+
+/// `torch.backends.cuda.matmul.allow_tf32 = ...`
+pub fn set_allow_tf32(allow: bool) {
+    ALLOW_TF32.store(allow, Ordering::Relaxed);
+}
+
+type Registry = Mutex<HashMap<usize, &'static CudaDevice>>;
+
+fn registry() -> &'static Registry {
+    static REG: OnceLock<Registry> = OnceLock::new();
+    REG.get_or_init(|| Mutex::new(HashMap::new()))
+}
+
+fn unavailable(ordinal: usize, reason: impl Into<String>) -> Error {
+    Error::DeviceUnavailable {
+        device: Device::Cuda(ordinal),
+        reason: reason.into(),
+    }
+}
+
+/// Whether the CUDA driver library can be loaded on this machine.
+pub fn driver_present() -> bool {
+    // SAFETY: only probes for the shared library; nothing is called through it.
+    unsafe { cudarc::driver::sys::is_culib_present() }
+}
+
+/// Number of visible GPUs (0 when there is no driver).
+pub fn device_count() -> usize {
+    if !driver_present() {
+        return 0;
+    }
+    CudaContext::device_count()
+        .map(|n| n.max(0) as usize)
+        .unwrap_or(0)
+}
+
+/// GPU `ordinal`, initialised on first use.
+pub fn device(ordinal: usize) -> Result<&'static CudaDevice> {
+    let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(d) = reg.get(&ordinal) {
+        return Ok(d);
+    }
+    let d: &'static CudaDevice = Box::leak(Box::new(CudaDevice::open(ordinal)?));
+    reg.insert(ordinal, d);
+    Ok(d)
+}
+
+fn arch_name(major: i32, minor: i32) -> &'static str {
+    // NVRTC wants a 'static name; leaking one short string per distinct GPU kind is fine.
+    Box::leak(format!("sm_{major}{minor}").into_boxed_str())
+}
+
+impl CudaDevice {
+    fn open(ordinal: usize) -> Result<CudaDevice> {
+        if !driver_present() {
+            return Err(unavailable(
+                ordinal,
+                "no CUDA driver was found on this machine (libcuda is not loadable); use --device cpu",
+            ));
+        }
+        let count = device_count();
+        if ordinal >= count {
+            return Err(unavailable(
+                ordinal,
+                format!(
+                    "this machine has {count} CUDA device(s); use cuda:0..cuda:{}",
+                    count.saturating_sub(1)
+                ),
+            ));
+        }
+        // SAFETY: probes only.
+        if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+            return Err(unavailable(
+                ordinal,
+                "libnvrtc was not found: install the CUDA toolkit's NVRTC library",
+            ));
+        }
+        if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+            return Err(unavailable(
+                ordinal,
+                "libcublas was not found: install the CUDA toolkit's cuBLAS library",
+            ));
+        }
+        let drv = |e: cudarc::driver::DriverError| {
+            unavailable(ordinal, format!("CUDA driver error: {e:?}"))
+        };
+        let ctx = CudaContext::new(ordinal).map_err(drv)?;
+        let stream = ctx.new_stream().map_err(drv)?;
+        let blas = CudaBlas::new(Arc::clone(&stream))
+            .map_err(|e| unavailable(ordinal, format!("cuBLAS: {e:?}")))?;
+        let (major, minor) = ctx.compute_capability().map_err(drv)?;
+        Ok(CudaDevice {
+            ordinal,
+            ctx,
+            stream,
+            blas,
+            arch: arch_name(major, minor),
+            modules: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+    pub fn blas(&self) -> &CudaBlas {
+        &self.blas
+    }
+    /// e.g. "sm_90"
+    pub fn arch(&self) -> &'static str {
+        self.arch
+    }
+    pub fn name(&self) -> String {
+        self.ctx.name().unwrap_or_else(|_| "unknown".into())
+    }
+
+    /// Binds this device's context to the calling thread.
+    pub fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| self.err("bind context", e))
+    }
+
+    pub(crate) fn err(&self, what: &str, e: impl std::fmt::Debug) -> Error {
+        Error::DeviceUnavailable {
+            device: Device::Cuda(self.ordinal),
+            reason: format!("{what} failed: {e:?}"),
+        }
+    }
+
+    /// A kernel from module `key` (compiled from `src` by NVRTC on first use).
+    pub fn function(
+        &self,
+        key: &'static str,
+        src: &'static str,
+        name: &str,
+    ) -> Result<CudaFunction> {
+        self.bind()?;
+        let module = {
+            let mut mods = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+            match mods.get(key) {
+                Some(m) => Arc::clone(m),
+                None => {
+                    let opts = CompileOptions {
+                        arch: Some(self.arch),
+                        options: vec!["--std=c++17".into()],
+                        ..Default::default()
+                    };
+                    let ptx = compile_ptx_with_opts(src, opts)
+                        .map_err(|e| self.err(&format!("compiling kernels '{key}'"), e))?;
+                    let m = self
+                        .ctx
+                        .load_module(ptx)
+                        .map_err(|e| self.err("loading module", e))?;
+                    mods.insert(key, Arc::clone(&m));
+                    m
+                }
+            }
+        };
+        module
+            .load_function(name)
+            .map_err(|e| self.err(&format!("loading kernel {name}"), e))
+    }
+
+    /// A 1-D launch covering `n` threads in blocks of 256.
+    pub fn grid_1d(n: usize) -> LaunchConfig {
+        let blocks = n.div_ceil(256).clamp(1, 65_535 * 32) as u32;
+        LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+
+    pub fn memset_zero(&self, ptr: u64, bytes: usize) -> Result<()> {
+        if bytes == 0 {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: ptr..ptr+bytes is a live block handed out by this device's allocator.
+        unsafe { result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }
+            .map_err(|e| self.err("memset", e))
+    }
+
+    /// Copies host bytes to `ptr` and waits (the host buffer is borrowed).
+    pub fn copy_to_device(&self, ptr: u64, bytes: &[u8]) -> Result<()> {
+        if bytes.is_empty() {
+            return Ok(());
+        }
+        self.bind()?;
+        // SAFETY: the destination block holds at least bytes.len() bytes; we synchronize before
+        // the borrowed source can go away.
+        unsafe { result::memcpy_htod_async(ptr, bytes, self.stream.cu_stream()) }
+            .map_err(|e| self.err("copy to device", e))?;
+        self.synchronize()
+    }
+
+    /// Copies `len` bytes at `ptr` to the host.
+    pub fn copy_to_host(&self, ptr: u64, len: usize) -> Result<Vec<u8>> {
+        let mut out = vec![0u8; len];
+        if len == 0 {
+            return Ok(out);
+        }
+        self.bind()?;
+        // SAFETY: the source block holds len bytes; we synchronize before reading `out`.
+        unsafe { result::memcpy_dtoh_async(&mut out[..], ptr, self.stream.cu_stream()) }
+            .map_err(|e| self.err("copy to host", e))?;
+        self.synchronize()?;
+        Ok(out)
+    }
+
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| self.err("synchronize", e))
+    }
+
+    /// (free, total) bytes as the driver reports them.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        self.bind()?;
+        result::mem_get_info().map_err(|e| self.err("cuMemGetInfo", e))
+    }
+}
