@@ -1,6 +1,7 @@
 //! Command-line definitions and dispatch. Configuration is explicit: every knob is a flag.
 
 use clap::{Args, Parser, Subcommand};
+use ferrograd::backend::cuda::cuda_info;
 use ferrograd::demo::{self, DemoConfig};
 use ferrograd::{Device, memory};
 
@@ -82,27 +83,33 @@ fn run_info() -> anyhow::Result<()> {
     println!("ferrograd {}", env!("CARGO_PKG_VERSION"));
     let cpu = memory::allocator(Device::Cpu)?.mem_info();
     println!(
-        "cpu: {} threads, {} total, {} available",
-        rayon_threads(),
+        "cpu      {} threads, {} total, {} available",
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1),
         memory::format_size(cpu.total),
         memory::format_size(cpu.free)
     );
-    match memory::allocator(Device::Cuda(0)) {
-        Ok(a) => {
-            let i = a.mem_info();
-            println!(
-                "cuda:0: {} total, {} free",
-                memory::format_size(i.total),
-                memory::format_size(i.free)
-            );
-        }
-        Err(e) => println!("cuda: not available ({e})"),
+    let info = cuda_info();
+    let show = |v: &Option<String>| v.clone().unwrap_or_else(|| "not found".into());
+    println!(
+        "cuda     driver {}, nvrtc {}, cublas {}",
+        show(&info.driver_version),
+        show(&info.nvrtc_version),
+        show(&info.cublas_version)
+    );
+    for g in &info.devices {
+        println!(
+            "cuda:{}   {} ({}), {} total, {} free",
+            g.ordinal,
+            g.name,
+            g.arch,
+            memory::format_size(g.total_bytes),
+            memory::format_size(g.free_bytes)
+        );
+    }
+    if let Some(note) = &info.note {
+        println!("note     {note}");
     }
     Ok(())
-}
-
-fn rayon_threads() -> usize {
-    std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1)
 }

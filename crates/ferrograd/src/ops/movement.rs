@@ -199,3 +199,27 @@ impl Tensor {
         }))
     }
 }
+
+impl Tensor {
+    /// The same values on `device` (self when already there). Backward moves the gradient
+    /// back. Host ↔ device copies go through host memory.
+    pub fn to_device(&self, device: crate::tensor::Device) -> Result<Tensor> {
+        if device == self.device() {
+            return Ok(self.clone());
+        }
+        let out = if device == crate::tensor::Device::Meta
+            || self.device() == crate::tensor::Device::Meta
+        {
+            Tensor::output(self.shape(), self.dtype(), device, "to_device")?
+        } else {
+            let values = self.to_host()?;
+            let t = Tensor::from_host_values(values, self.shape(), self.dtype(), device)?;
+            t.set_category(crate::memory::Category::Temporary);
+            t
+        };
+        let from = self.device();
+        Ok(record("to_device", &[self], out, move |_, _| {
+            move |g: &Tensor, _: &[bool]| Ok(vec![Some(g.to_device(from)?)])
+        }))
+    }
+}

@@ -114,7 +114,7 @@ impl Tensor {
         Tensor::alloc(shape, dtype, device, Category::Temporary, origin)
     }
 
-    fn from_host_values(
+    pub(crate) fn from_host_values(
         values: HostValues,
         shape: &[usize],
         dtype: DType,

@@ -7,11 +7,13 @@
 mod device;
 mod elementwise;
 mod fused;
+mod info;
 mod matmul;
 mod memory;
 mod reduce;
 
 pub use device::{CudaDevice, allow_tf32, device, device_count, driver_present, set_allow_tf32};
+pub use info::{CudaInfo, GpuInfo, cuda_info};
 pub use memory::CudaMemory;
 
 use super::{
