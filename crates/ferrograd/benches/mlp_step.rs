@@ -3,7 +3,7 @@
 //! after warm-up, and the peak bytes of a step. The PyTorch twin is benches/pytorch/mlp_step.py;
 //! scripts/bench_mlp_step.sh runs both side by side.
 //!
-//! Usage: cargo bench --bench mlp_step -- [--dim 2048] [--batch 256] [--steps 20]
+//! Usage: cargo bench --bench mlp_step -- [--dim 2048] [--batch 256] [--steps 20] [--device cuda]
 
 use std::time::Instant;
 
@@ -22,7 +22,11 @@ fn arg(name: &str, default: usize) -> usize {
 
 fn main() -> ferrograd::Result<()> {
     let (d, b, steps) = (arg("--dim", 2048), arg("--batch", 256), arg("--steps", 20));
-    let dev = Device::Cpu;
+    let args: Vec<String> = std::env::args().collect();
+    let dev: Device = match args.iter().position(|a| a == "--device") {
+        Some(i) => args.get(i + 1).map(String::as_str).unwrap_or("cpu").parse()?,
+        None => Device::Cpu,
+    };
     let mut g = Generator::new(0);
     let model = Sequential::new()
         .push(Linear::new(d, d, true, dev, &mut g)?)
@@ -41,11 +45,13 @@ fn main() -> ferrograd::Result<()> {
         if i == 3 {
             memory::reset_peak_memory_stats(dev)?;
         }
+        ferrograd::backend::synchronize(dev)?;
         let t0 = Instant::now();
         let loss = model.forward(&x)?.mse_loss(&y)?;
         loss.backward()?;
         opt.step()?;
         opt.zero_grad()?;
+        ferrograd::backend::synchronize(dev)?;
         if i >= 3 {
             times.push(t0.elapsed().as_secs_f64() * 1e3);
         }
@@ -53,7 +59,7 @@ fn main() -> ferrograd::Result<()> {
     times.sort_by(f64::total_cmp);
     let median = times[times.len() / 2];
     println!(
-        "ferrograd mlp_step d={d} B={b} threads={} median_ms={median:.2} min_ms={:.2} peak_bytes={}",
+        "ferrograd mlp_step d={d} B={b} device={dev} threads={} median_ms={median:.2} min_ms={:.2} peak_bytes={}",
         rayon::current_num_threads(),
         times[0],
         memory::max_memory_allocated(dev)?

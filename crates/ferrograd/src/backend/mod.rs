@@ -82,3 +82,12 @@ impl HostValues {
         self.len() == 0
     }
 }
+
+/// Waits until all queued work on `device` has finished (a no-op on the host). Timing GPU
+/// work needs it, as `torch.cuda.synchronize()` does.
+pub fn synchronize(device: Device) -> Result<()> {
+    match device {
+        Device::Cuda(i) => cuda::device(i)?.synchronize(),
+        _ => Ok(()),
+    }
+}

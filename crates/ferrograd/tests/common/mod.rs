@@ -119,13 +119,13 @@ pub fn assert_close(name: &str, got: &Tensor, want: &Tensor, atol: f64, rtol: f6
     }
 }
 
-/// The inputs NAME.in0, NAME.in1, ... in order; float ones require grad.
-fn case_inputs(name: &str) -> Vec<Tensor> {
+/// The inputs NAME.in0, NAME.in1, ... in order, on `device`; float ones require grad.
+fn case_inputs(name: &str, device: Device) -> Vec<Tensor> {
     let inputs: Vec<Tensor> = (0..)
         .map(|i| format!("{name}.in{i}"))
         .take_while(|k| has_fixture(k))
         .map(|k| {
-            let t = load_fixture(&k);
+            let t = load_fixture(&k).to_device(device).unwrap();
             if t.dtype().is_float() {
                 t.requires_grad_(true).unwrap()
             } else {
@@ -144,7 +144,13 @@ pub fn check_case(name: &str, f: impl Fn(&[Tensor]) -> Result<Tensor>) {
 }
 
 pub fn check_case_tol(name: &str, atol: f64, rtol: f64, f: impl Fn(&[Tensor]) -> Result<Tensor>) {
-    let inputs = case_inputs(name);
+    check_case_on(Device::Cpu, name, atol, rtol, f)
+}
+
+/// The same golden case with inputs on `device` (one test body for every device).
+pub fn check_case_on(device: Device, name: &str, atol: f64, rtol: f64, f: impl Fn(&[Tensor]) -> Result<Tensor>) {
+    let inputs = case_inputs(name, device);
+    assert!(inputs.iter().all(|t| t.device() == device), "{name}: inputs not on {device}");
     let out = f(&inputs).unwrap_or_else(|e| panic!("{name}: forward failed: {e}"));
     assert_close(
         &format!("{name}.out"),
@@ -153,7 +159,8 @@ pub fn check_case_tol(name: &str, atol: f64, rtol: f64, f: impl Fn(&[Tensor]) ->
         atol,
         rtol,
     );
-    let gout = load_fixture(&format!("{name}.gout"));
+    assert_eq!(out.device(), device, "{name}: output left the device");
+    let gout = load_fixture(&format!("{name}.gout")).to_device(device).unwrap();
     let loss = out.mul(&gout).and_then(|t| t.sum_all()).unwrap();
     loss.backward()
         .unwrap_or_else(|e| panic!("{name}: backward failed: {e}"));
@@ -271,4 +278,25 @@ pub fn gradcheck(name: &str, f: impl Fn(&[Tensor]) -> Result<Tensor>, inputs: &[
             GC_RTOL,
         );
     }
+}
+
+/// Defines `mod $name { fn cpu(); fn cuda() }` running `$body(device)` on each device; the
+/// CUDA variant exists with the `gpu-tests` feature (and fails without a GPU).
+#[macro_export]
+macro_rules! per_device {
+    ($name:ident, $body:expr) => {
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+            #[test]
+            fn cpu() {
+                ($body)(ferrograd::Device::Cpu)
+            }
+            #[cfg(feature = "gpu-tests")]
+            #[test]
+            fn cuda() {
+                ($body)(ferrograd::Device::Cuda(0))
+            }
+        }
+    };
 }

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# GPU tests and benchmarks in two steps, for a GPU machine that has no Rust toolchain:
+#   scripts/gpu_tests.sh build   # here: builds the GPU test binaries, the CLI and the benches into .bin/
+#   scripts/gpu_tests.sh run     # on the GPU machine: runs every test binary, prints a pass/fail summary
+# The GPU test targets (tests/gpu_*.rs and the CUDA variants of the golden tests) exist only
+# with the `gpu-tests` feature and fail, not skip, when no GPU is present.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BIN=.bin
+
+build() {
+  export CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_STRIP=true
+  rm -rf "$BIN" && mkdir -p "$BIN/tests"
+  cargo build --release -p ferrograd-cli
+  cp target/release/ferrograd "$BIN/"
+  cargo test --release -p ferrograd --features gpu-tests --no-run --message-format=json 2>/dev/null \
+    | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 \
+    | grep -E '/(gpu_[a-z_]+|golden_ops)-[0-9a-f]+$' \
+    | while read -r exe; do cp "$exe" "$BIN/tests/$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
+  cargo bench -p ferrograd --no-run --message-format=json 2>/dev/null \
+    | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 \
+    | grep -E '/(mlp_step|gemm)-[0-9a-f]+$' \
+    | while read -r exe; do cp "$exe" "$BIN/$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
+  ls -la "$BIN" "$BIN/tests"
+}
+
+run() {
+  local pass=0 fail=0
+  for t in "$BIN"/tests/*; do
+    local name log
+    name=$(basename "$t"); log=$(mktemp)
+    if "$t" --test-threads=1 >"$log" 2>&1; then status=PASS; pass=$((pass + 1)); else status=FAIL; fail=$((fail + 1)); fi
+    printf '%-18s %s  %s\n' "$name" "$status" "$(grep -E '^test result' "$log" | tail -1)"
+    if [ "$status" = FAIL ]; then grep -E -- '--- FAILED|panicked|^failures:' -A3 "$log" | head -40; fi
+    [ -n "${OUT:-}" ] && cp "$log" "$OUT/$name.log"
+  done
+  echo "gpu test binaries: $pass passed, $fail failed"
+  [ "$fail" -eq 0 ]
+}
+
+case "${1:-}" in
+  build) build ;;
+  run) run ;;
+  *) echo "usage: $0 build|run" >&2; exit 2 ;;
+esac
