@@ -3,137 +3,54 @@
 //! finite-difference checks of every gradient, edge cases PyTorch defines (all targets
 //! ignored, any softmax dim, half precision), and the errors a user can cause.
 
-use std::sync::OnceLock;
+mod common;
 
-use ferrograd::{BackwardOptions, DType, Device, Error, Generator, Tensor, no_grad};
-use safetensors::{Dtype, SafeTensors};
+use common::{ATOL, RTOL, check_case_on};
+use ferrograd::{DType, Device, Error, Generator, Tensor, no_grad};
 
-const FIXTURES: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../tests/fixtures/ops.safetensors"
-);
 const CPU: Device = Device::Cpu;
 
 // ---- fixtures -------------------------------------------------------------------------------
 
-fn fixture_bytes() -> &'static [u8] {
-    static BYTES: OnceLock<Vec<u8>> = OnceLock::new();
-    BYTES.get_or_init(|| {
-        std::fs::read(FIXTURES).expect("fixture file; regenerate with tools/make_fixtures.py")
-    })
-}
+per_device!(golden_softmax, |d| check_case_on(
+    d,
+    "softmax",
+    ATOL,
+    RTOL,
+    |x| x[0].softmax(-1)
+));
+per_device!(golden_softmax_dim1, |d| check_case_on(
+    d,
+    "softmax_dim1",
+    ATOL,
+    RTOL,
+    |x| x[0].softmax(1)
+));
+per_device!(golden_log_softmax, |d| check_case_on(
+    d,
+    "log_softmax",
+    ATOL,
+    RTOL,
+    |x| x[0].log_softmax(-1)
+));
+per_device!(golden_cross_entropy, |d| check_case_on(
+    d,
+    "cross_entropy",
+    ATOL,
+    RTOL,
+    |x| { x[0].cross_entropy(&x[1], -100) }
+));
+per_device!(golden_layer_norm, |d| check_case_on(
+    d,
+    "layer_norm",
+    ATOL,
+    RTOL,
+    |x| { x[0].layer_norm(&[8], Some(&x[1]), Some(&x[2]), 1e-5) }
+));
 
-/// The fixture tensor `name` (f32 or i64) as a ferrograd tensor.
-fn load(name: &str) -> Tensor {
-    let st = SafeTensors::deserialize(fixture_bytes()).expect("a safetensors fixture file");
-    let v = st
-        .tensor(name)
-        .unwrap_or_else(|_| panic!("fixture {name} is missing"));
-    let shape = v.shape().to_vec();
-    match v.dtype() {
-        Dtype::F32 => {
-            let data: Vec<f32> = v
-                .data()
-                .chunks_exact(4)
-                .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-                .collect();
-            Tensor::from_vec(data, &shape, CPU).unwrap()
-        }
-        Dtype::I64 => {
-            let data: Vec<i64> = v
-                .data()
-                .chunks_exact(8)
-                .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
-                .collect();
-            Tensor::from_vec(data, &shape, CPU).unwrap()
-        }
-        d => panic!("fixture {name} has unexpected dtype {d:?}"),
-    }
-}
-
+/// |got - want| <= tol (1 + |want|) elementwise.
 fn assert_close(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
-    assert_eq!(got.shape(), want.shape(), "{what}: shape");
-    let (g, w) = (got.to_vec::<f64>().unwrap(), want.to_vec::<f64>().unwrap());
-    for (i, (a, b)) in g.iter().zip(&w).enumerate() {
-        assert!(
-            (a - b).abs() <= tol * (1.0 + b.abs()),
-            "{what}[{i}]: got {a}, want {b}"
-        );
-    }
-}
-
-/// Runs `f` on case `name`'s inputs (float ones require grad), compares the output with
-/// PyTorch's, backpropagates the fixture's upstream gradient and compares every input
-/// gradient.
-fn golden(name: &str, inputs: usize, f: impl Fn(&[Tensor]) -> ferrograd::Result<Tensor>) {
-    let ins: Vec<Tensor> = (0..inputs)
-        .map(|i| {
-            let t = load(&format!("{name}.in{i}"));
-            if t.dtype() == DType::F32 {
-                t.requires_grad_(true).unwrap()
-            } else {
-                t
-            }
-        })
-        .collect();
-    let out = f(&ins).unwrap();
-    assert_close(
-        &format!("{name}.out"),
-        &out,
-        &load(&format!("{name}.out")),
-        1e-5,
-    );
-    let gradient = Some(load(&format!("{name}.gout")));
-    out.backward_with(BackwardOptions {
-        gradient,
-        retain_graph: false,
-    })
-    .unwrap();
-    let mut checked = 0;
-    for (i, t) in ins
-        .iter()
-        .enumerate()
-        .filter(|(_, t)| t.dtype() == DType::F32)
-    {
-        let grad = t
-            .grad()
-            .unwrap_or_else(|| panic!("{name}: input {i} got no gradient"));
-        assert_close(
-            &format!("{name}.grad{i}"),
-            &grad,
-            &load(&format!("{name}.grad{i}")),
-            1e-5,
-        );
-        checked += 1;
-    }
-    assert!(checked > 0, "{name}: no gradient was checked");
-}
-
-#[test]
-fn golden_softmax() {
-    golden("softmax", 1, |x| x[0].softmax(-1));
-}
-
-#[test]
-fn golden_softmax_dim1() {
-    golden("softmax_dim1", 1, |x| x[0].softmax(1));
-}
-
-#[test]
-fn golden_log_softmax() {
-    golden("log_softmax", 1, |x| x[0].log_softmax(-1));
-}
-
-#[test]
-fn golden_cross_entropy() {
-    golden("cross_entropy", 2, |x| x[0].cross_entropy(&x[1], -100));
-}
-
-#[test]
-fn golden_layer_norm() {
-    golden("layer_norm", 3, |x| {
-        x[0].layer_norm(&[8], Some(&x[1]), Some(&x[2]), 1e-5)
-    });
+    common::assert_close(what, got, want, tol, tol);
 }
 
 // ---- finite differences in f64 --------------------------------------------------------------

@@ -34,13 +34,25 @@ fn demo_bytes_match_the_rounded_formula() {
     let out = model.forward(&x).unwrap();
     let p = 2 * (r512(d * d * 4) + r512(d * 4));
     let a = r512(b * d * 4);
-    assert_eq!(allocated_without_workspace() - base, p + 3 * a, "before backward = P + 3A");
+    assert_eq!(
+        allocated_without_workspace() - base,
+        p + 3 * a,
+        "before backward = P + 3A"
+    );
     let by = memory::memory_by_category(GPU).unwrap();
     assert!(by.get(Category::SavedActivation) >= a);
     out.sum_all().unwrap().backward().unwrap();
-    assert_eq!(allocated_without_workspace() - base, 2 * p + 2 * a, "after backward = 2P + 2A");
+    assert_eq!(
+        allocated_without_workspace() - base,
+        2 * p + 2 * a,
+        "after backward = 2P + 2A"
+    );
     let by = memory::memory_by_category(GPU).unwrap();
-    assert_eq!(by.total(), memory::memory_allocated(GPU).unwrap(), "categories add up");
+    assert_eq!(
+        by.total(),
+        memory::memory_allocated(GPU).unwrap(),
+        "categories add up"
+    );
     assert_eq!(by.get(Category::SavedActivation), 0);
     assert!(memory::memory_reserved(GPU).unwrap() >= memory::memory_allocated(GPU).unwrap());
 }
@@ -54,16 +66,30 @@ fn out_of_memory_is_an_error_and_training_goes_on() {
     let err = Tensor::zeros(&[too_many], DType::F32, GPU).unwrap_err();
     assert!(err.is_out_of_memory(), "{err}");
     let msg = err.to_string();
-    for needle in ["out of memory on cuda:0", "allocated by category", "what to try"] {
+    for needle in [
+        "out of memory on cuda:0",
+        "allocated by category",
+        "what to try",
+    ] {
         assert!(msg.contains(needle), "missing '{needle}' in: {msg}");
     }
     let stats = memory::memory_stats(GPU).unwrap();
     assert!(stats["num_ooms"] >= 1);
     // Everything still works: the old tensor reads back and a smaller step runs.
     assert_eq!(keep.to_vec::<f32>().unwrap(), vec![1.0; 1024]);
-    let w = Tensor::randn(&[256, 256], DType::F32, GPU).unwrap().requires_grad_(true).unwrap();
+    let w = Tensor::randn(&[256, 256], DType::F32, GPU)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
     let x = Tensor::randn(&[64, 256], DType::F32, GPU).unwrap();
-    x.linear(&w, None).unwrap().relu().unwrap().sum_all().unwrap().backward().unwrap();
+    x.linear(&w, None)
+        .unwrap()
+        .relu()
+        .unwrap()
+        .sum_all()
+        .unwrap()
+        .backward()
+        .unwrap();
     assert_eq!(w.grad().unwrap().shape(), &[256, 256]);
 }
 
@@ -76,9 +102,17 @@ fn freed_blocks_stay_reserved_until_empty_cache() {
     let reserved1 = memory::memory_reserved(GPU).unwrap();
     assert_eq!(reserved1 - reserved0, 64 << 20);
     drop(t);
-    assert_eq!(memory::memory_reserved(GPU).unwrap(), reserved1, "cached after free");
+    assert_eq!(
+        memory::memory_reserved(GPU).unwrap(),
+        reserved1,
+        "cached after free"
+    );
     memory::empty_cache(GPU).unwrap();
-    assert_eq!(memory::memory_reserved(GPU).unwrap(), reserved0, "returned by empty_cache");
+    assert_eq!(
+        memory::memory_reserved(GPU).unwrap(),
+        reserved0,
+        "returned by empty_cache"
+    );
 }
 
 #[test]
@@ -86,10 +120,15 @@ fn small_requests_share_a_2_mib_segment() {
     let _l = LOCK.lock().unwrap();
     memory::empty_cache(GPU).unwrap();
     let before = memory::memory_stats(GPU).unwrap();
-    let ts: Vec<Tensor> = (0..8).map(|_| Tensor::zeros(&[1000], DType::F32, GPU).unwrap()).collect();
+    let ts: Vec<Tensor> = (0..8)
+        .map(|_| Tensor::zeros(&[1000], DType::F32, GPU).unwrap())
+        .collect();
     let after = memory::memory_stats(GPU).unwrap();
     let seg = |m: &std::collections::BTreeMap<String, i64>| m["segment.small_pool.current"];
-    assert!(seg(&after) - seg(&before) <= 1, "8 × 4000 B fit in one small segment");
+    assert!(
+        seg(&after) - seg(&before) <= 1,
+        "8 × 4000 B fit in one small segment"
+    );
     assert_eq!(
         after["allocated_bytes.small_pool.current"] - before["allocated_bytes.small_pool.current"],
         8 * 4096,
@@ -103,5 +142,8 @@ fn device_errors_are_typed() {
     let cpu = Tensor::ones(&[2], DType::F32, Device::Cpu).unwrap();
     let gpu = Tensor::ones(&[2], DType::F32, GPU).unwrap();
     assert!(matches!(cpu.add(&gpu), Err(Error::DeviceMismatch { .. })));
-    assert!(matches!(Tensor::ones(&[2], DType::F32, Device::Cuda(99)), Err(Error::DeviceUnavailable { .. })));
+    assert!(matches!(
+        Tensor::ones(&[2], DType::F32, Device::Cuda(99)),
+        Err(Error::DeviceUnavailable { .. })
+    ));
 }

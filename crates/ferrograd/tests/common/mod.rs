@@ -148,9 +148,18 @@ pub fn check_case_tol(name: &str, atol: f64, rtol: f64, f: impl Fn(&[Tensor]) ->
 }
 
 /// The same golden case with inputs on `device` (one test body for every device).
-pub fn check_case_on(device: Device, name: &str, atol: f64, rtol: f64, f: impl Fn(&[Tensor]) -> Result<Tensor>) {
+pub fn check_case_on(
+    device: Device,
+    name: &str,
+    atol: f64,
+    rtol: f64,
+    f: impl Fn(&[Tensor]) -> Result<Tensor>,
+) {
     let inputs = case_inputs(name, device);
-    assert!(inputs.iter().all(|t| t.device() == device), "{name}: inputs not on {device}");
+    assert!(
+        inputs.iter().all(|t| t.device() == device),
+        "{name}: inputs not on {device}"
+    );
     let out = f(&inputs).unwrap_or_else(|e| panic!("{name}: forward failed: {e}"));
     assert_close(
         &format!("{name}.out"),
@@ -160,7 +169,9 @@ pub fn check_case_on(device: Device, name: &str, atol: f64, rtol: f64, f: impl F
         rtol,
     );
     assert_eq!(out.device(), device, "{name}: output left the device");
-    let gout = load_fixture(&format!("{name}.gout")).to_device(device).unwrap();
+    let gout = load_fixture(&format!("{name}.gout"))
+        .to_device(device)
+        .unwrap();
     let loss = out.mul(&gout).and_then(|t| t.sum_all()).unwrap();
     loss.backward()
         .unwrap_or_else(|e| panic!("{name}: backward failed: {e}"));
