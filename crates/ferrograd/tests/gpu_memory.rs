@@ -22,7 +22,7 @@ fn allocated_without_workspace() -> u64 {
 
 #[test]
 fn demo_bytes_match_the_rounded_formula() {
-    let _l = LOCK.lock().unwrap();
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let (d, b) = (1000usize, 100usize);
     let base = allocated_without_workspace();
     let mut g = Generator::new(0);
@@ -59,7 +59,7 @@ fn demo_bytes_match_the_rounded_formula() {
 
 #[test]
 fn out_of_memory_is_an_error_and_training_goes_on() {
-    let _l = LOCK.lock().unwrap();
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let keep = Tensor::ones(&[1024], DType::F32, GPU).unwrap();
     let total = memory::allocator(GPU).unwrap().mem_info().total;
     let too_many = (total / 4) as usize * 2; // 2x the device, in f32 elements
@@ -95,7 +95,7 @@ fn out_of_memory_is_an_error_and_training_goes_on() {
 
 #[test]
 fn freed_blocks_stay_reserved_until_empty_cache() {
-    let _l = LOCK.lock().unwrap();
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     memory::empty_cache(GPU).unwrap();
     let reserved0 = memory::memory_reserved(GPU).unwrap();
     let t = Tensor::zeros(&[64 << 20], DType::U8, GPU).unwrap(); // 64 MiB: its own segment
@@ -117,7 +117,7 @@ fn freed_blocks_stay_reserved_until_empty_cache() {
 
 #[test]
 fn small_requests_share_a_2_mib_segment() {
-    let _l = LOCK.lock().unwrap();
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     memory::empty_cache(GPU).unwrap();
     let before = memory::memory_stats(GPU).unwrap();
     let ts: Vec<Tensor> = (0..8)
