@@ -1,19 +1,317 @@
-//! (being written) reductions.
+//! CUDA reductions (sum, max, min, argmax) over any sorted set of dims of a strided float
+//! input, accumulated in f64 (kernels/reduce.cu). The host splits the input into the kept
+//! dims (one output each) and the reduced dims, merges what memory allows, and picks a
+//! kernel by shape: a thread per output for short reductions, a block per output for rows, a
+//! 32-output tile for columns; long reductions with few outputs are split across blocks and
+//! finished by a second kernel in a fixed order (deterministic sums).
+
+use cudarc::driver::{LaunchConfig, PushKernelArg};
 
 use super::CudaDevice;
+use super::elementwise::{Strided, check_bounds, dev_ptr, dtype_code, float_suffix, temp};
 use crate::backend::{ReduceOp, Storage, View};
 use crate::error::{Error, Result};
-use crate::tensor::Device;
+use crate::tensor::DType;
+
+const KEY: &str = "reduce";
+const SRC: &str = concat!(
+    include_str!("kernels/strided.cuh"),
+    include_str!("kernels/reduce.cu")
+);
+
+/// At most this many reduced elements: one thread per output.
+const THREAD_MAX_IN: usize = 32;
+/// Grid size cap; kernels loop over the remaining work items.
+const MAX_GRID: usize = 1 << 20;
+/// Aim for about this many blocks when splitting long reductions (a few per SM).
+const TARGET_BLOCKS: usize = 1024;
+/// Least reduced elements per split of a row (block) reduction.
+const ROW_SPLIT_MIN: usize = 4096;
+/// Least reduced elements per split of a column (tile) reduction.
+const COL_SPLIT_MIN: usize = 256;
+/// Outputs per column tile, and the rows of threads that share its reduced elements
+/// (COLS_X, COLS_Y in reduce.cu).
+const COLS_X: usize = 32;
+const COLS_Y: usize = 8;
+
+/// `R_*` in reduce.cu.
+fn reduce_code(op: ReduceOp) -> i32 {
+    match op {
+        ReduceOp::Sum => 0,
+        ReduceOp::Max => 1,
+        ReduceOp::Min => 2,
+        ReduceOp::ArgMax => 3,
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kernel {
+    Thread,
+    Block,
+    Cols,
+}
+
+/// The kernel and how many splits (each `chunk` reduced elements) it runs with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Plan {
+    kernel: Kernel,
+    splits: usize,
+    chunk: usize,
+}
+
+/// Chooses a kernel. `inner_unit`: the innermost reduced dim is contiguous (rows);
+/// `outer_unit`: neighbouring outputs read neighbouring elements (columns).
+fn plan(n_out: usize, n_in: usize, inner_unit: bool, outer_unit: bool) -> Plan {
+    let whole = |kernel| Plan {
+        kernel,
+        splits: 1,
+        chunk: n_in.max(1),
+    };
+    if n_in <= THREAD_MAX_IN {
+        return whole(Kernel::Thread);
+    }
+    let (kernel, units, min_chunk) = if !inner_unit && outer_unit {
+        (Kernel::Cols, n_out.div_ceil(COLS_X), COL_SPLIT_MIN)
+    } else {
+        (Kernel::Block, n_out, ROW_SPLIT_MIN)
+    };
+    if units >= TARGET_BLOCKS / 2 {
+        return whole(kernel);
+    }
+    let splits = n_in
+        .div_ceil(min_chunk)
+        .min(TARGET_BLOCKS.div_ceil(units))
+        .max(1);
+    let chunk = n_in.div_ceil(splits);
+    Plan {
+        kernel,
+        // no empty trailing splits
+        splits: n_in.div_ceil(chunk),
+        chunk,
+    }
+}
+
+/// Threads per block for a block reduction over `n` elements: a power of two in 32..=256.
+fn block_threads(n: usize) -> u32 {
+    n.next_power_of_two().clamp(32, 256) as u32
+}
+
+fn config(blocks: usize, threads: (u32, u32)) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (blocks.clamp(1, MAX_GRID) as u32, 1, 1),
+        block_dim: (threads.0, threads.1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+/// Kept and reduced dims of a view: (outer, inner, n_out, n_in).
+fn split_dims(x: View, dims: &[usize]) -> Result<(Strided, Strided, usize, usize)> {
+    let (shape, strides) = (x.layout.shape(), x.layout.strides());
+    let rank = shape.len();
+    if dims.iter().any(|&d| d >= rank) || dims.windows(2).any(|w| w[0] >= w[1]) {
+        return Err(Error::invalid(
+            "reduce",
+            format!("dims {dims:?} must be sorted, unique and below the rank {rank}"),
+        ));
+    }
+    let pick = |keep: bool| -> (Vec<usize>, Vec<isize>) {
+        (0..rank)
+            .filter(|d| dims.contains(d) != keep)
+            .map(|d| (shape[d], strides[d]))
+            .unzip()
+    };
+    let (os, ost) = pick(true);
+    let (is, ist) = pick(false);
+    let (n_out, n_in) = (os.iter().product(), is.iter().product());
+    let outer = Strided::new("reduce", x.layout.offset(), &os, &ost)?;
+    let inner = Strided::new("reduce", 0, &is, &ist)?;
+    Ok((outer, inner, n_out, n_in))
+}
 
 pub(crate) fn reduce(
     d: &CudaDevice,
-    _op: ReduceOp,
-    _x: View,
-    _dims: &[usize],
-    _out: &Storage,
+    op: ReduceOp,
+    x: View,
+    dims: &[usize],
+    out: &Storage,
 ) -> Result<()> {
-    Err(Error::NotSupportedOnDevice {
-        op: "reduce",
-        device: Device::Cuda(d.ordinal()),
-    })
+    let suffix = float_suffix("reduce", x.storage.dtype())?;
+    if op == ReduceOp::ArgMax && dims.len() != 1 {
+        return Err(Error::invalid("argmax", "argmax reduces exactly one dim"));
+    }
+    let odt = out.dtype();
+    if odt == DType::U8 {
+        return Err(Error::UnsupportedDType {
+            op: "reduce",
+            dtype: odt,
+            hint: "reductions write a float tensor (or i64 indices for argmax)",
+        });
+    }
+    let (outer, inner, n_out, n_in) = split_dims(x, dims)?;
+    if out.len() < n_out {
+        return Err(Error::invalid(
+            "reduce",
+            format!(
+                "output storage holds {} elements, the result has {n_out}",
+                out.len()
+            ),
+        ));
+    }
+    if n_out == 0 {
+        return Ok(());
+    }
+    check_bounds("reduce", &x)?;
+    let p = plan(
+        n_out,
+        n_in,
+        inner.inner_stride() == Some(1),
+        outer.inner_stride() == Some(1),
+    );
+    let args = Args {
+        op: reduce_code(op),
+        x: dev_ptr(d, "reduce", x.storage)?,
+        outer,
+        inner,
+        n_out: n_out as i64,
+        n_in: n_in as i64,
+        out: dev_ptr(d, "reduce", out)?,
+        odt: dtype_code(odt),
+    };
+    if p.splits == 1 {
+        return launch_main(d, suffix, p, &args, None);
+    }
+    // f64 values then i64 indices, one per (output, split)
+    let parts = n_out * p.splits;
+    let scratch = temp(d, parts * 16)?;
+    let (pv, pi) = (scratch.addr(), scratch.addr() + (parts * 8) as u64);
+    launch_main(d, suffix, p, &args, Some((pv, pi)))?;
+    launch_finish(d, p.splits, &args, pv, pi)
+    // `scratch` is freed here; later users of the block queue behind these kernels.
+}
+
+/// Arguments every reduction kernel takes.
+struct Args {
+    op: i32,
+    x: u64,
+    outer: Strided,
+    inner: Strided,
+    n_out: i64,
+    n_in: i64,
+    out: u64,
+    odt: i32,
+}
+
+/// Launches the planned kernel; with `parts` it writes partials there instead of `out`.
+fn launch_main(
+    d: &CudaDevice,
+    suffix: &str,
+    p: Plan,
+    a: &Args,
+    parts: Option<(u64, u64)>,
+) -> Result<()> {
+    let n_out = a.n_out as usize;
+    let (name, cfg) = match p.kernel {
+        Kernel::Thread => (
+            format!("reduce_thread_{suffix}"),
+            CudaDevice::grid_1d(n_out),
+        ),
+        Kernel::Block => (
+            format!("reduce_block_{suffix}"),
+            config(n_out * p.splits, (block_threads(p.chunk), 1)),
+        ),
+        Kernel::Cols => (
+            format!("reduce_cols_{suffix}"),
+            config(
+                n_out.div_ceil(COLS_X) * p.splits,
+                (COLS_X as u32, COLS_Y as u32),
+            ),
+        ),
+    };
+    let f = d.function(KEY, SRC, &name)?;
+    let mut b = d.stream().launch_builder(&f);
+    b.arg(&a.op)
+        .arg(&a.x)
+        .arg(&a.outer)
+        .arg(&a.inner)
+        .arg(&a.n_out)
+        .arg(&a.n_in);
+    let (splits, chunk) = (p.splits as i64, p.chunk as i64);
+    let (pv, pi) = parts.unwrap_or((0, 0));
+    let partial = parts.is_some() as i32;
+    if p.kernel != Kernel::Thread {
+        b.arg(&splits).arg(&chunk);
+    }
+    b.arg(&a.out).arg(&a.odt);
+    if p.kernel != Kernel::Thread {
+        b.arg(&pv).arg(&pi).arg(&partial);
+    }
+    // SAFETY: the arguments follow the kernel's signature in reduce.cu (reduce_thread_* takes
+    // no split or partial arguments); x was bounds-checked for its view, out holds n_out
+    // elements, the partial buffers hold n_out * splits entries each.
+    unsafe { b.launch(cfg) }.map_err(|e| d.err(&format!("launching {name}"), e))?;
+    Ok(())
+}
+
+fn launch_finish(d: &CudaDevice, splits: usize, a: &Args, pv: u64, pi: u64) -> Result<()> {
+    let f = d.function(KEY, SRC, "reduce_finish")?;
+    let splits = splits as i64;
+    let mut b = d.stream().launch_builder(&f);
+    b.arg(&a.op)
+        .arg(&pv)
+        .arg(&pi)
+        .arg(&a.n_out)
+        .arg(&splits)
+        .arg(&a.out)
+        .arg(&a.odt);
+    let cfg = config(a.n_out as usize, (block_threads(splits as usize), 1));
+    // SAFETY: reduce_finish(int, const double*, const i64*, i64, i64, void*, int); the
+    // partials hold n_out * splits entries, out holds n_out elements.
+    unsafe { b.launch(cfg) }.map_err(|e| d.err("launching reduce_finish", e))?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn short_reductions_use_a_thread_per_output() {
+        assert_eq!(plan(1000, 3, true, false).kernel, Kernel::Thread);
+        assert_eq!(plan(1, 32, false, false).kernel, Kernel::Thread);
+    }
+
+    #[test]
+    fn rows_use_blocks_and_columns_use_tiles() {
+        assert_eq!(
+            plan(4096, 4096, true, false),
+            Plan {
+                kernel: Kernel::Block,
+                splits: 1,
+                chunk: 4096
+            }
+        );
+        // bias gradient: (8192, 768) summed over rows
+        let p = plan(768, 8192, false, true);
+        assert_eq!(p.kernel, Kernel::Cols);
+        assert!(p.splits > 1 && p.splits * p.chunk >= 8192);
+    }
+
+    #[test]
+    fn long_reductions_split_and_cover_every_element() {
+        for n_in in [33, 4097, 100_000, 1 << 27] {
+            let p = plan(1, n_in, true, false);
+            assert!(p.splits >= 1 && p.splits <= TARGET_BLOCKS);
+            // every element in exactly one split, no empty split
+            assert!(p.splits * p.chunk >= n_in);
+            assert!((p.splits - 1) * p.chunk < n_in);
+        }
+        assert_eq!(plan(1, 1 << 27, true, false).splits, TARGET_BLOCKS);
+    }
+
+    #[test]
+    fn block_threads_are_warp_multiples() {
+        assert_eq!(block_threads(33), 64);
+        assert_eq!(block_threads(1), 32);
+        assert_eq!(block_threads(1 << 20), 256);
+    }
 }

@@ -1,0 +1,225 @@
+// elementwise.cu — unary, binary and in-place binary float kernels, the strided copy with
+// dtype conversion, and fill. Compiled after strided.cuh. One launch per op call: the op is a
+// runtime code (uniform across the grid, so the switch costs no divergence) plus an f64
+// parameter. The formulas follow backend/cpu/elementwise.rs term by term.
+
+// Op codes: keep in sync with `unary_code` / `binary_code` in elementwise.rs.
+#define U_NEG 0
+#define U_EXP 1
+#define U_LOG 2
+#define U_SQRT 3
+#define U_TANH 4
+#define U_SIGMOID 5
+#define U_RELU 6
+#define U_GELU_TANH 7
+#define U_GELU_ERF 8
+#define U_ABS 9
+#define U_ADD_SCALAR 10
+#define U_MUL_SCALAR 11
+#define U_POW_SCALAR 12
+#define U_STEP 13
+
+#define B_ADD 0
+#define B_SUB 1
+#define B_MUL 2
+#define B_DIV 3
+#define B_POW 4
+#define B_MAXIMUM 5
+#define B_ADD_SCALED 6
+#define B_ASSIGN 7
+#define B_RELU_BACKWARD 8
+#define B_TANH_BACKWARD 9
+#define B_SIGMOID_BACKWARD 10
+#define B_GELU_TANH_BACKWARD 11
+#define B_GELU_ERF_BACKWARD 12
+#define B_EQ 13
+
+#define GELU_C 0.7978845608028654      // sqrt(2/pi)
+#define GELU_A 0.044715
+#define FRAC_1_SQRT_2 0.7071067811865476
+#define PI_F64 3.141592653589793
+
+// Math in the compute type: f32 functions for f32/f16/bf16, f64 functions for f64.
+__device__ __forceinline__ float m_exp(float x) { return expf(x); }
+__device__ __forceinline__ double m_exp(double x) { return exp(x); }
+__device__ __forceinline__ float m_log(float x) { return logf(x); }
+__device__ __forceinline__ double m_log(double x) { return log(x); }
+__device__ __forceinline__ float m_sqrt(float x) { return sqrtf(x); }
+__device__ __forceinline__ double m_sqrt(double x) { return sqrt(x); }
+__device__ __forceinline__ float m_tanh(float x) { return tanhf(x); }
+__device__ __forceinline__ double m_tanh(double x) { return tanh(x); }
+__device__ __forceinline__ float m_abs(float x) { return fabsf(x); }
+__device__ __forceinline__ double m_abs(double x) { return fabs(x); }
+__device__ __forceinline__ float m_pow(float x, float y) { return powf(x, y); }
+__device__ __forceinline__ double m_pow(double x, double y) { return pow(x, y); }
+// NaN-ignoring maximum, as Rust's f32::max / f64::max.
+__device__ __forceinline__ float m_max(float x, float y) { return fmaxf(x, y); }
+__device__ __forceinline__ double m_max(double x, double y) { return fmax(x, y); }
+// A product the compiler may not fuse into a following add (FMA contraction), so sums of
+// products round as on the CPU; this matters where they cancel (1 - y², tanh backward).
+__device__ __forceinline__ float mul_rn(float x, float y) { return __fmul_rn(x, y); }
+__device__ __forceinline__ double mul_rn(double x, double y) { return __dmul_rn(x, y); }
+
+template <typename T>
+__device__ __forceinline__ typename T::C unary_op(int op, double p, typename T::C x) {
+    typedef typename T::C C;
+    const C zero = (C)0, one = (C)1, hf = T::cparam(0.5);
+    switch (op) {
+        case U_NEG: return -x;
+        case U_EXP: return m_exp(x);
+        case U_LOG: return m_log(x);
+        case U_SQRT: return m_sqrt(x);
+        case U_TANH: return m_tanh(x);
+        case U_SIGMOID: return one / (one + m_exp(-x));
+        case U_RELU: return x > zero ? x : zero;
+        case U_GELU_TANH: {
+            C u = T::cparam(GELU_C) * (x + mul_rn(T::cparam(GELU_A) * x * x, x));
+            return hf * x * (one + m_tanh(u));
+        }
+        case U_GELU_ERF: {
+            // in f64 for every dtype, as the CPU does
+            double xd = (double)x;
+            return T::cparam(0.5 * xd * (1.0 + erf(xd * FRAC_1_SQRT_2)));
+        }
+        case U_ABS: return m_abs(x);
+        case U_ADD_SCALAR: return x + T::cparam(p);
+        case U_MUL_SCALAR: return x * T::cparam(p);
+        case U_POW_SCALAR: return m_pow(x, T::cparam(p));
+        case U_STEP: return x > zero ? one : zero;
+        default: return x;
+    }
+}
+
+template <typename T>
+__device__ __forceinline__ typename T::C binary_op(int op, double p, typename T::C a,
+                                                   typename T::C b) {
+    typedef typename T::C C;
+    const C zero = (C)0, one = (C)1;
+    switch (op) {
+        case B_ADD: return a + b;
+        case B_SUB: return a - b;
+        case B_MUL: return a * b;
+        case B_DIV: return a / b;
+        case B_POW: return m_pow(a, b);
+        case B_MAXIMUM: return m_max(a, b);
+        case B_ADD_SCALED: return a + mul_rn(T::cparam(p), b);
+        case B_ASSIGN: return b;
+        case B_RELU_BACKWARD: return b > zero ? a : zero;
+        case B_TANH_BACKWARD: return a * (one - mul_rn(b, b));
+        case B_SIGMOID_BACKWARD: return a * b * (one - b);
+        case B_GELU_TANH_BACKWARD: {
+            const C c = T::cparam(GELU_C), k = T::cparam(GELU_A), hf = T::cparam(0.5);
+            C t = m_tanh(c * (b + mul_rn(k * b * b, b)));
+            // both products rounded before the sum, as on the CPU (no FMA)
+            C left = mul_rn(hf, one + t);
+            C right = mul_rn(hf * b * (one - mul_rn(t, t)) * c,
+                             one + mul_rn(T::cparam(3.0) * k * b, b));
+            return a * (left + right);
+        }
+        case B_GELU_ERF_BACKWARD: {
+            double x = (double)b;
+            double cdf = 0.5 * (1.0 + erf(x * FRAC_1_SQRT_2));
+            double pdf = exp(-0.5 * x * x) / sqrt(2.0 * PI_F64);
+            return a * T::cparam(cdf + mul_rn(x, pdf));
+        }
+        case B_EQ: return a == b ? one : zero;
+        default: return a;
+    }
+}
+
+// out[i] = op(x[i]); out is contiguous with n elements.
+template <typename T>
+__device__ __forceinline__ void unary_run(int op, double p, const typename T::S* x, const Strided& xs,
+                                          typename T::S* out, i64 n) {
+    for (i64 i = grid_start(); i < n; i += grid_step()) {
+        out[i] = T::st(unary_op<T>(op, p, T::ld(x[strided_offset(xs, i)])));
+    }
+}
+
+// out[i] = op(a[i], b[i]); a and b are pre-broadcast views of out's shape.
+template <typename T>
+__device__ __forceinline__ void binary_run(int op, double p, const typename T::S* a, const Strided& sa,
+                                           const typename T::S* b, const Strided& sb,
+                                           typename T::S* out, i64 n) {
+    for (i64 i = grid_start(); i < n; i += grid_step()) {
+        typename T::C va = T::ld(a[strided_offset(sa, i)]);
+        typename T::C vb = T::ld(b[strided_offset(sb, i)]);
+        out[i] = T::st(binary_op<T>(op, p, va, vb));
+    }
+}
+
+// dst[i] = op(dst[i], src[i]); the host guarantees src does not alias dst except exactly
+// element for element (then each thread reads the element it writes).
+template <typename T>
+__device__ __forceinline__ void inplace_run(int op, double p, typename T::S* dst,
+                                            const typename T::S* src, const Strided& ss, i64 n) {
+    for (i64 i = grid_start(); i < n; i += grid_step()) {
+        typename T::C vs = T::ld(src[strided_offset(ss, i)]);
+        dst[i] = T::st(binary_op<T>(op, p, T::ld(dst[i]), vs));
+    }
+}
+
+#define ELEMENTWISE_KERNELS(SUFFIX, T)                                                        \
+    extern "C" __global__ void unary_##SUFFIX(int op, double p, const T::S* x, Strided xs,   \
+                                              T::S* out, i64 n) {                           \
+        unary_run<T>(op, p, x, xs, out, n);                                                   \
+    }                                                                                         \
+    extern "C" __global__ void binary_##SUFFIX(int op, double p, const T::S* a, Strided sa,  \
+                                               const T::S* b, Strided sb, T::S* out, i64 n) { \
+        binary_run<T>(op, p, a, sa, b, sb, out, n);                                           \
+    }                                                                                         \
+    extern "C" __global__ void inplace_##SUFFIX(int op, double p, T::S* dst, const T::S* src, \
+                                                Strided ss, i64 n) {                         \
+        inplace_run<T>(op, p, dst, src, ss, n);                                               \
+    }
+
+ELEMENTWISE_KERNELS(f32, F32T)
+ELEMENTWISE_KERNELS(f64, F64T)
+ELEMENTWISE_KERNELS(f16, F16T)
+ELEMENTWISE_KERNELS(bf16, BF16T)
+
+// ---- copy and fill -----------------------------------------------------------------------
+
+template <typename E>
+__device__ __forceinline__ void copy_same(const E* src, const Strided& ss, E* dst, const Strided& ds,
+                                          i64 n) {
+    for (i64 i = grid_start(); i < n; i += grid_step()) {
+        dst[strided_offset(ds, i)] = src[strided_offset(ss, i)];
+    }
+}
+
+// dst view = src view (same element count, each walked in its own row-major order),
+// converting from dtype `sd` to `dd` as the CPU backend does. Same dtype: a bit copy.
+extern "C" __global__ void copy_strided(const void* src, int sd, Strided ss, void* dst, int dd,
+                                        Strided ds, int same_size, i64 n) {
+    if (sd == dd) {
+        switch (same_size) {
+            case 1: copy_same<u8>((const u8*)src, ss, (u8*)dst, ds, n); return;
+            case 2: copy_same<u16>((const u16*)src, ss, (u16*)dst, ds, n); return;
+            case 4: copy_same<u32>((const u32*)src, ss, (u32*)dst, ds, n); return;
+            default: copy_same<u64>((const u64*)src, ss, (u64*)dst, ds, n); return;
+        }
+    }
+    for (i64 i = grid_start(); i < n; i += grid_step()) {
+        i64 si = strided_offset(ss, i), di = strided_offset(ds, i);
+        if (sd == DT_U8 && dd == DT_I64) {
+            ((i64*)dst)[di] = (i64)((const u8*)src)[si];
+        } else if (sd == DT_I64 && dd == DT_U8) {
+            ((u8*)dst)[di] = ((const i64*)src)[si] != 0 ? 1 : 0;
+        } else {
+            store_f64(dst, dd, di, load_f64(src, sd, si));
+        }
+    }
+}
+
+// Every element of a contiguous buffer = the `size`-byte little-endian pattern `bits`.
+extern "C" __global__ void fill_bits(void* dst, int size, u64 bits, i64 n) {
+    for (i64 i = grid_start(); i < n; i += grid_step()) {
+        switch (size) {
+            case 1: ((u8*)dst)[i] = (u8)bits; break;
+            case 2: ((u16*)dst)[i] = (u16)bits; break;
+            case 4: ((u32*)dst)[i] = (u32)bits; break;
+            default: ((u64*)dst)[i] = bits; break;
+        }
+    }
+}

@@ -1,0 +1,240 @@
+// reduce.cu — sum / max / min / argmax over any set of dims of a strided float input.
+// Compiled after strided.cuh. The host splits the input into `outer` (kept dims, one output
+// element each) and `inner` (reduced dims, walked by a linear index j in row-major order).
+// Every value is accumulated in f64 whatever the input dtype (the CPU backend sums in f64).
+//
+// Kernels (the host picks one, plus reduce_finish when it splits the reduced elements):
+// - reduce_thread_*: one thread per output, for few reduced elements.
+// - reduce_block_*: one block per (output, split): the block's threads stride over the split's
+//   reduced elements (adjacent in memory when the innermost reduced dim is contiguous, the
+//   row case) and combine with a warp-shuffle tree.
+// - reduce_cols_*: 32 neighbouring outputs per (32 x 8) block, for reductions over outer dims
+//   (bias gradients: sum over rows of (N, C)): a warp reads 32 adjacent outputs' elements at
+//   once, the 8 rows of threads split the reduced elements.
+// With one split a kernel writes the output; with several it writes f64 partials at
+// o * splits + s that reduce_finish combines in a fixed order, so sums are the same bits on
+// every run.
+
+// Keep in sync with `reduce_code` in reduce.rs.
+#define R_SUM 0
+#define R_MAX 1
+#define R_MIN 2
+#define R_ARGMAX 3
+
+// A running result: value and (argmax only) the index of the element it came from.
+struct Acc {
+    double v;
+    i64 i;
+};
+
+__device__ __forceinline__ Acc acc_identity(int op) {
+    Acc a;
+    a.i = I64_MAX;
+    if (op == R_SUM) a.v = 0.0;
+    else if (op == R_MIN) a.v = f64_inf();
+    else a.v = -f64_inf();
+    return a;
+}
+
+// Associative and commutative, so any combination order gives the CPU's answer (up to the
+// rounding of sums). Max/min ignore NaN as Rust's f64::max/min do. Argmax follows the CPU's
+// sequential rule `v > best || v.is_nan()`: the first maximum, unless there is a NaN, in
+// which case the last NaN.
+__device__ __forceinline__ Acc acc_combine(int op, Acc a, Acc b) {
+    switch (op) {
+        case R_SUM: a.v = a.v + b.v; return a;
+        case R_MAX: a.v = fmax(a.v, b.v); return a;
+        case R_MIN: a.v = fmin(a.v, b.v); return a;
+        default: {
+            bool an = a.v != a.v, bn = b.v != b.v;
+            if (an || bn) {
+                if (an && bn) return a.i > b.i ? a : b;
+                return an ? a : b;
+            }
+            if (a.v > b.v) return a;
+            if (b.v > a.v) return b;
+            return a.i < b.i ? a : b;
+        }
+    }
+}
+
+__device__ __forceinline__ Acc acc_elem(double v, i64 j) {
+    Acc a;
+    a.v = v;
+    a.i = j;
+    return a;
+}
+
+// Writes one output element converted to the output dtype (argmax writes the index).
+__device__ __forceinline__ void store_result(void* out, int odt, i64 o, int op, Acc a) {
+    if (op == R_ARGMAX) {
+        i64 idx = a.i == I64_MAX ? 0 : a.i;  // no elements: index 0, as the CPU
+        if (odt == DT_I64) {
+            ((i64*)out)[o] = idx;
+            return;
+        }
+        store_f64(out, odt, o, (double)idx);
+        return;
+    }
+    store_f64(out, odt, o, a.v);
+}
+
+// Writes a finished (output, split) result: the output itself, or its partial.
+__device__ __forceinline__ void emit(int op, Acc a, i64 o, i64 s, i64 splits, void* out, int odt,
+                                     double* part_v, i64* part_i, int partial) {
+    if (partial) {
+        part_v[o * splits + s] = a.v;
+        part_i[o * splits + s] = a.i;
+    } else {
+        store_result(out, odt, o, op, a);
+    }
+}
+
+// Tree over a warp; every lane must take part. Lane 0 ends with the warp's result.
+__device__ __forceinline__ Acc warp_reduce(int op, Acc a) {
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) {
+        Acc b;
+        b.v = __shfl_down_sync(0xffffffffu, a.v, off);
+        b.i = __shfl_down_sync(0xffffffffu, a.i, off);
+        a = acc_combine(op, a, b);
+    }
+    return a;
+}
+
+// Tree over the block (blockDim.x a multiple of 32, at most 1024). Thread 0 ends with the
+// block's result. Callers __syncthreads() before calling again (the scratch is reused).
+__device__ __forceinline__ Acc block_reduce(int op, Acc a) {
+    __shared__ double sv[32];
+    __shared__ i64 si[32];
+    int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    int warps = (blockDim.x + 31) >> 5;
+    a = warp_reduce(op, a);
+    if (lane == 0) {
+        sv[warp] = a.v;
+        si[warp] = a.i;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        Acc b = lane < warps ? acc_elem(sv[lane], si[lane]) : acc_identity(op);
+        a = warp_reduce(op, b);
+    }
+    return a;
+}
+
+template <typename T>
+__device__ __forceinline__ double ld_f64(const typename T::S* x, i64 k) {
+    return (double)T::ld(x[k]);
+}
+
+template <typename T>
+__device__ __forceinline__ void reduce_thread_run(int op, const typename T::S* x, const Strided& outer,
+                                                  const Strided& inner, i64 n_out, i64 n_in,
+                                                  void* out, int odt) {
+    for (i64 o = grid_start(); o < n_out; o += grid_step()) {
+        i64 base = strided_offset(outer, o);
+        Acc a = acc_identity(op);
+        for (i64 j = 0; j < n_in; ++j) {
+            a = acc_combine(op, a, acc_elem(ld_f64<T>(x, base + strided_offset(inner, j)), j));
+        }
+        store_result(out, odt, o, op, a);
+    }
+}
+
+// Work item w = (output o, split s); split s covers reduced elements [s*chunk, (s+1)*chunk).
+template <typename T>
+__device__ __forceinline__ void reduce_block_run(int op, const typename T::S* x, const Strided& outer,
+                                                 const Strided& inner, i64 n_out, i64 n_in,
+                                                 i64 splits, i64 chunk, void* out, int odt,
+                                                 double* part_v, i64* part_i, int partial) {
+    i64 items = n_out * splits;
+    for (i64 w = blockIdx.x; w < items; w += gridDim.x) {
+        i64 o = w / splits, s = w - o * splits;
+        i64 base = strided_offset(outer, o);
+        i64 lo = s * chunk;
+        i64 hi = lo + chunk < n_in ? lo + chunk : n_in;
+        Acc a = acc_identity(op);
+        for (i64 j = lo + threadIdx.x; j < hi; j += blockDim.x) {
+            a = acc_combine(op, a, acc_elem(ld_f64<T>(x, base + strided_offset(inner, j)), j));
+        }
+        a = block_reduce(op, a);
+        if (threadIdx.x == 0) emit(op, a, o, s, splits, out, odt, part_v, part_i, partial);
+        __syncthreads();
+    }
+}
+
+#define COLS_X 32
+#define COLS_Y 8
+
+// Work item w = (tile t of 32 outputs, split s). blockDim must be (COLS_X, COLS_Y).
+template <typename T>
+__device__ __forceinline__ void reduce_cols_run(int op, const typename T::S* x, const Strided& outer,
+                                                const Strided& inner, i64 n_out, i64 n_in,
+                                                i64 splits, i64 chunk, void* out, int odt,
+                                                double* part_v, i64* part_i, int partial) {
+    __shared__ double cv[COLS_Y][COLS_X + 1];
+    __shared__ i64 ci[COLS_Y][COLS_X + 1];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    i64 tiles = (n_out + COLS_X - 1) / COLS_X;
+    i64 items = tiles * splits;
+    for (i64 w = blockIdx.x; w < items; w += gridDim.x) {
+        i64 t = w / splits, s = w - t * splits;
+        i64 o = t * COLS_X + tx;
+        Acc a = acc_identity(op);
+        if (o < n_out) {
+            i64 base = strided_offset(outer, o);
+            i64 lo = s * chunk;
+            i64 hi = lo + chunk < n_in ? lo + chunk : n_in;
+            for (i64 j = lo + ty; j < hi; j += COLS_Y) {
+                a = acc_combine(op, a, acc_elem(ld_f64<T>(x, base + strided_offset(inner, j)), j));
+            }
+        }
+        cv[ty][tx] = a.v;
+        ci[ty][tx] = a.i;
+        __syncthreads();
+        if (ty == 0 && o < n_out) {
+            for (int k = 1; k < COLS_Y; ++k) a = acc_combine(op, a, acc_elem(cv[k][tx], ci[k][tx]));
+            emit(op, a, o, s, splits, out, odt, part_v, part_i, partial);
+        }
+        __syncthreads();
+    }
+}
+
+#define REDUCE_KERNELS(SUFFIX, T)                                                             \
+    extern "C" __global__ void reduce_thread_##SUFFIX(int op, const T::S* x, Strided outer,  \
+                                                      Strided inner, i64 n_out, i64 n_in,    \
+                                                      void* out, int odt) {                  \
+        reduce_thread_run<T>(op, x, outer, inner, n_out, n_in, out, odt);                     \
+    }                                                                                         \
+    extern "C" __global__ void reduce_block_##SUFFIX(                                         \
+        int op, const T::S* x, Strided outer, Strided inner, i64 n_out, i64 n_in, i64 splits, \
+        i64 chunk, void* out, int odt, double* part_v, i64* part_i, int partial) {            \
+        reduce_block_run<T>(op, x, outer, inner, n_out, n_in, splits, chunk, out, odt, part_v, \
+                            part_i, partial);                                                 \
+    }                                                                                         \
+    extern "C" __global__ void reduce_cols_##SUFFIX(                                          \
+        int op, const T::S* x, Strided outer, Strided inner, i64 n_out, i64 n_in, i64 splits, \
+        i64 chunk, void* out, int odt, double* part_v, i64* part_i, int partial) {            \
+        reduce_cols_run<T>(op, x, outer, inner, n_out, n_in, splits, chunk, out, odt, part_v,  \
+                           part_i, partial);                                                  \
+    }
+
+REDUCE_KERNELS(f32, F32T)
+REDUCE_KERNELS(f64, F64T)
+REDUCE_KERNELS(f16, F16T)
+REDUCE_KERNELS(bf16, BF16T)
+
+// Combines each output's `splits` partials (written by reduce_block_* / reduce_cols_* at
+// o * splits + s); blockDim.x a multiple of 32.
+extern "C" __global__ void reduce_finish(int op, const double* part_v, const i64* part_i,
+                                         i64 n_out, i64 splits, void* out, int odt) {
+    for (i64 o = blockIdx.x; o < n_out; o += gridDim.x) {
+        Acc a = acc_identity(op);
+        for (i64 s = threadIdx.x; s < splits; s += blockDim.x) {
+            a = acc_combine(op, a, acc_elem(part_v[o * splits + s], part_i[o * splits + s]));
+        }
+        a = block_reduce(op, a);
+        if (threadIdx.x == 0) store_result(out, odt, o, op, a);
+        __syncthreads();
+    }
+}

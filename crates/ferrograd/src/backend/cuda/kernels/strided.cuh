@@ -1,0 +1,197 @@
+// strided.cuh — shared prelude of the elementwise and reduction kernels (prepended to each
+// source before NVRTC compiles it). NVRTC has no standard or CUDA headers without include
+// paths, so the integer types, the f16/bf16 conversions and the limits are defined here.
+//
+// Conventions: element counts and offsets are 64-bit; every kernel walks its elements with a
+// grid-stride loop, so any grid size is correct. Dtype codes match `dtype_code` in
+// elementwise.rs.
+
+typedef long long i64;
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+#define DT_F32 0
+#define DT_F64 1
+#define DT_F16 2
+#define DT_BF16 3
+#define DT_I64 4
+#define DT_U8 5
+
+#define MAX_RANK 8
+#define I64_MAX 0x7fffffffffffffffLL
+#define I64_MIN (-I64_MAX - 1LL)
+
+// A view of a buffer: element offset, then shape and strides (in elements, possibly negative
+// or zero) of up to MAX_RANK dims. Mirrors `Strided` in elementwise.rs (#[repr(C)]).
+struct Strided {
+    i64 offset;
+    int rank;
+    int pad;
+    i64 shape[MAX_RANK];
+    i64 strides[MAX_RANK];
+};
+
+// Storage offset of the i-th element in row-major order. The host merges dims that walk
+// memory as one and drops size-1 dims, so contiguous views arrive with rank <= 1.
+__device__ __forceinline__ i64 strided_offset(const Strided& s, i64 i) {
+    if (s.rank == 1) return s.offset + i * s.strides[0];
+    i64 off = s.offset;
+#pragma unroll
+    for (int d = MAX_RANK - 1; d >= 0; --d) {
+        if (d < s.rank) {
+            i64 n = s.shape[d];
+            i64 q = i / n;
+            off += (i - q * n) * s.strides[d];
+            i = q;
+        }
+    }
+    return off;
+}
+
+__device__ __forceinline__ i64 grid_start() {
+    return (i64)blockIdx.x * (i64)blockDim.x + (i64)threadIdx.x;
+}
+
+__device__ __forceinline__ i64 grid_step() {
+    return (i64)gridDim.x * (i64)blockDim.x;
+}
+
+__device__ __forceinline__ double f64_inf() {
+    return __longlong_as_double(0x7ff0000000000000LL);
+}
+
+// ---- IEEE half (binary16) and bfloat16, stored as raw u16 bits ---------------------------
+
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    u32 sign = ((u32)h & 0x8000u) << 16;
+    u32 e = ((u32)h >> 10) & 0x1fu;
+    u32 m = (u32)h & 0x3ffu;
+    if (e == 0x1fu) return __uint_as_float(sign | 0x7f800000u | (m << 13));
+    if (e == 0u) {
+        // zero or subnormal: m * 2^-24, exact in f32
+        float v = (float)m * 5.9604644775390625e-8f;
+        return sign ? -v : v;
+    }
+    return __uint_as_float(sign | ((e + 112u) << 23) | (m << 13));
+}
+
+// Round to nearest, ties to even (as the half crate and F16C do).
+__device__ __forceinline__ u16 f32_to_f16(float f) {
+    u32 x = __float_as_uint(f);
+    u32 sign = (x >> 16) & 0x8000u;
+    u32 ax = x & 0x7fffffffu;
+    if (ax >= 0x7f800000u) {
+        // inf stays inf; NaN stays a quiet NaN with its top payload bits
+        return (u16)(sign | 0x7c00u | (ax > 0x7f800000u ? (0x200u | ((ax >> 13) & 0x3ffu)) : 0u));
+    }
+    if (ax >= 0x477ff000u) return (u16)(sign | 0x7c00u);  // >= 65520 rounds to inf
+    if (ax < 0x38800000u) {
+        // below 2^-14: a half subnormal (or zero); below 2^-25 everything rounds to zero
+        if (ax < 0x33000000u) return (u16)sign;
+        u32 e = ax >> 23;                    // 102..112
+        u32 m = (ax & 0x7fffffu) | 0x800000u;
+        u32 shift = 126u - e;                // 14..24
+        u32 hm = m >> shift;
+        u32 rem = m & ((1u << shift) - 1u);
+        u32 halfway = 1u << (shift - 1u);
+        if (rem > halfway || (rem == halfway && (hm & 1u))) hm += 1u;
+        return (u16)(sign | hm);
+    }
+    u32 h = (ax - 0x38000000u) >> 13;         // rebias 127 -> 15, keep 10 mantissa bits
+    u32 rem = ax & 0x1fffu;
+    if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h += 1u;  // carry may reach inf: correct
+    return (u16)(sign | h);
+}
+
+__device__ __forceinline__ float bf16_to_f32(u16 h) {
+    return __uint_as_float(((u32)h) << 16);
+}
+
+__device__ __forceinline__ u16 f32_to_bf16(float f) {
+    u32 x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (u16)((x >> 16) | 0x40u);  // quiet NaN
+    x += 0x7fffu + ((x >> 16) & 1u);  // ties to even; overflow carries into inf
+    return (u16)(x >> 16);
+}
+
+// f64 -> f32 rounded to odd: the later rounding to 16 bits is then the correctly rounded
+// result of the f64 value (no double-rounding error; f32 keeps >= 2 extra bits everywhere).
+__device__ __forceinline__ float f64_to_f32_odd(double v) {
+    float t = __double2float_rz(v);
+    if (v == v && (double)t != v) t = __uint_as_float(__float_as_uint(t) | 1u);
+    return t;
+}
+
+__device__ __forceinline__ u16 f64_to_f16(double v) { return f32_to_f16(f64_to_f32_odd(v)); }
+__device__ __forceinline__ u16 f64_to_bf16(double v) { return f32_to_bf16(f64_to_f32_odd(v)); }
+
+// Rust's `as i64`: saturating, NaN -> 0.
+__device__ __forceinline__ i64 f64_to_i64(double v) {
+    if (v != v) return 0;
+    if (v >= 9223372036854775808.0) return I64_MAX;
+    if (v <= -9223372036854775808.0) return I64_MIN;
+    return (i64)v;
+}
+
+// ---- element access by runtime dtype code ------------------------------------------------
+
+__device__ __forceinline__ double load_f64(const void* p, int dt, i64 i) {
+    switch (dt) {
+        case DT_F32: return (double)((const float*)p)[i];
+        case DT_F64: return ((const double*)p)[i];
+        case DT_F16: return (double)f16_to_f32(((const u16*)p)[i]);
+        case DT_BF16: return (double)bf16_to_f32(((const u16*)p)[i]);
+        case DT_I64: return (double)((const i64*)p)[i];
+        default: return (double)((const u8*)p)[i];
+    }
+}
+
+// Stores `v` converted as the CPU backend converts (from_f64; ints saturate; u8 = v != 0).
+__device__ __forceinline__ void store_f64(void* p, int dt, i64 i, double v) {
+    switch (dt) {
+        case DT_F32: ((float*)p)[i] = (float)v; break;
+        case DT_F64: ((double*)p)[i] = v; break;
+        case DT_F16: ((u16*)p)[i] = f64_to_f16(v); break;
+        case DT_BF16: ((u16*)p)[i] = f64_to_bf16(v); break;
+        case DT_I64: ((i64*)p)[i] = f64_to_i64(v); break;
+        default: ((u8*)p)[i] = (v != 0.0) ? 1 : 0; break;
+    }
+}
+
+// ---- float element types for templated kernels -------------------------------------------
+// S: storage type; C: compute type (f16/bf16 compute in f32, as the CPU backend does).
+// cparam: a host f64 parameter rounded to the element type first (the CPU's T::from_f64).
+
+struct F32T {
+    typedef float S;
+    typedef float C;
+    static __device__ __forceinline__ C ld(S v) { return v; }
+    static __device__ __forceinline__ S st(C v) { return v; }
+    static __device__ __forceinline__ C cparam(double p) { return (float)p; }
+};
+
+struct F64T {
+    typedef double S;
+    typedef double C;
+    static __device__ __forceinline__ C ld(S v) { return v; }
+    static __device__ __forceinline__ S st(C v) { return v; }
+    static __device__ __forceinline__ C cparam(double p) { return p; }
+};
+
+struct F16T {
+    typedef u16 S;
+    typedef float C;
+    static __device__ __forceinline__ C ld(S v) { return f16_to_f32(v); }
+    static __device__ __forceinline__ S st(C v) { return f32_to_f16(v); }
+    static __device__ __forceinline__ C cparam(double p) { return f16_to_f32(f64_to_f16(p)); }
+};
+
+struct BF16T {
+    typedef u16 S;
+    typedef float C;
+    static __device__ __forceinline__ C ld(S v) { return bf16_to_f32(v); }
+    static __device__ __forceinline__ S st(C v) { return f32_to_bf16(v); }
+    static __device__ __forceinline__ C cparam(double p) { return bf16_to_f32(f64_to_bf16(p)); }
+};
