@@ -65,6 +65,8 @@ fn relative_offsets(l: &Layout) -> Vec<isize> {
 
 fn reduce_one<T: Elem>(op: ReduceOp, x: &[T], base: usize, inner: &Inner) -> f64 {
     match inner {
+        // An empty reduced dim has no elements to read (its base may point past the buffer).
+        Inner::Contiguous(0) => reduce_values(op, &x[..0], |v: &T| Elem::to_f64(*v)),
         Inner::Contiguous(n) => reduce_values(op, &x[base..base + n], |v: &T| Elem::to_f64(*v)),
         Inner::Offsets(rel) => reduce_values(op, rel, |r: &isize| {
             x[(base as isize + r) as usize].to_f64()
