@@ -1,19 +1,478 @@
-//! (being written) cuBLAS GEMM.
+//! Batched GEMM through cuBLAS (`cublasGemmStridedBatchedEx`). cuBLAS is column-major, so
+//! the row-major (m, n) output is computed as its transpose: outᵀ = bᵀ aᵀ. Each operand
+//! matrix may be row-major (column stride 1) or column-major (row stride 1): the transpose
+//! flags absorb it, so `x @ w.T` needs no copy. Batch dims that step with one stride per
+//! operand become one strided-batched call (stride 0 for a broadcast operand); other batch
+//! layouts loop over the outer dims. Only a matrix that is neither (an expanded gradient, a
+//! gapped view) is first copied into a contiguous temporary.
+//!
+//! f32 accumulates in f32 (TF32 tensor cores only when `allow_tf32()`), f64 in f64, f16 and
+//! bf16 in f32. cuBLAS's workspace is a block of this device's allocator, counted as
+//! `workspace` and kept for the process.
 
-use super::CudaDevice;
-use crate::backend::{MatmulSpec, Storage, View};
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+use cudarc::cublas::result as blas;
+use cudarc::cublas::sys::{
+    cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cublasSetWorkspace_v2, cudaDataType,
+};
+
+use super::{CudaBuffer, CudaDevice, allow_tf32, ptr};
+use crate::backend::{BackendData, MatmulSpec, Storage, View};
 use crate::error::{Error, Result};
-use crate::tensor::Device;
+use crate::memory::{Allocation, Category};
+use crate::tensor::{DType, Device, Layout};
+
+/// cuBLAS workspace per device (NVIDIA's recommendation for Hopper).
+const WORKSPACE_BYTES: usize = 32 << 20;
 
 pub(crate) fn matmul(
     d: &CudaDevice,
-    _spec: &MatmulSpec,
-    _a: View,
-    _b: View,
-    _out: &Storage,
+    spec: &MatmulSpec,
+    a: View,
+    b: View,
+    out: &Storage,
 ) -> Result<()> {
-    Err(Error::NotSupportedOnDevice {
-        op: "matmul",
-        device: Device::Cuda(d.ordinal()),
-    })
+    let dtype = a.storage.dtype();
+    for got in [b.storage.dtype(), out.dtype()] {
+        if got != dtype {
+            return Err(Error::DType {
+                op: "matmul",
+                expected: dtype,
+                got,
+            });
+        }
+    }
+    let ty = GemmType::of(dtype)?;
+    check_shapes(spec, a.layout, b.layout, out)?;
+    let MatmulSpec { batch, m, n, k } = *spec;
+    if batch * m * n == 0 {
+        return Ok(());
+    }
+    d.bind()?;
+    if k == 0 {
+        // An empty sum: the product is zero.
+        return d.memset_zero(ptr(out)?, out.len() * dtype.size_in_bytes());
+    }
+    ensure_workspace(d)?;
+    let pa = Prepared::new(d, a)?;
+    let pb = Prepared::new(d, b)?;
+    let call = Gemm {
+        ty,
+        m,
+        n,
+        k,
+        a: pa.matrix()?,
+        b: pb.matrix()?,
+        out: ptr(out)?,
+    };
+    run_batches(d, &call, &pa.view(a), &pb.view(b))
+}
+
+/// Shapes agree with the spec: a (..., m, k), b (..., k, n) with one batch shape, out
+/// holding batch·m·n elements.
+fn check_shapes(s: &MatmulSpec, la: &Layout, lb: &Layout, out: &Storage) -> Result<()> {
+    let (ra, rb) = (la.rank(), lb.rank());
+    let ok = ra >= 2
+        && ra == rb
+        && la.shape()[ra - 2..] == [s.m, s.k]
+        && lb.shape()[rb - 2..] == [s.k, s.n]
+        && la.shape()[..ra - 2] == lb.shape()[..rb - 2]
+        && la.shape()[..ra - 2].iter().product::<usize>() == s.batch
+        && out.len() == s.batch * s.m * s.n;
+    if !ok {
+        return Err(Error::shape(
+            "matmul",
+            format!(
+                "operands {:?} @ {:?} into {} elements do not match ({} x {}x{} @ {}x{})",
+                la.shape(),
+                lb.shape(),
+                out.len(),
+                s.batch,
+                s.m,
+                s.k,
+                s.k,
+                s.n
+            ),
+        ));
+    }
+    for v in [s.m, s.n, s.k] {
+        i32::try_from(v).map_err(|_| {
+            Error::invalid(
+                "matmul",
+                format!("a matrix dim of {v} exceeds cuBLAS's 32-bit sizes; split the product"),
+            )
+        })?;
+    }
+    Ok(())
+}
+
+// ---- types and workspace -------------------------------------------------------------------
+
+/// cuBLAS data and compute types of one dtype; `wide` = alpha/beta are f64.
+#[derive(Clone, Copy)]
+struct GemmType {
+    data: cudaDataType,
+    compute: cublasComputeType_t,
+    wide: bool,
+    size: usize,
+}
+
+impl GemmType {
+    fn of(dtype: DType) -> Result<GemmType> {
+        let f32_compute = if allow_tf32() {
+            cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32
+        } else {
+            cublasComputeType_t::CUBLAS_COMPUTE_32F
+        };
+        let (data, compute, wide) = match dtype {
+            DType::F32 => (cudaDataType::CUDA_R_32F, f32_compute, false),
+            DType::F64 => (
+                cudaDataType::CUDA_R_64F,
+                cublasComputeType_t::CUBLAS_COMPUTE_64F,
+                true,
+            ),
+            DType::F16 => (
+                cudaDataType::CUDA_R_16F,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                false,
+            ),
+            DType::BF16 => (
+                cudaDataType::CUDA_R_16BF,
+                cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                false,
+            ),
+            dtype => {
+                return Err(Error::UnsupportedDType {
+                    op: "matmul",
+                    dtype,
+                    hint: "matmul needs floating-point tensors; convert with .to_dtype(DType::F32)",
+                });
+            }
+        };
+        Ok(GemmType {
+            data,
+            compute,
+            wide,
+            size: dtype.size_in_bytes(),
+        })
+    }
+}
+
+/// Gives the device's cuBLAS handle a workspace from our allocator on first use, so its bytes
+/// show up as `workspace` instead of hiding inside cuBLAS. Kept for the process: cuBLAS may
+/// use it from any later call.
+fn ensure_workspace(d: &CudaDevice) -> Result<()> {
+    static WORKSPACES: Mutex<Vec<(usize, Allocation)>> = Mutex::new(Vec::new());
+    let mut set = WORKSPACES.lock().unwrap_or_else(|e| e.into_inner());
+    if set.iter().any(|(o, _)| *o == d.ordinal()) {
+        return Ok(());
+    }
+    let ws = crate::memory::allocator(Device::Cuda(d.ordinal()))?.malloc(
+        WORKSPACE_BYTES,
+        Category::Workspace,
+        "cublas workspace",
+    )?;
+    // SAFETY: the block holds WORKSPACE_BYTES and stays allocated for the process (kept in
+    // WORKSPACES); the handle is this device's, used only on its stream.
+    unsafe {
+        cublasSetWorkspace_v2(
+            *d.blas().handle(),
+            ws.addr() as *mut c_void,
+            WORKSPACE_BYTES,
+        )
+    }
+    .result()
+    .map_err(|e| d.err("cublasSetWorkspace", e))?;
+    set.push((d.ordinal(), ws));
+    Ok(())
+}
+
+// ---- operands ---------------------------------------------------------------------------------
+
+/// How cuBLAS reads one operand matrix: `trans` (column-major storage) and its leading
+/// dimension.
+#[derive(Clone, Copy)]
+struct Matrix {
+    trans: bool,
+    ld: i32,
+}
+
+/// The cuBLAS reading of a (rows, cols) matrix with strides (rs, cs), if there is one:
+/// row-major needs unit column steps and rows at least `cols` apart; column-major the
+/// transpose. A dim of size 1 never steps, so its stride does not matter.
+fn matrix_form(rows: usize, cols: usize, rs: isize, cs: isize) -> Option<Matrix> {
+    let fit = |ld: isize, min: usize| -> Option<i32> {
+        (ld >= min.max(1) as isize).then(|| i32::try_from(ld).ok())?
+    };
+    if cols == 1 || cs == 1 {
+        let ld = if rows > 1 { rs } else { cols as isize };
+        if let Some(ld) = fit(ld, cols) {
+            return Some(Matrix { trans: false, ld });
+        }
+    }
+    if rows == 1 || rs == 1 {
+        let ld = if cols > 1 { cs } else { rows as isize };
+        if let Some(ld) = fit(ld, rows) {
+            return Some(Matrix { trans: true, ld });
+        }
+    }
+    None
+}
+
+/// The trailing (rows, cols, row stride, col stride) of a rank >= 2 layout.
+fn last2(l: &Layout) -> (usize, usize, isize, isize) {
+    let r = l.rank();
+    (
+        l.shape()[r - 2],
+        l.shape()[r - 1],
+        l.strides()[r - 2],
+        l.strides()[r - 1],
+    )
+}
+
+/// An operand as cuBLAS will read it: the caller's view, or a contiguous copy of its
+/// matrices when cuBLAS cannot read them as they are.
+struct Prepared {
+    copy: Option<Storage>,
+    layout: Layout,
+}
+
+impl Prepared {
+    fn new(d: &CudaDevice, v: View) -> Result<Prepared> {
+        let (rows, cols, rs, cs) = last2(v.layout);
+        if matrix_form(rows, cols, rs, cs).is_some() {
+            return Ok(Prepared {
+                copy: None,
+                layout: v.layout.clone(),
+            });
+        }
+        // Broadcast batch dims stay broadcast (one copy of the matrix, stride 0 after);
+        // only the distinct matrices are made contiguous.
+        let r = v.layout.rank();
+        let shape = v.layout.shape();
+        let compact: Vec<usize> = shape
+            .iter()
+            .zip(v.layout.strides())
+            .enumerate()
+            .map(|(i, (&n, &s))| if i < r - 2 && s == 0 { 1 } else { n })
+            .collect();
+        let src = Layout::new(
+            compact.clone(),
+            v.layout.strides().to_vec(),
+            v.layout.offset(),
+        );
+        let dst = Layout::contiguous(&compact);
+        let numel = dst.numel();
+        let dtype = v.storage.dtype();
+        let bytes = numel * dtype.size_in_bytes();
+        let tmp = Storage::new(
+            Device::Cuda(d.ordinal()),
+            dtype,
+            numel,
+            Category::Temporary,
+            "matmul operand copy",
+            |addr| Ok(BackendData::Cuda(CudaBuffer { ptr: addr, bytes })),
+        )?;
+        super::elementwise::copy(
+            d,
+            View {
+                storage: v.storage,
+                layout: &src,
+            },
+            View {
+                storage: &tmp,
+                layout: &dst,
+            },
+        )?;
+        Ok(Prepared {
+            copy: Some(tmp),
+            layout: dst.broadcast_to(shape)?,
+        })
+    }
+
+    fn view<'a>(&'a self, orig: View<'a>) -> View<'a> {
+        View {
+            storage: self.copy.as_ref().unwrap_or(orig.storage),
+            layout: &self.layout,
+        }
+    }
+
+    fn matrix(&self) -> Result<Matrix> {
+        let (rows, cols, rs, cs) = last2(&self.layout);
+        matrix_form(rows, cols, rs, cs).ok_or_else(|| {
+            Error::invalid(
+                "matmul",
+                format!("operand layout {:?} is not readable by cuBLAS", self.layout),
+            )
+        })
+    }
+}
+
+// ---- batches ----------------------------------------------------------------------------------
+
+/// The one element step through `shape` (row-major) when a single stride walks it, if any
+/// (size-1 dims never step; an all-broadcast walk has step 0).
+fn single_step(shape: &[usize], strides: &[isize]) -> Option<i64> {
+    let mut step: Option<isize> = None;
+    let mut extent = 1isize;
+    for (&n, &s) in shape.iter().zip(strides).rev() {
+        if n == 1 {
+            continue;
+        }
+        match step {
+            None => step = Some(s),
+            Some(st) if s == st * extent => {}
+            Some(_) => return None,
+        }
+        extent *= n as isize;
+    }
+    let s = step.unwrap_or(0);
+    (s >= 0).then_some(s as i64)
+}
+
+/// One GEMM shape with its operand readings and output address.
+struct Gemm {
+    ty: GemmType,
+    m: usize,
+    n: usize,
+    k: usize,
+    a: Matrix,
+    b: Matrix,
+    out: u64,
+}
+
+/// The batch dims split into outer dims (looped) and the longest inner run that both
+/// operands step through with one stride each (one strided-batched call per outer index).
+fn run_batches(d: &CudaDevice, g: &Gemm, a: &View, b: &View) -> Result<()> {
+    let nb = a.layout.rank() - 2;
+    let shape = &a.layout.shape()[..nb];
+    let (sa, sb) = (&a.layout.strides()[..nb], &b.layout.strides()[..nb]);
+    let inner = |j: usize| {
+        Some((
+            single_step(&shape[j..], &sa[j..])?,
+            single_step(&shape[j..], &sb[j..])?,
+        ))
+    };
+    let split = (0..=nb).find(|&j| inner(j).is_some()).unwrap_or(nb);
+    let (step_a, step_b) = inner(split).unwrap_or((0, 0));
+    let count: usize = shape[split..].iter().product();
+    let outer = |l: &Layout, s: &[isize]| {
+        Layout::new(shape[..split].to_vec(), s[..split].to_vec(), l.offset())
+    };
+    let (oa, ob) = (outer(a.layout, sa), outer(b.layout, sb));
+    let (base_a, base_b) = (ptr(a.storage)?, ptr(b.storage)?);
+    let size = g.ty.size as u64;
+    for (i, (offa, offb)) in oa.offsets().zip(ob.offsets()).enumerate() {
+        let batch = Batch {
+            a: base_a + offa as u64 * size,
+            b: base_b + offb as u64 * size,
+            out: g.out + (i * count * g.m * g.n) as u64 * size,
+            step_a,
+            step_b,
+            count,
+        };
+        gemm_batched(d, g, &batch)?;
+    }
+    Ok(())
+}
+
+/// `count` products with operands `step_*` elements apart and outputs packed.
+struct Batch {
+    a: u64,
+    b: u64,
+    out: u64,
+    step_a: i64,
+    step_b: i64,
+    count: usize,
+}
+
+/// Issues one batch run, in pieces of at most i32::MAX products.
+fn gemm_batched(d: &CudaDevice, g: &Gemm, bt: &Batch) -> Result<()> {
+    let op = |m: Matrix| {
+        if m.trans {
+            cublasOperation_t::CUBLAS_OP_T
+        } else {
+            cublasOperation_t::CUBLAS_OP_N
+        }
+    };
+    let (one32, zero32, one64, zero64) = (1f32, 0f32, 1f64, 0f64);
+    let (alpha, beta): (*const c_void, *const c_void) = if g.ty.wide {
+        (&one64 as *const f64 as _, &zero64 as *const f64 as _)
+    } else {
+        (&one32 as *const f32 as _, &zero32 as *const f32 as _)
+    };
+    let size = g.ty.size as u64;
+    let out_step = (g.m * g.n) as i64;
+    let mut start = 0usize;
+    while start < bt.count {
+        let count = (bt.count - start).min(i32::MAX as usize);
+        let at = |base: u64, step: i64| base + (start as i64 * step) as u64 * size;
+        // SAFETY: the operand addresses, leading dimensions and steps come from layouts that
+        // address live device blocks (validated by the tensor layer and check_shapes); the
+        // output is a contiguous block of batch·m·n elements; alpha/beta are host scalars of
+        // the compute type, alive for the call. m, n, k fit in i32 (check_shapes).
+        unsafe {
+            blas::gemm_strided_batched_ex(
+                *d.blas().handle(),
+                op(g.b),
+                op(g.a),
+                g.n as i32,
+                g.m as i32,
+                g.k as i32,
+                alpha,
+                at(bt.b, bt.step_b) as *const c_void,
+                g.ty.data,
+                g.b.ld,
+                bt.step_b,
+                at(bt.a, bt.step_a) as *const c_void,
+                g.ty.data,
+                g.a.ld,
+                bt.step_a,
+                beta,
+                at(bt.out, out_step) as *mut c_void,
+                g.ty.data,
+                g.n as i32,
+                out_step,
+                count as i32,
+                g.ty.compute,
+                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+            )
+        }
+        .map_err(|e| d.err("cublasGemmStridedBatchedEx", e))?;
+        start += count;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn matrix_forms() {
+        // Row-major (4, 3) with padded rows.
+        let m = matrix_form(4, 3, 5, 1).unwrap();
+        assert!(!m.trans && m.ld == 5);
+        // Its transpose view (3, 4) is column-major.
+        let t = matrix_form(3, 4, 1, 5).unwrap();
+        assert!(t.trans && t.ld == 5);
+        // Single row / column: any stride of the size-1 dim.
+        assert_eq!(matrix_form(1, 7, 0, 1).unwrap().ld, 7);
+        assert!(matrix_form(7, 1, 1, 0).is_some());
+        // Expanded (stride 0 within the matrix) or gapped both ways: copy.
+        assert!(matrix_form(4, 3, 0, 1).is_none());
+        assert!(matrix_form(4, 3, 6, 2).is_none());
+        assert!(matrix_form(4, 3, 2, 1).is_none()); // overlapping rows
+    }
+
+    #[test]
+    fn single_steps() {
+        assert_eq!(single_step(&[2, 3], &[3 * 20, 20]), Some(20));
+        assert_eq!(single_step(&[2, 3], &[0, 0]), Some(0));
+        assert_eq!(single_step(&[2, 3], &[20, 0]), None);
+        assert_eq!(single_step(&[2, 1, 3], &[60, 999, 20]), Some(20));
+        assert_eq!(single_step(&[], &[]), Some(0));
+    }
 }

@@ -1,0 +1,568 @@
+//! CUDA fused ops and cuBLAS GEMM against the CPU reference, forward and backward through
+//! autograd: softmax / log-softmax along each dim, layer norm with and without affine
+//! parameters, cross-entropy with ignored targets, embedding (gather and deterministic
+//! scatter-add, strided and repeated ids), cat/split, masked_fill and where with broadcasting,
+//! MSE, matmul/linear in every operand layout (transposed, broadcast batch, expanded, empty
+//! inner dim) and dtype (f16/bf16 loosely, TF32 on and off), and SGD with momentum. Needs a
+//! CUDA device: without one every test fails.
+#![cfg(feature = "gpu-tests")]
+
+mod common;
+
+use std::sync::RwLock;
+
+use common::assert_close;
+use ferrograd::backend::cuda::set_allow_tf32;
+use ferrograd::optim::{Optimizer, Sgd, SgdConfig};
+use ferrograd::{Category, DType, Device, Error, Generator, Result, Tensor, memory};
+
+const GPU: Device = Device::Cuda(0);
+const CPU: Device = Device::Cpu;
+/// f32 results: the GPU sums in another order (and per-row statistics in f64 on both).
+const TOL: (f64, f64) = (1e-5, 1e-5);
+
+/// f32 GEMM tests read the global TF32 switch; the TF32 test flips it under the write lock.
+static TF32: RwLock<()> = RwLock::new(());
+
+fn randn(shape: &[usize], seed: u64) -> Tensor {
+    Tensor::randn_with(shape, DType::F32, CPU, &mut Generator::new(seed)).unwrap()
+}
+
+fn ids(values: &[i64], shape: &[usize]) -> Tensor {
+    Tensor::from_vec(values.to_vec(), shape, CPU).unwrap()
+}
+
+fn mask(values: &[u8], shape: &[usize]) -> Tensor {
+    Tensor::from_vec(values.to_vec(), shape, CPU).unwrap()
+}
+
+/// Copies of `inputs` on `device` as fresh leaves; float ones require grad.
+fn leaves(inputs: &[Tensor], device: Device) -> Vec<Tensor> {
+    inputs
+        .iter()
+        .map(|t| {
+            let t = t
+                .to_device(device)
+                .unwrap_or_else(|e| panic!("these tests need a CUDA device (cuda:0): {e}"))
+                .detach();
+            if t.dtype().is_float() {
+                t.requires_grad_(true).unwrap()
+            } else {
+                t
+            }
+        })
+        .collect()
+}
+
+fn on_cpu(t: &Tensor) -> Tensor {
+    t.to_device(CPU).unwrap()
+}
+
+/// Runs `f` on CPU and cuda:0 copies of `inputs`. The outputs must agree within `(atol,
+/// rtol)`, and so must the gradient of sum(out · w) (w fixed and random) for every float
+/// input.
+fn compare(
+    name: &str,
+    inputs: &[Tensor],
+    tol: (f64, f64),
+    f: impl Fn(&[Tensor]) -> Result<Tensor>,
+) {
+    let (cpu, gpu) = (leaves(inputs, CPU), leaves(inputs, GPU));
+    let want = f(&cpu).unwrap_or_else(|e| panic!("{name}: CPU forward failed: {e}"));
+    let got = f(&gpu).unwrap_or_else(|e| panic!("{name}: GPU forward failed: {e}"));
+    assert_eq!(got.device(), GPU, "{name}: the result left the GPU");
+    assert_eq!(got.dtype(), want.dtype(), "{name}: dtype");
+    assert_close(
+        &format!("{name} forward"),
+        &on_cpu(&got),
+        &want,
+        tol.0,
+        tol.1,
+    );
+    let w = Tensor::randn_with(want.shape(), want.dtype(), CPU, &mut Generator::new(99)).unwrap();
+    let backward = |out: &Tensor, w: &Tensor| {
+        out.mul(w)
+            .and_then(|l| l.sum_all())
+            .and_then(|l| l.backward())
+    };
+    backward(&want, &w).unwrap_or_else(|e| panic!("{name}: CPU backward failed: {e}"));
+    backward(&got, &w.to_device(GPU).unwrap())
+        .unwrap_or_else(|e| panic!("{name}: GPU backward failed: {e}"));
+    let mut checked = 0;
+    for (i, (c, g)) in cpu.iter().zip(&gpu).enumerate() {
+        let (Some(gc), Some(gg)) = (c.grad(), g.grad()) else {
+            assert!(
+                c.grad().is_none() && g.grad().is_none(),
+                "{name}: input {i} has a gradient on one device only"
+            );
+            continue;
+        };
+        assert_eq!(gg.device(), GPU, "{name}: gradient {i} left the GPU");
+        assert_close(&format!("{name} grad {i}"), &on_cpu(&gg), &gc, tol.0, tol.1);
+        checked += 1;
+    }
+    assert!(checked > 0, "{name}: no gradient was compared");
+}
+
+// ---- softmax -------------------------------------------------------------------------------
+
+#[test]
+fn softmax_and_log_softmax_along_each_dim() {
+    // Rows longer than a block (300 > 256) and short ones; large logits test the max shift.
+    let x = randn(&[4, 5, 300], 1).mul_scalar(8.0).unwrap();
+    for dim in [-1, 1, 0] {
+        compare(
+            &format!("softmax dim {dim}"),
+            std::slice::from_ref(&x),
+            TOL,
+            |t| t[0].softmax(dim),
+        );
+        compare(
+            &format!("log_softmax dim {dim}"),
+            std::slice::from_ref(&x),
+            TOL,
+            |t| t[0].log_softmax(dim),
+        );
+    }
+    compare("softmax of one element", &[randn(&[3, 1], 2)], TOL, |t| {
+        t[0].softmax(-1)
+    });
+}
+
+#[test]
+fn softmax_in_half_precision() {
+    for dt in [DType::F16, DType::BF16] {
+        let x = randn(&[6, 70], 3).to_dtype(dt).unwrap();
+        compare(
+            &format!("softmax {dt}"),
+            std::slice::from_ref(&x),
+            (1e-2, 1e-2),
+            |t| t[0].softmax(-1),
+        );
+        compare(&format!("log_softmax {dt}"), &[x], (2e-2, 1e-2), |t| {
+            t[0].log_softmax(-1)
+        });
+    }
+}
+
+// ---- layer norm ----------------------------------------------------------------------------
+
+#[test]
+fn layer_norm_with_and_without_affine() {
+    // An offset mean checks the two-pass variance; 384 columns span two blocks' worth.
+    let x = randn(&[6, 7, 384], 4).add_scalar(3.0).unwrap();
+    let (w, b) = (randn(&[384], 5), randn(&[384], 6));
+    compare(
+        "layer_norm affine",
+        &[x.clone(), w.clone(), b.clone()],
+        TOL,
+        |t| t[0].layer_norm(&[384], Some(&t[1]), Some(&t[2]), 1e-5),
+    );
+    compare("layer_norm weight only", &[x.clone(), w], TOL, |t| {
+        t[0].layer_norm(&[384], Some(&t[1]), None, 1e-5)
+    });
+    compare("layer_norm bias only", &[x.clone(), b], TOL, |t| {
+        t[0].layer_norm(&[384], None, Some(&t[1]), 1e-5)
+    });
+    compare("layer_norm plain", std::slice::from_ref(&x), TOL, |t| {
+        t[0].layer_norm(&[384], None, None, 1e-5)
+    });
+    // Two normalised dims, and many rows (the weight gradient sums over several chunks).
+    let (w2, b2) = (randn(&[7, 384], 7), randn(&[7, 384], 8));
+    compare("layer_norm 2 dims", &[x, w2, b2], TOL, |t| {
+        t[0].layer_norm(&[7, 384], Some(&t[1]), Some(&t[2]), 1e-5)
+    });
+    let tall = randn(&[3000, 8], 9);
+    let (w3, b3) = (randn(&[8], 10), randn(&[8], 11));
+    compare("layer_norm tall", &[tall, w3, b3], (1e-5, 1e-4), |t| {
+        t[0].layer_norm(&[8], Some(&t[1]), Some(&t[2]), 1e-5)
+    });
+}
+
+#[test]
+fn layer_norm_in_half_precision() {
+    for dt in [DType::F16, DType::BF16] {
+        let x = randn(&[5, 96], 12).to_dtype(dt).unwrap();
+        let (w, b) = (
+            randn(&[96], 13).to_dtype(dt).unwrap(),
+            randn(&[96], 14).to_dtype(dt).unwrap(),
+        );
+        compare(&format!("layer_norm {dt}"), &[x, w, b], (5e-2, 2e-2), |t| {
+            t[0].layer_norm(&[96], Some(&t[1]), Some(&t[2]), 1e-5)
+        });
+    }
+}
+
+// ---- cross-entropy -------------------------------------------------------------------------
+
+#[test]
+fn cross_entropy_with_ignored_targets() {
+    let logits = randn(&[2, 9, 300], 15).mul_scalar(3.0).unwrap();
+    let t: Vec<i64> = (0..18)
+        .map(|i| if i % 4 == 1 { -100 } else { (i * 37) % 300 })
+        .collect();
+    compare(
+        "cross_entropy",
+        &[logits.clone(), ids(&t, &[2, 9])],
+        TOL,
+        |x| x[0].cross_entropy(&x[1], -100),
+    );
+    // A custom ignore index, (N, C) logits.
+    let l2 = randn(&[7, 5], 16);
+    compare(
+        "cross_entropy (N, C)",
+        &[l2, ids(&[0, 4, 2, 2, 3, 1, 2], &[7])],
+        TOL,
+        |x| x[0].cross_entropy(&x[1], 2),
+    );
+    // Every target ignored: NaN, as PyTorch's mean over nothing.
+    let all = ids(&[-100; 18], &[2, 9]);
+    let loss = logits
+        .to_device(GPU)
+        .unwrap()
+        .cross_entropy(&all.to_device(GPU).unwrap(), -100)
+        .unwrap();
+    assert!(loss.item().unwrap().is_nan());
+}
+
+#[test]
+fn cross_entropy_rejects_a_bad_target_on_the_gpu() {
+    let logits = randn(&[3, 4], 17).to_device(GPU).unwrap();
+    let t = ids(&[1, 4, 0], &[3]).to_device(GPU).unwrap();
+    match logits.cross_entropy(&t, -100) {
+        Err(Error::Index { detail, .. }) => {
+            assert!(detail.contains("target 4 at position 1"), "{detail}")
+        }
+        other => panic!("expected an index error, got {other:?}"),
+    }
+}
+
+#[test]
+fn cross_entropy_in_half_precision() {
+    for dt in [DType::F16, DType::BF16] {
+        let logits = randn(&[6, 33], 18).to_dtype(dt).unwrap();
+        let t = ids(&[0, 32, 5, -100, 7, 7], &[6]);
+        compare(
+            &format!("cross_entropy {dt}"),
+            &[logits, t],
+            (2e-2, 2e-2),
+            |x| x[0].cross_entropy(&x[1], -100),
+        );
+    }
+}
+
+// ---- embedding -----------------------------------------------------------------------------
+
+#[test]
+fn embedding_gathers_and_scatters_repeated_ids() {
+    let w = randn(&[20, 16], 19);
+    let i = ids(&[3, 7, 3, 0, 19, 3, 7, 7, 1, 2, 3, 4, 5, 6, 0], &[3, 5]);
+    compare("embedding", &[w.clone(), i.clone()], TOL, |x| {
+        x[0].embedding(&x[1])
+    });
+    // Strided weight (a transposed view) and strided ids (transposed).
+    let wt = randn(&[16, 20], 20);
+    compare("embedding strided", &[wt, i.clone()], TOL, |x| {
+        x[0].transpose(0, 1)?.embedding(&x[1].transpose(0, 1)?)
+    });
+    // A gradient expanded from a sum reaches the scatter-add with stride 0.
+    compare("embedding summed", &[w.clone(), i], TOL, |x| {
+        x[0].embedding(&x[1])?.sum_all()
+    });
+    // Many repeats of one id: the f64 sum in order must match the CPU's exactly.
+    let many = ids(&vec![5; 5000], &[5000]);
+    compare("embedding repeats", &[w, many], (1e-6, 1e-6), |x| {
+        x[0].embedding(&x[1])
+    });
+}
+
+#[test]
+fn embedding_rejects_a_bad_id_on_the_gpu() {
+    let w = randn(&[4, 3], 21).to_device(GPU).unwrap();
+    let i = ids(&[0, 2, -1], &[3]).to_device(GPU).unwrap();
+    match w.embedding(&i) {
+        Err(Error::Index { op, detail }) => {
+            assert_eq!(op, "embedding");
+            assert!(detail.contains("index -1 (at position 2"), "{detail}")
+        }
+        other => panic!("expected an index error, got {other:?}"),
+    }
+}
+
+// ---- cat / split / where / masked_fill -----------------------------------------------------
+
+#[test]
+fn cat_and_split() {
+    let (a, b) = (randn(&[3, 4], 22), randn(&[3, 6], 23));
+    compare("cat/split", &[a, b], TOL, |x| {
+        let joined = Tensor::cat(&[x[0].clone(), x[1].clone()], 1)?;
+        let parts = joined.split(&[5, 5], 1)?;
+        Tensor::cat(&[parts[1].mul_scalar(2.0)?, parts[0].clone()], 0)
+    });
+}
+
+#[test]
+fn masked_fill_and_where_broadcast() {
+    let x = randn(&[4, 6], 24);
+    let m = mask(&[1, 0, 0, 1, 1, 0], &[1, 6]);
+    compare("masked_fill", &[x.clone(), m.clone()], TOL, |t| {
+        t[0].masked_fill(&t[1], -1e9)?.softmax(-1)
+    });
+    // cond (4, 1, 5), a (4, 3, 5), b (3, 1): every operand broadcasts somewhere.
+    let c = mask(
+        &[1, 0, 1, 1, 0, 0, 0, 1, 0, 1, 1, 1, 0, 0, 0, 1, 0, 1, 0, 1],
+        &[4, 1, 5],
+    );
+    let (a, b) = (randn(&[4, 3, 5], 25), randn(&[3, 1], 26));
+    compare("where", &[c, a, b], TOL, |t| {
+        Tensor::where_(&t[0], &t[1], &t[2])
+    });
+    // f64 values through the 8-byte kernel.
+    let x64 = x.to_dtype(DType::F64).unwrap();
+    compare("masked_fill f64", &[x64, m], (1e-12, 1e-12), |t| {
+        t[0].masked_fill(&t[1], 2.5)
+    });
+}
+
+// ---- MSE -------------------------------------------------------------------------------------
+
+#[test]
+fn mse_loss_both_sides() {
+    let (x, y) = (randn(&[5, 7, 300], 27), randn(&[5, 7, 300], 28));
+    compare("mse_loss", &[x.clone(), y.clone()], TOL, |t| {
+        t[0].mse_loss(&t[1])
+    });
+    let (x64, y64) = (
+        x.to_dtype(DType::F64).unwrap(),
+        y.to_dtype(DType::F64).unwrap(),
+    );
+    compare("mse_loss f64", &[x64, y64], (1e-12, 1e-12), |t| {
+        t[0].mse_loss(&t[1])
+    });
+    let (xh, yh) = (
+        x.to_dtype(DType::BF16).unwrap(),
+        y.to_dtype(DType::BF16).unwrap(),
+    );
+    compare("mse_loss bf16", &[xh, yh], (2e-2, 1e-2), |t| {
+        t[0].mse_loss(&t[1])
+    });
+}
+
+// ---- matmul / linear -----------------------------------------------------------------------
+
+#[test]
+fn linear_and_matmul_layouts() {
+    let _g = TF32.read().unwrap_or_else(|e| e.into_inner());
+    let tol = (1e-4, 1e-5);
+    // 2-D linear: x @ w.T + b reads w column-major.
+    let (x, w, b) = (randn(&[33, 64], 30), randn(&[48, 64], 31), randn(&[48], 32));
+    compare("linear", &[x, w, b], tol, |t| {
+        t[0].linear(&t[1], Some(&t[2]))
+    });
+    // (B, T, k) @ (k, n) folds into one GEMM.
+    let (x3, w2) = (randn(&[3, 5, 40], 33), randn(&[40, 29], 34));
+    compare("matmul 3-D @ 2-D", &[x3, w2], tol, |t| t[0].matmul(&t[1]));
+    // Batched, both operands transposed views.
+    let (a, bb) = (randn(&[3, 40, 17], 35), randn(&[3, 29, 40], 36));
+    compare(
+        "matmul batched transposed",
+        &[a.clone(), bb.clone()],
+        tol,
+        |t| t[0].transpose(-1, -2)?.matmul(&t[1].transpose(-1, -2)?),
+    );
+    compare(
+        "matmul batched",
+        &[randn(&[3, 17, 40], 37), randn(&[3, 40, 29], 38)],
+        tol,
+        |t| t[0].matmul(&t[1]),
+    );
+    // Broadcast batch dims (2, 1) x (3): the batch loop plus strided-batched calls.
+    compare(
+        "matmul broadcast batch",
+        &[randn(&[2, 1, 17, 40], 39), randn(&[3, 40, 29], 40)],
+        tol,
+        |t| t[0].matmul(&t[1]),
+    );
+    // An expanded operand (stride 0 inside the matrix) is copied before the GEMM.
+    compare(
+        "matmul expanded",
+        &[randn(&[17, 1], 41), randn(&[40, 29], 42)],
+        tol,
+        |t| t[0].expand(&[17, 40])?.matmul(&t[1]),
+    );
+    // Vectors and a single row.
+    compare(
+        "matmul vec",
+        &[randn(&[40], 43), randn(&[40, 29], 44)],
+        tol,
+        |t| t[0].matmul(&t[1]),
+    );
+    compare(
+        "matmul mat-vec",
+        &[randn(&[17, 40], 45), randn(&[40], 46)],
+        tol,
+        |t| t[0].matmul(&t[1]),
+    );
+    // f64.
+    let (a64, b64) = (
+        a.to_dtype(DType::F64).unwrap(),
+        bb.to_dtype(DType::F64).unwrap(),
+    );
+    compare("matmul f64", &[a64, b64], (1e-12, 1e-12), |t| {
+        t[0].transpose(-1, -2)?.matmul(&t[1].transpose(-1, -2)?)
+    });
+}
+
+#[test]
+fn matmul_with_an_empty_inner_dim_is_zero() {
+    let a = Tensor::zeros(&[3, 0], DType::F32, GPU).unwrap();
+    let b = Tensor::zeros(&[0, 4], DType::F32, GPU).unwrap();
+    let out = a.matmul(&b).unwrap();
+    assert_eq!(out.shape(), &[3, 4]);
+    assert_eq!(on_cpu(&out).to_vec::<f32>().unwrap(), vec![0.0; 12]);
+}
+
+#[test]
+fn linear_in_half_precision() {
+    for (dt, tol) in [(DType::F16, (1e-2, 1e-2)), (DType::BF16, (3e-2, 3e-2))] {
+        let x = randn(&[9, 64], 47).to_dtype(dt).unwrap();
+        let w = randn(&[24, 64], 48)
+            .mul_scalar(0.125)
+            .unwrap()
+            .to_dtype(dt)
+            .unwrap();
+        let b = randn(&[24], 49).to_dtype(dt).unwrap();
+        // The reference: the same rounded inputs in f32 on the CPU, rounded to dt at the end.
+        let (cpu, gpu) = (
+            leaves(&[x.clone(), w.clone(), b.clone()], CPU),
+            leaves(&[x, w, b], GPU),
+        );
+        let f32s: Vec<Tensor> = cpu
+            .iter()
+            .map(|t| t.to_dtype(DType::F32).unwrap())
+            .collect();
+        let want = f32s[0].linear(&f32s[1], Some(&f32s[2])).unwrap();
+        let got = gpu[0].linear(&gpu[1], Some(&gpu[2])).unwrap();
+        assert_eq!(got.dtype(), dt);
+        let got32 = on_cpu(&got).to_dtype(DType::F32).unwrap();
+        assert_close(&format!("linear {dt}"), &got32, &want, tol.0, tol.1);
+        want.sum_all().unwrap().backward().unwrap();
+        got.to_dtype(DType::F32)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        for (i, (c, g)) in cpu.iter().zip(&gpu).enumerate() {
+            let gg = on_cpu(&g.grad().unwrap()).to_dtype(DType::F32).unwrap();
+            let gc = c.grad().unwrap().to_dtype(DType::F32).unwrap();
+            assert_close(&format!("linear {dt} grad {i}"), &gg, &gc, tol.0, tol.1);
+        }
+    }
+}
+
+/// Turns TF32 back off when dropped, even if the test fails.
+struct Tf32Off;
+impl Drop for Tf32Off {
+    fn drop(&mut self) {
+        set_allow_tf32(false);
+    }
+}
+
+#[test]
+fn tf32_switch() {
+    let _g = TF32.write().unwrap_or_else(|e| e.into_inner());
+    let (a, b) = (randn(&[256, 512], 50), randn(&[512, 256], 51));
+    let want = a.matmul(&b).unwrap();
+    let (ga, gb) = (a.to_device(GPU).unwrap(), b.to_device(GPU).unwrap());
+    let exact = on_cpu(&ga.matmul(&gb).unwrap());
+    assert_close("f32 GEMM, TF32 off", &exact, &want, 1e-4, 1e-5);
+    let _off = Tf32Off;
+    set_allow_tf32(true);
+    let fast = on_cpu(&ga.matmul(&gb).unwrap());
+    // TF32 keeps 10 mantissa bits: about 1e-3 relative per product, averaging out over k.
+    assert_close("f32 GEMM, TF32 on", &fast, &want, 2e-2, 2e-2);
+    let (e, f) = (
+        exact.to_vec::<f32>().unwrap(),
+        fast.to_vec::<f32>().unwrap(),
+    );
+    let largest = e
+        .iter()
+        .zip(&f)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        largest > 1e-4,
+        "TF32 on gave the exact f32 result (max difference {largest}): is the switch used?"
+    );
+}
+
+#[test]
+fn cublas_workspace_counts_as_workspace() {
+    let _g = TF32.read().unwrap_or_else(|e| e.into_inner());
+    let a = randn(&[8, 8], 52).to_device(GPU).unwrap();
+    a.matmul(&a).unwrap();
+    let ws = memory::memory_by_category(GPU)
+        .unwrap()
+        .get(Category::Workspace);
+    assert!(ws >= 32 << 20, "workspace bytes: {ws}");
+}
+
+// ---- SGD -------------------------------------------------------------------------------------
+
+/// Three SGD steps of a small regression on `device`; returns the final parameters and
+/// momentum buffers on the CPU.
+fn sgd_run(device: Device, cfg: &SgdConfig) -> Vec<Tensor> {
+    let params = leaves(&[randn(&[8, 16], 60), randn(&[8], 61)], device);
+    let (x, y) = (
+        randn(&[32, 16], 62).to_device(device).unwrap(),
+        randn(&[32, 8], 63).to_device(device).unwrap(),
+    );
+    let mut opt = Sgd::new(params.clone(), cfg.clone()).unwrap();
+    for _ in 0..3 {
+        opt.zero_grad().unwrap();
+        let loss = x
+            .linear(&params[0], Some(&params[1]))
+            .unwrap()
+            .mse_loss(&y)
+            .unwrap();
+        loss.backward().unwrap();
+        opt.step().unwrap();
+    }
+    let mut out: Vec<Tensor> = params.iter().map(|p| on_cpu(&p.detach())).collect();
+    out.extend((0..2).filter_map(|i| opt.momentum_buffer(i)).map(on_cpu));
+    out
+}
+
+#[test]
+fn sgd_momentum_steps_match() {
+    let _g = TF32.read().unwrap_or_else(|e| e.into_inner());
+    let configs = [
+        SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            dampening: 0.1,
+            weight_decay: 0.01,
+            nesterov: false,
+        },
+        SgdConfig {
+            lr: 0.05,
+            momentum: 0.9,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: true,
+        },
+        SgdConfig {
+            lr: 0.1,
+            ..SgdConfig::default()
+        },
+    ];
+    for (k, cfg) in configs.iter().enumerate() {
+        let (want, got) = (sgd_run(CPU, cfg), sgd_run(GPU, cfg));
+        assert_eq!(want.len(), got.len(), "config {k}: momentum buffers");
+        assert_eq!(got.len(), if cfg.momentum > 0.0 { 4 } else { 2 });
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_close(&format!("sgd config {k} tensor {i}"), g, w, 1e-5, 1e-5);
+        }
+    }
+}
