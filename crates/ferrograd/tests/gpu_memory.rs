@@ -66,6 +66,7 @@ fn out_of_memory_is_an_error_and_training_goes_on() {
     let err = Tensor::zeros(&[too_many], DType::F32, GPU).unwrap_err();
     assert!(err.is_out_of_memory(), "{err}");
     let msg = err.to_string();
+    println!("{msg}"); // the report a user sees (shown with --nocapture)
     for needle in [
         "out of memory on cuda:0",
         "allocated by category",

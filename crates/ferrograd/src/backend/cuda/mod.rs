@@ -31,7 +31,6 @@ pub struct CudaBuffer {
 }
 
 /// The device address of a CUDA storage.
-#[allow(dead_code)] // used by the kernel launchers being written
 pub(crate) fn ptr(s: &Storage) -> Result<u64> {
     match &*s.read() {
         BackendData::Cuda(b) => Ok(b.ptr),
