@@ -12,16 +12,22 @@
 //!   `.grad` semantics, `retain_graph`, `no_grad`, custom functions and hooks.
 //! - `ops`: every op's forward and backward side by side.
 //! - `nn`, `optim`: modules and optimizers on top.
+//! - `train`: memory strategies, one small file each (recomputation, freezing, ...).
+//! - `data`, `io`: the shipped corpus with a character tokenizer; training state in
+//!   safetensors with atomic writes.
 
 pub mod autograd;
 pub mod backend;
+pub mod data;
 pub mod demo;
 pub mod error;
+pub mod io;
 pub mod memory;
 pub mod nn;
 pub mod ops;
 pub mod optim;
 pub mod tensor;
+pub mod train;
 
 pub use autograd::{BackwardOptions, enable_grad, is_grad_enabled, no_grad};
 pub use error::{Error, Result};

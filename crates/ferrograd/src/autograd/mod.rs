@@ -60,6 +60,35 @@ where
     if !should_record(inputs) {
         return out;
     }
+    record_node(name, inputs, out, make)
+}
+
+/// Like `record`, but records whenever grad mode is on, even if no input requires grad: for
+/// ops whose backward reaches parameters the closure captured (activation recomputation).
+pub fn record_always<F>(
+    name: &'static str,
+    inputs: &[&Tensor],
+    out: Tensor,
+    make: impl FnOnce(&Tensor, &[bool]) -> F,
+) -> Tensor
+where
+    F: FnMut(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + 'static,
+{
+    if !is_grad_enabled() {
+        return out;
+    }
+    record_node(name, inputs, out, make)
+}
+
+fn record_node<F>(
+    name: &'static str,
+    inputs: &[&Tensor],
+    out: Tensor,
+    make: impl FnOnce(&Tensor, &[bool]) -> F,
+) -> Tensor
+where
+    F: FnMut(&Tensor, &[bool]) -> Result<Vec<Option<Tensor>>> + Send + 'static,
+{
     let edges: Vec<Option<Edge>> = inputs.iter().map(|t| edge_of(t)).collect();
     let needs: Vec<bool> = edges.iter().map(Option::is_some).collect();
     let metas = inputs

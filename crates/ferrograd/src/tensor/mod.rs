@@ -12,7 +12,7 @@ pub use device::Device;
 pub use dtype::DType;
 pub use layout::{Layout, broadcast_shape, contiguous_strides, resolve_dim};
 pub(crate) use random::with_default;
-pub use random::{Generator, manual_seed};
+pub use random::{Generator, get_rng_state, manual_seed, set_rng_state};
 
 use std::fmt;
 use std::sync::Arc;

@@ -76,3 +76,13 @@ pub(crate) fn with_default<R>(f: impl FnOnce(&mut Generator) -> R) -> R {
         .lock()
         .unwrap_or_else(|e| e.into_inner()))
 }
+
+/// A copy of the default generator's state (`torch.get_rng_state`).
+pub fn get_rng_state() -> Generator {
+    with_default(|g| g.clone())
+}
+
+/// Restores a state taken with `get_rng_state` (`torch.set_rng_state`).
+pub fn set_rng_state(state: Generator) {
+    with_default(|g| *g = state);
+}
