@@ -15,7 +15,7 @@ build() {
   cp target/release/ferrograd "$BIN/"
   cargo test --release -p ferrograd --features gpu-tests --no-run --message-format=json 2>/dev/null \
     | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 \
-    | grep -E '/(gpu_[a-z_]+|golden_ops|golden_rows)-[0-9a-f]+$' \
+    | grep -E '/(gpu_[a-z_]+|golden_ops|golden_rows|gpt)-[0-9a-f]+$' \
     | while read -r exe; do cp "$exe" "$BIN/tests/$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
   cargo bench -p ferrograd --no-run --message-format=json 2>/dev/null \
     | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 \
