@@ -11,7 +11,9 @@ use ferrograd::{DType, Device, Tensor};
 
 fn arg(name: &str) -> Option<String> {
     let args: Vec<String> = std::env::args().collect();
-    args.iter().position(|a| a == name).and_then(|i| args.get(i + 1).cloned())
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
 }
 
 fn tflops(n: usize, dtype: DType, iters: usize, dev: Device) -> ferrograd::Result<f64> {
@@ -33,9 +35,16 @@ fn main() -> ferrograd::Result<()> {
     let n = arg("--n").and_then(|v| v.parse().ok()).unwrap_or(8192);
     let iters = arg("--iters").and_then(|v| v.parse().ok()).unwrap_or(20);
     let dev: Device = arg("--device").unwrap_or_else(|| "cuda".into()).parse()?;
-    for (name, dtype, tf32) in [("f32", DType::F32, false), ("tf32", DType::F32, true), ("bf16", DType::BF16, false)] {
+    for (name, dtype, tf32) in [
+        ("f32", DType::F32, false),
+        ("tf32", DType::F32, true),
+        ("bf16", DType::BF16, false),
+    ] {
         cuda::set_allow_tf32(tf32);
-        println!("ferrograd gemm n={n} {name} tflops={:.1}", tflops(n, dtype, iters, dev)?);
+        println!(
+            "ferrograd gemm n={n} {name} tflops={:.1}",
+            tflops(n, dtype, iters, dev)?
+        );
     }
     cuda::set_allow_tf32(false);
     Ok(())

@@ -24,7 +24,11 @@ fn main() -> ferrograd::Result<()> {
     let (d, b, steps) = (arg("--dim", 2048), arg("--batch", 256), arg("--steps", 20));
     let args: Vec<String> = std::env::args().collect();
     let dev: Device = match args.iter().position(|a| a == "--device") {
-        Some(i) => args.get(i + 1).map(String::as_str).unwrap_or("cpu").parse()?,
+        Some(i) => args
+            .get(i + 1)
+            .map(String::as_str)
+            .unwrap_or("cpu")
+            .parse()?,
         None => Device::Cpu,
     };
     let mut g = Generator::new(0);

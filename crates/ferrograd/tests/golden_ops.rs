@@ -304,6 +304,10 @@ fn stale_fixture_header_is_refused() {
 
 #[test]
 fn reducing_an_empty_dim_gives_the_identity() {
-    let t = ferrograd::Tensor::zeros(&[3, 0], ferrograd::DType::F32, ferrograd::Device::Cpu).unwrap();
-    assert_eq!(t.sum(&[1], false).unwrap().to_vec::<f32>().unwrap(), vec![0.0; 3]);
+    let t =
+        ferrograd::Tensor::zeros(&[3, 0], ferrograd::DType::F32, ferrograd::Device::Cpu).unwrap();
+    assert_eq!(
+        t.sum(&[1], false).unwrap().to_vec::<f32>().unwrap(),
+        vec![0.0; 3]
+    );
 }

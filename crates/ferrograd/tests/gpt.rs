@@ -383,7 +383,13 @@ fn gpt_dropout_only_in_training() {
             "{n}"
         );
     }
-    let logits = |m: &Gpt| m.forward_loss(&ids, None).unwrap().0.to_vec::<f32>().unwrap();
+    let logits = |m: &Gpt| {
+        m.forward_loss(&ids, None)
+            .unwrap()
+            .0
+            .to_vec::<f32>()
+            .unwrap()
+    };
     let reference = logits(&plain);
     let (t1, t2) = (logits(&dropped), logits(&dropped));
     assert!(

@@ -10,7 +10,8 @@ const CPU: Device = Device::Cpu;
 static LOCK: Mutex<()> = Mutex::new(());
 
 fn param(shape: &[usize], seed: u64) -> Tensor {
-    let t = Tensor::randn_with(shape, DType::F64, CPU, &mut ferrograd::Generator::new(seed)).unwrap();
+    let t =
+        Tensor::randn_with(shape, DType::F64, CPU, &mut ferrograd::Generator::new(seed)).unwrap();
     t.set_category(Category::Parameter);
     t.requires_grad_(true).unwrap()
 }
@@ -18,22 +19,41 @@ fn param(shape: &[usize], seed: u64) -> Tensor {
 /// relu(x W1ᵀ) W2ᵀ with dropout in between, as one segment.
 fn mlp(w1: &Tensor, w2: &Tensor, p: f64) -> Segment {
     let (w1, w2) = (w1.clone(), w2.clone());
-    Arc::new(move |x: &[Tensor]| x[0].linear(&w1, None)?.relu()?.dropout_default(p, true)?.linear(&w2, None))
+    Arc::new(move |x: &[Tensor]| {
+        x[0].linear(&w1, None)?
+            .relu()?
+            .dropout_default(p, true)?
+            .linear(&w2, None)
+    })
 }
 
 fn grads(ps: &[&Tensor]) -> Vec<Vec<f64>> {
-    ps.iter().map(|p| p.grad().unwrap().to_vec::<f64>().unwrap()).collect()
+    ps.iter()
+        .map(|p| p.grad().unwrap().to_vec::<f64>().unwrap())
+        .collect()
 }
 
 fn run(recompute: bool, x_requires_grad: bool, p: f64) -> (Vec<Vec<f64>>, Option<Vec<f64>>) {
     let (w1, w2) = (param(&[16, 8], 1), param(&[8, 16], 2));
-    let x = Tensor::randn_with(&[4, 8], DType::F64, CPU, &mut ferrograd::Generator::new(3)).unwrap();
-    let x = if x_requires_grad { x.requires_grad_(true).unwrap() } else { x };
+    let x =
+        Tensor::randn_with(&[4, 8], DType::F64, CPU, &mut ferrograd::Generator::new(3)).unwrap();
+    let x = if x_requires_grad {
+        x.requires_grad_(true).unwrap()
+    } else {
+        x
+    };
     manual_seed(7);
     let f = mlp(&w1, &w2, p);
-    let out = if recompute { checkpoint_activations(f, &[x.clone()]).unwrap() } else { f(&[x.clone()]).unwrap() };
+    let out = if recompute {
+        checkpoint_activations(f, std::slice::from_ref(&x)).unwrap()
+    } else {
+        f(std::slice::from_ref(&x)).unwrap()
+    };
     out.tanh().unwrap().sum_all().unwrap().backward().unwrap();
-    (grads(&[&w1, &w2]), x.grad().map(|g| g.to_vec::<f64>().unwrap()))
+    (
+        grads(&[&w1, &w2]),
+        x.grad().map(|g| g.to_vec::<f64>().unwrap()),
+    )
 }
 
 #[test]
@@ -62,10 +82,19 @@ fn inner_activations_are_not_kept_between_forward_and_backward() {
     let (w1, w2) = (param(&[256, 64], 1), param(&[64, 256], 2));
     let x = Tensor::randn(&[32, 64], DType::F64, CPU).unwrap();
     let saved = |recompute: bool| {
-        let before = memory::memory_by_category(CPU).unwrap().get(Category::SavedActivation);
+        let before = memory::memory_by_category(CPU)
+            .unwrap()
+            .get(Category::SavedActivation);
         let f = mlp(&w1, &w2, 0.0);
-        let out = if recompute { checkpoint_activations(f, &[x.clone()]).unwrap() } else { f(&[x.clone()]).unwrap() };
-        let held = memory::memory_by_category(CPU).unwrap().get(Category::SavedActivation) - before;
+        let out = if recompute {
+            checkpoint_activations(f, std::slice::from_ref(&x)).unwrap()
+        } else {
+            f(std::slice::from_ref(&x)).unwrap()
+        };
+        let held = memory::memory_by_category(CPU)
+            .unwrap()
+            .get(Category::SavedActivation)
+            - before;
         drop(out);
         held
     };
@@ -89,13 +118,21 @@ fn a_frozen_first_layer_saves_nothing_and_gets_no_gradient() {
         .push(Linear::new(d, d, true, CPU, &mut g).unwrap());
     let frozen = ferrograd::train::freeze(&model, "0.*").unwrap();
     assert_eq!(frozen, vec!["0.weight", "0.bias"]);
-    assert!(ferrograd::train::freeze(&model, "9.*").is_err(), "a pattern that matches nothing is an error");
+    assert!(
+        ferrograd::train::freeze(&model, "9.*").is_err(),
+        "a pattern that matches nothing is an error"
+    );
     let x = Tensor::randn(&[b, d], DType::F32, CPU).unwrap();
-    let before = memory::memory_by_category(CPU).unwrap().get(Category::SavedActivation);
+    let before = memory::memory_by_category(CPU)
+        .unwrap()
+        .get(Category::SavedActivation);
     let out = model.forward(&x).unwrap();
     // Only the ReLU output is saved (for ReLU and the second layer's weight gradient); the
     // frozen layer keeps neither x (its weight needs no gradient) nor its weight.
-    let saved = memory::memory_by_category(CPU).unwrap().get(Category::SavedActivation) - before;
+    let saved = memory::memory_by_category(CPU)
+        .unwrap()
+        .get(Category::SavedActivation)
+        - before;
     assert_eq!(saved, (b * d * 4) as u64);
     out.sum_all().unwrap().backward().unwrap();
     let params = model.named_parameters();

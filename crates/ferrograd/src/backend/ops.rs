@@ -22,6 +22,11 @@ pub enum UnaryOp {
     PowScalar(f64),
     /// 1 if x > 0 else 0, in x's dtype
     Step,
+    /// min(max(x, lo), hi), NaN kept (torch.clamp); lo and hi rounded to x's dtype first
+    Clamp {
+        lo: f64,
+        hi: f64,
+    },
 }
 
 /// Elementwise ops of two inputs (same dtype, already broadcast).
@@ -115,7 +120,76 @@ pub enum FusedOp {
         nesterov: bool,
         first_step: bool,
     },
+    /// One Adam / AdamW step over n parameters in a single call (one launch on a GPU), in
+    /// place. inputs [grad_0, .., grad_{n-1}] (contiguous); outputs [param_0, exp_avg_0,
+    /// exp_avg_sq_0, param_1, ..] (3n, each trio of one dtype and numel). `step` is the
+    /// 1-based step count after this update, shared by all n. PyTorch's single-tensor formula
+    /// in the compute type (f32 for f32/f16/bf16, f64 for f64), rounded once per store:
+    ///   p ← p·(1 − lr·wd) if decoupled (AdamW), else g ← g + wd·p (L2), when wd != 0
+    ///   m ← lerp(m, g, 1 − β1);  v ← β2·v + (1 − β2)·g·g
+    ///   p ← p − (lr / (1 − β1^t))·m / (√v / √(1 − β2^t) + eps)
+    AdamStep {
+        lr: f64,
+        beta1: f64,
+        beta2: f64,
+        eps: f64,
+        weight_decay: f64,
+        decoupled: bool,
+        step: u64,
+    },
     /// inputs [cond U8, a, b] all broadcast to the output shape (strided allowed);
     /// outputs [out] = cond != 0 ? a : b. a, b and out share one dtype (any).
     Where,
+}
+
+/// The scalars of one `FusedOp::AdamStep`, derived on the host in f64 once so that every
+/// backend rounds the same values to its compute type.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct AdamScalars {
+    /// g ← g + l2·p (0 unless coupled weight decay)
+    pub l2: f64,
+    /// p ← p·decay first (1 unless decoupled weight decay)
+    pub decay: f64,
+    /// lerp weight of the first moment, 1 − β1
+    pub w1: f64,
+    pub beta2: f64,
+    /// 1 − β2
+    pub w2: f64,
+    /// √(1 − β2^t)
+    pub bc2_sqrt: f64,
+    /// −lr / (1 − β1^t)
+    pub neg_step_size: f64,
+    pub eps: f64,
+}
+
+impl AdamScalars {
+    /// None unless `op` is an `AdamStep`. The bias corrections use `powf` of the step as a
+    /// float, as torch/optim/adam.py does (`beta1 ** step`).
+    pub(crate) fn of(op: &FusedOp) -> Option<AdamScalars> {
+        let FusedOp::AdamStep {
+            lr,
+            beta1,
+            beta2,
+            eps,
+            weight_decay: wd,
+            decoupled,
+            step,
+        } = *op
+        else {
+            return None;
+        };
+        let t = step as f64;
+        let bc1 = 1.0 - beta1.powf(t);
+        let bc2 = 1.0 - beta2.powf(t);
+        Some(AdamScalars {
+            l2: if decoupled { 0.0 } else { wd },
+            decay: if decoupled { 1.0 - lr * wd } else { 1.0 },
+            w1: 1.0 - beta1,
+            beta2,
+            w2: 1.0 - beta2,
+            bc2_sqrt: bc2.sqrt(),
+            neg_step_size: -(lr / bc1),
+            eps,
+        })
+    }
 }

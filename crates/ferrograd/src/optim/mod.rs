@@ -1,16 +1,30 @@
 //! Optimizers. `step` updates parameters in place from their `.grad` under no_grad;
-//! `zero_grad` frees gradients by default (set_to_none, as PyTorch ≥ 2.0).
+//! `zero_grad` frees gradients by default (set_to_none, as PyTorch ≥ 2.0). Also: learning-rate
+//! schedules (`WarmupCosine`) and gradient clipping (`clip_grad_norm`, `clip_grad_value`).
 
+mod adam;
+mod clip;
+mod schedule;
 mod sgd;
 
+pub use adam::{Adam, AdamConfig, AdamState};
+pub use clip::{clip_grad_norm, clip_grad_value};
+pub use schedule::WarmupCosine;
 pub use sgd::{Sgd, SgdConfig};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::tensor::Tensor;
 
 pub trait Optimizer {
     fn step(&mut self) -> Result<()>;
     fn params(&self) -> &[Tensor];
+
+    /// The learning rate of the next step.
+    fn lr(&self) -> f64;
+
+    /// Sets the learning rate of later steps (a schedule calls it before each step). A
+    /// negative or NaN rate is an error.
+    fn set_lr(&mut self, lr: f64) -> Result<()>;
 
     /// set_to_none = true frees the gradient bytes; false zeroes them in place.
     fn zero_grad_with(&mut self, set_to_none: bool) -> Result<()> {
@@ -28,4 +42,15 @@ pub trait Optimizer {
     fn zero_grad(&mut self) -> Result<()> {
         self.zero_grad_with(true)
     }
+}
+
+/// A learning rate must be a non-negative number (infinity is left to the caller).
+pub(crate) fn check_lr(op: &'static str, lr: f64) -> Result<()> {
+    if lr.is_nan() || lr < 0.0 {
+        return Err(Error::invalid(
+            op,
+            format!("the learning rate must be non-negative, got {lr}"),
+        ));
+    }
+    Ok(())
 }

@@ -8,7 +8,7 @@
 //!
 //! Momentum buffers are created at the first step and count as optimizer state.
 
-use super::Optimizer;
+use super::{Optimizer, check_lr};
 use crate::autograd::no_grad;
 use crate::backend::FusedOp;
 use crate::error::{Error, Result};
@@ -44,10 +44,11 @@ pub struct Sgd {
 
 impl Sgd {
     pub fn new(params: Vec<Tensor>, cfg: SgdConfig) -> Result<Sgd> {
-        if cfg.lr < 0.0 || cfg.momentum < 0.0 || cfg.weight_decay < 0.0 {
+        check_lr("SGD", cfg.lr)?;
+        if cfg.momentum < 0.0 || cfg.weight_decay < 0.0 {
             return Err(Error::invalid(
                 "SGD",
-                "lr, momentum and weight_decay must be non-negative",
+                "momentum and weight_decay must be non-negative",
             ));
         }
         if cfg.nesterov && (cfg.momentum <= 0.0 || cfg.dampening != 0.0) {
@@ -134,5 +135,15 @@ impl Optimizer for Sgd {
 
     fn params(&self) -> &[Tensor] {
         &self.params
+    }
+
+    fn lr(&self) -> f64 {
+        self.cfg.lr
+    }
+
+    fn set_lr(&mut self, lr: f64) -> Result<()> {
+        check_lr("SGD", lr)?;
+        self.cfg.lr = lr;
+        Ok(())
     }
 }

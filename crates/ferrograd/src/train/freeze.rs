@@ -37,10 +37,17 @@ pub fn freeze(module: &dyn Module, pattern: &str) -> Result<Vec<String>> {
         }
     }
     if frozen.is_empty() {
-        let names: Vec<String> = module.named_parameters().into_iter().map(|(n, _)| n).take(8).collect();
+        let names: Vec<String> = module
+            .named_parameters()
+            .into_iter()
+            .map(|(n, _)| n)
+            .take(8)
+            .collect();
         return Err(Error::invalid(
             "freeze",
-            format!("pattern '{pattern}' matches no parameter; names look like {names:?} (use * as a wildcard)"),
+            format!(
+                "pattern '{pattern}' matches no parameter; names look like {names:?} (use * as a wildcard)"
+            ),
         ));
     }
     Ok(frozen)
@@ -55,8 +62,14 @@ mod tests {
         assert!(name_matches("0.weight", "0.weight"));
         assert!(!name_matches("0.weight", "0.weight2"));
         assert!(name_matches("*.bias", "2.bias"));
-        assert!(name_matches("transformer.h.*.attn.*", "transformer.h.11.attn.c_attn.weight"));
-        assert!(!name_matches("transformer.h.*.mlp.*", "transformer.h.11.attn.c_attn.weight"));
+        assert!(name_matches(
+            "transformer.h.*.attn.*",
+            "transformer.h.11.attn.c_attn.weight"
+        ));
+        assert!(!name_matches(
+            "transformer.h.*.mlp.*",
+            "transformer.h.11.attn.c_attn.weight"
+        ));
         assert!(name_matches("*", "anything"));
     }
 }

@@ -24,10 +24,15 @@ pub fn checkpoint_activations(f: Segment, inputs: &[Tensor]) -> Result<Tensor> {
     };
     let refs: Vec<&Tensor> = inputs.iter().collect();
     // Recorded even when no input requires grad: the parameters inside `f` still need theirs.
-    Ok(record_always("checkpoint_activations", &refs, out, move |_, _| {
-        let saved: Vec<SavedTensor> = inputs.iter().map(SavedTensor::new).collect();
-        move |g: &Tensor, needs: &[bool]| recompute_backward(&f, &saved, &rng, g, needs)
-    }))
+    Ok(record_always(
+        "checkpoint_activations",
+        &refs,
+        out,
+        move |_, _| {
+            let saved: Vec<SavedTensor> = inputs.iter().map(SavedTensor::new).collect();
+            move |g: &Tensor, needs: &[bool]| recompute_backward(&f, &saved, &rng, g, needs)
+        },
+    ))
 }
 
 /// Re-runs `f` from the saved inputs under the forward's RNG state, then backpropagates `g`
@@ -61,7 +66,14 @@ fn recompute_backward(
         )));
     }
     if out.requires_grad() {
-        out.backward_with(BackwardOptions { gradient: Some(g.clone()), retain_graph: false })?;
+        out.backward_with(BackwardOptions {
+            gradient: Some(g.clone()),
+            retain_graph: false,
+        })?;
     }
-    Ok(leaves.iter().zip(needs).map(|(l, &need)| if need { l.grad() } else { None }).collect())
+    Ok(leaves
+        .iter()
+        .zip(needs)
+        .map(|(l, &need)| if need { l.grad() } else { None })
+        .collect())
 }

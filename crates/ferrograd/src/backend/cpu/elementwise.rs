@@ -113,6 +113,12 @@ pub(crate) fn unary_scalar<T: Elem>(op: UnaryOp, x: T) -> T {
                 T::zero()
             }
         }
+        UnaryOp::Clamp { lo, hi } => {
+            // Comparisons with NaN are false: NaN passes through, as in torch.clamp.
+            let (lo, hi) = (T::from_f64(lo), T::from_f64(hi));
+            let y = if x < lo { lo } else { x };
+            if y > hi { hi } else { y }
+        }
     }
 }
 
@@ -189,6 +195,7 @@ macro_rules! per_unary_op {
             UnaryOp::MulScalar(c) => $k($($arg,)* move |v| unary_scalar(UnaryOp::MulScalar(c), v)),
             UnaryOp::PowScalar(c) => $k($($arg,)* move |v| unary_scalar(UnaryOp::PowScalar(c), v)),
             UnaryOp::Step => $k($($arg,)* |v| unary_scalar(UnaryOp::Step, v)),
+            UnaryOp::Clamp { lo, hi } => $k($($arg,)* move |v| unary_scalar(UnaryOp::Clamp { lo, hi }, v)),
         }
     };
 }

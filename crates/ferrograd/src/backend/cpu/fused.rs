@@ -17,7 +17,7 @@ pub(crate) fn run(op: &FusedOp, inputs: &[View], outputs: &[&Storage]) -> Result
         FusedOp::IndexSelect | FusedOp::IndexAdd | FusedOp::Where => {
             fused_index::run(op, inputs, outputs)
         }
-        FusedOp::SgdStep { .. } => fused_optim::run(op, inputs, outputs),
+        FusedOp::SgdStep { .. } | FusedOp::AdamStep { .. } => fused_optim::run(op, inputs, outputs),
         FusedOp::MseLoss | FusedOp::MseLossBackward => fused_loss::run(op, inputs, outputs),
     }
 }

@@ -378,6 +378,7 @@ fn unary_code(op: UnaryOp) -> (i32, f64) {
         UnaryOp::MulScalar(c) => (11, c),
         UnaryOp::PowScalar(c) => (12, c),
         UnaryOp::Step => (13, 0.0),
+        UnaryOp::Clamp { lo, .. } => (14, lo),
     }
 }
 
@@ -433,15 +434,26 @@ pub(crate) fn unary(d: &CudaDevice, op: UnaryOp, x: View, out: &Storage) -> Resu
     }
     check_bounds("unary", &x)?;
     let (code, p) = unary_code(op);
+    // The second parameter: only clamp's upper bound uses it.
+    let q = match op {
+        UnaryOp::Clamp { hi, .. } => hi,
+        _ => 0.0,
+    };
     let xs = Strided::of("unary", x.layout)?;
     let (xp, op_) = (dev_ptr(d, "unary", x.storage)?, dev_ptr(d, "unary", out)?);
     let n64 = n as i64;
     let name = format!("unary_{suffix}");
     let f = d.function(KEY, SRC, &name)?;
     let mut b = d.stream().launch_builder(&f);
-    b.arg(&code).arg(&p).arg(&xp).arg(&xs).arg(&op_).arg(&n64);
-    // SAFETY: unary_*(int, double, const S*, Strided, S*, i64); x is bounds-checked and out
-    // holds at least n elements of the same dtype.
+    b.arg(&code)
+        .arg(&p)
+        .arg(&q)
+        .arg(&xp)
+        .arg(&xs)
+        .arg(&op_)
+        .arg(&n64);
+    // SAFETY: unary_*(int, double, double, const S*, Strided, S*, i64); x is bounds-checked
+    // and out holds at least n elements of the same dtype.
     unsafe { b.launch(grid(n)) }.map_err(|e| launch_err(d, &name, e))?;
     Ok(())
 }

@@ -63,6 +63,7 @@ pub(crate) fn run(
             let h = [lr, weight_decay, momentum, 1.0 - dampening];
             sgd(d, h, nesterov, first_step, inputs, outputs)
         }
+        FusedOp::AdamStep { .. } => super::optim::adam(d, op, inputs, outputs),
     }
 }
 

@@ -10,6 +10,7 @@ mod fused;
 mod info;
 mod matmul;
 mod memory;
+mod optim;
 mod reduce;
 
 pub use device::{CudaDevice, allow_tf32, device, device_count, driver_present, set_allow_tf32};

@@ -1,7 +1,8 @@
 // elementwise.cu — unary, binary and in-place binary float kernels, the strided copy with
 // dtype conversion, and fill. Compiled after strided.cuh. One launch per op call: the op is a
 // runtime code (uniform across the grid, so the switch costs no divergence) plus an f64
-// parameter. The formulas follow backend/cpu/elementwise.rs term by term.
+// parameter (a second one for clamp's upper bound). The formulas follow
+// backend/cpu/elementwise.rs term by term.
 
 // Op codes: keep in sync with `unary_code` / `binary_code` in elementwise.rs.
 #define U_NEG 0
@@ -18,6 +19,7 @@
 #define U_MUL_SCALAR 11
 #define U_POW_SCALAR 12
 #define U_STEP 13
+#define U_CLAMP 14
 
 #define B_ADD 0
 #define B_SUB 1
@@ -61,7 +63,8 @@ __device__ __forceinline__ float mul_rn(float x, float y) { return __fmul_rn(x, 
 __device__ __forceinline__ double mul_rn(double x, double y) { return __dmul_rn(x, y); }
 
 template <typename T>
-__device__ __forceinline__ typename T::C unary_op(int op, double p, typename T::C x) {
+__device__ __forceinline__ typename T::C unary_op(int op, double p, double q,
+                                                  typename T::C x) {
     typedef typename T::C C;
     const C zero = (C)0, one = (C)1, hf = T::cparam(0.5);
     switch (op) {
@@ -86,6 +89,12 @@ __device__ __forceinline__ typename T::C unary_op(int op, double p, typename T::
         case U_MUL_SCALAR: return x * T::cparam(p);
         case U_POW_SCALAR: return m_pow(x, T::cparam(p));
         case U_STEP: return x > zero ? one : zero;
+        case U_CLAMP: {
+            // [p, q]; comparisons with NaN are false, so NaN passes through (torch.clamp)
+            const C lo = T::cparam(p), hi = T::cparam(q);
+            const C y = x < lo ? lo : x;
+            return y > hi ? hi : y;
+        }
         default: return x;
     }
 }
@@ -129,10 +138,10 @@ __device__ __forceinline__ typename T::C binary_op(int op, double p, typename T:
 
 // out[i] = op(x[i]); out is contiguous with n elements.
 template <typename T>
-__device__ __forceinline__ void unary_run(int op, double p, const typename T::S* x, const Strided& xs,
-                                          typename T::S* out, i64 n) {
+__device__ __forceinline__ void unary_run(int op, double p, double q, const typename T::S* x,
+                                          const Strided& xs, typename T::S* out, i64 n) {
     for (i64 i = grid_start(); i < n; i += grid_step()) {
-        out[i] = T::st(unary_op<T>(op, p, T::ld(x[strided_offset(xs, i)])));
+        out[i] = T::st(unary_op<T>(op, p, q, T::ld(x[strided_offset(xs, i)])));
     }
 }
 
@@ -160,9 +169,9 @@ __device__ __forceinline__ void inplace_run(int op, double p, typename T::S* dst
 }
 
 #define ELEMENTWISE_KERNELS(SUFFIX, T)                                                        \
-    extern "C" __global__ void unary_##SUFFIX(int op, double p, const T::S* x, Strided xs,   \
-                                              T::S* out, i64 n) {                           \
-        unary_run<T>(op, p, x, xs, out, n);                                                   \
+    extern "C" __global__ void unary_##SUFFIX(int op, double p, double q, const T::S* x,     \
+                                              Strided xs, T::S* out, i64 n) {               \
+        unary_run<T>(op, p, q, x, xs, out, n);                                                \
     }                                                                                         \
     extern "C" __global__ void binary_##SUFFIX(int op, double p, const T::S* a, Strided sa,  \
                                                const T::S* b, Strided sb, T::S* out, i64 n) { \

@@ -1,0 +1,106 @@
+// optim.cu — multi-tensor optimizer kernels (compiled after strided.cuh): one launch updates
+// every parameter of a list. The host uploads a table with one entry per tensor (device
+// addresses, element count, index of its first chunk); the grid walks the chunks of all
+// tensors, each block taking whole chunks and finding its tensor by binary search.
+//
+// Adam follows backend/cpu/fused_optim.rs term by term in the compute type (f32 for
+// f32/f16/bf16, f64 for f64), rounding once per store. The _rn intrinsics keep the compiler
+// from contracting a multiply and an add into an FMA the CPU does not do, so f32 results are
+// bit-identical to the CPU's.
+
+#define OPTIM_BLOCK 256
+// Elements per chunk (a block's unit of work): 16 per thread.
+#define ADAM_CHUNK 4096
+
+// One tensor of the list. Mirrors `AdamEntry` in optim.rs (#[repr(C)], 48 bytes).
+struct AdamEntry {
+    u64 p;
+    u64 g;
+    u64 m;
+    u64 v;
+    i64 n;
+    i64 first_chunk;  // Σ ceil(n / ADAM_CHUNK) over the entries before this one
+};
+
+// The step's scalars, derived on the host in f64. Mirrors `AdamHyper` in optim.rs.
+struct AdamHyper {
+    double l2;        // g += l2 · p when has_l2 (coupled weight decay)
+    double decay;     // p *= decay first (1 unless decoupled weight decay)
+    double w1;        // 1 - beta1, the lerp weight of exp_avg
+    double beta2;
+    double w2;        // 1 - beta2
+    double bc2_sqrt;  // sqrt(1 - beta2^t)
+    double neg_step;  // -lr / (1 - beta1^t)
+    double eps;
+    int has_l2;
+    int pad;
+};
+
+__device__ __forceinline__ float o_add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float o_sub(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ float o_mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ float o_div(float a, float b) { return __fdiv_rn(a, b); }
+__device__ __forceinline__ float o_sqrt(float a) { return __fsqrt_rn(a); }
+__device__ __forceinline__ double o_add(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ double o_sub(double a, double b) { return __dsub_rn(a, b); }
+__device__ __forceinline__ double o_mul(double a, double b) { return __dmul_rn(a, b); }
+__device__ __forceinline__ double o_div(double a, double b) { return __ddiv_rn(a, b); }
+__device__ __forceinline__ double o_sqrt(double a) { return __dsqrt_rn(a); }
+
+// The entry holding global chunk c: the last one whose first_chunk <= c (empty tensors are
+// left out of the table by the host, so it is the one that covers c).
+__device__ __forceinline__ int adam_entry_of(const AdamEntry* tab, int count, i64 c) {
+    int lo = 0, hi = count - 1;
+    while (lo < hi) {
+        const int mid = lo + (hi - lo + 1) / 2;
+        if (tab[mid].first_chunk <= c) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
+template <typename T>
+__device__ void adam_multi(const AdamEntry* tab, int count, i64 chunks, const AdamHyper& h) {
+    typedef typename T::C C;
+    typedef typename T::S S;
+    // Scalars rounded to the compute type, as the CPU's `AdamC::new` does.
+    const C l2 = (C)h.l2, decay = (C)h.decay, w1 = (C)h.w1, beta2 = (C)h.beta2, w2 = (C)h.w2;
+    const C bc2_sqrt = (C)h.bc2_sqrt, neg_step = (C)h.neg_step, eps = (C)h.eps;
+    const C one = (C)1;
+    // torch's lerp switches formula at |weight| = 0.5.
+    const bool w1_small = w1 < (C)0.5 && w1 > (C)-0.5;
+    for (i64 c = blockIdx.x; c < chunks; c += gridDim.x) {
+        const AdamEntry e = tab[adam_entry_of(tab, count, c)];
+        const i64 start = (c - e.first_chunk) * (i64)ADAM_CHUNK;
+        const i64 end = e.n < start + ADAM_CHUNK ? e.n : start + ADAM_CHUNK;
+        S* pp = (S*)e.p;
+        const S* gp = (const S*)e.g;
+        S* mp = (S*)e.m;
+        S* vp = (S*)e.v;
+        for (i64 i = start + threadIdx.x; i < end; i += blockDim.x) {
+            C p = o_mul(T::ld(pp[i]), decay);
+            C g = T::ld(gp[i]);
+            if (h.has_l2) g = o_add(g, o_mul(l2, p));
+            C m = T::ld(mp[i]);
+            m = w1_small ? o_add(m, o_mul(w1, o_sub(g, m)))
+                         : o_sub(g, o_mul(o_sub(g, m), o_sub(one, w1)));
+            C v = o_add(o_mul(T::ld(vp[i]), beta2), o_mul(o_mul(w2, g), g));
+            const C denom = o_add(o_div(o_sqrt(v), bc2_sqrt), eps);
+            p = o_add(p, o_div(o_mul(neg_step, m), denom));
+            pp[i] = T::st(p);
+            mp[i] = T::st(m);
+            vp[i] = T::st(v);
+        }
+    }
+}
+
+#define OPTIM_KERNELS(SUFFIX, T)                                                               \
+    extern "C" __global__ void __launch_bounds__(OPTIM_BLOCK)                                  \
+        adam_multi_##SUFFIX(const AdamEntry* tab, int count, i64 chunks, AdamHyper h) {        \
+        adam_multi<T>(tab, count, chunks, h);                                                  \
+    }
+
+OPTIM_KERNELS(f32, F32T)
+OPTIM_KERNELS(f64, F64T)
+OPTIM_KERNELS(f16, F16T)
+OPTIM_KERNELS(bf16, BF16T)

@@ -1,0 +1,359 @@
+//! Adam and AdamW: PyTorch's algorithm (torch/optim/adam.py, single-tensor form), t = the
+//! parameter's step count after this step:
+//!
+//!   p ← p·(1 − lr·wd)                  (AdamW, decoupled weight decay)
+//!   g ← grad + wd·p                    (Adam, L2 weight decay)
+//!   m ← β1·m + (1 − β1)·g               (as torch's lerp)
+//!   v ← β2·v + (1 − β2)·g²
+//!   p ← p − lr/(1 − β1^t) · m / (√v / √(1 − β2^t) + eps)
+//!
+//! exp_avg (m) and exp_avg_sq (v) are created, zeroed, at a parameter's first step and count
+//! as optimizer state. A whole step is one fused backend call per (device, step count) group
+//! of parameters: one kernel launch on a GPU, however many parameters there are.
+
+use super::{Optimizer, check_lr};
+use crate::autograd::no_grad;
+use crate::backend::{FusedOp, Storage, View};
+use crate::error::{Error, Result};
+use crate::memory::Category;
+use crate::tensor::{Device, Tensor};
+
+#[derive(Clone, Debug)]
+pub struct AdamConfig {
+    pub lr: f64,
+    /// (β1, β2)
+    pub betas: (f64, f64),
+    pub eps: f64,
+    /// L2 penalty for `Adam::new`, decoupled decay for `Adam::adamw`.
+    pub weight_decay: f64,
+}
+
+impl Default for AdamConfig {
+    /// torch.optim.Adam's defaults (AdamW's weight decay default is 0.01: see `adamw_default`).
+    fn default() -> Self {
+        AdamConfig {
+            lr: 1e-3,
+            betas: (0.9, 0.999),
+            eps: 1e-8,
+            weight_decay: 0.0,
+        }
+    }
+}
+
+impl AdamConfig {
+    /// torch.optim.AdamW's defaults: Adam's with weight_decay = 0.01.
+    pub fn adamw_default() -> Self {
+        AdamConfig {
+            weight_decay: 1e-2,
+            ..AdamConfig::default()
+        }
+    }
+}
+
+/// The state of one parameter: its moments and how many steps it has taken.
+#[derive(Clone, Debug)]
+pub struct AdamState {
+    pub exp_avg: Tensor,
+    pub exp_avg_sq: Tensor,
+    pub step: u64,
+}
+
+pub struct Adam {
+    params: Vec<Tensor>,
+    cfg: AdamConfig,
+    decoupled: bool,
+    state: Vec<Option<AdamState>>,
+    steps: u64,
+}
+
+/// One parameter to update this step.
+struct Work {
+    index: usize,
+    grad: Tensor,
+}
+
+impl Adam {
+    /// Adam; `weight_decay` is an L2 penalty added to the gradient.
+    pub fn new(params: Vec<Tensor>, cfg: AdamConfig) -> Result<Adam> {
+        Adam::build(params, cfg, false)
+    }
+
+    /// AdamW; `weight_decay` shrinks the parameter by (1 − lr·wd) before the Adam update.
+    pub fn adamw(params: Vec<Tensor>, cfg: AdamConfig) -> Result<Adam> {
+        Adam::build(params, cfg, true)
+    }
+
+    fn build(params: Vec<Tensor>, cfg: AdamConfig, decoupled: bool) -> Result<Adam> {
+        let op = if decoupled { "AdamW" } else { "Adam" };
+        check_lr(op, cfg.lr)?;
+        let (b1, b2) = cfg.betas;
+        if !(0.0..1.0).contains(&b1) || !(0.0..1.0).contains(&b2) {
+            return Err(Error::invalid(
+                op,
+                format!("betas must lie in [0, 1), got ({b1}, {b2})"),
+            ));
+        }
+        if cfg.eps.is_nan() || cfg.eps < 0.0 || cfg.weight_decay.is_nan() || cfg.weight_decay < 0.0
+        {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "eps and weight_decay must be non-negative, got eps {} and weight_decay {}",
+                    cfg.eps, cfg.weight_decay
+                ),
+            ));
+        }
+        for (i, p) in params.iter().enumerate() {
+            if !p.dtype().is_float() {
+                return Err(Error::UnsupportedDType {
+                    op: "Adam",
+                    dtype: p.dtype(),
+                    hint: "only floating-point parameters can be optimized",
+                });
+            }
+            if !owns_storage(p) {
+                return Err(Error::invalid(
+                    "Adam",
+                    format!(
+                        "parameter {i} is a view; parameters must own their whole contiguous storage"
+                    ),
+                ));
+            }
+        }
+        check_distinct(&params)?;
+        let n = params.len();
+        Ok(Adam {
+            params,
+            cfg,
+            decoupled,
+            state: vec![None; n],
+            steps: 0,
+        })
+    }
+
+    pub fn config(&self) -> &AdamConfig {
+        &self.cfg
+    }
+
+    /// True for AdamW.
+    pub fn is_decoupled(&self) -> bool {
+        self.decoupled
+    }
+
+    /// How many times `step` has run.
+    pub fn step_count(&self) -> u64 {
+        self.steps
+    }
+
+    /// The state of parameter `i`, once its first step has created it.
+    pub fn state(&self, i: usize) -> Option<&AdamState> {
+        self.state.get(i).and_then(Option::as_ref)
+    }
+
+    /// Every state tensor, named `{i}.exp_avg` and `{i}.exp_avg_sq` by parameter index (for
+    /// checkpoints). Parameters that have not stepped yet have none.
+    pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
+        let mut out = Vec::new();
+        for (i, s) in self.state.iter().enumerate() {
+            if let Some(s) = s {
+                out.push((format!("{i}.exp_avg"), s.exp_avg.clone()));
+                out.push((format!("{i}.exp_avg_sq"), s.exp_avg_sq.clone()));
+            }
+        }
+        out
+    }
+
+    /// Restores parameter `i`'s state (from a checkpoint). The moments must match the
+    /// parameter's shape, dtype and device and own their storage; they become optimizer
+    /// state. Also sets the optimizer's step count to at least `state.step`.
+    pub fn set_state(&mut self, i: usize, state: AdamState) -> Result<()> {
+        let p = self.params.get(i).ok_or_else(|| {
+            Error::invalid(
+                "Adam",
+                format!("no parameter {i} (the optimizer has {})", self.params.len()),
+            )
+        })?;
+        for (name, t) in [
+            ("exp_avg", &state.exp_avg),
+            ("exp_avg_sq", &state.exp_avg_sq),
+        ] {
+            let fits = t.shape() == p.shape() && t.dtype() == p.dtype() && t.device() == p.device();
+            if !fits || !owns_storage(t) {
+                return Err(Error::invalid(
+                    "Adam",
+                    format!(
+                        "{name} of parameter {i} must be a contiguous {} {:?} tensor on {} owning its storage",
+                        p.dtype(),
+                        p.shape(),
+                        p.device()
+                    ),
+                ));
+            }
+        }
+        let (m, v) = (&state.exp_avg, &state.exp_avg_sq);
+        if m.shares_storage(v) || m.shares_storage(p) || v.shares_storage(p) {
+            return Err(Error::invalid(
+                "Adam",
+                "exp_avg, exp_avg_sq and the parameter must be separate tensors",
+            ));
+        }
+        m.set_category(Category::OptimizerState);
+        v.set_category(Category::OptimizerState);
+        self.steps = self.steps.max(state.step);
+        self.state[i] = Some(state);
+        Ok(())
+    }
+
+    /// The parameters with a gradient, each checked against its parameter.
+    fn collect_work(&self) -> Result<Vec<Work>> {
+        let mut work = Vec::new();
+        for (index, p) in self.params.iter().enumerate() {
+            let Some(grad) = p.grad() else { continue };
+            if grad.shape() != p.shape() || grad.dtype() != p.dtype() || grad.device() != p.device()
+            {
+                return Err(Error::invalid(
+                    "Adam",
+                    format!(
+                        "the gradient of parameter {index} ({} {:?} on {}) does not match it ({} {:?} on {})",
+                        grad.dtype(),
+                        grad.shape(),
+                        grad.device(),
+                        p.dtype(),
+                        p.shape(),
+                        p.device()
+                    ),
+                ));
+            }
+            let grad = if grad.is_contiguous() {
+                grad
+            } else {
+                grad.contiguous_copy()?
+            };
+            work.push(Work { index, grad });
+        }
+        Ok(work)
+    }
+
+    /// Creates the zeroed moments of parameters stepping for the first time.
+    fn ensure_state(&mut self, work: &[Work]) -> Result<()> {
+        for w in work {
+            if self.state[w.index].is_some() {
+                continue;
+            }
+            let p = &self.params[w.index];
+            let alloc = |origin| {
+                Tensor::alloc(
+                    p.shape(),
+                    p.dtype(),
+                    p.device(),
+                    Category::OptimizerState,
+                    origin,
+                )
+            };
+            self.state[w.index] = Some(AdamState {
+                exp_avg: alloc("adam_exp_avg")?,
+                exp_avg_sq: alloc("adam_exp_avg_sq")?,
+                step: 0,
+            });
+        }
+        Ok(())
+    }
+
+    /// One fused call for the parameters `members` (indices into `work`), all on one device
+    /// and at step `step` after this update.
+    fn run_group(&mut self, work: &[Work], members: &[usize], step: u64) -> Result<()> {
+        let (b1, b2) = self.cfg.betas;
+        let op = FusedOp::AdamStep {
+            lr: self.cfg.lr,
+            beta1: b1,
+            beta2: b2,
+            eps: self.cfg.eps,
+            weight_decay: self.cfg.weight_decay,
+            decoupled: self.decoupled,
+            step,
+        };
+        let mut inputs: Vec<View> = Vec::with_capacity(members.len());
+        let mut outputs: Vec<&Storage> = Vec::with_capacity(3 * members.len());
+        for &k in members {
+            let w = &work[k];
+            let s = self.state[w.index]
+                .as_ref()
+                .ok_or_else(|| Error::invalid("Adam", "state missing after allocation"))?;
+            inputs.push(w.grad.view());
+            outputs.push(self.params[w.index].storage().as_ref());
+            outputs.push(s.exp_avg.storage().as_ref());
+            outputs.push(s.exp_avg_sq.storage().as_ref());
+        }
+        let first = &self.params[work[members[0]].index];
+        first.backend()?.fused(&op, &inputs, &outputs)?;
+        outputs.iter().for_each(|s| s.bump_version());
+        for &k in members {
+            if let Some(s) = self.state[work[k].index].as_mut() {
+                s.step = step;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether `t` is all of its storage, contiguous (what an in-place update writes).
+fn owns_storage(t: &Tensor) -> bool {
+    t.is_contiguous() && t.layout().offset() == 0 && t.numel() == t.storage().len()
+}
+
+/// Each parameter once: two entries sharing a storage would be updated twice (and raced on
+/// a GPU, where one launch updates them all).
+fn check_distinct(params: &[Tensor]) -> Result<()> {
+    let mut seen = std::collections::HashMap::new();
+    for (i, p) in params.iter().enumerate() {
+        let key = std::sync::Arc::as_ptr(p.storage());
+        if let Some(j) = seen.insert(key, i) {
+            return Err(Error::invalid(
+                "Adam",
+                format!("parameters {j} and {i} share one storage; pass each parameter once"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Groups `work` by (device, next step count), in first-seen order: one fused call each.
+fn groups(work: &[Work], state: &[Option<AdamState>]) -> Vec<((Device, u64), Vec<usize>)> {
+    let mut out: Vec<((Device, u64), Vec<usize>)> = Vec::new();
+    for (k, w) in work.iter().enumerate() {
+        let step = state[w.index].as_ref().map_or(0, |s| s.step) + 1;
+        let key = (w.grad.device(), step);
+        match out.iter_mut().find(|(g, _)| *g == key) {
+            Some((_, members)) => members.push(k),
+            None => out.push((key, vec![k])),
+        }
+    }
+    out
+}
+
+impl Optimizer for Adam {
+    fn step(&mut self) -> Result<()> {
+        let _g = no_grad();
+        let work = self.collect_work()?;
+        self.ensure_state(&work)?;
+        for ((_, step), members) in groups(&work, &self.state) {
+            self.run_group(&work, &members, step)?;
+        }
+        self.steps += 1;
+        Ok(())
+    }
+
+    fn params(&self) -> &[Tensor] {
+        &self.params
+    }
+
+    fn lr(&self) -> f64 {
+        self.cfg.lr
+    }
+
+    fn set_lr(&mut self, lr: f64) -> Result<()> {
+        check_lr(if self.decoupled { "AdamW" } else { "Adam" }, lr)?;
+        self.cfg.lr = lr;
+        Ok(())
+    }
+}
