@@ -343,6 +343,20 @@ impl Optimizer for Adam {
         Ok(())
     }
 
+    fn step_param(&mut self, index: usize) -> Result<()> {
+        let _g = no_grad();
+        let work: Vec<Work> = self
+            .collect_work()?
+            .into_iter()
+            .filter(|w| w.index == index)
+            .collect();
+        self.ensure_state(&work)?;
+        for ((_, step), members) in groups(&work, &self.state) {
+            self.run_group(&work, &members, step)?;
+        }
+        Ok(())
+    }
+
     fn params(&self) -> &[Tensor] {
         &self.params
     }

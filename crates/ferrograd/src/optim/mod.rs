@@ -17,6 +17,10 @@ use crate::tensor::Tensor;
 
 pub trait Optimizer {
     fn step(&mut self) -> Result<()>;
+    /// Updates parameter `index` alone from its `.grad` (the step-in-backward strategy calls
+    /// it as each gradient completes). Per-parameter state makes this the same update that
+    /// `step` would apply to it.
+    fn step_param(&mut self, index: usize) -> Result<()>;
     fn params(&self) -> &[Tensor];
 
     /// The learning rate of the next step.

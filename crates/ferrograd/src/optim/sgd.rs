@@ -133,6 +133,15 @@ impl Optimizer for Sgd {
         Ok(())
     }
 
+    fn step_param(&mut self, index: usize) -> Result<()> {
+        let _g = no_grad();
+        let grad = self.params.get(index).and_then(Tensor::grad);
+        match grad {
+            Some(g) => self.update(index, g),
+            None => Ok(()),
+        }
+    }
+
     fn params(&self) -> &[Tensor] {
         &self.params
     }

@@ -2,6 +2,8 @@
 
 mod freeze;
 mod recompute;
+mod step_in_backward;
 
 pub use freeze::{freeze, name_matches};
 pub use recompute::{Segment, checkpoint_activations};
+pub use step_in_backward::StepInBackward;
