@@ -116,3 +116,65 @@ fn adamw_matches_the_ordinary_step() {
     let (got, _) = in_backward(Adam::adamw(m2.parameters(), cfg).unwrap(), &m2, &x, &y);
     assert_eq!(got, want);
 }
+
+// ---- gradient accumulation ----------------------------------------------------------------
+
+#[test]
+fn accumulation_matches_one_large_batch_with_a_smaller_peak() {
+    use ferrograd::train::accumulate_gradients;
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let (d, b, n) = (32, 256, 4);
+    let (x, y) = data(b, d);
+    let grads = |m: &Sequential| -> Vec<Vec<f32>> {
+        m.parameters()
+            .iter()
+            .map(|p| p.grad().unwrap().to_vec::<f32>().unwrap())
+            .collect()
+    };
+    // One batch of 32.
+    let m1 = model(d);
+    memory::reset_peak_memory_stats(CPU).unwrap();
+    let base = memory::memory_allocated(CPU).unwrap();
+    m1.forward(&x)
+        .unwrap()
+        .mse_loss(&y)
+        .unwrap()
+        .backward()
+        .unwrap();
+    let peak_full = memory::max_memory_allocated(CPU).unwrap() - base;
+    let want = grads(&m1);
+    drop(m1);
+    // Four micro-batches of 8, each loss scaled by 1/4.
+    let m2 = model(d);
+    let mb = b / n;
+    memory::reset_peak_memory_stats(CPU).unwrap();
+    let base = memory::memory_allocated(CPU).unwrap();
+    accumulate_gradients(n, |i| {
+        let (xi, yi) = (
+            x.narrow(0, i * mb, mb)?.contiguous()?,
+            y.narrow(0, i * mb, mb)?.contiguous()?,
+        );
+        m2.forward(&xi)?.mse_loss(&yi)
+    })
+    .unwrap();
+    let peak_accum = memory::max_memory_allocated(CPU).unwrap() - base;
+    for (g, w) in grads(&m2).iter().zip(&want) {
+        let diff = g
+            .iter()
+            .zip(w)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0f32, f32::max);
+        assert!(diff < 1e-6, "accumulated gradient differs by {diff}");
+    }
+    // Activations: three (B, d) tensors at the full batch's peak, three (B/n, d) with
+    // accumulation. Accumulating costs one in-flight copy of the gradients (the new one is
+    // made before it is added into .grad), which matters only when weights outweigh
+    // activations.
+    let act = |rows: usize| (3 * rows * d * 4) as u64;
+    let grad_bytes = (2 * (d * d + d) * 4) as u64;
+    assert!(
+        peak_accum + act(b) - act(mb) <= peak_full + grad_bytes,
+        "{peak_accum} vs {peak_full}"
+    );
+    assert!(peak_accum < peak_full, "{peak_accum} vs {peak_full}");
+}
