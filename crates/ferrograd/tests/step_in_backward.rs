@@ -1,5 +1,7 @@
-//! Optimizer step in backward: the same parameters as backward + step + zero_grad, with
-//! gradients freed as they are used, so the backward peak drops by one layer's gradients.
+//! Strategies that change when gradients exist: the optimizer step in backward (the same
+//! parameters as backward + step + zero_grad, with gradients freed as they are used, so the
+//! backward peak drops by one layer's gradients) and gradient accumulation (the same
+//! gradients as one large batch with one micro-batch of activations at the peak).
 
 use std::sync::Mutex;
 
