@@ -90,6 +90,25 @@ macro_rules! with_float_pair {
 }
 pub(crate) use with_float_pair;
 
+/// Expands `$go!(Variant)` with the float variant name of `$data` (F32, F64, F16, BF16), so a
+/// kernel can match several buffers of that one variant; integer buffers are an error.
+macro_rules! per_float_variant {
+    ($data:expr, $op:expr, $hint:expr, $go:ident) => {
+        match $data {
+            $crate::backend::cpu::CpuData::F32(_) => $go!(F32),
+            $crate::backend::cpu::CpuData::F64(_) => $go!(F64),
+            $crate::backend::cpu::CpuData::F16(_) => $go!(F16),
+            $crate::backend::cpu::CpuData::BF16(_) => $go!(BF16),
+            other => Err($crate::error::Error::UnsupportedDType {
+                op: $op,
+                dtype: other.dtype(),
+                hint: $hint,
+            }),
+        }
+    };
+}
+pub(crate) use per_float_variant;
+
 impl CpuData {
     pub fn dtype(&self) -> DType {
         match self {

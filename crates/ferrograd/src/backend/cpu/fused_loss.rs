@@ -3,7 +3,7 @@
 
 use rayon::prelude::*;
 
-use super::data::{CpuData, Elem};
+use super::data::{CpuData, Elem, per_float_variant};
 use super::{read, write};
 use crate::backend::{FusedOp, Storage, View};
 use crate::error::{Error, Result};
@@ -36,23 +36,6 @@ fn scaled_diff<T: Elem>(out: &mut [T], a: &[T], b: &[T], scale: f64) {
         });
 }
 
-/// Expands `$go!(Variant)` for the float variant of `$data`.
-macro_rules! dispatch {
-    ($data:expr, $go:ident) => {
-        match &*$data {
-            CpuData::F32(_) => $go!(F32),
-            CpuData::F64(_) => $go!(F64),
-            CpuData::F16(_) => $go!(F16),
-            CpuData::BF16(_) => $go!(BF16),
-            other => Err(Error::UnsupportedDType {
-                op: "mse_loss",
-                dtype: other.dtype(),
-                hint: "mse_loss needs floating-point tensors",
-            }),
-        }
-    };
-}
-
 /// The element slice a contiguous view covers.
 fn span<'a, T>(v: &'a [T], view: &View) -> &'a [T] {
     let off = view.layout.offset();
@@ -74,7 +57,12 @@ fn mse(x: &View, y: &View, out: &Storage) -> Result<()> {
             })
         }};
     }
-    dispatch!(xd, go)
+    per_float_variant!(
+        &*xd,
+        "mse_loss",
+        "mse_loss needs floating-point tensors",
+        go
+    )
 }
 
 fn sum_sq_diff<T: Elem>(a: &[T], b: &[T]) -> f64 {
@@ -107,7 +95,12 @@ fn mse_backward(x: &View, y: &View, g: &View, gx: &Storage) -> Result<()> {
             })
         }};
     }
-    dispatch!(xd, go)
+    per_float_variant!(
+        &*xd,
+        "mse_loss",
+        "mse_loss needs floating-point tensors",
+        go
+    )
 }
 
 fn mismatch() -> Error {

@@ -7,7 +7,7 @@ use half::{bf16, f16};
 use num_traits::Float;
 use rayon::prelude::*;
 
-use super::data::{CpuData, Elem};
+use super::data::{CpuData, Elem, per_float_variant};
 use super::{read, write};
 use crate::backend::ops::AdamScalars;
 use crate::backend::{FusedOp, Storage, View};
@@ -97,17 +97,7 @@ impl Sgd {
                 }
             };
         }
-        match g {
-            CpuData::F32(_) => go!(F32),
-            CpuData::F64(_) => go!(F64),
-            CpuData::F16(_) => go!(F16),
-            CpuData::BF16(_) => go!(BF16),
-            other => Err(Error::UnsupportedDType {
-                op: "sgd",
-                dtype: other.dtype(),
-                hint: "parameters must be floating point",
-            }),
-        }
+        per_float_variant!(g, "sgd", "parameters must be floating point", go)
     }
 
     fn apply<T: Elem>(&self, g: &[T], p: &mut [T], buf: Option<&mut Vec<T>>) {
@@ -230,17 +220,7 @@ fn adam_dispatch(
             }
         };
     }
-    match g {
-        CpuData::F32(_) => go!(F32),
-        CpuData::F64(_) => go!(F64),
-        CpuData::F16(_) => go!(F16),
-        CpuData::BF16(_) => go!(BF16),
-        other => Err(Error::UnsupportedDType {
-            op: "adam",
-            dtype: other.dtype(),
-            hint: "parameters must be floating point",
-        }),
-    }
+    per_float_variant!(g, "adam", "parameters must be floating point", go)
 }
 
 /// An element type with its compute ("opmath") type: f32 for f32/f16/bf16, f64 for f64.
