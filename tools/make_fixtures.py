@@ -32,14 +32,12 @@ Generation is deterministic: torch.manual_seed(0), every random tensor is
 drawn as float64 normal and then cast to float32; all computation is float32.
 """
 
-import json
 import os
-import struct
 import sys
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save
+from stable_safetensors import serialize
 
 OUT_PATH = os.path.join("tests", "fixtures", "ops.safetensors")
 
@@ -207,25 +205,6 @@ case(
     [randn(3, 4), randn(3, 4)],
     lambda a, b: torch.tanh(torch.sigmoid(a) * b).sum(dim=0),
 )
-
-
-def serialize(tensors, metadata):
-    """safetensors bytes with a stable header.
-
-    The safetensors writer keeps ``__metadata__`` in a hash map, so its key
-    order changes from run to run; rewrite the header with the metadata keys
-    in a fixed order so that the file is byte-identical on every run.
-    """
-    data = save(tensors, metadata=metadata)
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
-    header["__metadata__"] = {k: metadata[k] for k in metadata}
-    ordered = {"__metadata__": header.pop("__metadata__")}
-    ordered.update(header)
-    text = json.dumps(ordered, separators=(",", ":")).encode()
-    assert len(text) <= n
-    text += b" " * (n - len(text))
-    return data[:8] + text + data[8 + n :]
 
 
 def main():

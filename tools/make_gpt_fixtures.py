@@ -29,13 +29,12 @@ The output is deterministic (seed 0).
 import json
 import math
 import os
-import struct
 import sys
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import save
+from stable_safetensors import serialize
 
 OUT_PATH = os.path.join("tests", "fixtures", "gpt.safetensors")
 BATCH = 2
@@ -165,25 +164,6 @@ def run_case(name, cfg, tensors):
     tensors[f"{name}.loss"] = loss.detach().to(torch.float32)
     for pname, p in params.items():
         tensors[f"{name}.grad.{pname}"] = p.grad.to(torch.float32)
-
-
-def serialize(tensors, metadata):
-    """safetensors bytes with a stable header.
-
-    The safetensors writer keeps ``__metadata__`` in a hash map, so its key order changes from
-    run to run; rewrite the header with the metadata keys in a fixed order so that the file is
-    byte-identical on every run (as tools/make_fixtures.py does).
-    """
-    data = save(tensors, metadata=metadata)
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
-    header["__metadata__"] = {k: metadata[k] for k in metadata}
-    ordered = {"__metadata__": header.pop("__metadata__")}
-    ordered.update(header)
-    text = json.dumps(ordered, separators=(",", ":")).encode()
-    assert len(text) <= n
-    text += b" " * (n - len(text))
-    return data[:8] + text + data[8 + n :]
 
 
 def main():
