@@ -9,6 +9,7 @@ use super::{Dropout, Linear, Module};
 use crate::error::{Error, Result};
 use crate::tensor::{Device, Tensor};
 
+#[derive(Clone)]
 pub struct CausalSelfAttention {
     /// C → 3C: q, k, v side by side.
     pub c_attn: Linear,

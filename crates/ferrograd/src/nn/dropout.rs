@@ -1,17 +1,19 @@
 //! Dropout as a module: inverted dropout with probability `p` while training, the identity in
 //! eval mode. Each module owns its generator, seeded at construction, so a run with the same
 //! seeds draws the same masks; it sits behind a mutex because `forward` takes `&self`.
+//! Clones share the generator (a recomputed block replays its masks through a clone).
 
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use super::Module;
 use crate::error::{Error, Result};
 use crate::tensor::{Generator, Tensor};
 
+#[derive(Clone)]
 pub struct Dropout {
     pub p: f64,
     pub training: bool,
-    rng: Mutex<Generator>,
+    rng: Arc<Mutex<Generator>>,
 }
 
 impl Dropout {
@@ -27,8 +29,18 @@ impl Dropout {
         Ok(Dropout {
             p,
             training: true,
-            rng: Mutex::new(Generator::new(seed)),
+            rng: Arc::new(Mutex::new(Generator::new(seed))),
         })
+    }
+
+    /// The generator's current state (to replay masks or save training state).
+    pub fn generator_state(&self) -> Generator {
+        self.rng.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Continues from a state taken with `generator_state`.
+    pub fn set_generator_state(&self, state: Generator) {
+        *self.rng.lock().unwrap_or_else(|e| e.into_inner()) = state;
     }
 }
 

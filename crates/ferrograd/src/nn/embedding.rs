@@ -6,6 +6,7 @@ use crate::error::{Error, Result};
 use crate::memory::Category;
 use crate::tensor::{DType, Device, Generator, Tensor};
 
+#[derive(Clone)]
 pub struct Embedding {
     /// (V, D)
     pub weight: Tensor,

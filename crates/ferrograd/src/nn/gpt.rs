@@ -13,6 +13,7 @@
 
 use super::attention::{CausalSelfAttention, causal_mask};
 use super::mlp::Mlp;
+use super::recompute::Recompute;
 use super::state::prefixed;
 use super::{Dropout, Embedding, LayerNorm, Linear, Module};
 use crate::error::{Error, Result};
@@ -192,6 +193,7 @@ impl Init {
 }
 
 /// One transformer block: x + attn(ln_1(x)), then + mlp(ln_2(·)).
+#[derive(Clone)]
 pub struct Block {
     pub ln_1: LayerNorm,
     pub attn: CausalSelfAttention,
@@ -239,6 +241,8 @@ pub struct Gpt {
     /// (block_size, block_size) U8 causal mask, built once and shared by every layer (the
     /// graph then saves one mask, not one per layer).
     mask: Tensor,
+    /// Which blocks recompute their activations in backward.
+    recompute: Recompute,
 }
 
 impl Gpt {
@@ -272,7 +276,17 @@ impl Gpt {
             blocks,
             ln_f,
             mask,
+            recompute: Recompute::Off,
         })
+    }
+
+    /// Chooses which blocks recompute their activations in backward (see `Recompute`).
+    pub fn set_recompute(&mut self, policy: Recompute) {
+        self.recompute = policy;
+    }
+
+    pub fn recompute(&self) -> Recompute {
+        self.recompute
     }
 
     /// The output head's weight (V, C): the token embedding itself.
@@ -292,8 +306,14 @@ impl Gpt {
         // (B, T, C) + (T, C)
         let x = self.wte.forward(ids)?.add(&self.wpe.forward(&pos)?)?;
         let mut x = self.drop.forward(&x)?;
-        for block in &self.blocks {
-            x = block.forward_masked(&x, &self.mask)?;
+        // Without a graph there is nothing to save, so recomputation would only cost time.
+        let recording = crate::autograd::is_grad_enabled();
+        for (i, block) in self.blocks.iter().enumerate() {
+            x = if recording && self.recompute.applies_to(i) {
+                block.forward_recomputed(&x, &self.mask)?
+            } else {
+                block.forward_masked(&x, &self.mask)?
+            };
         }
         let logits = self.ln_f.forward(&x)?.linear(&self.wte.weight, None)?;
         let loss = targets

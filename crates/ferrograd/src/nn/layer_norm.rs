@@ -7,6 +7,7 @@ use crate::error::Result;
 use crate::memory::Category;
 use crate::tensor::{DType, Device, Tensor};
 
+#[derive(Clone)]
 pub struct LayerNorm {
     /// (N)
     pub weight: Tensor,

@@ -6,6 +6,7 @@ use crate::error::Result;
 use crate::memory::Category;
 use crate::tensor::{DType, Device, Generator, Tensor};
 
+#[derive(Clone)]
 pub struct Linear {
     pub weight: Tensor,
     pub bias: Option<Tensor>,

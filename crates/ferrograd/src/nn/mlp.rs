@@ -7,6 +7,7 @@ use crate::error::Result;
 use crate::ops::GeluApprox;
 use crate::tensor::Tensor;
 
+#[derive(Clone)]
 pub struct Mlp {
     /// C → 4C
     pub c_fc: Linear,

@@ -9,6 +9,7 @@ mod layer_norm;
 mod linear;
 mod mlp;
 mod module;
+mod recompute;
 mod sequential;
 mod state;
 
@@ -21,6 +22,7 @@ pub use layer_norm::LayerNorm;
 pub use linear::Linear;
 pub use mlp::Mlp;
 pub use module::Module;
+pub use recompute::Recompute;
 pub use sequential::Sequential;
 pub use state::load_named;
 

@@ -1,0 +1,111 @@
+//! The model-level recomputation policy: which transformer blocks run under
+//! `checkpoint_activations` (every block, every k-th block, none), and the recomputed forward
+//! of one block. A recomputed block keeps only its input (B, T, C); everything inside it is
+//! rebuilt during backward.
+//!
+//! Dropout: each block's dropouts own generators, so the segment snapshots them before the
+//! forward and replays from that snapshot when recomputing (then puts the streams back), which
+//! gives the same masks in both passes.
+
+use std::str::FromStr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::gpt::Block;
+use crate::error::{Error, Result};
+use crate::tensor::{Generator, Tensor};
+use crate::train::{Segment, checkpoint_activations};
+
+/// Which blocks recompute their activations in backward instead of saving them.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Recompute {
+    /// Save everything (the default).
+    #[default]
+    Off,
+    /// Recompute blocks 0, k, 2k, ...: `Every(1)` recomputes every block.
+    Every(usize),
+}
+
+impl Recompute {
+    /// Whether block `index` is recomputed.
+    pub fn applies_to(self, index: usize) -> bool {
+        match self {
+            Recompute::Off => false,
+            Recompute::Every(k) => k > 0 && index.is_multiple_of(k),
+        }
+    }
+}
+
+impl FromStr for Recompute {
+    type Err = Error;
+
+    /// `off` or `every:K` with K ≥ 1.
+    fn from_str(s: &str) -> Result<Recompute> {
+        let bad = || {
+            Error::invalid(
+                "recompute",
+                format!(
+                    "unknown policy '{s}': use 'off' or 'every:K' (K ≥ 1; every:1 recomputes every block)"
+                ),
+            )
+        };
+        match s.split_once(':') {
+            None if s == "off" || s == "none" => Ok(Recompute::Off),
+            Some(("every", k)) => match k.parse::<usize>() {
+                Ok(k) if k >= 1 => Ok(Recompute::Every(k)),
+                _ => Err(bad()),
+            },
+            _ => Err(bad()),
+        }
+    }
+}
+
+impl std::fmt::Display for Recompute {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Recompute::Off => write!(f, "off"),
+            Recompute::Every(k) => write!(f, "every:{k}"),
+        }
+    }
+}
+
+impl Block {
+    /// The dropout generators of this block, in a fixed order.
+    fn dropout_states(&self) -> [Generator; 3] {
+        [
+            self.attn.attn_dropout.generator_state(),
+            self.attn.resid_dropout.generator_state(),
+            self.mlp.dropout.generator_state(),
+        ]
+    }
+
+    fn set_dropout_states(&self, [a, r, m]: [Generator; 3]) {
+        self.attn.attn_dropout.set_generator_state(a);
+        self.attn.resid_dropout.set_generator_state(r);
+        self.mlp.dropout.set_generator_state(m);
+    }
+
+    /// x: (B, T, C) → (B, T, C), like `forward_masked`, saving only `x` for backward.
+    pub fn forward_recomputed(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        // A clone shares the parameters and dropout generators; the segment owns it so the
+        // recomputation sees the block as it was (same train/eval mode).
+        let block = self.clone();
+        let mask = mask.clone();
+        let start = self.dropout_states();
+        let first_pass = AtomicBool::new(true);
+        let segment: Segment = Arc::new(move |inputs: &[Tensor]| {
+            let [x] = inputs else {
+                return Err(Error::autograd("a recomputed block takes one input"));
+            };
+            if first_pass.swap(false, Ordering::SeqCst) {
+                return block.forward_masked(x, &mask);
+            }
+            let after = block.dropout_states();
+            block.set_dropout_states(start.clone());
+            let out = block.forward_masked(x, &mask);
+            block.set_dropout_states(after);
+            out
+        });
+        checkpoint_activations(segment, std::slice::from_ref(x))
+    }
+}
