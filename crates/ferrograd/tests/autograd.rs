@@ -761,7 +761,10 @@ fn shape_dtype_device_mismatches_are_errors() {
     assert!(matches!(a.mul(&b), Err(Error::Shape { .. })));
 
     let c = Tensor::zeros(&[2, 3], DType::F64, CPU).unwrap();
-    assert!(matches!(a.add(&c), Err(Error::DType { .. })));
+    // Float dtypes type-promote in elementwise ops (as PyTorch); integer/float mixes do not.
+    assert_eq!(a.add(&c).unwrap().dtype(), DType::F64);
+    let i = Tensor::zeros(&[2, 3], DType::I64, CPU).unwrap();
+    assert!(matches!(a.add(&i), Err(Error::DType { .. })));
     assert!(matches!(
         a.matmul(&c.t().unwrap()),
         Err(Error::DType { .. })

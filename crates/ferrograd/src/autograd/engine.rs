@@ -62,6 +62,8 @@ impl Tensor {
             }
         };
         let _guard = no_grad();
+        // Backward ops run in the dtypes the forward chose, even when called in a region.
+        let _amp = crate::amp::autocast_disabled();
         run(root, grad, opts.retain_graph)
     }
 }

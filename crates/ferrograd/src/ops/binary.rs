@@ -1,11 +1,12 @@
 //! Binary elementwise ops with broadcasting, and ops with a scalar operand.
 //! Each backward sums the gradient back over broadcast dims (`sum_to`).
+//! Two float tensors of different dtypes are type-promoted as in PyTorch (`promoted`).
 
 use super::check_pair;
 use crate::autograd::{SavedTensor, record};
 use crate::backend::{BinaryOp, UnaryOp, View};
 use crate::error::Result;
-use crate::tensor::{Tensor, broadcast_shape};
+use crate::tensor::{DType, Tensor, broadcast_shape};
 
 /// `out = op(a, b)` with broadcasting, no autograd.
 pub(crate) fn binary_forward(
@@ -42,6 +43,31 @@ pub(crate) fn unary_forward(op: UnaryOp, x: &Tensor, name: &'static str) -> Resu
     Ok(out)
 }
 
+/// PyTorch's type promotion for two float tensors of different dtypes on one device: F64
+/// wins, else F32 (f32 with a half, or f16 with bf16), except that a 0-dim operand does not
+/// widen a dimensioned one (bf16 (B, T, C) * f32 0-dim stays bf16). None when there is
+/// nothing to promote; integer/float mixes and device mismatches stay errors (`check_pair`).
+pub(super) fn promoted_dtype(a: &Tensor, b: &Tensor) -> Option<DType> {
+    let (da, db) = (a.dtype(), b.dtype());
+    if da == db || !da.is_float() || !db.is_float() || a.device() != b.device() {
+        return None;
+    }
+    Some(match (a.dims() == 0, b.dims() == 0) {
+        (true, false) => db,
+        (false, true) => da,
+        _ if da == DType::F64 || db == DType::F64 => DType::F64,
+        _ => DType::F32,
+    })
+}
+
+/// Both operands in their promoted dtype (autograd-aware casts: each gradient comes back in
+/// its operand's own dtype), or None when they need no promotion.
+fn promoted(a: &Tensor, b: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
+    promoted_dtype(a, b)
+        .map(|d| Ok((a.to_dtype(d)?, b.to_dtype(d)?)))
+        .transpose()
+}
+
 fn grad_if(need: bool, f: impl FnOnce() -> Result<Tensor>) -> Result<Option<Tensor>> {
     if need { f().map(Some) } else { Ok(None) }
 }
@@ -61,14 +87,16 @@ fn get(s: &Option<SavedTensor>) -> &Tensor {
 /// b > 0, instead of 0 · -inf = NaN).
 fn exponent_grad_factor(a: &Tensor, y: &Tensor) -> Result<Tensor> {
     let zero = Tensor::scalar(0.0, a.dtype(), a.device())?;
-    let at_zero = binary_forward(BinaryOp::Eq, a, &zero, "pow_backward")?
-        .to_dtype(crate::tensor::DType::U8)?;
+    let at_zero = binary_forward(BinaryOp::Eq, a, &zero, "pow_backward")?.to_dtype(DType::U8)?;
     y.mul(&a.log()?)?.masked_fill(&at_zero, 0.0)
 }
 
 impl Tensor {
     /// a + b. Backward: (g, g), each summed to its input's shape.
     pub fn add(&self, other: &Tensor) -> Result<Tensor> {
+        if let Some((a, b)) = promoted(self, other)? {
+            return a.add(&b);
+        }
         let out = binary_forward(BinaryOp::Add, self, other, "add")?;
         let (sa, sb) = (self.shape().to_vec(), other.shape().to_vec());
         Ok(record("add", &[self, other], out, move |_, _| {
@@ -83,6 +111,9 @@ impl Tensor {
 
     /// a - b. Backward: (g, -g).
     pub fn sub(&self, other: &Tensor) -> Result<Tensor> {
+        if let Some((a, b)) = promoted(self, other)? {
+            return a.sub(&b);
+        }
         let out = binary_forward(BinaryOp::Sub, self, other, "sub")?;
         let (sa, sb) = (self.shape().to_vec(), other.shape().to_vec());
         Ok(record("sub", &[self, other], out, move |_, _| {
@@ -97,6 +128,9 @@ impl Tensor {
 
     /// a * b. Backward: (g * b, g * a); saves only the factor each gradient needs.
     pub fn mul(&self, other: &Tensor) -> Result<Tensor> {
+        if let Some((a, b)) = promoted(self, other)? {
+            return a.mul(&b);
+        }
         let out = binary_forward(BinaryOp::Mul, self, other, "mul")?;
         let (sa, sb) = (self.shape().to_vec(), other.shape().to_vec());
         Ok(record("mul", &[self, other], out, |_, needs| {
@@ -112,6 +146,9 @@ impl Tensor {
 
     /// a / b. Backward: (g / b, -g * a / b²).
     pub fn div(&self, other: &Tensor) -> Result<Tensor> {
+        if let Some((a, b)) = promoted(self, other)? {
+            return a.div(&b);
+        }
         let out = binary_forward(BinaryOp::Div, self, other, "div")?;
         let (sa, sb) = (self.shape().to_vec(), other.shape().to_vec());
         Ok(record("div", &[self, other], out, |_, needs| {
@@ -128,6 +165,12 @@ impl Tensor {
 
     /// a ^ b elementwise. Backward: (g * b * a^(b-1), g * a^b * ln a).
     pub fn pow(&self, other: &Tensor) -> Result<Tensor> {
+        if let Some([a, b]) = crate::amp::cast_f32([self, other])? {
+            return a.pow(&b);
+        }
+        if let Some((a, b)) = promoted(self, other)? {
+            return a.pow(&b);
+        }
         let out = binary_forward(BinaryOp::Pow, self, other, "pow")?;
         let (sa, sb) = (self.shape().to_vec(), other.shape().to_vec());
         Ok(record("pow", &[self, other], out, |out, needs| {
@@ -175,6 +218,9 @@ impl Tensor {
 
     /// x ^ c. Backward: g * c * x^(c-1).
     pub fn pow_scalar(&self, c: f64) -> Result<Tensor> {
+        if let Some([x]) = crate::amp::cast_f32([self])? {
+            return x.pow_scalar(c);
+        }
         let out = unary_forward(UnaryOp::PowScalar(c), self, "pow_scalar")?;
         Ok(record("pow_scalar", &[self], out, |_, _| {
             let x = SavedTensor::new(self);

@@ -17,6 +17,9 @@ impl Tensor {
     /// neither in the sum nor in the mean; when all are ignored the loss is NaN, as PyTorch's.
     /// Returns a 0-dim tensor in the logits' dtype.
     pub fn cross_entropy(&self, targets: &Tensor, ignore_index: i64) -> Result<Tensor> {
+        if let Some([x]) = crate::amp::cast_f32([self])? {
+            return x.cross_entropy(targets, ignore_index);
+        }
         let rows = check_args(self, targets)?;
         let x = self.detached_contiguous()?;
         let t = targets.detached_contiguous()?;

@@ -11,6 +11,11 @@ use crate::tensor::Tensor;
 impl Tensor {
     /// x: (..., in), weight: (out, in), bias: (out) → (..., out)
     pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        if let Some([Some(x), Some(w), b]) =
+            crate::amp::cast_lower_opt([Some(self), Some(weight), bias])?
+        {
+            return x.linear(&w, b.as_ref());
+        }
         let (rank, inner) = (self.dims(), weight.dims());
         if rank < 1 || inner != 2 || self.shape()[rank - 1] != weight.shape()[1] {
             return Err(Error::shape(

@@ -10,6 +10,9 @@ use crate::tensor::Tensor;
 impl Tensor {
     /// mean((self - target)²), a 0-dim tensor. Both sides may require grad.
     pub fn mse_loss(&self, target: &Tensor) -> Result<Tensor> {
+        if let Some([x, y]) = crate::amp::cast_f32([self, target])? {
+            return x.mse_loss(&y);
+        }
         if self.shape() != target.shape() {
             return Err(Error::shape(
                 "mse_loss",

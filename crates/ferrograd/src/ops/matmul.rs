@@ -60,6 +60,9 @@ pub(crate) fn matmul_forward(a: &Tensor, b: &Tensor) -> Result<Tensor> {
 impl Tensor {
     /// Matrix product with PyTorch's rules for 1-D and batched operands.
     pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
+        if let Some([a, b]) = crate::amp::cast_lower([self, other])? {
+            return a.matmul(&b);
+        }
         match (self.dims(), other.dims()) {
             (0, _) | (_, 0) => Err(Error::shape(
                 "matmul",

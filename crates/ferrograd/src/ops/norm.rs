@@ -20,6 +20,9 @@ impl Tensor {
         bias: Option<&Tensor>,
         eps: f64,
     ) -> Result<Tensor> {
+        if let Some([Some(x), w, b]) = crate::amp::cast_f32_opt([Some(self), weight, bias])? {
+            return x.layer_norm(normalized_shape, w.as_ref(), b.as_ref(), eps);
+        }
         let rows = check_args(self, normalized_shape, weight, bias)?;
         let n: usize = normalized_shape.iter().product();
         // The kernel reads rows of the last dim: flatten to (R, N) and the parameters to (N).

@@ -59,6 +59,14 @@ impl Tensor {
 
     /// Sum over `dims`. Backward: the gradient broadcast back over the reduced dims.
     pub fn sum(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+        if let Some([x]) = crate::amp::cast_f32([self])? {
+            return x.sum(dims, keepdim);
+        }
+        self.sum_own_dtype(dims, keepdim)
+    }
+
+    /// `sum` without the autocast policy: `mean` keeps its input's dtype, as in PyTorch.
+    fn sum_own_dtype(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
         let d = resolve_dims("sum", dims, self.dims())?;
         let kept = self.reduce_dims(ReduceOp::Sum, &d, "sum")?;
         let out = kept.reshape(&kept_shape(self.shape(), &d, keepdim))?;
@@ -78,7 +86,7 @@ impl Tensor {
     pub fn mean(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
         let d = resolve_dims("mean", dims, self.dims())?;
         let count: usize = d.iter().map(|&i| self.shape()[i]).product();
-        self.sum(dims, keepdim)?
+        self.sum_own_dtype(dims, keepdim)?
             .mul_scalar(1.0 / count.max(1) as f64)
     }
 

@@ -198,9 +198,12 @@ impl Tensor {
     }
 
     /// `cond ? a : b` elementwise, the three broadcast together (`torch.where`). `cond` is a
-    /// U8 mask. Backward: a gets `cond ? g : 0`, b gets `cond ? 0 : g`, each summed to its
-    /// shape.
+    /// U8 mask; float `a` and `b` of different dtypes are promoted as in `add`. Backward: a
+    /// gets `cond ? g : 0`, b gets `cond ? 0 : g`, each summed to its shape.
     pub fn where_(cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        if let Some(d) = super::binary::promoted_dtype(a, b) {
+            return Tensor::where_(cond, &a.to_dtype(d)?, &b.to_dtype(d)?);
+        }
         let out = where_forward(cond, a, b, "where")?;
         let (sa, sb) = (a.shape().to_vec(), b.shape().to_vec());
         Ok(record("where", &[a, b], out, |_, _| {

@@ -22,6 +22,9 @@ impl Tensor {
 }
 
 fn softmax_along(x: &Tensor, dim: isize, log: bool) -> Result<Tensor> {
+    if let Some([x]) = crate::amp::cast_f32([x])? {
+        return softmax_along(&x, dim, log);
+    }
     let name = if log { "log_softmax" } else { "softmax" };
     super::check_float(name, x)?;
     // A 0-dim tensor is one row of one element (dim 0 or -1), as in PyTorch.

@@ -47,6 +47,9 @@ impl Tensor {
 
     /// e^x. Backward: g * y.
     pub fn exp(&self) -> Result<Tensor> {
+        if let Some([x]) = crate::amp::cast_f32([self])? {
+            return x.exp();
+        }
         self.unary_from_output(UnaryOp::Exp, BinaryOp::Mul, "exp")
     }
 
@@ -76,6 +79,9 @@ impl Tensor {
 
     /// ln x. Backward: g / x.
     pub fn log(&self) -> Result<Tensor> {
+        if let Some([x]) = crate::amp::cast_f32([self])? {
+            return x.log();
+        }
         let out = unary_forward(UnaryOp::Log, self, "log")?;
         Ok(record("log", &[self], out, |_, _| {
             let x = SavedTensor::new(self);

@@ -1,0 +1,298 @@
+//! Autocast regions, as PyTorch's `torch.autocast` with the CUDA op policy: while a region is
+//! active on this thread, matmul-like ops (`matmul`, `linear`) cast their float inputs to the
+//! region's f16/bf16 and produce a half-precision output, and precision-sensitive ops
+//! (softmax, log_softmax, layer_norm, cross_entropy, mse_loss, sum, exp, log, pow) cast half
+//! inputs to f32. Every other op runs in its inputs' dtype. F64 tensors are never cast,
+//! integer tensors neither.
+//!
+//! Casts go through `Tensor::to_dtype`, so gradients flow back to f32 master weights in f32.
+//!
+//! Regions nest: each guard restores the previous state when dropped. The state applies to
+//! tensors on every device (the CPU too, which makes the policy testable to the byte).
+//!
+//! Weight-cast cache: inside a region, the half-precision cast of an f32 leaf that requires
+//! grad (a parameter) is made once and reused, keyed by the tensor's identity, its storage's
+//! version (an in-place update such as an optimizer step makes a new cast) and the dtype. A
+//! weight used twice (GPT's tied embedding and head) or in several micro-batches is cast
+//! once. The cached tensor is a `to_dtype` graph node that saves nothing, so each graph that
+//! uses it can backpropagate through it (no retain_graph needed). The cache lives until the
+//! OUTERMOST guard on the thread drops (disabled regions count in the nesting too, as in
+//! PyTorch). Cached casts count as `temporary` bytes while only the cache holds them and as
+//! `saved_activation` while a graph saves them.
+//!
+//! The backward engine runs with autocast disabled: backward ops run in the dtypes the
+//! forward chose, whether `backward()` is called inside a region or after it.
+
+use std::cell::{Cell, RefCell};
+use std::collections::HashMap;
+use std::marker::PhantomData;
+use std::sync::{Arc, Weak};
+
+use crate::autograd::is_grad_enabled;
+use crate::error::{Error, Result};
+use crate::tensor::{DType, Tensor, TensorImpl};
+
+/// The dtypes an autocast region can run matmul-like ops in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum AmpDType {
+    F16,
+    BF16,
+}
+
+impl AmpDType {
+    pub fn dtype(self) -> DType {
+        match self {
+            AmpDType::F16 => DType::F16,
+            AmpDType::BF16 => DType::BF16,
+        }
+    }
+}
+
+impl From<AmpDType> for DType {
+    fn from(d: AmpDType) -> DType {
+        d.dtype()
+    }
+}
+
+impl TryFrom<DType> for AmpDType {
+    type Error = Error;
+
+    fn try_from(d: DType) -> Result<AmpDType> {
+        match d {
+            DType::F16 => Ok(AmpDType::F16),
+            DType::BF16 => Ok(AmpDType::BF16),
+            other => Err(Error::invalid(
+                "autocast",
+                format!(
+                    "autocast runs matmul-like ops in f16 or bf16, not {other}; for full precision run without an autocast region"
+                ),
+            )),
+        }
+    }
+}
+
+/// Cache key: the source tensor, the target dtype, and whether the cast recorded a graph node
+/// (a cast made under `no_grad` must not stand in for one that gradients flow through).
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct CacheKey {
+    source: usize,
+    dtype: DType,
+    recorded: bool,
+}
+
+struct CacheEntry {
+    /// Keeps the source's address from being reused by another tensor while the entry lives.
+    _source: Weak<TensorImpl>,
+    /// The source storage's version when cast.
+    version: u64,
+    cast: Tensor,
+}
+
+thread_local! {
+    /// The active region's dtype; None outside regions and in disabled ones.
+    static ACTIVE: Cell<Option<DType>> = const { Cell::new(None) };
+    /// Live guards (enabled or disabled) on this thread.
+    static DEPTH: Cell<usize> = const { Cell::new(0) };
+    static CACHE: RefCell<HashMap<CacheKey, CacheEntry>> = RefCell::new(HashMap::new());
+}
+
+/// Restores the previous autocast state when dropped; the outermost one also frees the
+/// weight-cast cache. Not `Send`: the state it restores belongs to this thread.
+#[must_use = "autocast is active only while the guard lives; bind it: let _amp = autocast(AmpDType::BF16);"]
+pub struct AutocastGuard {
+    previous: Option<DType>,
+    _thread: PhantomData<*const ()>,
+}
+
+impl Drop for AutocastGuard {
+    fn drop(&mut self) {
+        let _ = ACTIVE.try_with(|a| a.set(self.previous));
+        let outermost = DEPTH
+            .try_with(|d| {
+                let n = d.get().saturating_sub(1);
+                d.set(n);
+                n == 0
+            })
+            .unwrap_or(false);
+        if outermost {
+            clear_cache();
+        }
+    }
+}
+
+fn enter(dtype: Option<DType>) -> AutocastGuard {
+    let previous = ACTIVE.with(|a| a.replace(dtype));
+    DEPTH.with(|d| d.set(d.get() + 1));
+    AutocastGuard {
+        previous,
+        _thread: PhantomData,
+    }
+}
+
+/// Runs matmul-like ops in `dtype` and precision-sensitive ops in f32 until the guard drops
+/// (`with torch.autocast("cuda", dtype=...)`). Wrap the forward pass and the loss.
+pub fn autocast(dtype: AmpDType) -> AutocastGuard {
+    enter(Some(dtype.dtype()))
+}
+
+/// `autocast` for a dtype known only at run time (e.g. parsed from the command line): an
+/// error for anything but F16 and BF16.
+pub fn try_autocast(dtype: DType) -> Result<AutocastGuard> {
+    Ok(autocast(AmpDType::try_from(dtype)?))
+}
+
+/// Turns autocast off until the guard drops (`torch.autocast(..., enabled=False)`), e.g. for
+/// a part of the model that must run in f32 inside a region.
+pub fn autocast_disabled() -> AutocastGuard {
+    enter(None)
+}
+
+/// Re-enters a state read earlier with `autocast_dtype()`: a region of that dtype, or a
+/// disabled one for None. For code that re-runs a forward later (activation recomputation
+/// in backward) and must cast as the original forward did.
+pub fn set_autocast(state: Option<DType>) -> Result<AutocastGuard> {
+    match state {
+        Some(d) => try_autocast(d),
+        None => Ok(autocast_disabled()),
+    }
+}
+
+/// The dtype of the active region on this thread; None when autocast is off.
+pub fn autocast_dtype() -> Option<DType> {
+    ACTIVE.with(Cell::get)
+}
+
+pub fn is_autocast_enabled() -> bool {
+    autocast_dtype().is_some()
+}
+
+/// Drops every cached cast (taken out first: dropping tensors must not run under the borrow).
+fn clear_cache() {
+    let old = CACHE.try_with(|c| std::mem::take(&mut *c.borrow_mut()));
+    drop(old);
+}
+
+// ---- the op policy (called at the top of the public ops) ---------------------------------
+
+/// Whether autocast converts `t` to `to`: floats other than F64 not already in `to`.
+fn eligible(t: &Tensor, to: DType) -> bool {
+    let d = t.dtype();
+    d.is_float() && d != DType::F64 && d != to
+}
+
+/// `t` in `to`; parameters cast to half precision come from the cache.
+fn cast(t: &Tensor, to: DType) -> Result<Tensor> {
+    let cacheable = to != DType::F32 && t.dtype() == DType::F32 && t.is_leaf() && t.requires_grad();
+    if cacheable {
+        cached_cast(t, to)
+    } else {
+        t.to_dtype(to)
+    }
+}
+
+fn cached_cast(t: &Tensor, to: DType) -> Result<Tensor> {
+    let key = CacheKey {
+        source: Arc::as_ptr(&t.0) as usize,
+        dtype: to,
+        recorded: is_grad_enabled(),
+    };
+    let version = t.storage().version();
+    let hit = CACHE.with(|c| {
+        c.borrow()
+            .get(&key)
+            .filter(|e| e.version == version)
+            .map(|e| e.cast.clone())
+    });
+    if let Some(hit) = hit {
+        return Ok(hit);
+    }
+    let cast = t.to_dtype(to)?;
+    let entry = CacheEntry {
+        _source: Arc::downgrade(&t.0),
+        version,
+        cast: cast.clone(),
+    };
+    // A stale entry (older version) is replaced; it is dropped outside the borrow.
+    let stale = CACHE.with(|c| c.borrow_mut().insert(key, entry));
+    drop(stale);
+    Ok(cast)
+}
+
+/// The inputs converted to `to` where eligible, or None when none is (the op then runs on
+/// its inputs as they are; the re-called op therefore never casts twice).
+fn cast_all<const N: usize>(inputs: [&Tensor; N], to: DType) -> Result<Option<[Tensor; N]>> {
+    if !inputs.iter().any(|t| eligible(t, to)) {
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(N);
+    for t in inputs {
+        out.push(if eligible(t, to) {
+            cast(t, to)?
+        } else {
+            t.clone()
+        });
+    }
+    Ok(out.try_into().ok())
+}
+
+/// `cast_all` with optional inputs (a bias, a LayerNorm weight).
+fn cast_all_opt<const N: usize>(
+    inputs: [Option<&Tensor>; N],
+    to: DType,
+) -> Result<Option<[Option<Tensor>; N]>> {
+    if !inputs.iter().flatten().any(|t| eligible(t, to)) {
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(N);
+    for t in inputs {
+        out.push(
+            t.map(|t| {
+                if eligible(t, to) {
+                    cast(t, to)
+                } else {
+                    Ok(t.clone())
+                }
+            })
+            .transpose()?,
+        );
+    }
+    Ok(out.try_into().ok())
+}
+
+/// Lower-precision policy (matmul, linear): inside a region, the float inputs in the
+/// region's dtype. None when autocast is off or nothing needs a cast.
+pub(crate) fn cast_lower<const N: usize>(inputs: [&Tensor; N]) -> Result<Option<[Tensor; N]>> {
+    match autocast_dtype() {
+        Some(d) => cast_all(inputs, d),
+        None => Ok(None),
+    }
+}
+
+/// `cast_lower` with optional inputs.
+pub(crate) fn cast_lower_opt<const N: usize>(
+    inputs: [Option<&Tensor>; N],
+) -> Result<Option<[Option<Tensor>; N]>> {
+    match autocast_dtype() {
+        Some(d) => cast_all_opt(inputs, d),
+        None => Ok(None),
+    }
+}
+
+/// Float32 policy (softmax, norms, losses, sum, exp, log, pow): inside a region, half inputs
+/// in f32. None when autocast is off or nothing needs a cast.
+pub(crate) fn cast_f32<const N: usize>(inputs: [&Tensor; N]) -> Result<Option<[Tensor; N]>> {
+    match autocast_dtype() {
+        Some(_) => cast_all(inputs, DType::F32),
+        None => Ok(None),
+    }
+}
+
+/// `cast_f32` with optional inputs.
+pub(crate) fn cast_f32_opt<const N: usize>(
+    inputs: [Option<&Tensor>; N],
+) -> Result<Option<[Option<Tensor>; N]>> {
+    match autocast_dtype() {
+        Some(_) => cast_all_opt(inputs, DType::F32),
+        None => Ok(None),
+    }
+}

@@ -1,0 +1,482 @@
+//! Gradient scaling for mixed precision: `GradScaler`, with torch.amp.GradScaler's semantics.
+//!
+//! f16 gradients underflow where f32 ones would not, so the loss is multiplied by a large
+//! scale before backward and the gradients divided by it before the optimizer step:
+//!
+//! ```text
+//! opt.zero_grad()?;
+//! scaler.scale(&loss)?.backward()?;
+//! scaler.unscale_(&opt)?;              // optional: only to clip or inspect true gradients
+//! clip_grad_norm(opt.params(), 1.0, 2.0, false)?;
+//! scaler.step(&mut opt)?;              // skips the step when a gradient is inf or NaN
+//! scaler.update()?;                    // backs off on overflow, grows after clean steps
+//! ```
+//!
+//! The scale is kept as an f32, like PyTorch's scale tensor: 1/scale is taken in f64 and
+//! rounded to f32; backoff and growth multiply in f64 and round to f32; growth that would
+//! reach inf is skipped. Unscaling is one fused backend call per device
+//! (`FusedOp::UnscaleCheck`: one kernel launch per dtype on a GPU), and the found_inf flags
+//! are read back once per iteration, when `step` (or `update`) first needs them.
+
+use std::sync::Arc;
+
+use crate::autograd::no_grad;
+use crate::backend::{FusedOp, Storage};
+use crate::error::{Error, Result};
+use crate::memory::Category;
+use crate::optim::Optimizer;
+use crate::tensor::{DType, Device, Tensor};
+
+const OP: &str = "GradScaler";
+/// Names of the state tensors (see `GradScaler::state_tensors`).
+const SCALE_KEY: &str = "scaler.scale";
+const TRACKER_KEY: &str = "scaler.growth_tracker";
+const LOAD: &str = "GradScaler::load_state_tensors";
+
+/// The factors of a `GradScaler`; `Default` is torch.amp.GradScaler's.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GradScalerConfig {
+    /// The first scale (rounded to f32). Default 2^16.
+    pub init_scale: f64,
+    /// Multiplies the scale after `growth_interval` clean steps in a row. Default 2.
+    pub growth_factor: f64,
+    /// Multiplies the scale after a step with inf/NaN gradients. Default 0.5.
+    pub backoff_factor: f64,
+    /// Clean steps in a row before the scale grows. Default 2000.
+    pub growth_interval: u64,
+}
+
+impl Default for GradScalerConfig {
+    fn default() -> Self {
+        GradScalerConfig {
+            init_scale: 65536.0,
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 2000,
+        }
+    }
+}
+
+/// Where one optimizer is in the current iteration (PyTorch's OptState; "ready" = no record).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stage {
+    Unscaled,
+    Stepped,
+}
+
+/// One optimizer's record for the current iteration.
+struct OptRecord {
+    /// The optimizer's identity: the addresses of its parameters' storages.
+    key: Vec<usize>,
+    stage: Stage,
+    /// One found_inf flag per device that held gradients (empty: there were none).
+    flags: Vec<Tensor>,
+    /// The flags read back (once).
+    found: Option<bool>,
+}
+
+impl OptRecord {
+    /// Whether any gradient was inf or NaN; reads the flags back the first time.
+    fn found_inf(&mut self) -> Result<bool> {
+        if let Some(f) = self.found {
+            return Ok(f);
+        }
+        let mut any = false;
+        for flag in &self.flags {
+            any |= flag.to_vec::<f32>()?.iter().any(|&v| v != 0.0);
+        }
+        self.found = Some(any);
+        Ok(any)
+    }
+}
+
+/// Dynamic loss scaling (torch.amp.GradScaler). Several optimizers may share one scaler:
+/// each is unscaled and stepped once per iteration, and `update` combines their checks.
+pub struct GradScaler {
+    cfg: GradScalerConfig,
+    scale: f32,
+    growth_tracker: u64,
+    records: Vec<OptRecord>,
+}
+
+impl Default for GradScaler {
+    fn default() -> Self {
+        GradScaler::new()
+    }
+}
+
+impl GradScaler {
+    /// A scaler with PyTorch's defaults (scale 65536, growth 2, backoff 0.5, interval 2000).
+    pub fn new() -> GradScaler {
+        let cfg = GradScalerConfig::default();
+        GradScaler {
+            scale: cfg.init_scale as f32,
+            growth_tracker: 0,
+            cfg,
+            records: Vec::new(),
+        }
+    }
+
+    /// A scaler with the given factors: init_scale must be positive and finite in f32,
+    /// growth_factor finite and > 1, backoff_factor in (0, 1), growth_interval ≥ 1.
+    pub fn with_config(cfg: GradScalerConfig) -> Result<GradScaler> {
+        let scale = cfg.init_scale as f32;
+        if !(scale > 0.0 && scale.is_finite()) {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "init_scale must be a positive number that is finite as an f32 (at most {:e}), got {}",
+                    f32::MAX,
+                    cfg.init_scale
+                ),
+            ));
+        }
+        if !(cfg.growth_factor > 1.0 && cfg.growth_factor.is_finite()) {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "growth_factor must be a finite number > 1, got {}",
+                    cfg.growth_factor
+                ),
+            ));
+        }
+        if !(cfg.backoff_factor > 0.0 && cfg.backoff_factor < 1.0) {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "backoff_factor must lie strictly between 0 and 1, got {}",
+                    cfg.backoff_factor
+                ),
+            ));
+        }
+        if cfg.growth_interval == 0 {
+            return Err(Error::invalid(
+                OP,
+                "growth_interval must be at least 1 (clean steps before the scale grows)",
+            ));
+        }
+        Ok(GradScaler {
+            scale,
+            growth_tracker: 0,
+            cfg,
+            records: Vec::new(),
+        })
+    }
+
+    pub fn config(&self) -> &GradScalerConfig {
+        &self.cfg
+    }
+
+    /// The current scale (an f32 value).
+    pub fn get_scale(&self) -> f64 {
+        self.scale as f64
+    }
+
+    /// Clean steps in a row since the scale last changed (or backed off).
+    pub fn growth_tracker(&self) -> u64 {
+        self.growth_tracker
+    }
+
+    /// loss · scale, with autograd (backward of the result gives scaled gradients). A 0-dim
+    /// f16/bf16 loss is widened to f32 first, as PyTorch's type promotion does against its
+    /// f32 scale tensor (scaled half losses overflow easily); other losses keep their dtype.
+    pub fn scale(&self, loss: &Tensor) -> Result<Tensor> {
+        if !loss.dtype().is_float() {
+            return Err(Error::UnsupportedDType {
+                op: "GradScaler::scale",
+                dtype: loss.dtype(),
+                hint: "the loss must be floating point",
+            });
+        }
+        let half = matches!(loss.dtype(), DType::F16 | DType::BF16);
+        let loss = if half && loss.dims() == 0 {
+            loss.to_dtype(DType::F32)?
+        } else {
+            loss.clone()
+        };
+        loss.mul_scalar(self.scale as f64)
+    }
+
+    /// Divides the gradients of `opt`'s parameters by the scale, in place, and records
+    /// whether any was inf or NaN (checked on the scaled values). Parameters without a
+    /// gradient are skipped. F16 gradients are an error (keep f32 master weights: autocast
+    /// computes in f16, parameters and their gradients stay f32). Calling it twice for one
+    /// optimizer before `update`, or after `step`, is an error.
+    pub fn unscale_<O: Optimizer + ?Sized>(&mut self, opt: &O) -> Result<()> {
+        let key = key_of(opt.params());
+        match self.record(&key).map(|r| r.stage) {
+            Some(Stage::Unscaled) => {
+                return Err(Error::invalid(
+                    "GradScaler::unscale_",
+                    "unscale_() has already been called on this optimizer since the last update(); call it at most once per iteration",
+                ));
+            }
+            Some(Stage::Stepped) => {
+                return Err(Error::invalid(
+                    "GradScaler::unscale_",
+                    "unscale_() is being called after step(); unscale before stepping, and call update() to start the next iteration",
+                ));
+            }
+            None => {}
+        }
+        let flags = self.unscale_grads(opt.params())?;
+        self.records.push(OptRecord {
+            key,
+            stage: Stage::Unscaled,
+            flags,
+            found: None,
+        });
+        Ok(())
+    }
+
+    /// Unscales (unless `unscale_` already did this iteration), then runs `opt.step()` only
+    /// if no gradient was inf or NaN. Returns whether the optimizer stepped. Calling it twice
+    /// before `update` is an error, as is stepping an optimizer none of whose parameters has
+    /// a gradient (PyTorch: "No inf checks were recorded for this optimizer").
+    pub fn step<O: Optimizer + ?Sized>(&mut self, opt: &mut O) -> Result<bool> {
+        let key = key_of(opt.params());
+        match self.record(&key).map(|r| r.stage) {
+            Some(Stage::Stepped) => {
+                return Err(Error::invalid(
+                    "GradScaler::step",
+                    "step() has already been called since the last update(); call update() once per iteration, after step()",
+                ));
+            }
+            Some(Stage::Unscaled) => {}
+            None => self.unscale_(&*opt)?,
+        }
+        let i = self
+            .records
+            .iter()
+            .position(|r| r.key == key)
+            .ok_or_else(|| Error::invalid("GradScaler::step", "the unscale record is missing"))?;
+        if self.records[i].flags.is_empty() {
+            return Err(Error::invalid(
+                "GradScaler::step",
+                "no inf checks were recorded for this optimizer: none of its parameters has a gradient; call backward() on the scaled loss first",
+            ));
+        }
+        let found = self.records[i].found_inf()?;
+        if !found {
+            opt.step()?;
+        }
+        self.records[i].stage = Stage::Stepped;
+        Ok(!found)
+    }
+
+    /// Ends the iteration: if any optimizer's gradients held inf/NaN, scale ← scale ·
+    /// backoff_factor and the tracker restarts; otherwise the tracker counts one more clean
+    /// step, and at growth_interval the scale grows by growth_factor (unless that would be
+    /// inf) and the tracker restarts. An error when no gradient was checked since the last
+    /// update (call `step` or `unscale_` first).
+    pub fn update(&mut self) -> Result<()> {
+        if self.records.iter().all(|r| r.flags.is_empty()) {
+            return Err(Error::invalid(
+                "GradScaler::update",
+                "no inf checks were recorded prior to update(): call step(opt) (or unscale_(opt)) after backward() on the scaled loss",
+            ));
+        }
+        let mut found = false;
+        for r in &mut self.records {
+            found |= r.found_inf()?;
+        }
+        self.update_scale(found);
+        self.records.clear();
+        Ok(())
+    }
+
+    /// torch's `_amp_update_scale_`: f32 scale times an f64 factor, rounded to f32.
+    fn update_scale(&mut self, found_inf: bool) {
+        if found_inf {
+            self.scale = (self.scale as f64 * self.cfg.backoff_factor) as f32;
+            self.growth_tracker = 0;
+            return;
+        }
+        let successful = self.growth_tracker + 1;
+        if successful == self.cfg.growth_interval {
+            let grown = (self.scale as f64 * self.cfg.growth_factor) as f32;
+            if grown.is_finite() {
+                self.scale = grown;
+            }
+            self.growth_tracker = 0;
+        } else {
+            self.growth_tracker = successful;
+        }
+    }
+
+    /// The scaler's state for a checkpoint: `scaler.scale` (F32, 0-dim) and
+    /// `scaler.growth_tracker` (I64, 0-dim), on the CPU. The factors are configuration and
+    /// are not included.
+    pub fn state_tensors(&self) -> Result<Vec<(String, Tensor)>> {
+        let tracker = i64::try_from(self.growth_tracker).map_err(|_| {
+            Error::invalid(OP, "the growth tracker does not fit in an i64 state tensor")
+        })?;
+        Ok(vec![
+            (
+                SCALE_KEY.to_string(),
+                Tensor::from_vec(vec![self.scale], &[], Device::Cpu)?,
+            ),
+            (
+                TRACKER_KEY.to_string(),
+                Tensor::from_vec(vec![tracker], &[], Device::Cpu)?,
+            ),
+        ])
+    }
+
+    /// Restores `scaler.scale` and `scaler.growth_tracker` from named tensors (other names
+    /// are ignored, so a whole checkpoint can be passed). Both must be present, 0-dim, of
+    /// dtype F32 and I64; the scale positive and finite, the tracker in 0..growth_interval.
+    /// Nothing changes on error.
+    pub fn load_state_tensors(&mut self, tensors: &[(String, Tensor)]) -> Result<()> {
+        let scale = state_tensor(tensors, SCALE_KEY, DType::F32)?.to_vec::<f32>()?[0];
+        let tracker = state_tensor(tensors, TRACKER_KEY, DType::I64)?.to_vec::<i64>()?[0];
+        if !(scale > 0.0 && scale.is_finite()) {
+            return Err(Error::invalid(
+                LOAD,
+                format!("{SCALE_KEY} must be positive and finite, got {scale}"),
+            ));
+        }
+        let interval = self.cfg.growth_interval;
+        let tracker = u64::try_from(tracker)
+            .ok()
+            .filter(|&t| t < interval)
+            .ok_or_else(|| {
+                Error::invalid(
+                    LOAD,
+                    format!(
+                        "{TRACKER_KEY} must lie in 0..{interval} (this scaler's growth_interval), got {tracker}"
+                    ),
+                )
+            })?;
+        self.scale = scale;
+        self.growth_tracker = tracker;
+        Ok(())
+    }
+
+    fn record(&self, key: &[usize]) -> Option<&OptRecord> {
+        self.records.iter().find(|r| r.key == key)
+    }
+
+    /// Unscales every gradient of `params`, one fused call per device; the found_inf flags.
+    /// All gradients are checked before any is touched.
+    fn unscale_grads(&self, params: &[Tensor]) -> Result<Vec<Tensor>> {
+        let _g = no_grad();
+        let mut pairs: Vec<(&Tensor, Tensor)> = Vec::new();
+        for (i, p) in params.iter().enumerate() {
+            let Some(g) = p.grad() else { continue };
+            check_grad_dtype(i, &g)?;
+            pairs.push((p, g));
+        }
+        let inv_scale = (1.0 / self.scale as f64) as f32;
+        let mut per_device: Vec<(Device, Vec<Tensor>)> = Vec::new();
+        for (p, g) in pairs {
+            let g = owned_grad(p, g)?;
+            match per_device.iter_mut().find(|(d, _)| *d == g.device()) {
+                Some((_, v)) => v.push(g),
+                None => per_device.push((g.device(), vec![g])),
+            }
+        }
+        let mut flags = Vec::with_capacity(per_device.len());
+        for (device, grads) in per_device {
+            flags.push(unscale_on(device, &grads, inv_scale)?);
+        }
+        Ok(flags)
+    }
+}
+
+/// One fused unscale over `grads` (all on `device`, each owning its storage); the flag.
+fn unscale_on(device: Device, grads: &[Tensor], inv_scale: f32) -> Result<Tensor> {
+    let flag = Tensor::alloc(
+        &[1],
+        DType::F32,
+        device,
+        Category::Temporary,
+        "grad_scaler_found_inf",
+    )?;
+    let mut outputs: Vec<&Storage> = vec![flag.storage().as_ref()];
+    for g in grads {
+        // Two parameters sharing one gradient storage must not be unscaled twice.
+        if !outputs
+            .iter()
+            .any(|s| std::ptr::eq(*s, g.storage().as_ref()))
+        {
+            outputs.push(g.storage().as_ref());
+        }
+    }
+    crate::backend::backend(device)?.fused(&FusedOp::UnscaleCheck { inv_scale }, &[], &outputs)?;
+    outputs[1..].iter().for_each(|s| s.bump_version());
+    Ok(flag)
+}
+
+/// PyTorch refuses to unscale f16 gradients (their unscaled values lose range and precision).
+fn check_grad_dtype(index: usize, g: &Tensor) -> Result<()> {
+    match g.dtype() {
+        DType::F16 => Err(Error::invalid(
+            "GradScaler::unscale_",
+            format!(
+                "attempting to unscale FP16 gradients (parameter {index}); keep the master weights in f32 (autocast computes in f16, the parameters and their gradients stay f32)"
+            ),
+        )),
+        d if !d.is_float() => Err(Error::UnsupportedDType {
+            op: "GradScaler::unscale_",
+            dtype: d,
+            hint: "gradients must be floating point",
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// The gradient as a tensor owning its whole storage (the fused op writes whole storages): a
+/// view is replaced by an owned copy that becomes the parameter's `.grad`.
+fn owned_grad(p: &Tensor, g: Tensor) -> Result<Tensor> {
+    let owns = g.is_contiguous() && g.layout().offset() == 0 && g.numel() == g.storage().len();
+    if owns {
+        return Ok(g);
+    }
+    let copy = g.contiguous_owned()?;
+    p.set_grad(Some(copy.clone()))?;
+    Ok(copy)
+}
+
+/// An optimizer's identity across calls: its parameters' storages (alive while it is).
+fn key_of(params: &[Tensor]) -> Vec<usize> {
+    params
+        .iter()
+        .map(|p| Arc::as_ptr(p.storage()) as usize)
+        .collect()
+}
+
+/// The 0-dim state tensor `name` of `dtype` (exactly one).
+fn state_tensor<'a>(
+    tensors: &'a [(String, Tensor)],
+    name: &str,
+    dtype: DType,
+) -> Result<&'a Tensor> {
+    let mut found = tensors.iter().filter(|(n, _)| n == name);
+    let t = match (found.next(), found.next()) {
+        (Some((_, t)), None) => t,
+        (None, _) => {
+            return Err(Error::invalid(
+                LOAD,
+                format!("the state has no '{name}' tensor; save it with GradScaler::state_tensors"),
+            ));
+        }
+        (Some(_), Some(_)) => {
+            return Err(Error::invalid(
+                LOAD,
+                format!("'{name}' appears more than once in the state"),
+            ));
+        }
+    };
+    if t.dtype() != dtype || !t.shape().is_empty() {
+        return Err(Error::invalid(
+            LOAD,
+            format!(
+                "'{name}' must be a 0-dim {dtype} tensor, got {} of shape {:?}",
+                t.dtype(),
+                t.shape()
+            ),
+        ));
+    }
+    Ok(t)
+}
