@@ -140,6 +140,14 @@ pub enum FusedOp {
     /// inputs [cond U8, a, b] all broadcast to the output shape (strided allowed);
     /// outputs [out] = cond != 0 ? a : b. a, b and out share one dtype (any).
     Where,
+    /// Gradient unscaling with an inf/NaN check over n gradients in one call (one launch per
+    /// dtype on a GPU), in place: torch's `_amp_foreach_non_finite_check_and_unscale_`.
+    /// inputs []; outputs [found_inf (1) F32, grad_0, .., grad_{n-1}] (distinct whole
+    /// storages, any float dtypes). Per element: found_inf ← 1 when the value *before*
+    /// scaling is inf or NaN (never cleared: the caller zeroes it); g ← g·inv_scale in the
+    /// compute type (f32 for f32/f16/bf16, f64 for f64), rounded once (g kept when
+    /// inv_scale == 1).
+    UnscaleCheck { inv_scale: f32 },
 }
 
 /// The scalars of one `FusedOp::AdamStep`, derived on the host in f64 once so that every

@@ -4,6 +4,7 @@
 mod data;
 mod elementwise;
 mod fused;
+mod fused_amp;
 mod fused_index;
 mod fused_loss;
 mod fused_optim;
@@ -14,6 +15,7 @@ mod reduce;
 pub use data::{CpuData, Elem};
 #[allow(unused_imports)]
 pub(crate) use data::{with_float, with_float_pair};
+pub(crate) use fused_amp::check_operands as check_unscale_operands;
 
 use std::ops::Deref;
 

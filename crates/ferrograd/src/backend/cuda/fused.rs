@@ -64,6 +64,9 @@ pub(crate) fn run(
             sgd(d, h, nesterov, first_step, inputs, outputs)
         }
         FusedOp::AdamStep { .. } => super::optim::adam(d, op, inputs, outputs),
+        FusedOp::UnscaleCheck { inv_scale } => {
+            super::amp::unscale_check(d, inv_scale, inputs, outputs)
+        }
     }
 }
 

@@ -1,0 +1,208 @@
+//! CUDA gradient unscaling against the CPU reference: the fused unscale-and-check op
+//! (`FusedOp::UnscaleCheck`, one launch per dtype) over f32 gradients of several sizes (one
+//! element, exactly one chunk, several chunks, empty) with and without a non-finite element
+//! in the last one, mixed dtypes sharing one flag, and a GradScaler training loop with SGD on
+//! the GPU (scales, skips and parameters equal to the CPU run). Needs a CUDA device: without
+//! one every test fails.
+#![cfg(feature = "gpu-tests")]
+
+mod common;
+
+use common::assert_close;
+use ferrograd::amp::{GradScaler, GradScalerConfig};
+use ferrograd::backend::{FusedOp, Storage, backend};
+use ferrograd::optim::{Optimizer, Sgd, SgdConfig};
+use ferrograd::{DType, Device, Generator, Tensor};
+
+const GPU: Device = Device::Cuda(0);
+const CPU: Device = Device::Cpu;
+
+fn randn(shape: &[usize], dtype: DType, seed: u64) -> Tensor {
+    Tensor::randn_with(shape, DType::F32, CPU, &mut Generator::new(seed))
+        .unwrap()
+        .mul_scalar(1000.0)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+}
+
+fn on(t: &Tensor, device: Device) -> Tensor {
+    t.to_device(device)
+        .unwrap_or_else(|e| panic!("these tests need a CUDA device (cuda:0): {e}"))
+        .detach()
+}
+
+/// Gradient sizes: one element, exactly one 4096-element chunk, one past it, several chunks
+/// (more than one block), an empty one, and small ones for the table search.
+fn sizes() -> Vec<usize> {
+    let mut s = vec![1, 4096, 4097, 70_000, 0, 15];
+    s.extend((0..20).map(|i| 5 + i % 4));
+    s.push(33_333);
+    s
+}
+
+/// Runs the fused op on copies of `grads` on `device`; (flag, unscaled grads on the CPU).
+fn fused(grads: &[Tensor], inv_scale: f32, device: Device) -> (f32, Vec<Tensor>) {
+    let grads: Vec<Tensor> = grads.iter().map(|g| on(g, device)).collect();
+    let flag = on(&Tensor::zeros(&[1], DType::F32, CPU).unwrap(), device);
+    let mut outs: Vec<&Storage> = vec![flag.storage().as_ref()];
+    outs.extend(grads.iter().map(|g| g.storage().as_ref()));
+    backend(device)
+        .unwrap()
+        .fused(&FusedOp::UnscaleCheck { inv_scale }, &[], &outs)
+        .unwrap();
+    let flag = flag.to_vec::<f32>().unwrap()[0];
+    (flag, grads.iter().map(|g| on(g, CPU)).collect())
+}
+
+fn compare(name: &str, grads: &[Tensor], inv_scale: f32, want_flag: f32) {
+    let (cpu_flag, want) = fused(grads, inv_scale, CPU);
+    let (gpu_flag, got) = fused(grads, inv_scale, GPU);
+    assert_eq!(cpu_flag, want_flag, "{name}: CPU flag");
+    assert_eq!(gpu_flag, want_flag, "{name}: GPU flag");
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_same(&format!("{name}: gradient {i}"), g, w);
+    }
+}
+
+/// One multiply rounded once on both sides: identical values (inf equal, NaN matching NaN).
+fn assert_same(name: &str, got: &Tensor, want: &Tensor) {
+    assert_eq!(got.shape(), want.shape(), "{name}: shape");
+    let (g, w) = (got.to_vec::<f64>().unwrap(), want.to_vec::<f64>().unwrap());
+    let bad = g
+        .iter()
+        .zip(&w)
+        .position(|(a, b)| !(a == b || (a.is_nan() && b.is_nan())));
+    if let Some(i) = bad {
+        panic!(
+            "{name}: element {i} of {}: got {:e}, want {:e}",
+            g.len(),
+            g[i],
+            w[i]
+        );
+    }
+}
+
+fn f32_grads(seed: u64) -> Vec<Tensor> {
+    sizes()
+        .iter()
+        .enumerate()
+        .map(|(i, &n)| randn(&[n], DType::F32, seed + i as u64))
+        .collect()
+}
+
+/// `g` with element `at` replaced by `v`.
+fn with_value(g: &Tensor, at: usize, v: f32) -> Tensor {
+    let mut x = g.to_vec::<f32>().unwrap();
+    x[at] = v;
+    Tensor::from_vec(x, g.shape(), CPU).unwrap()
+}
+
+#[test]
+fn unscale_check_finite_matches_cpu() {
+    let grads = f32_grads(10);
+    compare("finite, 1/1024", &grads, 1.0 / 1024.0, 0.0);
+    compare("finite, 1/3", &grads, (1.0f64 / 3.0) as f32, 0.0);
+    compare("finite, identity", &grads, 1.0, 0.0);
+}
+
+#[test]
+fn unscale_check_flags_a_non_finite_element_in_the_last_gradient() {
+    for bad in [f32::INFINITY, f32::NEG_INFINITY, f32::NAN] {
+        let mut grads = f32_grads(20);
+        let last = grads.len() - 1;
+        let n = grads[last].numel();
+        grads[last] = with_value(&grads[last], n - 1, bad);
+        compare(&format!("{bad} at the very end"), &grads, 0.5, 1.0);
+        // And in the middle of a multi-chunk gradient.
+        let mut grads = f32_grads(30);
+        grads[3] = with_value(&grads[3], 50_000, bad);
+        compare(&format!("{bad} in chunk 12"), &grads, 0.5, 1.0);
+    }
+}
+
+#[test]
+fn unscale_check_mixed_dtypes_share_one_flag() {
+    let mut grads = vec![
+        randn(&[5000], DType::F32, 1),
+        randn(&[300], DType::F64, 2),
+        randn(&[9000], DType::BF16, 3),
+        randn(&[64], DType::F16, 4),
+    ];
+    compare("mixed, finite", &grads, 0.125, 0.0);
+    // Only the f64 gradient holds a NaN: the flag is still raised.
+    let mut v = grads[1].to_vec::<f64>().unwrap();
+    v[299] = f64::NAN;
+    grads[1] = Tensor::from_vec(v, &[300], CPU).unwrap();
+    compare("mixed, NaN in f64", &grads, 0.125, 1.0);
+}
+
+/// A GradScaler loop on `device`: 8 iterations of SGD on a 2-layer model, an inf gradient at
+/// iteration 3; returns (scale after each update, stepped flags, final parameters on CPU).
+fn scaler_run(device: Device) -> (Vec<f64>, Vec<bool>, Vec<Tensor>) {
+    let shapes: [&[usize]; 4] = [&[64, 32], &[64], &[8, 64], &[8]];
+    let params: Vec<Tensor> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            on(
+                &randn(s, DType::F32, 500 + i as u64)
+                    .mul_scalar(1e-4)
+                    .unwrap(),
+                device,
+            )
+            .requires_grad_(true)
+            .unwrap()
+        })
+        .collect();
+    let cfg = SgdConfig {
+        lr: 0.05,
+        momentum: 0.9,
+        ..SgdConfig::default()
+    };
+    let mut opt = Sgd::new(params.clone(), cfg).unwrap();
+    let mut scaler = GradScaler::with_config(GradScalerConfig {
+        init_scale: 1000.3,
+        growth_interval: 2,
+        ..GradScalerConfig::default()
+    })
+    .unwrap();
+    let (mut scales, mut stepped) = (Vec::new(), Vec::new());
+    for k in 0..8u64 {
+        let mut x = randn(&[16, 32], DType::F32, 900 + k)
+            .mul_scalar(1e-3)
+            .unwrap();
+        if k == 3 {
+            x = with_value(&x, 7, f32::INFINITY);
+        }
+        let t = randn(&[16, 8], DType::F32, 950 + k)
+            .mul_scalar(1e-3)
+            .unwrap();
+        let (x, t) = (on(&x, device), on(&t, device));
+        opt.zero_grad().unwrap();
+        let h = x
+            .linear(&params[0], Some(&params[1]))
+            .unwrap()
+            .tanh()
+            .unwrap();
+        let y = h.linear(&params[2], Some(&params[3])).unwrap();
+        let loss = y.mse_loss(&t).unwrap();
+        scaler.scale(&loss).unwrap().backward().unwrap();
+        stepped.push(scaler.step(&mut opt).unwrap());
+        scaler.update().unwrap();
+        scales.push(scaler.get_scale());
+    }
+    (scales, stepped, params.iter().map(|p| on(p, CPU)).collect())
+}
+
+#[test]
+fn grad_scaler_loop_on_gpu_matches_cpu() {
+    let (want_scales, want_steps, want) = scaler_run(CPU);
+    let (got_scales, got_steps, got) = scaler_run(GPU);
+    assert_eq!(got_steps, want_steps);
+    assert!(!want_steps[3], "the inf iteration is skipped");
+    assert_eq!(got_scales, want_scales);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_close(&format!("parameter {i}"), g, w, 1e-6, 1e-5);
+    }
+}
