@@ -11,7 +11,7 @@
 use serde::Serialize;
 
 use crate::error::{Error, Result};
-use crate::memory::{self, Category, CategoryBytes, HostPolicy, format_size};
+use crate::memory::{self, Category, HostPolicy, format_size};
 use crate::nn::{Linear, Module, Relu, Sequential};
 use crate::tensor::{DType, Device, Generator, Tensor};
 
@@ -63,10 +63,6 @@ impl DemoReport {
     pub fn expected_peak(&self) -> u64 {
         2 * self.parameter_bytes + 3 * self.activation_bytes + 4
     }
-}
-
-fn category_map(c: &CategoryBytes) -> std::collections::BTreeMap<String, u64> {
-    c.iter().map(|(k, v)| (k.name().to_string(), v)).collect()
 }
 
 /// Bytes of the parameters and of one activation for a configuration.
@@ -125,7 +121,7 @@ pub fn run(cfg: &DemoConfig) -> Result<DemoReport> {
     let x = Tensor::randn_with(&[cfg.batch, cfg.dim], DType::F32, cfg.device, &mut g)?;
     let out = model.forward(&x)?;
     let before = alloc.memory_allocated() - base;
-    let by_category_before = category_map(&alloc.by_category());
+    let by_category_before = alloc.by_category().to_map();
     out.sum_all()?.backward()?;
     let report = DemoReport {
         dim: cfg.dim,
@@ -138,7 +134,7 @@ pub fn run(cfg: &DemoConfig) -> Result<DemoReport> {
         peak_bytes: alloc.max_memory_allocated() - base,
         reserved_bytes: alloc.memory_reserved(),
         by_category_before,
-        by_category: category_map(&alloc.by_category()),
+        by_category: alloc.by_category().to_map(),
     };
     drop((model, x, out));
     Ok(report)

@@ -16,12 +16,14 @@
 //! - `data`, `io`: the shipped corpus with a character tokenizer; training state in
 //!   safetensors with atomic writes.
 
+pub mod amp;
 pub mod autograd;
 pub mod backend;
 pub mod data;
 pub mod demo;
 pub mod error;
 pub mod io;
+pub mod job;
 pub mod memory;
 pub mod nn;
 pub mod ops;

@@ -79,4 +79,10 @@ impl CategoryBytes {
     pub fn iter(&self) -> impl Iterator<Item = (Category, u64)> + '_ {
         Category::ALL.iter().map(move |&c| (c, self.get(c)))
     }
+    /// Category name → bytes, for reports and JSON.
+    pub fn to_map(&self) -> std::collections::BTreeMap<String, u64> {
+        self.iter()
+            .map(|(k, v)| (k.name().to_string(), v))
+            .collect()
+    }
 }

@@ -27,7 +27,7 @@ pub const IGNORE_INDEX: i64 = -100;
 const INIT_STD: f64 = 0.02;
 
 /// The shape of a GPT model. `n_embd` must be a multiple of `n_head`.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct GptConfig {
     pub vocab_size: usize,
     /// The context length: the longest sequence the model accepts.
@@ -287,6 +287,16 @@ impl Gpt {
 
     pub fn recompute(&self) -> Recompute {
         self.recompute
+    }
+
+    /// Every dropout layer, in a fixed order (their generators belong to saved training
+    /// state, so a resumed run draws the same masks).
+    pub fn dropouts(&self) -> Vec<&Dropout> {
+        let mut v = vec![&self.drop];
+        for b in &self.blocks {
+            v.extend([&b.attn.attn_dropout, &b.attn.resid_dropout, &b.mlp.dropout]);
+        }
+        v
     }
 
     /// The output head's weight (V, C): the token embedding itself.

@@ -3,11 +3,14 @@
 //! generator's state, so dropout draws the same masks again); backward re-runs the function
 //! with grad enabled and backpropagates through that fresh graph. Memory: the activations
 //! inside `f` exist only during its own backward, for the price of a second forward.
+//! The recomputation also runs under the forward's autocast state, so it casts as the forward
+//! did (backward itself runs with autocast off).
 //!
 //! ("checkpoint" names saved training state in this project, hence the longer name.)
 
 use std::sync::Arc;
 
+use crate::amp::{autocast_dtype, set_autocast};
 use crate::autograd::{BackwardOptions, SavedTensor, enable_grad, no_grad, record_always};
 use crate::error::{Error, Result};
 use crate::tensor::{Tensor, get_rng_state, set_rng_state};
@@ -18,6 +21,7 @@ pub type Segment = Arc<dyn Fn(&[Tensor]) -> Result<Tensor> + Send + Sync>;
 /// `f(inputs)` whose inner activations are recomputed in backward instead of saved.
 pub fn checkpoint_activations(f: Segment, inputs: &[Tensor]) -> Result<Tensor> {
     let rng = get_rng_state();
+    let amp = autocast_dtype();
     let out = {
         let _g = no_grad();
         f(inputs)?
@@ -30,7 +34,7 @@ pub fn checkpoint_activations(f: Segment, inputs: &[Tensor]) -> Result<Tensor> {
         out,
         move |_, _| {
             let saved: Vec<SavedTensor> = inputs.iter().map(SavedTensor::new).collect();
-            move |g: &Tensor, needs: &[bool]| recompute_backward(&f, &saved, &rng, g, needs)
+            move |g: &Tensor, needs: &[bool]| recompute_backward(&f, &saved, (&rng, amp), g, needs)
         },
     ))
 }
@@ -40,7 +44,7 @@ pub fn checkpoint_activations(f: Segment, inputs: &[Tensor]) -> Result<Tensor> {
 fn recompute_backward(
     f: &Segment,
     saved: &[SavedTensor],
-    rng: &crate::tensor::Generator,
+    (rng, amp): (&crate::tensor::Generator, Option<crate::tensor::DType>),
     g: &Tensor,
     needs: &[bool],
 ) -> Result<Vec<Option<Tensor>>> {
@@ -55,7 +59,10 @@ fn recompute_backward(
         .collect::<Result<_>>()?;
     let outer_rng = get_rng_state();
     set_rng_state(rng.clone());
-    let out = f(&leaves);
+    let out = {
+        let _amp = set_autocast(amp)?;
+        f(&leaves)
+    };
     set_rng_state(outer_rng);
     let out = out?;
     if out.shape() != g.shape() {

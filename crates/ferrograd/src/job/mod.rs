@@ -1,0 +1,307 @@
+//! The main job, `ferrograd train`: a character-level GPT trained on a text (the shipped
+//! corpus by default) through the `Trainer`, with every memory strategy behind a switch,
+//! evaluation under no_grad, a text sample at the end, and training state saved and resumed.
+//!
+//! The loop reports through `Event`s, so the command line can draw a progress bar and tests
+//! can watch every step.
+
+mod sample;
+mod state;
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use serde::Serialize;
+
+pub use sample::sample_text;
+pub use state::{STATE_FORMAT, load_training_state, save_training_state};
+
+use crate::autograd::no_grad;
+use crate::data::{Split, TextDataset};
+use crate::error::{Error, Result};
+use crate::memory;
+use crate::nn::{Gpt, GptConfig, Module, Recompute};
+use crate::optim::{Adam, AdamConfig, WarmupCosine};
+use crate::tensor::{Device, Generator};
+use crate::train::{MicroBatch, StepReport, Trainer, TrainerConfig, freeze};
+
+/// Everything a run needs; `Default` is the CPU run the README shows.
+#[derive(Clone, Debug)]
+pub struct TrainJob {
+    /// The text to learn; the tokenizer is its set of characters.
+    pub text: String,
+    /// The model's shape; `vocab_size` is replaced by the tokenizer's.
+    pub model: GptConfig,
+    /// Sequences per micro-batch.
+    pub batch_size: usize,
+    /// Total optimizer steps of the run (the schedule's length).
+    pub max_steps: u64,
+    /// Stop this invocation after this many steps (the run can be resumed later).
+    pub stop_after: Option<u64>,
+    pub lr: f64,
+    pub min_lr: f64,
+    pub warmup_steps: u64,
+    pub weight_decay: f64,
+    /// Accumulation, clipping, autocast, step-in-backward, zero_grad mode.
+    pub trainer: TrainerConfig,
+    pub recompute: Recompute,
+    /// Name patterns of parameters to freeze (`transformer.h.0.*`).
+    pub freeze: Vec<String>,
+    pub device: Device,
+    /// Evaluate every this many steps (and at the start and end); 0: only start and end.
+    pub eval_every: u64,
+    /// Batches per evaluation.
+    pub eval_batches: usize,
+    /// Characters sampled at the end.
+    pub sample_chars: usize,
+    /// Seeds the weights, the batches, dropout and sampling.
+    pub seed: u64,
+    /// Save training state here at the end (and every `save_every` steps).
+    pub save: Option<PathBuf>,
+    pub save_every: u64,
+    /// Continue from this saved state.
+    pub resume: Option<PathBuf>,
+}
+
+impl Default for TrainJob {
+    fn default() -> Self {
+        TrainJob {
+            text: crate::data::default_corpus().to_string(),
+            model: GptConfig {
+                vocab_size: 0,
+                block_size: 64,
+                n_layer: 4,
+                n_head: 4,
+                n_embd: 128,
+                dropout: 0.0,
+                bias: true,
+                seed: 0,
+            },
+            batch_size: 16,
+            max_steps: 600,
+            stop_after: None,
+            lr: 2e-3,
+            min_lr: 2e-4,
+            warmup_steps: 30,
+            weight_decay: 0.1,
+            trainer: TrainerConfig::default(),
+            recompute: Recompute::Off,
+            freeze: Vec::new(),
+            device: Device::Cpu,
+            eval_every: 200,
+            eval_batches: 8,
+            sample_chars: 300,
+            seed: 0,
+            save: None,
+            save_every: 0,
+            resume: None,
+        }
+    }
+}
+
+/// What the loop reports as it goes.
+#[derive(Clone, Debug)]
+pub enum Event {
+    /// The model is built: its parameter count and the step it starts from.
+    Started {
+        params: usize,
+        start_step: u64,
+    },
+    Step(StepReport),
+    Eval(EvalReport),
+    Saved {
+        step: u64,
+        path: PathBuf,
+    },
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct EvalReport {
+    pub step: u64,
+    pub train_loss: f64,
+    pub val_loss: f64,
+}
+
+/// The run's outcome; `--json` prints it.
+#[derive(Clone, Debug, Serialize)]
+pub struct JobSummary {
+    /// The first step's training loss (of this invocation).
+    pub initial_loss: f64,
+    /// The last step's training loss.
+    pub final_loss: f64,
+    /// Evaluation at the start and at the end (mean over `eval_batches`, under no_grad).
+    pub initial_eval: EvalReport,
+    pub final_eval: EvalReport,
+    /// Steps run by this invocation, and the index reached.
+    pub steps: u64,
+    pub step_reached: u64,
+    pub tokens_per_s: f64,
+    pub seconds: f64,
+    pub params: usize,
+    /// max_memory_allocated over the run and the categories at that moment.
+    pub peak_bytes: u64,
+    pub by_category_at_peak: std::collections::BTreeMap<String, u64>,
+    pub peak_reserved_bytes: u64,
+    pub device: String,
+    pub sample: String,
+}
+
+/// Builds the model, runs the steps and returns the summary.
+pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummary> {
+    let data = TextDataset::new(&job.text)?;
+    let mut cfg = job.model.clone();
+    cfg.vocab_size = data.vocab_size();
+    cfg.seed = job.seed;
+    let mut model = Gpt::new(cfg, job.device)?;
+    model.set_recompute(job.recompute);
+    for pattern in &job.freeze {
+        freeze(&model, pattern)?;
+    }
+    let trainable: Vec<_> = model
+        .parameters()
+        .into_iter()
+        .filter(|p| p.requires_grad())
+        .collect();
+    let optimizer = Adam::adamw(trainable, adam_config(job))?;
+    let mut trainer = Trainer::new(optimizer, trainer_config(job)?, job.device)?;
+    let mut data_rng = Generator::new(job.seed ^ 0xDA7A);
+    if let Some(path) = &job.resume {
+        load_training_state(path, &model, &mut trainer, &mut data_rng, data.tokenizer())?;
+    }
+    let start_step = trainer.step_index();
+    let params = model.config.num_params();
+    on_event(&Event::Started { params, start_step });
+    memory::reset_peak_memory_stats(job.device)?;
+    let initial_eval = evaluate(&mut model, &data, job, start_step)?;
+    on_event(&Event::Eval(initial_eval.clone()));
+    let end = job
+        .stop_after
+        .map_or(job.max_steps, |n| (start_step + n).min(job.max_steps));
+    let started = Instant::now();
+    let (mut first, mut last, mut tokens) = (None, None, 0usize);
+    while trainer.step_index() < end {
+        let report = trainer.step(|_| {
+            let (x, y) = data.batch(
+                Split::Train,
+                job.batch_size,
+                model.config.block_size,
+                &mut data_rng,
+                job.device,
+            )?;
+            let (_, loss) = model.forward_loss(&x, Some(&y))?;
+            let loss = loss.ok_or_else(|| Error::autograd("the model returned no loss"))?;
+            Ok(MicroBatch {
+                loss,
+                tokens: x.numel(),
+            })
+        })?;
+        tokens += report.tokens;
+        first.get_or_insert(report.loss);
+        last = Some(report.loss);
+        on_event(&Event::Step(report));
+        let step = trainer.step_index();
+        if job.eval_every > 0 && step % job.eval_every == 0 && step < end {
+            let e = evaluate(&mut model, &data, job, step)?;
+            on_event(&Event::Eval(e));
+        }
+        if let Some(path) = &job.save
+            && job.save_every > 0
+            && step % job.save_every == 0
+            && step < end
+        {
+            save_training_state(path, &model, &mut trainer, &data_rng, data.tokenizer())?;
+            on_event(&Event::Saved {
+                step,
+                path: path.clone(),
+            });
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let alloc = memory::allocator(job.device)?;
+    let (peak_bytes, at_peak) = (alloc.max_memory_allocated(), alloc.by_category_at_peak());
+    let peak_reserved_bytes = alloc.max_memory_reserved();
+    let final_eval = evaluate(&mut model, &data, job, trainer.step_index())?;
+    on_event(&Event::Eval(final_eval.clone()));
+    if let Some(path) = &job.save {
+        save_training_state(path, &model, &mut trainer, &data_rng, data.tokenizer())?;
+        on_event(&Event::Saved {
+            step: trainer.step_index(),
+            path: path.clone(),
+        });
+    }
+    let sample = sample_text(
+        &mut model,
+        data.tokenizer(),
+        job.sample_chars,
+        job.seed,
+        job.device,
+    )?;
+    Ok(JobSummary {
+        initial_loss: first.unwrap_or(f64::NAN),
+        final_loss: last.unwrap_or(f64::NAN),
+        initial_eval,
+        final_eval,
+        steps: trainer.step_index() - start_step,
+        step_reached: trainer.step_index(),
+        tokens_per_s: tokens as f64 / seconds.max(1e-9),
+        seconds,
+        params,
+        peak_bytes,
+        by_category_at_peak: at_peak.to_map(),
+        peak_reserved_bytes,
+        device: job.device.to_string(),
+        sample,
+    })
+}
+
+fn adam_config(job: &TrainJob) -> AdamConfig {
+    AdamConfig {
+        lr: job.lr,
+        betas: (0.9, 0.99),
+        weight_decay: job.weight_decay,
+        ..AdamConfig::default()
+    }
+}
+
+fn trainer_config(job: &TrainJob) -> Result<TrainerConfig> {
+    let warmup = job.warmup_steps.min(job.max_steps);
+    Ok(TrainerConfig {
+        schedule: Some(WarmupCosine::new(
+            job.lr,
+            job.min_lr,
+            warmup,
+            job.max_steps,
+        )?),
+        ..job.trainer.clone()
+    })
+}
+
+/// Mean loss over `eval_batches` of each split, in eval mode and under no_grad. Batches come
+/// from a generator seeded by the step, so evaluation never shifts the training batches.
+fn evaluate(model: &mut Gpt, data: &TextDataset, job: &TrainJob, step: u64) -> Result<EvalReport> {
+    let _g = no_grad();
+    model.eval();
+    let mut losses = [0.0; 2];
+    for (split, mean) in [Split::Train, Split::Val].into_iter().zip(&mut losses) {
+        let mut g = Generator::new(job.seed ^ 0xE7A1 ^ step.rotate_left(17));
+        for _ in 0..job.eval_batches.max(1) {
+            let (x, y) = data.batch(
+                split,
+                job.batch_size,
+                model.config.block_size,
+                &mut g,
+                job.device,
+            )?;
+            let (_, loss) = model.forward_loss(&x, Some(&y))?;
+            if let Some(l) = loss {
+                *mean += l.item()? / job.eval_batches.max(1) as f64;
+            }
+        }
+    }
+    model.train(true);
+    Ok(EvalReport {
+        step,
+        train_loss: losses[0],
+        val_loss: losses[1],
+    })
+}

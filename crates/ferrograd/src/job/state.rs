@@ -1,0 +1,228 @@
+//! Training state of the main job in one safetensors file: weights (`model.*`), AdamW state
+//! (`optim.{i}.exp_avg`, `optim.{i}.exp_avg_sq`, `optim.{i}.step`), the loss scaler
+//! (`scaler.*`), and in the metadata the step, the model's shape, the vocabulary, which
+//! parameters train, and every random stream (batches, dropout, the default generator) — so a
+//! resumed run continues exactly as if it had never stopped.
+//!
+//! Writing is atomic (see `io::save_state`). Reading checks everything — format, model shape,
+//! vocabulary, trainable set, every tensor's shape — before changing anything.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use crate::data::CharTokenizer;
+use crate::error::{Error, Result};
+use crate::io::{load_state, save_state};
+use crate::nn::{Gpt, GptConfig, Module, load_named};
+use crate::optim::{Adam, AdamState, Optimizer};
+use crate::tensor::{Device, Generator, Tensor, get_rng_state, set_rng_state};
+use crate::train::Trainer;
+
+/// The `format` metadata value of files this version writes.
+pub const STATE_FORMAT: &str = "ferrograd-train-state-1";
+
+/// Writes the state of a run after `trainer.step_index()` steps to `path`, atomically.
+pub fn save_training_state(
+    path: &Path,
+    model: &Gpt,
+    trainer: &mut Trainer<Adam>,
+    data_rng: &Generator,
+    tokenizer: &CharTokenizer,
+) -> Result<()> {
+    let mut tensors: Vec<(String, Tensor)> = model
+        .named_parameters()
+        .into_iter()
+        .map(|(n, p)| (format!("model.{n}"), p))
+        .collect();
+    tensors.extend(trainer.with_optimizer(optimizer_tensors)??);
+    if let Some(s) = trainer.scaler() {
+        tensors.extend(s.state_tensors()?);
+    }
+    let dropouts: Vec<String> = model
+        .dropouts()
+        .iter()
+        .map(|d| rng_string(&d.generator_state()))
+        .collect();
+    let meta = BTreeMap::from([
+        ("format".to_string(), STATE_FORMAT.to_string()),
+        ("step".to_string(), trainer.step_index().to_string()),
+        ("model".to_string(), to_json(&model.config)?),
+        ("vocab".to_string(), tokenizer.vocab()),
+        ("trainable".to_string(), trainable_names(model).join(",")),
+        ("rng.data".to_string(), rng_string(data_rng)),
+        ("rng.dropout".to_string(), dropouts.join(";")),
+        ("rng.default".to_string(), rng_string(&get_rng_state())),
+    ]);
+    save_state(path, &tensors, meta)
+}
+
+/// Restores a state written by `save_training_state` into a freshly built run. Fails, with
+/// nothing changed, when the file is not such a state or belongs to another model.
+pub fn load_training_state(
+    path: &Path,
+    model: &Gpt,
+    trainer: &mut Trainer<Adam>,
+    data_rng: &mut Generator,
+    tokenizer: &CharTokenizer,
+) -> Result<()> {
+    let (tensors, meta) = load_state(path)?;
+    let bad = |detail: String| Error::BadFile {
+        path: path.display().to_string(),
+        detail,
+    };
+    let get = |key: &str| {
+        meta.get(key).ok_or_else(|| {
+            bad(format!(
+                "no '{key}' entry: not a training state saved by `ferrograd train`"
+            ))
+        })
+    };
+    if get("format")? != STATE_FORMAT {
+        return Err(bad(format!(
+            "format '{}' is not '{STATE_FORMAT}'",
+            get("format")?
+        )));
+    }
+    let saved: GptConfig = serde_json::from_str(get("model")?)
+        .map_err(|e| bad(format!("unreadable model shape: {e}")))?;
+    if saved != model.config {
+        return Err(bad(format!(
+            "it holds another model shape: saved {}, this run {}; pass the same model flags as the saved run, or start without --resume",
+            to_json(&saved)?,
+            to_json(&model.config)?
+        )));
+    }
+    if get("vocab")? != &tokenizer.vocab() {
+        return Err(bad(
+            "it was trained on text with another character set; use the same text as the saved run"
+                .into(),
+        ));
+    }
+    if get("trainable")? != &trainable_names(model).join(",") {
+        return Err(bad(
+            "it was saved with other frozen parameters; pass the same --freeze patterns".into(),
+        ));
+    }
+    let step: u64 = parse(get("step")?, "step", &bad)?;
+    let data = parse_rng(get("rng.data")?, &bad)?;
+    let default_rng = parse_rng(get("rng.default")?, &bad)?;
+    let dropouts = get("rng.dropout")?
+        .split(';')
+        .map(|s| parse_rng(s, &bad))
+        .collect::<Result<Vec<_>>>()?;
+    if dropouts.len() != model.dropouts().len() {
+        return Err(bad("the dropout streams do not match the model".into()));
+    }
+    let device = model.wte.weight.device();
+    let weights: HashMap<String, Tensor> = tensors
+        .iter()
+        .filter_map(|(k, t)| k.strip_prefix("model.").map(|n| (n.to_string(), t.clone())))
+        .collect();
+    let states = trainer.with_optimizer(|o| adam_states(o, &tensors, device, &bad))??;
+    // Everything is checked; from here on the run is overwritten.
+    load_named(model, &weights)?;
+    trainer.with_optimizer(|o| states.into_iter().try_for_each(|(i, s)| o.set_state(i, s)))??;
+    if let Some(s) = trainer.scaler_mut()
+        && tensors.keys().any(|k| k.starts_with("scaler."))
+    {
+        let scaler: Vec<(String, Tensor)> = tensors
+            .iter()
+            .filter(|(k, _)| k.starts_with("scaler."))
+            .map(|(k, t)| (k.clone(), t.clone()))
+            .collect();
+        s.load_state_tensors(&scaler)?;
+    }
+    for (d, g) in model.dropouts().iter().zip(dropouts) {
+        d.set_generator_state(g);
+    }
+    *data_rng = data;
+    set_rng_state(default_rng);
+    trainer.set_step_index(step);
+    Ok(())
+}
+
+fn optimizer_tensors(o: &mut Adam) -> Result<Vec<(String, Tensor)>> {
+    let mut v = Vec::new();
+    for i in 0..o.params().len() {
+        if let Some(s) = o.state(i) {
+            v.push((format!("optim.{i}.exp_avg"), s.exp_avg.clone()));
+            v.push((format!("optim.{i}.exp_avg_sq"), s.exp_avg_sq.clone()));
+            let step = Tensor::from_vec(vec![s.step as i64], &[], Device::Cpu)?;
+            v.push((format!("optim.{i}.step"), step));
+        }
+    }
+    Ok(v)
+}
+
+/// Every parameter's saved AdamW state, checked against the parameter, on its device.
+fn adam_states(
+    o: &mut Adam,
+    tensors: &HashMap<String, Tensor>,
+    device: Device,
+    bad: &dyn Fn(String) -> Error,
+) -> Result<Vec<(usize, AdamState)>> {
+    let mut out = Vec::new();
+    for (i, p) in o.params().iter().enumerate() {
+        let key = |s: &str| format!("optim.{i}.{s}");
+        let (Some(m), Some(v), Some(step)) = (
+            tensors.get(&key("exp_avg")),
+            tensors.get(&key("exp_avg_sq")),
+            tensors.get(&key("step")),
+        ) else {
+            continue;
+        };
+        if m.shape() != p.shape() || v.shape() != p.shape() {
+            return Err(bad(format!(
+                "optimizer state {i} has shape {:?}, the parameter {:?}",
+                m.shape(),
+                p.shape()
+            )));
+        }
+        let step = step.item()?;
+        if !(step >= 0.0 && step.fract() == 0.0) {
+            return Err(bad(format!("optimizer step count {step} of parameter {i}")));
+        }
+        let owned = |t: &Tensor| t.to_dtype(p.dtype())?.to_device(device)?.contiguous_owned();
+        out.push((
+            i,
+            AdamState {
+                exp_avg: owned(m)?,
+                exp_avg_sq: owned(v)?,
+                step: step as u64,
+            },
+        ));
+    }
+    Ok(out)
+}
+
+fn trainable_names(model: &Gpt) -> Vec<String> {
+    model
+        .named_parameters()
+        .into_iter()
+        .filter(|(_, p)| p.requires_grad())
+        .map(|(n, _)| n)
+        .collect()
+}
+
+fn to_json(c: &GptConfig) -> Result<String> {
+    serde_json::to_string(c).map_err(|e| Error::invalid("save_training_state", e.to_string()))
+}
+
+/// A generator as `seed:position`.
+fn rng_string(g: &Generator) -> String {
+    format!("{}:{}", g.seed(), g.word_pos())
+}
+
+fn parse_rng(s: &str, bad: &dyn Fn(String) -> Error) -> Result<Generator> {
+    let (seed, pos) = s
+        .split_once(':')
+        .ok_or_else(|| bad(format!("random state '{s}' is not seed:position")))?;
+    let mut g = Generator::new(parse(seed, "seed", bad)?);
+    g.set_word_pos(parse(pos, "position", bad)?);
+    Ok(g)
+}
+
+fn parse<T: std::str::FromStr>(s: &str, what: &str, bad: &dyn Fn(String) -> Error) -> Result<T> {
+    s.parse()
+        .map_err(|_| bad(format!("{what} '{s}' is not a number")))
+}

@@ -1,0 +1,321 @@
+//! The `Trainer`: every memory strategy composed in one readable training step.
+//!
+//!   for each micro-batch:  loss = forward (under autocast)  →  backward(scale(loss / N))
+//!   (all-reduce of gradients across devices goes here)
+//!   unscale  →  clip  →  step (skipped on inf/NaN)  →  update scale  →  zero_grad
+//!
+//! With `step_in_backward` the optimizer runs inside backward, parameter by parameter, so the
+//! second line is empty: that rules out what needs every gradient first (accumulation over
+//! micro-batches, global-norm clipping, a GradScaler's skip decision) — such combinations are
+//! refused when the trainer is built, with the reason.
+
+use std::time::Instant;
+
+use super::StepInBackward;
+use crate::amp::{AmpDType, GradScaler, try_autocast};
+use crate::error::{Error, Result};
+use crate::memory::{self, CategoryBytes};
+use crate::optim::{Optimizer, WarmupCosine, clip_grad_norm};
+use crate::tensor::{DType, Device, Tensor};
+
+/// How a step is run. `Default` is plain f32 training: one micro-batch, no clipping.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TrainerConfig {
+    /// Micro-batches per optimizer step (gradient accumulation); each loss is scaled by 1/N.
+    pub accum: usize,
+    /// Clip the global gradient norm to this value before the step.
+    pub clip: Option<f64>,
+    /// Run forward and loss under `autocast(dtype)` (F16 or BF16). F16 also gets a
+    /// `GradScaler`; BF16 has f32's range and needs none.
+    pub amp: Option<DType>,
+    /// Update each parameter inside backward as soon as its gradient is complete.
+    pub step_in_backward: bool,
+    /// zero_grad frees gradients (true, PyTorch's default) or zeroes them in place.
+    pub set_to_none: bool,
+    /// The learning rate for each step; without it the optimizer's rate stays.
+    pub schedule: Option<WarmupCosine>,
+}
+
+impl Default for TrainerConfig {
+    fn default() -> Self {
+        TrainerConfig {
+            accum: 1,
+            clip: None,
+            amp: None,
+            step_in_backward: false,
+            set_to_none: true,
+            schedule: None,
+        }
+    }
+}
+
+impl TrainerConfig {
+    /// Refuses combinations that cannot work, saying why.
+    pub fn validate(&self) -> Result<()> {
+        let bad = |msg: String| Err(Error::invalid("Trainer", msg));
+        if self.accum == 0 {
+            return bad("accum must be at least 1 micro-batch".into());
+        }
+        if let Some(c) = self.clip
+            && !(c.is_finite() && c > 0.0)
+        {
+            return bad(format!("clip must be a positive number, got {c}"));
+        }
+        if let Some(d) = self.amp {
+            AmpDType::try_from(d)?;
+        }
+        if self.step_in_backward {
+            let reason = if self.accum > 1 {
+                Some(
+                    "gradient accumulation (--accum) needs all micro-batches' gradients before the step",
+                )
+            } else if self.clip.is_some() {
+                Some("global-norm clipping (--clip) needs every gradient before any step")
+            } else if self.amp == Some(DType::F16) {
+                Some(
+                    "f16 needs a GradScaler, which must see every gradient to decide whether to skip the step; use bf16",
+                )
+            } else {
+                None
+            };
+            if let Some(reason) = reason {
+                return bad(format!(
+                    "step-in-backward cannot be combined with this: {reason}"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether steps go through a GradScaler (f16 autocast).
+    pub fn uses_scaler(&self) -> bool {
+        self.amp == Some(DType::F16)
+    }
+}
+
+/// The loss of one micro-batch and how many tokens (or samples) it covered.
+pub struct MicroBatch {
+    pub loss: Tensor,
+    pub tokens: usize,
+}
+
+/// What one step did, for logs and progress bars.
+#[derive(Clone, Debug)]
+pub struct StepReport {
+    /// The step's index (0 for the first step of a run that started fresh).
+    pub step: u64,
+    /// The mean of the micro-batch losses (unscaled).
+    pub loss: f64,
+    pub lr: f64,
+    /// The global gradient norm before clipping, when clipping.
+    pub grad_norm: Option<f64>,
+    /// False when a GradScaler skipped the step for inf/NaN gradients.
+    pub stepped: bool,
+    /// The loss scale after this step's update (f16 only).
+    pub scale: Option<f64>,
+    pub tokens: usize,
+    pub seconds: f64,
+    pub memory_allocated: u64,
+    pub max_memory_allocated: u64,
+    pub memory_reserved: u64,
+}
+
+impl StepReport {
+    pub fn tokens_per_s(&self) -> f64 {
+        self.tokens as f64 / self.seconds.max(1e-12)
+    }
+}
+
+impl std::fmt::Display for StepReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mb = |b: u64| b as f64 / 1048576.0;
+        write!(
+            f,
+            "step {:>5} | loss {:.4} | lr {:.2e} | {:.0} tok/s | mem {:.1} MiB (peak {:.1}, reserved {:.1})",
+            self.step,
+            self.loss,
+            self.lr,
+            self.tokens_per_s(),
+            mb(self.memory_allocated),
+            mb(self.max_memory_allocated),
+            mb(self.memory_reserved)
+        )?;
+        if let Some(n) = self.grad_norm {
+            write!(f, " | norm {n:.3}")?;
+        }
+        if let Some(s) = self.scale {
+            write!(f, " | scale {s}")?;
+        }
+        if !self.stepped {
+            write!(f, " | skipped (inf/NaN gradients)")?;
+        }
+        Ok(())
+    }
+}
+
+/// Where the optimizer lives: called after backward, or hooked into it.
+enum Stepper<O: Optimizer + Send + 'static> {
+    AfterBackward(O),
+    InBackward(StepInBackward<O>),
+}
+
+pub struct Trainer<O: Optimizer + Send + 'static> {
+    config: TrainerConfig,
+    stepper: Stepper<O>,
+    scaler: Option<GradScaler>,
+    device: Device,
+    step: u64,
+}
+
+impl<O: Optimizer + Send + 'static> Trainer<O> {
+    /// A trainer for the parameters of `optimizer`, whose memory is reported for `device`.
+    pub fn new(optimizer: O, config: TrainerConfig, device: Device) -> Result<Trainer<O>> {
+        config.validate()?;
+        let scaler = config.uses_scaler().then(GradScaler::new);
+        let stepper = if config.step_in_backward {
+            Stepper::InBackward(StepInBackward::install(optimizer)?)
+        } else {
+            Stepper::AfterBackward(optimizer)
+        };
+        Ok(Trainer {
+            config,
+            stepper,
+            scaler,
+            device,
+            step: 0,
+        })
+    }
+
+    pub fn config(&self) -> &TrainerConfig {
+        &self.config
+    }
+
+    /// The index of the next step.
+    pub fn step_index(&self) -> u64 {
+        self.step
+    }
+
+    /// Continues counting from `step` (after loading saved state).
+    pub fn set_step_index(&mut self, step: u64) {
+        self.step = step;
+    }
+
+    pub fn scaler(&self) -> Option<&GradScaler> {
+        self.scaler.as_ref()
+    }
+
+    pub fn scaler_mut(&mut self) -> Option<&mut GradScaler> {
+        self.scaler.as_mut()
+    }
+
+    /// Runs `f` with the optimizer (read or restore its state, change its rate...).
+    pub fn with_optimizer<R>(&mut self, f: impl FnOnce(&mut O) -> R) -> Result<R> {
+        match &mut self.stepper {
+            Stepper::AfterBackward(o) => Ok(f(o)),
+            Stepper::InBackward(s) => s.with_optimizer(f),
+        }
+    }
+
+    /// One optimizer step over `config.accum` micro-batches: `loss_of(i)` runs the forward of
+    /// micro-batch i (under autocast when configured) and returns its loss.
+    pub fn step(
+        &mut self,
+        mut loss_of: impl FnMut(usize) -> Result<MicroBatch>,
+    ) -> Result<StepReport> {
+        let start = Instant::now();
+        let lr = self.set_scheduled_lr()?;
+        let n = self.config.accum;
+        let (mut loss_sum, mut tokens) = (0.0, 0usize);
+        for i in 0..n {
+            let micro = {
+                let _amp = self.config.amp.map(try_autocast).transpose()?;
+                loss_of(i)?
+            };
+            check_scalar(&micro.loss)?;
+            loss_sum += micro.loss.item()?;
+            tokens += micro.tokens;
+            let loss = micro.loss.mul_scalar(1.0 / n as f64)?;
+            let loss = match &self.scaler {
+                Some(s) => s.scale(&loss)?,
+                None => loss,
+            };
+            // Frees micro-batch i's graph and activations before micro-batch i+1 runs.
+            loss.backward()?;
+        }
+        // Gradients would be all-reduced across data-parallel ranks here.
+        let (grad_norm, stepped) = self.finish_step()?;
+        crate::backend::synchronize(self.device)?;
+        let report = StepReport {
+            step: self.step,
+            loss: loss_sum / n as f64,
+            lr,
+            grad_norm,
+            stepped,
+            scale: self.scaler.as_ref().map(GradScaler::get_scale),
+            tokens,
+            seconds: start.elapsed().as_secs_f64(),
+            memory_allocated: memory::memory_allocated(self.device)?,
+            max_memory_allocated: memory::max_memory_allocated(self.device)?,
+            memory_reserved: memory::memory_reserved(self.device)?,
+        };
+        self.step += 1;
+        Ok(report)
+    }
+
+    /// unscale → clip → step → update → zero_grad; returns (norm before clipping, stepped).
+    fn finish_step(&mut self) -> Result<(Option<f64>, bool)> {
+        let Stepper::AfterBackward(opt) = &mut self.stepper else {
+            // Every parameter already stepped inside backward and dropped its gradient.
+            return Ok((None, true));
+        };
+        if let Some(s) = &mut self.scaler {
+            s.unscale_(opt)?;
+        }
+        let grad_norm = match self.config.clip {
+            Some(max) => Some(clip_grad_norm(opt.params(), max, 2.0, false)?),
+            None => None,
+        };
+        let stepped = match &mut self.scaler {
+            Some(s) => {
+                let stepped = s.step(opt)?;
+                s.update()?;
+                stepped
+            }
+            None => {
+                opt.step()?;
+                true
+            }
+        };
+        opt.zero_grad_with(self.config.set_to_none)?;
+        Ok((grad_norm, stepped))
+    }
+
+    /// Sets this step's rate from the schedule (if any); returns the rate in use.
+    fn set_scheduled_lr(&mut self) -> Result<f64> {
+        let scheduled = self.config.schedule.map(|s| s.lr_at(self.step));
+        self.with_optimizer(|o| {
+            if let Some(lr) = scheduled {
+                o.set_lr(lr)?;
+            }
+            Ok(o.lr())
+        })?
+    }
+
+    /// Bytes by category at the highest `memory_allocated` since the last peak reset.
+    pub fn by_category_at_peak(&self) -> Result<CategoryBytes> {
+        Ok(memory::allocator(self.device)?.by_category_at_peak())
+    }
+}
+
+fn check_scalar(loss: &Tensor) -> Result<()> {
+    if loss.numel() != 1 {
+        return Err(Error::shape(
+            "Trainer",
+            format!(
+                "the micro-batch loss must be a scalar, got shape {:?}",
+                loss.shape()
+            ),
+        ));
+    }
+    Ok(())
+}
