@@ -18,6 +18,8 @@ pub struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Train a character-level GPT (the main job; the default without a subcommand).
+    Train(Box<crate::train::TrainArgs>),
     /// Gradient memory of Linear-ReLU-Linear, before/after backward, peak, by category.
     Demo(DemoArgs),
     /// Devices, their memory, and library versions.
@@ -43,20 +45,10 @@ struct DemoArgs {
     seed: u64,
 }
 
-impl Default for DemoArgs {
-    fn default() -> Self {
-        DemoArgs {
-            dim: 10_000,
-            batch: 1_000,
-            device: "cpu".into(),
-            json: false,
-            seed: 0,
-        }
-    }
-}
-
 pub fn run(cli: Cli) -> anyhow::Result<()> {
-    match cli.command.unwrap_or(Command::Demo(DemoArgs::default())) {
+    let default = || Command::Train(Box::new(crate::train::TrainArgs::defaults()));
+    match cli.command.unwrap_or_else(default) {
+        Command::Train(a) => crate::train::run(*a),
         Command::Demo(a) => run_demo(a),
         Command::Info => run_info(),
     }

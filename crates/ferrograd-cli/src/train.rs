@@ -1,0 +1,233 @@
+//! `ferrograd train`: flags → `job::TrainJob`, a progress bar over the steps, and the end
+//! report (losses, speed, peak memory by category, a text sample) or one JSON object.
+
+use std::path::PathBuf;
+
+use clap::Parser;
+use ferrograd::job::{self, Event, JobSummary, TrainJob};
+use ferrograd::memory::format_size;
+use ferrograd::nn::Recompute;
+use ferrograd::train::TrainerConfig;
+use ferrograd::{DType, Device};
+use indicatif::{ProgressBar, ProgressStyle};
+
+/// Trains a character-level GPT on the shipped Shakespeare corpus (or --text FILE).
+#[derive(Parser, Debug)]
+pub struct TrainArgs {
+    /// cpu, cuda, cuda:N
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// Total optimizer steps (the learning-rate schedule's length).
+    #[arg(long, default_value_t = 600)]
+    max_steps: u64,
+    /// Stop after this many steps of this invocation (resume later with --resume).
+    #[arg(long)]
+    stop_after: Option<u64>,
+    /// Sequences per micro-batch.
+    #[arg(long, default_value_t = 16)]
+    batch_size: usize,
+    /// Context length T.
+    #[arg(long, default_value_t = 64)]
+    block_size: usize,
+    #[arg(long, default_value_t = 4)]
+    n_layer: usize,
+    #[arg(long, default_value_t = 4)]
+    n_head: usize,
+    /// Width C (a multiple of --n-head).
+    #[arg(long, default_value_t = 128)]
+    n_embd: usize,
+    #[arg(long, default_value_t = 0.0)]
+    dropout: f64,
+    /// Peak learning rate (AdamW), reached after --warmup steps, then cosine to --min-lr.
+    #[arg(long, default_value_t = 2e-3)]
+    lr: f64,
+    #[arg(long, default_value_t = 2e-4)]
+    min_lr: f64,
+    #[arg(long, default_value_t = 30)]
+    warmup: u64,
+    #[arg(long, default_value_t = 0.1)]
+    weight_decay: f64,
+    /// Mixed precision: bf16, f16 (with a GradScaler) or off.
+    #[arg(long, default_value = "off", value_parser = parse_amp)]
+    amp: Amp,
+    /// Activation recomputation: off or every:K (every K-th transformer block).
+    #[arg(long, default_value = "off")]
+    recompute: Recompute,
+    /// Micro-batches per step (gradient accumulation).
+    #[arg(long, default_value_t = 1)]
+    accum: usize,
+    /// Clip the global gradient norm to this value.
+    #[arg(long)]
+    clip: Option<f64>,
+    /// Freeze the parameters whose names match (repeatable; * is a wildcard), e.g.
+    /// 'transformer.h.0.*'.
+    #[arg(long)]
+    freeze: Vec<String>,
+    /// Update each parameter inside backward and free its gradient at once.
+    #[arg(long)]
+    step_in_backward: bool,
+    /// zero_grad zeroes gradients in place instead of freeing them.
+    #[arg(long)]
+    zero_grad_in_place: bool,
+    /// Evaluate every N steps (also at the start and the end).
+    #[arg(long, default_value_t = 200)]
+    eval_every: u64,
+    #[arg(long, default_value_t = 8)]
+    eval_batches: usize,
+    /// Characters of text to sample at the end.
+    #[arg(long, default_value_t = 300)]
+    sample_chars: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Save the training state here (safetensors) at the end, and every --save-every steps.
+    #[arg(long)]
+    save: Option<PathBuf>,
+    #[arg(long, default_value_t = 0)]
+    save_every: u64,
+    /// Continue from a saved training state.
+    #[arg(long)]
+    resume: Option<PathBuf>,
+    /// Train on this UTF-8 text file instead of the shipped corpus.
+    #[arg(long)]
+    text: Option<PathBuf>,
+    /// End with one JSON object (initial_loss, final_loss, steps, tokens_per_s, peak_bytes,
+    /// by_category_at_peak, ...) instead of the report.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The autocast dtype chosen by --amp (None: f32 throughout).
+#[derive(Clone, Copy, Debug)]
+struct Amp(Option<DType>);
+
+fn parse_amp(s: &str) -> Result<Amp, String> {
+    match s {
+        "off" | "none" | "f32" => Ok(Amp(None)),
+        "bf16" => Ok(Amp(Some(DType::BF16))),
+        "f16" | "fp16" => Ok(Amp(Some(DType::F16))),
+        _ => Err(format!(
+            "'{s}' is not a mixed-precision mode: use bf16, f16 or off"
+        )),
+    }
+}
+
+impl TrainArgs {
+    /// The run's defaults (what `ferrograd` with no arguments does).
+    pub fn defaults() -> TrainArgs {
+        TrainArgs::parse_from(["train"])
+    }
+
+    fn to_job(&self) -> anyhow::Result<TrainJob> {
+        let base = TrainJob::default();
+        let text = match &self.text {
+            Some(p) => ferrograd::data::load_text(p)?,
+            None => base.text.clone(),
+        };
+        Ok(TrainJob {
+            text,
+            model: ferrograd::nn::GptConfig {
+                block_size: self.block_size,
+                n_layer: self.n_layer,
+                n_head: self.n_head,
+                n_embd: self.n_embd,
+                dropout: self.dropout,
+                ..base.model.clone()
+            },
+            batch_size: self.batch_size,
+            max_steps: self.max_steps,
+            stop_after: self.stop_after,
+            lr: self.lr,
+            min_lr: self.min_lr,
+            warmup_steps: self.warmup,
+            weight_decay: self.weight_decay,
+            trainer: TrainerConfig {
+                accum: self.accum,
+                clip: self.clip,
+                amp: self.amp.0,
+                step_in_backward: self.step_in_backward,
+                set_to_none: !self.zero_grad_in_place,
+                schedule: None,
+            },
+            recompute: self.recompute,
+            freeze: self.freeze.clone(),
+            device: self.device.parse::<Device>()?,
+            eval_every: self.eval_every,
+            eval_batches: self.eval_batches,
+            sample_chars: self.sample_chars,
+            seed: self.seed,
+            save: self.save.clone(),
+            save_every: self.save_every,
+            resume: self.resume.clone(),
+        })
+    }
+}
+
+pub fn run(args: TrainArgs) -> anyhow::Result<()> {
+    let job = args.to_job()?;
+    let bar = ProgressBar::new(job.max_steps);
+    bar.set_style(
+        ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed} < {eta}]")?
+            .progress_chars("=> "),
+    );
+    let mut log = Vec::new();
+    let summary = job::run(&job, &mut |e| match e {
+        Event::Started { params, start_step } => {
+            bar.set_position(*start_step);
+            log.push(format!(
+                "model: {} parameters, device {}, starting at step {start_step}",
+                params, job.device
+            ));
+        }
+        Event::Step(r) => {
+            bar.set_position(r.step + 1);
+            bar.set_message(format!(
+                "loss {:.3} | {:.0} tok/s | mem {} (peak {})",
+                r.loss,
+                r.tokens_per_s(),
+                format_size(r.memory_allocated),
+                format_size(r.max_memory_allocated)
+            ));
+        }
+        Event::Eval(e) => {
+            let line = format!(
+                "step {:>5}: train loss {:.4}, val loss {:.4}",
+                e.step, e.train_loss, e.val_loss
+            );
+            bar.println(&line);
+            log.push(line);
+        }
+        Event::Saved { step, path } => {
+            let line = format!("step {step:>5}: saved {}", path.display());
+            bar.println(&line);
+            log.push(line);
+        }
+    })?;
+    bar.finish_and_clear();
+    if args.json {
+        println!("{}", serde_json::to_string(&summary)?);
+    } else {
+        print!("{}", render(&summary, &log));
+    }
+    Ok(())
+}
+
+fn render(s: &JobSummary, log: &[String]) -> String {
+    let mut out = String::new();
+    for line in log {
+        out += &format!("{line}\n");
+    }
+    out += &format!(
+        "trained {} steps in {:.1} s, {:.0} tokens/s on {}\n",
+        s.steps, s.seconds, s.tokens_per_s, s.device
+    );
+    out += &format!(
+        "loss {:.4} -> {:.4} (val {:.4} -> {:.4})\n",
+        s.initial_loss, s.final_loss, s.initial_eval.val_loss, s.final_eval.val_loss
+    );
+    out += &format!("peak memory {} allocated:", format_size(s.peak_bytes));
+    for (name, bytes) in s.by_category_at_peak.iter().filter(|(_, b)| **b > 0) {
+        out += &format!(" {name} {}", format_size(*bytes));
+    }
+    out += &format!("\n\nsample:\n{}\n", s.sample);
+    out
+}
