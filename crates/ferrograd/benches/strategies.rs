@@ -1,0 +1,437 @@
+//! Benchmark: one training step of a model under each memory strategy — its median step time,
+//! the peak bytes allocated and the peak bytes reserved over the measured steps. The PyTorch
+//! twin is benches/pytorch/strategies.py (same flags, same JSON line); scripts/gpu_strategies.sh
+//! runs both for every model and strategy and prints the comparison table.
+//!
+//! Models:
+//! - `mlp`: Linear(d, d) → ReLU → Linear(d, d), MSE loss to a random target, SGD momentum 0.9,
+//!   lr 1e-3 (as benches/mlp_step.rs).
+//! - `gpt2`: GPT-2 124M (`GptConfig::gpt2_124m()`, dropout 0), AdamW (PyTorch's defaults,
+//!   lr 6e-4), random token ids and random targets. `tiny-gpt`: `GptConfig::tiny()`, the same
+//!   otherwise (for quick checks on a CPU).
+//!
+//! Strategies:
+//! - `baseline`: forward, loss, backward, step, zero_grad (set_to_none).
+//! - `bf16`: forward and loss inside `autocast(BF16)`; backward outside; f32 master weights.
+//! - `f16`: `autocast(F16)` and a `GradScaler` (scale the loss, step through the scaler, update).
+//! - `recompute`: MLP: the whole forward runs under `checkpoint_activations`, which keeps only
+//!   x; backward recomputes both Linears and the ReLU. GPT: every block is recomputed
+//!   (`Recompute::Every(1)`), keeping only each block's input.
+//! - `accum4`: four micro-batches of B/4 through `accumulate_gradients`, then one step.
+//! - `freeze`: MLP: the first Linear (`0.*`) is frozen; GPT: the embeddings and the first half
+//!   of the blocks (blocks 0-5 of GPT-2). The optimizer gets only the trainable parameters.
+//! - `step-in-backward`: `StepInBackward::install(opt)`, then only `loss.backward()`.
+//!
+//! Usage: cargo bench -p ferrograd --bench strategies -- --model mlp|gpt2|tiny-gpt
+//!   --strategy baseline|bf16|f16|recompute|accum4|freeze|step-in-backward [--device cpu|cuda]
+//!   [--steps 10] [--warmup 3] [--dim 10000] [--batch B] [--seq T]
+//! Prints a human line on stderr and one JSON line on stdout.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use ferrograd::amp::{AmpDType, GradScaler, autocast};
+use ferrograd::nn::{Gpt, GptConfig, Linear, Module, Recompute, Relu, Sequential};
+use ferrograd::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
+use ferrograd::train::{
+    Segment, StepInBackward, accumulate_gradients, checkpoint_activations, freeze,
+};
+use ferrograd::{DType, Device, Generator, Tensor, memory};
+
+type BoxError = Box<dyn std::error::Error>;
+type Res<T> = std::result::Result<T, BoxError>;
+
+/// The loss of micro-batch `i` of `n` (`n = 1`: the whole batch).
+type LossFn = Box<dyn Fn(usize, usize) -> ferrograd::Result<Tensor>>;
+
+const STRATEGIES: [&str; 7] = [
+    "baseline",
+    "bf16",
+    "f16",
+    "recompute",
+    "accum4",
+    "freeze",
+    "step-in-backward",
+];
+const MODELS: [&str; 3] = ["mlp", "gpt2", "tiny-gpt"];
+/// Micro-batches of the `accum4` strategy.
+const MICRO_BATCHES: usize = 4;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Strategy {
+    Baseline,
+    Bf16,
+    F16,
+    Recompute,
+    Accum4,
+    Freeze,
+    StepInBackward,
+}
+
+impl Strategy {
+    fn parse(s: &str) -> Res<Strategy> {
+        let all = [
+            Strategy::Baseline,
+            Strategy::Bf16,
+            Strategy::F16,
+            Strategy::Recompute,
+            Strategy::Accum4,
+            Strategy::Freeze,
+            Strategy::StepInBackward,
+        ];
+        STRATEGIES
+            .iter()
+            .position(|&name| name == s)
+            .map(|i| all[i])
+            .ok_or_else(|| {
+                format!(
+                    "unknown strategy '{s}': use one of {}",
+                    STRATEGIES.join(", ")
+                )
+                .into()
+            })
+    }
+
+    fn name(self) -> &'static str {
+        let i = self as usize;
+        STRATEGIES[i]
+    }
+}
+
+struct Args {
+    model: String,
+    strategy: Strategy,
+    device: Device,
+    steps: usize,
+    warmup: usize,
+    dim: usize,
+    batch: usize,
+    seq: usize,
+}
+
+/// The value after flag `flag`, parsed.
+fn value<T: std::str::FromStr>(flag: &str, v: Option<&String>) -> Res<T> {
+    let v = v.ok_or_else(|| format!("{flag} needs a value"))?;
+    v.parse()
+        .map_err(|_| format!("{flag}: cannot parse '{v}'").into())
+}
+
+fn parse_args() -> Res<Args> {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let (mut model, mut strategy, mut device) = (None, None, Device::Cpu);
+    let (mut steps, mut warmup) = (10, 3);
+    let (mut dim, mut batch, mut seq) = (10000, None, None);
+    let mut it = argv.iter();
+    while let Some(flag) = it.next() {
+        match flag.as_str() {
+            // cargo bench passes --bench to harness = false targets.
+            "--bench" => {}
+            "--model" => model = Some(value::<String>(flag, it.next())?),
+            "--strategy" => strategy = Some(Strategy::parse(&value::<String>(flag, it.next())?)?),
+            "--device" => device = value::<String>(flag, it.next())?.parse()?,
+            "--steps" => steps = value(flag, it.next())?,
+            "--warmup" => warmup = value(flag, it.next())?,
+            "--dim" => dim = value(flag, it.next())?,
+            "--batch" => batch = Some(value(flag, it.next())?),
+            "--seq" => seq = Some(value(flag, it.next())?),
+            other => {
+                return Err(format!(
+                    "unknown flag '{other}': use --model, --strategy, --device, --steps, --warmup, --dim, --batch, --seq"
+                )
+                .into());
+            }
+        }
+    }
+    let model =
+        model.ok_or_else(|| format!("--model is required: one of {}", MODELS.join(", ")))?;
+    if !MODELS.contains(&model.as_str()) {
+        return Err(format!("unknown model '{model}': use one of {}", MODELS.join(", ")).into());
+    }
+    let strategy = strategy
+        .ok_or_else(|| format!("--strategy is required: one of {}", STRATEGIES.join(", ")))?;
+    if steps == 0 {
+        return Err("--steps must be at least 1".into());
+    }
+    let (default_batch, default_seq): (usize, usize) = match model.as_str() {
+        "mlp" => (1000, 0),
+        "gpt2" => (8, 1024),
+        _ => (4, 64),
+    };
+    let batch = batch.unwrap_or(default_batch);
+    if strategy == Strategy::Accum4 && !batch.is_multiple_of(MICRO_BATCHES) {
+        return Err(format!(
+            "accum4 splits the batch in {MICRO_BATCHES}: --batch {batch} is not a multiple"
+        )
+        .into());
+    }
+    Ok(Args {
+        model,
+        strategy,
+        device,
+        steps,
+        warmup,
+        dim,
+        batch,
+        seq: seq.unwrap_or(default_seq),
+    })
+}
+
+/// Rows `i·B/n .. (i+1)·B/n` of `t` (a view).
+fn micro(t: &Tensor, i: usize, n: usize) -> ferrograd::Result<Tensor> {
+    if n == 1 {
+        return Ok(t.clone());
+    }
+    let rows = t.shape()[0] / n;
+    t.narrow(0, i * rows, rows)
+}
+
+/// The parameters the optimizer gets: those that still require grad.
+fn trainable(module: &dyn Module) -> Vec<Tensor> {
+    module
+        .parameters()
+        .into_iter()
+        .filter(Tensor::requires_grad)
+        .collect()
+}
+
+/// The MLP, its loss function and its SGD optimizer.
+fn mlp(a: &Args) -> Res<(LossFn, Sgd)> {
+    let (d, b, dev) = (a.dim, a.batch, a.device);
+    let mut g = Generator::new(0);
+    let l1 = Linear::new(d, d, true, dev, &mut g)?;
+    let l2 = Linear::new(d, d, true, dev, &mut g)?;
+    let model = Sequential::new()
+        .push(l1.clone())
+        .push(Relu)
+        .push(l2.clone());
+    if a.strategy == Strategy::Freeze {
+        freeze(&model, "0.*")?;
+    }
+    let cfg = SgdConfig {
+        lr: 1e-3,
+        momentum: 0.9,
+        ..Default::default()
+    };
+    let opt = Sgd::new(trainable(&model), cfg)?;
+    let x = Tensor::randn_with(&[b, d], DType::F32, dev, &mut g)?;
+    let y = Tensor::randn_with(&[b, d], DType::F32, dev, &mut g)?;
+    let loss: LossFn = if a.strategy == Strategy::Recompute {
+        // The clones share the parameters; the segment keeps only x alive.
+        let segment: Segment =
+            Arc::new(move |xs: &[Tensor]| l2.forward(&l1.forward(&xs[0])?.relu()?));
+        Box::new(move |i, n| {
+            checkpoint_activations(segment.clone(), &[micro(&x, i, n)?])?
+                .mse_loss(&micro(&y, i, n)?)
+        })
+    } else {
+        Box::new(move |i, n| {
+            model
+                .forward(&micro(&x, i, n)?)?
+                .mse_loss(&micro(&y, i, n)?)
+        })
+    };
+    Ok((loss, opt))
+}
+
+/// Seeded random token ids in 0..vocab, (B, T) int64.
+fn token_ids(b: usize, t: usize, vocab: usize, dev: Device, g: &mut Generator) -> Res<Tensor> {
+    let ids: Vec<i64> = g
+        .uniform(b * t, 0.0, vocab as f64)
+        .into_iter()
+        .map(|u| (u as i64).min(vocab as i64 - 1))
+        .collect();
+    Ok(Tensor::from_vec(ids, &[b, t], dev)?)
+}
+
+/// The GPT, its loss function and its AdamW optimizer.
+fn gpt(a: &Args) -> Res<(LossFn, Adam)> {
+    let cfg = if a.model == "gpt2" {
+        GptConfig::gpt2_124m()
+    } else {
+        GptConfig::tiny()
+    };
+    let cfg = GptConfig {
+        dropout: 0.0,
+        ..cfg
+    };
+    let (vocab, n_layer) = (cfg.vocab_size, cfg.n_layer);
+    let mut model = Gpt::new(cfg, a.device)?;
+    match a.strategy {
+        Strategy::Recompute => model.set_recompute(Recompute::Every(1)),
+        Strategy::Freeze => {
+            freeze(&model, "transformer.wte.*")?;
+            freeze(&model, "transformer.wpe.*")?;
+            for i in 0..n_layer / 2 {
+                freeze(&model, &format!("transformer.h.{i}.*"))?;
+            }
+        }
+        _ => {}
+    }
+    let cfg = AdamConfig {
+        lr: 6e-4,
+        ..AdamConfig::adamw_default()
+    };
+    let opt = Adam::adamw(trainable(&model), cfg)?;
+    let mut g = Generator::new(1);
+    let ids = token_ids(a.batch, a.seq, vocab, a.device, &mut g)?;
+    let targets = token_ids(a.batch, a.seq, vocab, a.device, &mut g)?;
+    let loss: LossFn = Box::new(move |i, n| {
+        let (_, loss) = model.forward_loss(&micro(&ids, i, n)?, Some(&micro(&targets, i, n)?))?;
+        loss.ok_or_else(unreachable_loss)
+    });
+    Ok((loss, opt))
+}
+
+/// `forward_loss` with targets always returns a loss; this error only guards the Option.
+fn unreachable_loss() -> ferrograd::Error {
+    ferrograd::Error::InvalidArgument {
+        op: "strategies",
+        detail: "forward_loss returned no loss although targets were given".into(),
+    }
+}
+
+/// How the optimizer is driven.
+enum Driver<O: Optimizer + Send + 'static> {
+    Plain(O),
+    Scaled(O, GradScaler),
+    /// Owns the optimizer; the hooks stop when it is dropped, so it lives as long as the loop.
+    InBackward {
+        _handle: StepInBackward<O>,
+    },
+}
+
+/// One training step; returns the loss when it is already on the host (accum4), else the loss
+/// tensor to read after the timer stops.
+fn step<O: Optimizer + Send + 'static>(
+    s: Strategy,
+    loss_of: &LossFn,
+    driver: &mut Driver<O>,
+) -> ferrograd::Result<Result<f64, Tensor>> {
+    if s == Strategy::Accum4 {
+        let loss = accumulate_gradients(MICRO_BATCHES, |i| loss_of(i, MICRO_BATCHES))?;
+        if let Driver::Plain(opt) = driver {
+            opt.step()?;
+            opt.zero_grad()?;
+        }
+        return Ok(Ok(loss));
+    }
+    let loss = match s {
+        Strategy::Bf16 => {
+            let _a = autocast(AmpDType::BF16);
+            loss_of(0, 1)?
+        }
+        Strategy::F16 => {
+            let _a = autocast(AmpDType::F16);
+            loss_of(0, 1)?
+        }
+        _ => loss_of(0, 1)?,
+    };
+    match driver {
+        Driver::Plain(opt) => {
+            loss.backward()?;
+            opt.step()?;
+            opt.zero_grad()?;
+        }
+        Driver::Scaled(opt, scaler) => {
+            scaler.scale(&loss)?.backward()?;
+            scaler.step(opt)?;
+            scaler.update()?;
+            opt.zero_grad()?;
+        }
+        // The hooks step each parameter and free its gradient during backward.
+        Driver::InBackward { .. } => loss.backward()?,
+    }
+    Ok(Err(loss))
+}
+
+struct Measured {
+    step_ms: f64,
+    peak_bytes: u64,
+    reserved_bytes: u64,
+    loss: f64,
+}
+
+fn measure<O: Optimizer + Send + 'static>(a: &Args, loss_of: LossFn, opt: O) -> Res<Measured> {
+    let dev = a.device;
+    let mut driver = match a.strategy {
+        Strategy::F16 => Driver::Scaled(opt, GradScaler::new()),
+        Strategy::StepInBackward => Driver::InBackward {
+            _handle: StepInBackward::install(opt)?,
+        },
+        _ => Driver::Plain(opt),
+    };
+    let mut times = Vec::with_capacity(a.steps);
+    let mut last = f64::NAN;
+    for i in 0..a.warmup + a.steps {
+        if i == a.warmup {
+            memory::reset_peak_memory_stats(dev)?;
+        }
+        ferrograd::backend::synchronize(dev)?;
+        let t0 = Instant::now();
+        let loss = step(a.strategy, &loss_of, &mut driver)?;
+        ferrograd::backend::synchronize(dev)?;
+        if i >= a.warmup {
+            times.push(t0.elapsed().as_secs_f64() * 1e3);
+        }
+        last = match loss {
+            Ok(v) => v,
+            Err(t) => t.item()?,
+        };
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(Measured {
+        step_ms: times[times.len() / 2],
+        peak_bytes: memory::max_memory_allocated(dev)?,
+        reserved_bytes: memory::max_memory_reserved(dev)?,
+        loss: last,
+    })
+}
+
+fn run() -> Res<()> {
+    let a = parse_args()?;
+    let m = if a.model == "mlp" {
+        let (loss, opt) = mlp(&a)?;
+        measure(&a, loss, opt)?
+    } else {
+        let (loss, opt) = gpt(&a)?;
+        measure(&a, loss, opt)?
+    };
+    let shape = if a.model == "mlp" {
+        format!("d={} B={}", a.dim, a.batch)
+    } else {
+        format!("B={} T={}", a.batch, a.seq)
+    };
+    eprintln!(
+        "ferrograd {} {} {shape} device={} median_ms={:.2} peak_bytes={} reserved_bytes={} loss={:.4}",
+        a.model,
+        a.strategy.name(),
+        a.device,
+        m.step_ms,
+        m.peak_bytes,
+        m.reserved_bytes,
+        m.loss
+    );
+    let line = serde_json::json!({
+        "impl": "ferrograd",
+        "model": a.model,
+        "strategy": a.strategy.name(),
+        "device": a.device.to_string(),
+        "batch": a.batch,
+        "dim": if a.model == "mlp" { Some(a.dim) } else { None },
+        "seq": if a.model == "mlp" { None } else { Some(a.seq) },
+        "steps": a.steps,
+        "step_ms": m.step_ms,
+        "peak_bytes": m.peak_bytes,
+        "reserved_bytes": m.reserved_bytes,
+        "loss": m.loss,
+    });
+    println!("{line}");
+    Ok(())
+}
+
+fn main() {
+    if let Err(e) = run() {
+        eprintln!("strategies: {e}");
+        std::process::exit(2);
+    }
+}
