@@ -249,4 +249,28 @@ fn the_default_run_learns_in_a_few_dozen_steps() {
     // The peak's categories add up to the peak.
     assert_eq!(s.by_category_at_peak.values().sum::<u64>(), s.peak_bytes);
     assert!(s.by_category_at_peak["optimizer_state"] > 0);
+    // The prediction made before the run errs high, but not by much.
+    let predicted = job::predicted_peak_bytes(&job, 65);
+    assert!(
+        predicted >= s.peak_bytes && predicted < s.peak_bytes * 3 / 2,
+        "predicted {predicted}, measured {}",
+        s.peak_bytes
+    );
+}
+
+#[test]
+fn a_batch_that_cannot_fit_is_refused_before_allocating() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let job = TrainJob {
+        batch_size: 1 << 40,
+        ..small_job(TrainerConfig::default())
+    };
+    let before = ferrograd::memory::memory_allocated(ferrograd::Device::Cpu).unwrap();
+    let err = run(&job).unwrap_err();
+    assert!(matches!(err, Error::DoesNotFit { .. }), "{err}");
+    assert!(err.to_string().contains("--accum"), "{err}");
+    assert_eq!(
+        ferrograd::memory::memory_allocated(ferrograd::Device::Cpu).unwrap(),
+        before
+    );
 }

@@ -5,6 +5,7 @@
 //! The loop reports through `Event`s, so the command line can draw a progress bar and tests
 //! can watch every step.
 
+mod fit;
 mod sample;
 mod state;
 
@@ -13,6 +14,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+pub use fit::{check_fits, predicted_peak_bytes};
 pub use sample::sample_text;
 pub use state::{STATE_FORMAT, load_training_state, save_training_state};
 
@@ -149,6 +151,7 @@ pub struct JobSummary {
 /// Builds the model, runs the steps and returns the summary.
 pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummary> {
     let data = TextDataset::new(&job.text)?;
+    check_fits(job, data.vocab_size())?;
     let mut cfg = job.model.clone();
     cfg.vocab_size = data.vocab_size();
     cfg.seed = job.seed;

@@ -1,0 +1,108 @@
+//! The `ferrograd` command end to end: `train --json` prints the promised keys, and every bad
+//! spelling or impossible combination exits non-zero with a message that says what to do.
+
+use std::process::{Command, Output};
+
+fn ferrograd(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_ferrograd"))
+        .args(args)
+        .output()
+        .expect("the ferrograd binary runs")
+}
+
+/// A model small enough for a debug build to train three steps in a moment.
+const SMALL: &[&str] = &[
+    "train",
+    "--n-layer",
+    "1",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "16",
+    "--block-size",
+    "16",
+    "--batch-size",
+    "2",
+    "--max-steps",
+    "3",
+    "--warmup",
+    "1",
+    "--eval-batches",
+    "1",
+    "--sample-chars",
+    "5",
+];
+
+fn stderr_of(args: &[&str]) -> String {
+    let out = ferrograd(args);
+    assert!(!out.status.success(), "{args:?} should fail");
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[test]
+fn train_json_reports_the_promised_fields() {
+    let args = [
+        SMALL,
+        &["--json", "--amp", "bf16", "--recompute", "every:1"],
+    ]
+    .concat();
+    let out = ferrograd(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for key in [
+        "initial_loss",
+        "final_loss",
+        "steps",
+        "tokens_per_s",
+        "peak_bytes",
+        "by_category_at_peak",
+    ] {
+        assert!(v.get(key).is_some(), "missing {key} in {v}");
+    }
+    assert_eq!(v["steps"], 3);
+    let by_cat = v["by_category_at_peak"].as_object().unwrap();
+    let total: u64 = by_cat.values().map(|b| b.as_u64().unwrap()).sum();
+    assert_eq!(total, v["peak_bytes"].as_u64().unwrap());
+}
+
+#[test]
+fn unknown_strategy_spellings_are_refused() {
+    let err = stderr_of(&[SMALL, &["--recompute", "sometimes"]].concat());
+    assert!(err.contains("every:K"), "{err}");
+    let err = stderr_of(&[SMALL, &["--amp", "fp8"]].concat());
+    assert!(err.contains("bf16, f16 or off"), "{err}");
+    let err = stderr_of(&[SMALL, &["--freeze", "transformer.nothing.*"]].concat());
+    assert!(err.contains("matches no parameter"), "{err}");
+    let err = stderr_of(&[SMALL, &["--device", "tpu"]].concat());
+    assert!(err.contains("cuda"), "{err}");
+}
+
+#[test]
+fn impossible_combinations_say_why() {
+    let err = stderr_of(&[SMALL, &["--step-in-backward", "--accum", "2"]].concat());
+    assert!(
+        err.contains("step-in-backward") && err.contains("accum"),
+        "{err}"
+    );
+    let err = stderr_of(&[SMALL, &["--step-in-backward", "--amp", "f16"]].concat());
+    assert!(err.contains("GradScaler"), "{err}");
+    let err = stderr_of(&["train", "--n-head", "3", "--max-steps", "1"]);
+    assert!(err.contains("multiple of n_head"), "{err}");
+}
+
+#[test]
+fn a_batch_that_cannot_fit_is_an_error_not_a_crash() {
+    let err = stderr_of(&[SMALL, &["--batch-size", "100000000000"]].concat());
+    assert!(err.starts_with("error:"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
+
+#[test]
+fn a_missing_state_file_is_an_error() {
+    let err = stderr_of(&[SMALL, &["--resume", "no-such-state.safetensors"]].concat());
+    assert!(err.contains("no-such-state.safetensors"), "{err}");
+}
