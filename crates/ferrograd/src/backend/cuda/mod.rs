@@ -11,6 +11,7 @@ mod fused;
 mod info;
 mod matmul;
 mod memory;
+mod multi_tensor;
 mod optim;
 mod reduce;
 
@@ -95,6 +96,17 @@ impl Backend for CudaDevice {
 
     fn matmul(&self, spec: &MatmulSpec, a: View, b: View, out: &Storage) -> Result<()> {
         matmul::matmul(self, spec, a, b, out)
+    }
+
+    fn matmul_acc(
+        &self,
+        spec: &MatmulSpec,
+        a: View,
+        b: View,
+        out: &Storage,
+        beta: f64,
+    ) -> Result<()> {
+        matmul::matmul_acc(self, spec, a, b, out, beta)
     }
 
     fn fused(&self, op: &FusedOp, inputs: &[View], outputs: &[&Storage]) -> Result<()> {

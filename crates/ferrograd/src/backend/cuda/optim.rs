@@ -4,14 +4,14 @@
 //! then uploads a table of (param, grad, exp_avg, exp_avg_sq, numel, first chunk) for the
 //! kernel to walk. The upload waits for the stream (one synchronisation per step).
 
-use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
+use cudarc::driver::{DeviceRepr, PushKernelArg};
 
+use super::multi_tensor::{Groups, Row, Table, suffix};
 use super::{CudaDevice, ptr};
 use crate::backend::ops::AdamScalars;
 use crate::backend::{FusedOp, Storage, View};
 use crate::error::{Error, Result};
-use crate::memory::Category;
-use crate::tensor::{DType, Device};
+use crate::tensor::DType;
 
 const MODULE: &str = "optim";
 const SRC: &str = concat!(
@@ -19,24 +19,8 @@ const SRC: &str = concat!(
     include_str!("kernels/optim.cu")
 );
 const OP: &str = "adam";
-/// Threads per block (OPTIM_BLOCK in optim.cu).
-const BLOCK: u32 = 256;
-/// Elements per chunk (ADAM_CHUNK in optim.cu).
-const CHUNK: usize = 4096;
-/// Most blocks a launch asks for; further chunks are taken by a grid-stride loop.
-const MAX_BLOCKS: usize = 65_535 * 32;
-
-/// One tensor of the list (struct AdamEntry in optim.cu).
-#[repr(C)]
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-struct AdamEntry {
-    p: u64,
-    g: u64,
-    m: u64,
-    v: u64,
-    n: i64,
-    first_chunk: i64,
-}
+/// One parameter's addresses, in the order of struct AdamEntry in optim.cu.
+type AdamRow = Row<4>;
 
 /// The step's scalars (struct AdamHyper in optim.cu).
 #[repr(C)]
@@ -76,12 +60,6 @@ impl AdamHyper {
     }
 }
 
-/// The parameters of one dtype: one launch.
-struct Group {
-    dtype: DType,
-    entries: Vec<AdamEntry>,
-}
-
 /// inputs [grad_i]; outputs [param_i, exp_avg_i, exp_avg_sq_i] for i in 0..n.
 pub(crate) fn adam(
     d: &CudaDevice,
@@ -101,27 +79,20 @@ pub(crate) fn adam(
             ),
         ));
     }
-    let mut groups: Vec<Group> = Vec::new();
+    let mut groups = Groups::new();
     for (grad, trio) in inputs.iter().zip(outputs.chunks_exact(3)) {
-        let (dtype, entry) = entry(grad, trio[0], trio[1], trio[2])?;
-        let Some(entry) = entry else { continue };
-        match groups.iter_mut().find(|g| g.dtype == dtype) {
-            Some(g) => g.entries.push(entry),
-            None => groups.push(Group {
-                dtype,
-                entries: vec![entry],
-            }),
-        }
+        let (dtype, row) = entry(grad, trio[0], trio[1], trio[2])?;
+        groups.push(dtype, row);
     }
     let hyper = AdamHyper::of(&k);
-    for g in &mut groups {
-        launch(d, g, &hyper)?;
+    for (dtype, rows) in groups.iter() {
+        launch(d, *dtype, rows, &hyper)?;
     }
     Ok(())
 }
 
-/// Checks one parameter's operands; its table entry (None when it is empty).
-fn entry(grad: &View, p: &Storage, m: &Storage, v: &Storage) -> Result<(DType, Option<AdamEntry>)> {
+/// Checks one parameter's operands; its table row.
+fn entry(grad: &View, p: &Storage, m: &Storage, v: &Storage) -> Result<(DType, AdamRow)> {
     let dtype = p.dtype();
     if !matches!(dtype, DType::F32 | DType::F64 | DType::F16 | DType::BF16) {
         return Err(Error::UnsupportedDType {
@@ -170,103 +141,39 @@ fn entry(grad: &View, p: &Storage, m: &Storage, v: &Storage) -> Result<(DType, O
         }
     }
     if n == 0 {
-        return Ok((dtype, None));
+        return Ok((dtype, Row { addrs: [0; 4], n }));
     }
     let g = ptr(grad.storage)? + (l.offset() * dtype.size_in_bytes()) as u64;
-    let entry = AdamEntry {
-        p: ptr(p)?,
-        g,
-        m: ptr(m)?,
-        v: ptr(v)?,
-        n: n as i64,
-        first_chunk: 0,
-    };
-    Ok((dtype, Some(entry)))
+    let addrs = [ptr(p)?, g, ptr(m)?, ptr(v)?];
+    Ok((dtype, Row { addrs, n }))
 }
 
-/// Numbers the chunks of the group's tensors; the total.
-fn number_chunks(entries: &mut [AdamEntry]) -> usize {
-    let mut total = 0usize;
-    for e in entries {
-        e.first_chunk = total as i64;
-        total += (e.n as usize).div_ceil(CHUNK);
-    }
-    total
-}
-
-fn launch(d: &CudaDevice, group: &mut Group, hyper: &AdamHyper) -> Result<()> {
-    let chunks = number_chunks(&mut group.entries);
-    if chunks == 0 {
+fn launch(d: &CudaDevice, dtype: DType, rows: &[AdamRow], hyper: &AdamHyper) -> Result<()> {
+    let Some(table) = Table::upload(d, rows, "adam_table")? else {
         return Ok(());
-    }
-    let count = i32::try_from(group.entries.len())
-        .map_err(|_| Error::invalid(OP, "more than 2^31 parameters in one step"))?;
-    let words: Vec<u64> = group
-        .entries
-        .iter()
-        .flat_map(|e| [e.p, e.g, e.m, e.v, e.n as u64, e.first_chunk as u64])
-        .collect();
-    let table = crate::memory::allocator(Device::Cuda(d.ordinal()))?.malloc(
-        words.len() * 8,
-        Category::Temporary,
-        "adam_table",
-    )?;
-    d.copy_to_device(table.addr(), bytemuck::cast_slice(&words))?;
-    let name = format!("adam_multi_{}", suffix(group.dtype));
-    let f = d.function(MODULE, SRC, &name)?;
-    let (tab, chunks64) = (table.addr(), chunks as i64);
-    let cfg = LaunchConfig {
-        grid_dim: (chunks.min(MAX_BLOCKS) as u32, 1, 1),
-        block_dim: (BLOCK, 1, 1),
-        shared_mem_bytes: 0,
     };
+    let name = format!("adam_multi_{}", suffix(dtype));
+    let f = d.function(MODULE, SRC, &name)?;
     let mut b = d.stream().launch_builder(&f);
-    b.arg(&tab).arg(&count).arg(&chunks64).arg(hyper);
+    b.arg(&table.addr)
+        .arg(&table.count)
+        .arg(&table.chunks)
+        .arg(hyper);
     // SAFETY: adam_multi_*(const AdamEntry*, int, i64, AdamHyper) with the table just
-    // uploaded (count entries, chunk numbers below `chunks`); every address in it is a live
-    // block of the entry's dtype holding n elements (checked in `entry`). The table is freed
-    // after the launch is queued: later users of the block are ordered after it on this
-    // device's single stream.
-    unsafe { b.launch(cfg) }.map_err(|e| d.err(&format!("launching {name}"), e))?;
+    // uploaded (count rows, chunk numbers below `chunks`); every address in it is a live
+    // block of the row's dtype holding n elements (checked in `entry`). The table's block is
+    // freed after the launch is queued: later users of it are ordered after the launch on
+    // this device's single stream.
+    unsafe { b.launch(table.config()) }.map_err(|e| d.err(&format!("launching {name}"), e))?;
     Ok(())
-}
-
-fn suffix(dtype: DType) -> &'static str {
-    match dtype {
-        DType::F64 => "f64",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        _ => "f32",
-    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn entry_of(n: i64) -> AdamEntry {
-        AdamEntry {
-            p: 0,
-            g: 0,
-            m: 0,
-            v: 0,
-            n,
-            first_chunk: -1,
-        }
-    }
-
     #[test]
-    fn chunks_are_numbered_across_tensors() {
-        let mut e: Vec<AdamEntry> = [1, 4096, 4097, 10_000].into_iter().map(entry_of).collect();
-        let total = number_chunks(&mut e);
-        let firsts: Vec<i64> = e.iter().map(|e| e.first_chunk).collect();
-        assert_eq!(firsts, vec![0, 1, 2, 4]);
-        assert_eq!(total, 4 + 3);
-    }
-
-    #[test]
-    fn table_layout_matches_the_kernel() {
-        assert_eq!(std::mem::size_of::<AdamEntry>(), 48);
+    fn hyper_layout_matches_the_kernel() {
         assert_eq!(std::mem::size_of::<AdamHyper>(), 72);
     }
 }
