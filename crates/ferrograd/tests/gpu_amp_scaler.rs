@@ -43,7 +43,16 @@ fn sizes() -> Vec<usize> {
 
 /// Runs the fused op on copies of `grads` on `device`; (flag, unscaled grads on the CPU).
 fn fused(grads: &[Tensor], inv_scale: f32, device: Device) -> (f32, Vec<Tensor>) {
-    let grads: Vec<Tensor> = grads.iter().map(|g| on(g, device)).collect();
+    // Fresh copies: on the CPU `to_device` returns the same storage, which the op would
+    // then unscale for the GPU run too.
+    let grads: Vec<Tensor> = grads
+        .iter()
+        .map(|g| {
+            let copy = Tensor::zeros(g.shape(), g.dtype(), device).unwrap();
+            copy.copy_(&on(g, device)).unwrap();
+            copy
+        })
+        .collect();
     let flag = on(&Tensor::zeros(&[1], DType::F32, CPU).unwrap(), device);
     let mut outs: Vec<&Storage> = vec![flag.storage().as_ref()];
     outs.extend(grads.iter().map(|g| g.storage().as_ref()));
