@@ -79,7 +79,6 @@ pub(crate) fn for_each_out<T: Send>(
 
 #[inline(always)]
 pub(crate) fn unary_scalar<T: Elem>(op: UnaryOp, x: T) -> T {
-    let half = T::from_f64(0.5);
     let one = T::one();
     match op {
         UnaryOp::Neg => -x,
@@ -96,8 +95,10 @@ pub(crate) fn unary_scalar<T: Elem>(op: UnaryOp, x: T) -> T {
             }
         }
         UnaryOp::GeluTanh => {
+            // 0.5·x·(1 + tanh(u)) = x·sigmoid(2u): one exp instead of tanh (which costs an
+            // expm1 and more), and no cancellation in 1 + tanh(u) for very negative u.
             let u = T::from_f64(GELU_C) * (x + T::from_f64(GELU_A) * x * x * x);
-            half * x * (one + u.tanh())
+            x / (one + (-(u + u)).exp())
         }
         UnaryOp::GeluErf => {
             T::from_f64(0.5 * x.to_f64() * (1.0 + libm::erf(x.to_f64() * FRAC_1_SQRT_2)))
@@ -148,11 +149,13 @@ pub(crate) fn binary_scalar<T: Elem>(op: BinaryOp, a: T, b: T) -> T {
         BinaryOp::TanhBackward => a * (one - b * b),
         BinaryOp::SigmoidBackward => a * b * (one - b),
         BinaryOp::GeluTanhBackward => {
+            // With s = sigmoid(2u) = 0.5·(1 + tanh(u)), 1 − tanh² = 4s(1 − s), so
+            // d/dx = s + x·2s(1 − s)·u'.
             let (c, k) = (T::from_f64(GELU_C), T::from_f64(GELU_A));
-            let half = T::from_f64(0.5);
-            let t = (c * (b + k * b * b * b)).tanh();
-            let d = half * (one + t)
-                + half * b * (one - t * t) * c * (one + T::from_f64(3.0) * k * b * b);
+            let u = c * (b + k * b * b * b);
+            let s = one / (one + (-(u + u)).exp());
+            let du = c * (one + T::from_f64(3.0) * k * b * b);
+            let d = s + (b + b) * s * (one - s) * du;
             a * d
         }
         BinaryOp::GeluErfBackward => {
