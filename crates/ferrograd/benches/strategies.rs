@@ -21,9 +21,13 @@
 //! - `freeze`: MLP: the first Linear (`0.*`) is frozen; GPT: the embeddings and the first half
 //!   of the blocks (blocks 0-5 of GPT-2). The optimizer gets only the trainable parameters.
 //! - `step-in-backward`: `StepInBackward::install(opt)`, then only `loss.backward()`.
+//! - `step-in-backward-fused` (MLP only): `StepInBackward::install_fused(opt)`: each weight
+//!   gradient's GEMM writes into the SGD momentum buffer, so no weight gradient ever exists.
+//!   PyTorch has no twin of it. GPT (AdamW) is an error: Adam's step is not linear in g.
 //!
 //! Usage: cargo bench -p ferrograd --bench strategies -- --model mlp|gpt2|tiny-gpt
-//!   --strategy baseline|bf16|f16|recompute|accum4|freeze|step-in-backward [--device cpu|cuda]
+//!   --strategy baseline|bf16|f16|recompute|accum4|freeze|step-in-backward|step-in-backward-fused
+//!   [--device cpu|cuda]
 //!   [--steps 10] [--warmup 3] [--dim 10000] [--batch B] [--seq T]
 //! Prints a human line on stderr and one JSON line on stdout.
 
@@ -44,7 +48,7 @@ type Res<T> = std::result::Result<T, BoxError>;
 /// The loss of micro-batch `i` of `n` (`n = 1`: the whole batch).
 type LossFn = Box<dyn Fn(usize, usize) -> ferrograd::Result<Tensor>>;
 
-const STRATEGIES: [&str; 7] = [
+const STRATEGIES: [&str; 8] = [
     "baseline",
     "bf16",
     "f16",
@@ -52,6 +56,7 @@ const STRATEGIES: [&str; 7] = [
     "accum4",
     "freeze",
     "step-in-backward",
+    "step-in-backward-fused",
 ];
 const MODELS: [&str; 3] = ["mlp", "gpt2", "tiny-gpt"];
 /// Micro-batches of the `accum4` strategy.
@@ -66,6 +71,7 @@ enum Strategy {
     Accum4,
     Freeze,
     StepInBackward,
+    StepInBackwardFused,
 }
 
 impl Strategy {
@@ -78,6 +84,7 @@ impl Strategy {
             Strategy::Accum4,
             Strategy::Freeze,
             Strategy::StepInBackward,
+            Strategy::StepInBackwardFused,
         ];
         STRATEGIES
             .iter()
@@ -351,15 +358,23 @@ struct Measured {
     loss: f64,
 }
 
-fn measure<O: Optimizer + Send + 'static>(a: &Args, loss_of: LossFn, opt: O) -> Res<Measured> {
-    let dev = a.device;
-    let mut driver = match a.strategy {
+/// The driver of `s` for any optimizer (the fused step is built by `run`: SGD only).
+fn driver<O: Optimizer + Send + 'static>(s: Strategy, opt: O) -> Res<Driver<O>> {
+    Ok(match s {
         Strategy::F16 => Driver::Scaled(opt, GradScaler::new()),
         Strategy::StepInBackward => Driver::InBackward {
             _handle: StepInBackward::install(opt)?,
         },
         _ => Driver::Plain(opt),
-    };
+    })
+}
+
+fn measure<O: Optimizer + Send + 'static>(
+    a: &Args,
+    loss_of: LossFn,
+    mut driver: Driver<O>,
+) -> Res<Measured> {
+    let dev = a.device;
     let mut times = Vec::with_capacity(a.steps);
     let mut last = f64::NAN;
     for i in 0..a.warmup + a.steps {
@@ -389,12 +404,27 @@ fn measure<O: Optimizer + Send + 'static>(a: &Args, loss_of: LossFn, opt: O) -> 
 
 fn run() -> Res<()> {
     let a = parse_args()?;
+    let fused = a.strategy == Strategy::StepInBackwardFused;
     let m = if a.model == "mlp" {
         let (loss, opt) = mlp(&a)?;
-        measure(&a, loss, opt)?
+        let d = if fused {
+            Driver::InBackward {
+                _handle: StepInBackward::install_fused(opt)?,
+            }
+        } else {
+            driver(a.strategy, opt)?
+        };
+        measure(&a, loss, d)?
     } else {
+        if fused {
+            return Err(format!(
+                "step-in-backward-fused needs SGD with plain momentum (its step is linear in the gradient); {} trains with AdamW, which cannot fuse: use step-in-backward",
+                a.model
+            )
+            .into());
+        }
         let (loss, opt) = gpt(&a)?;
-        measure(&a, loss, opt)?
+        measure(&a, loss, driver(a.strategy, opt)?)?
     };
     let shape = if a.model == "mlp" {
         format!("d={} B={}", a.dim, a.batch)

@@ -180,3 +180,258 @@ fn accumulation_matches_one_large_batch_with_a_smaller_peak() {
     );
     assert!(peak_accum < peak_full, "{peak_accum} vs {peak_full}");
 }
+
+// ---- the fused SGD step (linear weight gradients written into the momentum buffers) -------
+
+/// Two linear layers' parameters [w1, b1, w2, b2] in `dtype`.
+fn layers(d: usize, dtype: DType, device: Device) -> Vec<Tensor> {
+    let mut g = Generator::new(0);
+    let mut ps = Vec::new();
+    for _ in 0..2 {
+        let l = Linear::new_with_dtype(d, d, true, dtype, device, &mut g).unwrap();
+        ps.extend(l.parameters());
+    }
+    ps
+}
+
+/// How the parameters are used: the MLP; w1 twice in one forward; the MLP with an extra
+/// non-linear use of w2 (an L2 term), whose gradient arrives as an ordinary `.grad`.
+#[derive(Clone, Copy, Debug)]
+enum Net {
+    Mlp,
+    SharedWeight,
+    MixedUse,
+}
+
+fn loss_of(net: Net, p: &[Tensor], x: &Tensor, y: &Tensor) -> Tensor {
+    let h = x.linear(&p[0], Some(&p[1])).unwrap().relu().unwrap();
+    let h = match net {
+        Net::SharedWeight => h.linear(&p[0], None).unwrap().relu().unwrap(),
+        _ => h,
+    };
+    let loss = h.linear(&p[2], Some(&p[3])).unwrap().mse_loss(y).unwrap();
+    match net {
+        Net::MixedUse => loss
+            .add(
+                &p[2]
+                    .mul(&p[2])
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .mul_scalar(1e-2)
+                    .unwrap(),
+            )
+            .unwrap(),
+        _ => loss,
+    }
+}
+
+fn data_as(b: usize, d: usize, dtype: DType, device: Device) -> (Tensor, Tensor) {
+    let mut g = Generator::new(1);
+    (
+        Tensor::randn_with(&[b, d], dtype, device, &mut g).unwrap(),
+        Tensor::randn_with(&[b, d], dtype, device, &mut g).unwrap(),
+    )
+}
+
+fn momentum_cfg() -> SgdConfig {
+    SgdConfig {
+        lr: 0.05,
+        momentum: 0.9,
+        ..Default::default()
+    }
+}
+
+fn values_f64(ps: &[Tensor]) -> Vec<Vec<f64>> {
+    ps.iter().map(|p| p.to_vec::<f64>().unwrap()).collect()
+}
+
+fn max_rel_diff(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(x, y)| (x - y).abs() / y.abs().max(1.0))
+        .fold(0.0, f64::max)
+}
+
+/// Three ordinary steps (backward; step; zero_grad); the parameters and momentum buffers.
+fn ordinary_steps(net: Net, cfg: SgdConfig, d: usize, b: usize) -> (Vec<Vec<f64>>, Vec<Vec<f64>>) {
+    let ps = layers(d, DType::F64, CPU);
+    let (x, y) = data_as(b, d, DType::F64, CPU);
+    let mut opt = Sgd::new(ps.clone(), cfg).unwrap();
+    for _ in 0..3 {
+        loss_of(net, &ps, &x, &y).backward().unwrap();
+        opt.step().unwrap();
+        opt.zero_grad().unwrap();
+    }
+    let bufs = (0..ps.len())
+        .map(|i| opt.momentum_buffer(i).unwrap().to_vec::<f64>().unwrap())
+        .collect();
+    (values_f64(&ps), bufs)
+}
+
+/// Three steps with `install_fused`; also counts the weights' ordinary gradient accumulations.
+fn fused_steps(
+    net: Net,
+    cfg: SgdConfig,
+    d: usize,
+    b: usize,
+) -> (Vec<Vec<f64>>, Vec<Vec<f64>>, usize) {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let ps = layers(d, DType::F64, CPU);
+    let (x, y) = data_as(b, d, DType::F64, CPU);
+    let accumulated = Arc::new(AtomicUsize::new(0));
+    for w in [&ps[0], &ps[2]] {
+        let n = Arc::clone(&accumulated);
+        w.register_post_accumulate_grad_hook(move |_| {
+            n.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        })
+        .unwrap();
+    }
+    let sib = StepInBackward::install_fused(Sgd::new(ps.clone(), cfg).unwrap()).unwrap();
+    for _ in 0..3 {
+        loss_of(net, &ps, &x, &y).backward().unwrap();
+        assert!(
+            ps.iter().all(|p| p.grad().is_none()),
+            "{net:?}: no .grad left"
+        );
+        let grads = memory::memory_by_category(CPU).unwrap();
+        assert_eq!(grads.get(ferrograd::Category::Gradient), 0, "{net:?}");
+    }
+    let bufs = sib
+        .with_optimizer(|o| {
+            (0..ps.len())
+                .map(|i| o.momentum_buffer(i).unwrap().to_vec::<f64>().unwrap())
+                .collect()
+        })
+        .unwrap();
+    let n = accumulated.load(Ordering::Relaxed);
+    (values_f64(&ps), bufs, n)
+}
+
+#[test]
+fn fused_sgd_matches_the_ordinary_step_in_f64() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let (d, b) = (48, 8);
+    for net in [Net::Mlp, Net::SharedWeight, Net::MixedUse] {
+        let (want, want_bufs) = ordinary_steps(net, momentum_cfg(), d, b);
+        let (got, got_bufs, accumulated) = fused_steps(net, momentum_cfg(), d, b);
+        let (dp, db) = (
+            max_rel_diff(&got, &want),
+            max_rel_diff(&got_bufs, &want_bufs),
+        );
+        assert!(dp < 1e-12, "{net:?}: parameters differ by {dp}");
+        assert!(db < 1e-12, "{net:?}: momentum buffers differ by {db}");
+        // The weights' linear gradients never became a .grad: with the L2 term, w2 gets one
+        // ordinary gradient per step (its L2 part), and w1 none.
+        let want_acc = match net {
+            Net::MixedUse => 3,
+            _ => 0,
+        };
+        assert_eq!(accumulated, want_acc, "{net:?}");
+        // And the parameters did move: the fused path is not a no-op.
+        let (init, _) = ordinary_steps(
+            net,
+            SgdConfig {
+                lr: 0.0,
+                ..momentum_cfg()
+            },
+            d,
+            b,
+        );
+        assert!(max_rel_diff(&got, &init) > 1e-6, "{net:?}");
+    }
+}
+
+#[test]
+fn fused_sgd_falls_back_to_the_plain_strategy_when_not_linear() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let (d, b) = (32, 8);
+    let cfgs = [
+        SgdConfig {
+            nesterov: true,
+            ..momentum_cfg()
+        },
+        SgdConfig {
+            weight_decay: 1e-2,
+            ..momentum_cfg()
+        },
+        SgdConfig {
+            dampening: 0.1,
+            ..momentum_cfg()
+        },
+        SgdConfig {
+            momentum: 0.0,
+            ..momentum_cfg()
+        },
+    ];
+    for cfg in cfgs {
+        assert!(!Sgd::new(Vec::new(), cfg.clone()).unwrap().fusable());
+        let (x, y) = data(b, d);
+        let (m1, m2) = (model(d), model(d));
+        let (want, _) = ordinary(Sgd::new(m1.parameters(), cfg.clone()).unwrap(), &m1, &x, &y);
+        let _sib =
+            StepInBackward::install_fused(Sgd::new(m2.parameters(), cfg.clone()).unwrap()).unwrap();
+        for _ in 0..3 {
+            m2.forward(&x)
+                .unwrap()
+                .mse_loss(&y)
+                .unwrap()
+                .backward()
+                .unwrap();
+            assert!(m2.parameters().iter().all(|p| p.grad().is_none()));
+        }
+        assert_eq!(
+            values(&m2),
+            want,
+            "bit-identical to the ordinary step: {cfg:?}"
+        );
+    }
+}
+
+#[test]
+fn fused_sgd_lowers_the_peak_by_the_weight_gradient() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let (d, b) = (128, 16);
+    let (x, y) = data(b, d);
+    let (m1, m2) = (model(d), model(d));
+    let (want, peak_sib) = in_backward(
+        Sgd::new(m1.parameters(), momentum_cfg()).unwrap(),
+        &m1,
+        &x,
+        &y,
+    );
+    let sib =
+        StepInBackward::install_fused(Sgd::new(m2.parameters(), momentum_cfg()).unwrap()).unwrap();
+    let mut peak = 0;
+    for _ in 0..3 {
+        let loss = m2.forward(&x).unwrap().mse_loss(&y).unwrap();
+        memory::reset_peak_memory_stats(CPU).unwrap();
+        loss.backward().unwrap();
+        peak = memory::max_memory_allocated(CPU).unwrap();
+        assert!(m2.parameters().iter().all(|p| p.grad().is_none()));
+    }
+    // Same parameters (f32: the GEMM adds into the buffer instead of after it).
+    for (g, w) in values(&m2).iter().flatten().zip(want.iter().flatten()) {
+        assert!((g - w).abs() <= 1e-5 * w.abs().max(1.0), "{g} vs {w}");
+    }
+    // The plain strategy's peak is the second layer's backward with its (d, d) weight
+    // gradient alive; the fused one has the same tensors there but that gradient.
+    let weight_grad = (d * d * 4) as u64;
+    assert_eq!(
+        peak,
+        peak_sib - weight_grad,
+        "fused {peak} vs plain {peak_sib}"
+    );
+    // Dropping the strategy removes the sinks: gradients are ordinary again.
+    drop(sib);
+    m2.forward(&x)
+        .unwrap()
+        .mse_loss(&y)
+        .unwrap()
+        .backward()
+        .unwrap();
+    assert!(m2.parameters().iter().all(|p| p.grad().is_some()));
+}

@@ -1,10 +1,12 @@
 //! The backward engine: iterative (no recursion, so a 100,000-node chain is fine) and
 //! deterministic (nodes run in reverse creation order; leaves accumulate as soon as all their
-//! incoming gradients are summed, as PyTorch's AccumulateGrad does).
+//! incoming gradients are summed, as PyTorch's AccumulateGrad does). Each backward has an
+//! id, so a gradient sink can tell the first contribution of a backward from later ones.
 
+use std::cell::Cell;
 use std::collections::{BinaryHeap, HashMap};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::edge_of;
 use super::grad_mode::no_grad;
@@ -21,6 +23,36 @@ pub struct BackwardOptions {
     pub gradient: Option<Tensor>,
     /// Keep saved tensors so the graph can be walked again.
     pub retain_graph: bool,
+}
+
+/// Backward passes started in the process (ids are unique across threads).
+static BACKWARDS: AtomicU64 = AtomicU64::new(0);
+
+thread_local! {
+    /// The id of the backward running on this thread (0: none yet).
+    static CURRENT: Cell<u64> = const { Cell::new(0) };
+}
+
+/// The id of the backward pass running on this thread (or of the last one it ran).
+pub(crate) fn backward_id() -> u64 {
+    CURRENT.with(Cell::get)
+}
+
+/// Gives this thread a fresh backward id until dropped (then restores the outer one, for a
+/// backward started inside another's hook).
+struct BackwardId(u64);
+
+impl BackwardId {
+    fn start() -> BackwardId {
+        let id = BACKWARDS.fetch_add(1, Ordering::Relaxed) + 1;
+        BackwardId(CURRENT.with(|c| c.replace(id)))
+    }
+}
+
+impl Drop for BackwardId {
+    fn drop(&mut self) {
+        CURRENT.with(|c| c.set(self.0));
+    }
 }
 
 const RELEASED: &str = "Trying to backward through the graph a second time (or to use saved tensors after they were freed): saved tensors are released during backward. Pass retain_graph=true to the first backward if you need to backward through the graph again.";
@@ -64,6 +96,7 @@ impl Tensor {
         let _guard = no_grad();
         // Backward ops run in the dtypes the forward chose, even when called in a region.
         let _amp = crate::amp::autocast_disabled();
+        let _id = BackwardId::start();
         run(root, grad, opts.retain_graph)
     }
 }
@@ -132,6 +165,7 @@ fn run(root: Edge, grad: Tensor, retain_graph: bool) -> Result<()> {
                 if let Some(g) = grad {
                     accumulate(meta, g)?;
                 }
+                finish_sink(meta)?;
             }
             Edge::Node(node) => {
                 let grads = match grad {
@@ -232,6 +266,16 @@ fn conform(name: &str, i: usize, g: Tensor, meta: &InputMeta) -> Result<Tensor> 
     } else {
         g.to_dtype(meta.dtype)
     }
+}
+
+/// Tells a leaf's gradient sink that the leaf has all its contributions of this backward.
+fn finish_sink(meta: &Arc<AutogradMeta>) -> Result<()> {
+    if let Some(sink) = meta.grad_sink()
+        && let Some(leaf) = meta.owner()
+    {
+        sink.finish(&leaf)?;
+    }
+    Ok(())
 }
 
 /// AccumulateGrad: the first gradient is stored (stolen when nothing else holds it), later

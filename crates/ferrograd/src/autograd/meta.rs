@@ -1,5 +1,6 @@
 //! Per-tensor autograd state: `requires_grad` (leaves), `grad_fn` (non-leaves), the `.grad`
-//! slot, retain_grad, and hooks.
+//! slot, retain_grad, hooks, and an optional gradient sink (a leaf whose weight gradients
+//! are consumed by an optimizer as they are produced, so no `.grad` is ever made for them).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
@@ -13,6 +14,19 @@ pub type TensorHook = Box<dyn Fn(&Tensor) -> Result<Option<Tensor>> + Send + Syn
 /// Runs on a leaf after its gradient was accumulated into `.grad` (the leaf is passed).
 pub type PostAccumulateHook = Box<dyn FnMut(&Tensor) -> Result<()> + Send>;
 
+/// Takes a leaf's gradient contributions in a factored form instead of a `.grad`: an op
+/// whose gradient for the leaf is a product (linear's dW = gᵀ·x) offers the factors, and the
+/// sink may apply them directly (e.g. one GEMM into an optimizer's momentum buffer).
+pub trait GradSink: Send + Sync {
+    /// Offered the weight gradient gᵀ·x of `linear` for `param` (out, in), with
+    /// g: (N, out) and x: (N, in). True: consumed, no gradient is produced for `param`.
+    /// False: the op computes the gradient as usual.
+    fn consume_linear_weight(&self, param: &Tensor, g: &Tensor, x: &Tensor) -> Result<bool>;
+    /// Runs when `param` has received every contribution of the current backward (after
+    /// any ordinary gradient was accumulated into `.grad` and its post-accumulate hooks ran).
+    fn finish(&self, param: &Tensor) -> Result<()>;
+}
+
 #[derive(Default)]
 pub struct AutogradMeta {
     pub(crate) grad_fn: Option<Arc<Node>>,
@@ -21,6 +35,7 @@ pub struct AutogradMeta {
     pub(crate) retains_grad: AtomicBool,
     pub(crate) hooks: Mutex<Vec<TensorHook>>,
     pub(crate) post_accumulate_hooks: Mutex<Vec<PostAccumulateHook>>,
+    pub(crate) grad_sink: Mutex<Option<Arc<dyn GradSink>>>,
     /// The leaf tensor itself, for post-accumulate hooks (weak: the leaf owns this meta).
     pub(crate) owner: OnceLock<Weak<TensorImpl>>,
 }
@@ -44,6 +59,23 @@ impl AutogradMeta {
     /// Applies the tensor hooks in registration order.
     pub(crate) fn run_hooks(&self, grad: Tensor) -> Result<Tensor> {
         run_hooks(&self.hooks, grad)
+    }
+
+    pub(crate) fn grad_sink(&self) -> Option<Arc<dyn GradSink>> {
+        self.grad_sink
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Whether tensor hooks are registered (they must see every gradient, so a sink that
+    /// would bypass them is not used).
+    pub(crate) fn has_hooks(&self) -> bool {
+        !self
+            .hooks
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty()
     }
 
     pub(crate) fn owner(&self) -> Option<Tensor> {

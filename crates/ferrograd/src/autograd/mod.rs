@@ -15,9 +15,10 @@ mod node;
 mod saved;
 
 pub use engine::BackwardOptions;
+pub(crate) use engine::backward_id;
 pub use function::{CustomFunction, FunctionCtx, apply_custom};
 pub use grad_mode::{GradModeGuard, enable_grad, is_grad_enabled, no_grad};
-pub use meta::{AutogradMeta, PostAccumulateHook, TensorHook};
+pub use meta::{AutogradMeta, GradSink, PostAccumulateHook, TensorHook};
 pub use node::{BackwardFn, Edge, Node};
 pub use saved::SavedTensor;
 

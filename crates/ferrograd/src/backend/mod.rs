@@ -48,6 +48,25 @@ pub trait Backend: Send + Sync {
     fn reduce(&self, op: ReduceOp, x: View, dims: &[usize], out: &Storage) -> Result<()>;
     /// Batched `out = a @ b` where a: (..., m, k), b: (..., k, n) with equal batch dims.
     fn matmul(&self, spec: &MatmulSpec, a: View, b: View, out: &Storage) -> Result<()>;
+    /// Batched `out = a @ b + beta·out`: a GEMM that accumulates into its output (the fused
+    /// SGD step writes a weight gradient straight into the momentum buffer). With beta = 0
+    /// the output is not read. Backends without it answer beta = 0 only.
+    fn matmul_acc(
+        &self,
+        spec: &MatmulSpec,
+        a: View,
+        b: View,
+        out: &Storage,
+        beta: f64,
+    ) -> Result<()> {
+        if beta == 0.0 {
+            return self.matmul(spec, a, b, out);
+        }
+        Err(crate::error::Error::NotSupportedOnDevice {
+            op: "matmul_acc",
+            device: out.device(),
+        })
+    }
     /// Ops with their own kernels (softmax, layer norm, cross-entropy, embedding...).
     fn fused(&self, op: &FusedOp, inputs: &[View], outputs: &[&Storage]) -> Result<()>;
 }

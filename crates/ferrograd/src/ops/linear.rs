@@ -1,6 +1,7 @@
 //! `linear(x, w, b) = x @ wᵀ + b` as one op, like PyTorch's addmm: the bias is added into
 //! the GEMM's output in place, so the forward allocates one (N, out) tensor, not two.
-//! Backward: dx = g @ w, dw = gᵀ @ x, db = Σ_rows g.
+//! Backward: dx = g @ w, dw = gᵀ @ x, db = Σ_rows g. A leaf weight with a gradient sink
+//! (the fused SGD step) is offered g and x instead, and then gets no dw at all.
 
 use super::matmul::matmul_forward;
 use crate::autograd::{SavedTensor, record};
@@ -70,6 +71,8 @@ impl Tensor {
         Ok(record("linear", &inputs, out, |_, needs| {
             let x = needs[1].then(|| SavedTensor::new(&x2));
             let w = needs[0].then(|| SavedTensor::new(weight));
+            // The parameter itself (not saved: the sink reads no values of it here).
+            let leaf = (needs[1] && weight.is_leaf()).then(|| weight.clone());
             move |g: &Tensor, n: &[bool]| {
                 let n_out = g.shape()[g.dims() - 1];
                 let g2 = g.reshape(&[rows, n_out])?;
@@ -78,7 +81,7 @@ impl Tensor {
                     _ => None,
                 };
                 let gw = match (&x, n[1]) {
-                    (Some(x), true) => Some(matmul_forward(&g2.t_view()?, x.get())?),
+                    (Some(x), true) => weight_grad(leaf.as_ref(), &g2, x.get())?,
                     _ => None,
                 };
                 let mut grads = vec![gx, gw];
@@ -101,4 +104,15 @@ impl Tensor {
     pub(crate) fn t_view(&self) -> Result<Tensor> {
         Ok(self.with_layout(self.layout().permute(&[1, 0])?))
     }
+}
+
+/// dW = gᵀ·x (g: (N, out), x: (N, in)), unless the weight's gradient sink consumes it.
+fn weight_grad(leaf: Option<&Tensor>, g2: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
+    if let Some(w) = leaf
+        && let Some(sink) = w.usable_grad_sink()
+        && sink.consume_linear_weight(w, g2, x)?
+    {
+        return Ok(None);
+    }
+    Ok(Some(matmul_forward(&g2.t_view()?, x)?))
 }

@@ -57,6 +57,41 @@ pub(crate) fn matmul_forward(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     Ok(out)
 }
 
+/// `out ← a @ b + beta·out` for 2-D a (m, k), b (k, n) and a contiguous out (m, n), no
+/// autograd; beta = 0 does not read out. Bumps out's version (it is written in place).
+pub(crate) fn matmul_acc_into(a: &Tensor, b: &Tensor, out: &Tensor, beta: f64) -> Result<()> {
+    super::check_pair("matmul", a, b)?;
+    super::check_pair("matmul", a, out)?;
+    super::check_float("matmul", a)?;
+    let two = a.dims() == 2 && b.dims() == 2;
+    let (m, k, n) = if two {
+        (a.shape()[0], a.shape()[1], b.shape()[1])
+    } else {
+        (0, 0, 0)
+    };
+    let ok = two
+        && b.shape()[0] == k
+        && out.shape() == [m, n]
+        && out.is_contiguous()
+        && out.numel() == out.storage().len();
+    if !ok {
+        return Err(Error::shape(
+            "matmul",
+            format!(
+                "{:?} @ {:?} cannot accumulate into {:?}: need (m, k) @ (k, n) into a whole contiguous (m, n)",
+                a.shape(),
+                b.shape(),
+                out.shape()
+            ),
+        ));
+    }
+    let spec = MatmulSpec { batch: 1, m, n, k };
+    a.backend()?
+        .matmul_acc(&spec, a.view(), b.view(), out.storage(), beta)?;
+    out.storage().bump_version();
+    Ok(())
+}
+
 impl Tensor {
     /// Matrix product with PyTorch's rules for 1-D and batched operands.
     pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {

@@ -17,6 +17,7 @@ mod select;
 mod softmax;
 mod unary;
 
+pub(crate) use matmul::matmul_acc_into;
 pub use unary::GeluApprox;
 
 use crate::backend::{self, Backend};

@@ -7,6 +7,10 @@
 //!   p ← p − lr·g
 //!
 //! Momentum buffers are created at the first step and count as optimizer state.
+//!
+//! With plain momentum (no dampening, Nesterov or weight decay) the step is linear in the
+//! gradient, so a linear layer's weight gradient gᵀ·x can be written by its GEMM straight
+//! into the momentum buffer (`accumulate_linear`, used by `StepInBackward::install_fused`).
 
 use super::{Optimizer, check_lr};
 use crate::autograd::no_grad;
@@ -72,6 +76,95 @@ impl Sgd {
     /// The momentum buffer of parameter `i`, if created.
     pub fn momentum_buffer(&self, i: usize) -> Option<&Tensor> {
         self.momentum_buffers.get(i).and_then(Option::as_ref)
+    }
+
+    /// Whether the step is plain momentum (momentum > 0; no dampening, Nesterov or weight
+    /// decay): linear in the gradient, so weight gradients can be fused into the buffer.
+    pub fn fusable(&self) -> bool {
+        let c = &self.cfg;
+        c.momentum > 0.0 && c.dampening == 0.0 && !c.nesterov && c.weight_decay == 0.0
+    }
+
+    /// buf_i ← beta·buf_i + gᵀ·x for parameter i (out, in), g: (N, out), x: (N, in), in one
+    /// GEMM: `first` (the step's first contribution) uses beta = μ, or writes a fresh buffer
+    /// (PyTorch's buf = clone(g)); later contributions of the same step add (beta = 1).
+    /// False, touching nothing, when the factors do not fit the parameter or it cannot fuse.
+    pub(crate) fn accumulate_linear(
+        &mut self,
+        i: usize,
+        g: &Tensor,
+        x: &Tensor,
+        first: bool,
+    ) -> Result<bool> {
+        let Some(p) = self.params.get(i) else {
+            return Ok(false);
+        };
+        let fits = self.fusable()
+            && g.dims() == 2
+            && x.dims() == 2
+            && g.shape()[0] == x.shape()[0]
+            && p.shape() == [g.shape()[1], x.shape()[1]]
+            && [g, x]
+                .iter()
+                .all(|t| t.dtype() == p.dtype() && t.device() == p.device());
+        if !fits {
+            return Ok(false);
+        }
+        let _g = no_grad();
+        let (buf, beta) = match (&self.momentum_buffers[i], first) {
+            (Some(b), true) => (b.clone(), self.cfg.momentum),
+            (Some(b), false) => (b.clone(), 1.0),
+            (None, true) => {
+                let b = Tensor::alloc(
+                    p.shape(),
+                    p.dtype(),
+                    p.device(),
+                    Category::OptimizerState,
+                    "sgd_momentum",
+                )?;
+                self.momentum_buffers[i] = Some(b.clone());
+                (b, 0.0)
+            }
+            (None, false) => {
+                return Err(Error::invalid(
+                    "SGD",
+                    "a later gradient contribution arrived without the step's momentum buffer",
+                ));
+            }
+        };
+        crate::ops::matmul_acc_into(&g.t_view()?, x, &buf, beta)?;
+        Ok(true)
+    }
+
+    /// buf_i += grad: a contribution of the current step that came as an ordinary gradient.
+    pub(crate) fn accumulate_grad(&mut self, i: usize, grad: &Tensor) -> Result<()> {
+        let buf = self
+            .momentum_buffers
+            .get(i)
+            .and_then(Option::as_ref)
+            .ok_or_else(|| Error::invalid("SGD", "no momentum buffer to add the gradient into"))?;
+        let _g = no_grad();
+        buf.add_(grad)
+    }
+
+    /// p_i ← p_i − lr·buf_i: the rest of a fused step, once buf_i holds all of its gradient.
+    pub(crate) fn apply_buffer(&mut self, i: usize) -> Result<()> {
+        let (Some(p), Some(Some(buf))) = (self.params.get(i), self.momentum_buffers.get(i)) else {
+            return Err(Error::invalid("SGD", "no momentum buffer to step with"));
+        };
+        // The kernel without a buffer is p ← p − lr·(g + wd·p): here g = buf and wd = 0.
+        let op = FusedOp::SgdStep {
+            lr: self.cfg.lr,
+            momentum: 0.0,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+            first_step: false,
+        };
+        p.backend()?
+            .fused(&op, &[buf.view()], &[p.storage().as_ref()])?;
+        p.storage().bump_version();
+        Ok(())
     }
 
     /// One fused pass per parameter: reads the gradient once, updates buffer and parameter.

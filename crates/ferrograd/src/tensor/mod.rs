@@ -18,7 +18,7 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use crate::autograd::{AutogradMeta, Node, PostAccumulateHook, TensorHook};
+use crate::autograd::{AutogradMeta, GradSink, Node, PostAccumulateHook, TensorHook};
 use crate::backend::{self, HostValues, Storage, View};
 use crate::error::{Error, Result};
 use crate::memory::Category;
@@ -210,6 +210,31 @@ impl Tensor {
             .unwrap_or_else(|e| e.into_inner())
             .push(h);
         Ok(())
+    }
+    /// Sets (or with None removes) this leaf's gradient sink: ops that can offer their
+    /// gradient for it in factored form (linear's weight) hand it to the sink instead.
+    pub fn set_grad_sink(&self, sink: Option<Arc<dyn GradSink>>) -> Result<()> {
+        if sink.is_some() && (!self.is_leaf() || !self.requires_grad()) {
+            return Err(Error::autograd(
+                "a gradient sink can only be set on a leaf tensor that requires grad",
+            ));
+        }
+        *self
+            .0
+            .meta
+            .grad_sink
+            .lock()
+            .unwrap_or_else(|e| e.into_inner()) = sink;
+        Ok(())
+    }
+    /// The sink that may take this tensor's gradient now: a leaf's, unless tensor hooks
+    /// must see the gradient or a `.grad` is already being accumulated into.
+    pub(crate) fn usable_grad_sink(&self) -> Option<Arc<dyn GradSink>> {
+        let meta = &self.0.meta;
+        if !self.is_leaf() || meta.has_hooks() || meta.grad_slot().is_some() {
+            return None;
+        }
+        meta.grad_sink()
     }
     /// The same data without autograd history.
     pub fn detach(&self) -> Tensor {

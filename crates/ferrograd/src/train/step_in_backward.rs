@@ -5,16 +5,27 @@
 //! Same result as `backward(); step(); zero_grad()` for optimizers whose update of one
 //! parameter reads only that parameter's gradient and state (SGD, Adam, AdamW). Not with
 //! global-norm clipping or gradient accumulation, which need every gradient before any step.
+//!
+//! `install_fused` goes one gradient further for SGD with plain momentum: a linear layer's
+//! weight gradient gᵀ·x is never made. Its GEMM writes into the momentum buffer
+//! (buf ← μ·buf + gᵀ·x), and once the weight has all its contributions of the backward,
+//! p ← p − lr·buf. A weight used by several linears adds each product into the buffer
+//! (beta = 1) and steps once at the end; any other gradient of it arrives as `.grad` and
+//! is added into the buffer before that step.
 
 use std::sync::{Arc, Mutex, Weak};
 
+use crate::autograd::{GradSink, backward_id};
 use crate::error::{Error, Result};
-use crate::optim::Optimizer;
+use crate::optim::{Optimizer, Sgd};
+use crate::tensor::Tensor;
 
 /// The installed strategy: owns the optimizer; the hooks hold only weak references, so
-/// dropping this handle turns them into no-ops.
+/// dropping this handle turns them into no-ops (and removes the fused step's sinks).
 pub struct StepInBackward<O: Optimizer + Send + 'static> {
     optimizer: Arc<Mutex<O>>,
+    /// Parameters carrying a gradient sink of this strategy (empty unless fused).
+    sunk: Vec<Tensor>,
 }
 
 impl<O: Optimizer + Send + 'static> StepInBackward<O> {
@@ -28,22 +39,113 @@ impl<O: Optimizer + Send + 'static> StepInBackward<O> {
                 let Some(opt) = weak.upgrade() else {
                     return Ok(());
                 };
-                let mut opt = opt
-                    .lock()
-                    .map_err(|_| Error::autograd("the optimizer's lock was poisoned by a panic"))?;
+                let mut opt = lock(&opt)?;
                 opt.step_param(index)?;
                 leaf.set_grad(None)
             })?;
         }
-        Ok(StepInBackward { optimizer })
+        Ok(StepInBackward {
+            optimizer,
+            sunk: Vec::new(),
+        })
     }
 
     /// Runs `f` with the optimizer (to change its learning rate, read its state...).
     pub fn with_optimizer<R>(&self, f: impl FnOnce(&mut O) -> R) -> Result<R> {
-        let mut opt = self
-            .optimizer
-            .lock()
-            .map_err(|_| Error::autograd("the optimizer's lock was poisoned by a panic"))?;
+        let mut opt = lock(&self.optimizer)?;
         Ok(f(&mut opt))
+    }
+}
+
+impl StepInBackward<Sgd> {
+    /// The step in backward with linear weight gradients fused into the momentum buffers
+    /// (see the module doc): the backward peak holds no weight gradient at all. Needs plain
+    /// momentum (`Sgd::fusable`: momentum > 0, no dampening, Nesterov or weight decay);
+    /// otherwise this is `install`. Every parameter gets a sink: one that never meets a
+    /// linear (a bias) takes the ordinary per-parameter step from its `.grad`, as `install`.
+    pub fn install_fused(optimizer: Sgd) -> Result<Self> {
+        if !optimizer.fusable() {
+            return Self::install(optimizer);
+        }
+        let params = optimizer.params().to_vec();
+        let optimizer = Arc::new(Mutex::new(optimizer));
+        for (index, p) in params.iter().enumerate() {
+            let sink = FusedSgdSink {
+                optimizer: Arc::downgrade(&optimizer),
+                index,
+                pending: Mutex::new(None),
+            };
+            p.set_grad_sink(Some(Arc::new(sink)))?;
+        }
+        Ok(StepInBackward {
+            optimizer,
+            sunk: params,
+        })
+    }
+}
+
+impl<O: Optimizer + Send + 'static> Drop for StepInBackward<O> {
+    fn drop(&mut self) {
+        for p in &self.sunk {
+            // Removing a sink cannot fail (only setting one checks the tensor).
+            let _ = p.set_grad_sink(None);
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> Result<std::sync::MutexGuard<'_, T>> {
+    m.lock()
+        .map_err(|_| Error::autograd("the optimizer's lock was poisoned by a panic"))
+}
+
+/// Parameter `index`'s sink: linear weight gradients go into its momentum buffer; the step
+/// is applied when the parameter has all its contributions of the backward.
+struct FusedSgdSink {
+    optimizer: Weak<Mutex<Sgd>>,
+    index: usize,
+    /// The backward whose contributions are in the buffer but not yet applied.
+    pending: Mutex<Option<u64>>,
+}
+
+impl FusedSgdSink {
+    fn pending(&self) -> std::sync::MutexGuard<'_, Option<u64>> {
+        self.pending.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl GradSink for FusedSgdSink {
+    fn consume_linear_weight(&self, _param: &Tensor, g: &Tensor, x: &Tensor) -> Result<bool> {
+        let Some(opt) = self.optimizer.upgrade() else {
+            return Ok(false);
+        };
+        let mut opt = lock(&opt)?;
+        let id = backward_id();
+        let mut pending = self.pending();
+        // The first contribution of this backward decays the buffer (beta = μ); later ones add.
+        let first = *pending != Some(id);
+        let consumed = opt.accumulate_linear(self.index, g, x, first)?;
+        if consumed {
+            *pending = Some(id);
+        }
+        Ok(consumed)
+    }
+
+    fn finish(&self, param: &Tensor) -> Result<()> {
+        let Some(opt) = self.optimizer.upgrade() else {
+            return Ok(());
+        };
+        let mut opt = lock(&opt)?;
+        let fused = self.pending().take() == Some(backward_id());
+        match (fused, param.grad()) {
+            // Only ordinary gradients: the ordinary step, as `install`.
+            (false, Some(_)) => opt.step_param(self.index)?,
+            (false, None) => return Ok(()),
+            (true, Some(g)) => {
+                opt.accumulate_grad(self.index, &g)?;
+                opt.apply_buffer(self.index)?;
+            }
+            (true, None) => opt.apply_buffer(self.index)?,
+        }
+        param.set_grad(None)
     }
 }

@@ -1,6 +1,7 @@
 //! Batched GEMM on the CPU through the `gemm` crate, which takes arbitrary row and column
 //! strides: transposed operands (`x @ w.T`) and broadcast gradients (stride 0) need no copy.
-//! bf16 has no kernel there, so it is widened to f32 and narrowed back.
+//! bf16 has no kernel there, so it is widened to f32 and narrowed back. `matmul_acc` adds
+//! the product into the output scaled by beta (the gemm crate's dst = α·dst + β·lhs·rhs).
 
 use gemm::{Parallelism, gemm};
 use half::bf16;
@@ -39,8 +40,14 @@ fn gemm_typed<T: 'static + Copy + Send + Sync + num_traits::Zero + num_traits::O
     a: Operand<T>,
     b: Operand<T>,
     out: &mut [T],
+    acc: Option<T>,
 ) {
     let (m, n, k) = (s.m, s.n, s.k);
+    // acc = Some(beta): out = beta·out + a·b (gemm's alpha scales dst); None: out is not read.
+    let (read_dst, keep) = match acc {
+        Some(beta) => (true, beta),
+        None => (false, T::zero()),
+    };
     let flops = 2 * m * n * k;
     let threads = rayon::current_num_threads();
     let run = |dst: &mut [T], i: usize, par: Parallelism| {
@@ -54,14 +61,14 @@ fn gemm_typed<T: 'static + Copy + Send + Sync + num_traits::Zero + num_traits::O
                 dst.as_mut_ptr(),
                 1,
                 n as isize,
-                false,
+                read_dst,
                 a.data.as_ptr().add(a.bases[i]),
                 a.cs,
                 a.rs,
                 b.data.as_ptr().add(b.bases[i]),
                 b.cs,
                 b.rs,
-                T::zero(),
+                keep,
                 T::one(),
                 false,
                 false,
@@ -100,21 +107,64 @@ pub(crate) fn matmul(
     if s.k == 0 {
         return super::elementwise::fill(out, 0.0);
     }
+    product(s, a, al, b, bl, out, None)
+}
+
+/// `out = a @ b + beta·out`; beta = 0 does not read `out` (a NaN there does not survive).
+pub(crate) fn matmul_acc(
+    s: &MatmulSpec,
+    a: &CpuData,
+    al: &Layout,
+    b: &CpuData,
+    bl: &Layout,
+    out: &mut CpuData,
+    beta: f64,
+) -> Result<()> {
+    if beta == 0.0 {
+        return matmul(s, a, al, b, bl, out);
+    }
+    // The gemm crate handles k = 0 itself (out = beta·out).
+    product(s, a, al, b, bl, out, Some(beta))
+}
+
+fn product(
+    s: &MatmulSpec,
+    a: &CpuData,
+    al: &Layout,
+    b: &CpuData,
+    bl: &Layout,
+    out: &mut CpuData,
+    beta: Option<f64>,
+) -> Result<()> {
     match (a, b, out) {
         (CpuData::F32(x), CpuData::F32(y), CpuData::F32(o)) => {
-            gemm_typed(s, operand(x, al), operand(y, bl), o)
+            gemm_typed(s, operand(x, al), operand(y, bl), o, beta.map(|v| v as f32))
         }
         (CpuData::F64(x), CpuData::F64(y), CpuData::F64(o)) => {
-            gemm_typed(s, operand(x, al), operand(y, bl), o)
+            gemm_typed(s, operand(x, al), operand(y, bl), o, beta)
         }
-        (CpuData::F16(x), CpuData::F16(y), CpuData::F16(o)) => {
-            gemm_typed(s, operand(x, al), operand(y, bl), o)
-        }
+        (CpuData::F16(x), CpuData::F16(y), CpuData::F16(o)) => gemm_typed(
+            s,
+            operand(x, al),
+            operand(y, bl),
+            o,
+            beta.map(half::f16::from_f64),
+        ),
         (CpuData::BF16(x), CpuData::BF16(y), CpuData::BF16(o)) => {
             let widen = |v: &[bf16]| v.iter().map(|h| h.to_f32()).collect::<Vec<f32>>();
             let (xw, yw) = (widen(x), widen(y));
-            let mut ow = vec![0f32; o.len()];
-            gemm_typed(s, operand(&xw, al), operand(&yw, bl), &mut ow);
+            // Accumulating reads the output: widen it too.
+            let mut ow = match beta {
+                Some(_) => widen(o),
+                None => vec![0f32; o.len()],
+            };
+            gemm_typed(
+                s,
+                operand(&xw, al),
+                operand(&yw, bl),
+                &mut ow,
+                beta.map(|v| v as f32),
+            );
             o.iter_mut()
                 .zip(ow)
                 .for_each(|(d, v)| *d = bf16::from_f32(v));
@@ -128,4 +178,55 @@ pub(crate) fn matmul(
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use half::f16;
+
+    /// a (2, 3) @ bᵀ where b is (2, 3) read transposed, into out (2, 2), with a previous out.
+    fn case(beta: f64, wrap: impl Fn(Vec<f64>) -> CpuData) -> Vec<f64> {
+        let a = wrap(vec![1., 2., 3., 4., 5., 6.]);
+        let b = wrap(vec![1., 0., -1., 2., 1., 0.]);
+        let mut out = wrap(vec![f64::NAN, 10., 20., 30.]);
+        if beta != 0.0 {
+            out = wrap(vec![5., 10., 20., 30.]);
+        }
+        let spec = MatmulSpec {
+            batch: 1,
+            m: 2,
+            n: 2,
+            k: 3,
+        };
+        let (al, bl) = (
+            Layout::contiguous(&[2, 3]),
+            Layout::new(vec![3, 2], vec![1, 3], 0),
+        );
+        matmul_acc(&spec, &a, &al, &b, &bl, &mut out, beta).unwrap();
+        match out {
+            CpuData::F32(v) => v.iter().map(|&x| x as f64).collect(),
+            CpuData::F64(v) => v,
+            CpuData::F16(v) => v.iter().map(|x| x.to_f64()).collect(),
+            CpuData::BF16(v) => v.iter().map(|x| x.to_f64()).collect(),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn accumulating_products() {
+        // a @ bᵀ = [[-2, 4], [-2, 13]]
+        let wraps: [fn(Vec<f64>) -> CpuData; 4] = [
+            |v| CpuData::F32(v.iter().map(|&x| x as f32).collect()),
+            CpuData::F64,
+            |v| CpuData::F16(v.iter().map(|&x| f16::from_f64(x)).collect()),
+            |v| CpuData::BF16(v.iter().map(|&x| bf16::from_f64(x)).collect()),
+        ];
+        for w in wraps {
+            // beta = 0 ignores the previous values, NaN included.
+            assert_eq!(case(0.0, w), [-2., 4., -2., 13.]);
+            assert_eq!(case(1.0, w), [3., 14., 18., 43.]);
+            assert_eq!(case(0.5, w), [0.5, 9., 8., 28.]);
+        }
+    }
 }

@@ -153,6 +153,26 @@ impl Backend for CpuBackend {
         })
     }
 
+    fn matmul_acc(
+        &self,
+        spec: &MatmulSpec,
+        a: View,
+        b: View,
+        out: &Storage,
+        beta: f64,
+    ) -> Result<()> {
+        let ad = read(a.storage)?;
+        if a.storage.same(b.storage) {
+            return write(out, |o| {
+                matmul::matmul_acc(spec, &ad, a.layout, &ad, b.layout, o, beta)
+            });
+        }
+        let bd = read(b.storage)?;
+        write(out, |o| {
+            matmul::matmul_acc(spec, &ad, a.layout, &bd, b.layout, o, beta)
+        })
+    }
+
     fn fused(&self, op: &FusedOp, inputs: &[View], outputs: &[&Storage]) -> Result<()> {
         fused::run(op, inputs, outputs)
     }

@@ -6,6 +6,9 @@
 //! layouts loop over the outer dims. Only a matrix that is neither (an expanded gradient, a
 //! gapped view) is first copied into a contiguous temporary.
 //!
+//! `matmul_acc` passes a beta to cuBLAS, so the product is added into the output in the
+//! same pass (out = a·b + beta·out).
+//!
 //! f32 accumulates in f32 (TF32 tensor cores only when `allow_tf32()`), f64 in f64, f16 and
 //! bf16 in f32. cuBLAS's workspace is a block of this device's allocator, counted as
 //! `workspace` and kept for the process.
@@ -34,6 +37,18 @@ pub(crate) fn matmul(
     b: View,
     out: &Storage,
 ) -> Result<()> {
+    matmul_acc(d, spec, a, b, out, 0.0)
+}
+
+/// `out = a @ b + beta·out`; beta = 0 does not read `out` (cuBLAS's contract).
+pub(crate) fn matmul_acc(
+    d: &CudaDevice,
+    spec: &MatmulSpec,
+    a: View,
+    b: View,
+    out: &Storage,
+    beta: f64,
+) -> Result<()> {
     let dtype = a.storage.dtype();
     for got in [b.storage.dtype(), out.dtype()] {
         if got != dtype {
@@ -52,7 +67,16 @@ pub(crate) fn matmul(
     }
     d.bind()?;
     if k == 0 {
-        // An empty sum: the product is zero.
+        // An empty sum: the product is zero, so out = beta·out.
+        if beta == 1.0 {
+            return Ok(());
+        }
+        if beta != 0.0 {
+            return Err(Error::invalid(
+                "matmul_acc",
+                "an empty product (k = 0) with a beta other than 0 or 1 is not supported on CUDA",
+            ));
+        }
         return d.memset_zero(ptr(out)?, out.len() * dtype.size_in_bytes());
     }
     ensure_workspace(d)?;
@@ -66,6 +90,7 @@ pub(crate) fn matmul(
         a: pa.matrix()?,
         b: pb.matrix()?,
         out: ptr(out)?,
+        beta,
     };
     run_batches(d, &call, &pa.view(a), &pb.view(b))
 }
@@ -341,6 +366,8 @@ struct Gemm {
     a: Matrix,
     b: Matrix,
     out: u64,
+    /// Scale of the output's previous values (0: not read).
+    beta: f64,
 }
 
 /// The batch dims split into outer dims (looped) and the longest inner run that both
@@ -397,11 +424,11 @@ fn gemm_batched(d: &CudaDevice, g: &Gemm, bt: &Batch) -> Result<()> {
             cublasOperation_t::CUBLAS_OP_N
         }
     };
-    let (one32, zero32, one64, zero64) = (1f32, 0f32, 1f64, 0f64);
+    let (one32, beta32, one64, beta64) = (1f32, g.beta as f32, 1f64, g.beta);
     let (alpha, beta): (*const c_void, *const c_void) = if g.ty.wide {
-        (&one64 as *const f64 as _, &zero64 as *const f64 as _)
+        (&one64 as *const f64 as _, &beta64 as *const f64 as _)
     } else {
-        (&one32 as *const f32 as _, &zero32 as *const f32 as _)
+        (&one32 as *const f32 as _, &beta32 as *const f32 as _)
     };
     let size = g.ty.size as u64;
     let out_step = (g.m * g.n) as i64;

@@ -1,0 +1,166 @@
+//! The fused SGD step in backward on CUDA (`StepInBackward::install_fused`: linear weight
+//! gradients written by cuBLAS straight into the momentum buffers, beta = μ then 1) against
+//! the ordinary CPU step, f32, over 3 steps: an MLP, a weight used twice in one forward and a
+//! weight with an extra non-linear use. Also the backward peak on the device: lower than the
+//! plain step in backward by at least the weight gradient. Needs a CUDA device.
+#![cfg(feature = "gpu-tests")]
+
+use std::sync::Mutex;
+
+use ferrograd::nn::{Linear, Module};
+use ferrograd::optim::{Optimizer, Sgd, SgdConfig};
+use ferrograd::train::StepInBackward;
+use ferrograd::{DType, Device, Generator, Tensor, memory};
+
+const GPU: Device = Device::Cuda(0);
+const CPU: Device = Device::Cpu;
+static LOCK: Mutex<()> = Mutex::new(());
+
+/// [w1, b1, w2, b2] of two (d, d) linear layers, made on the CPU and moved to `device`.
+fn layers(d: usize, device: Device) -> Vec<Tensor> {
+    let mut g = Generator::new(0);
+    let mut ps = Vec::new();
+    for _ in 0..2 {
+        let l = Linear::new(d, d, true, CPU, &mut g).unwrap();
+        ps.extend(l.parameters());
+    }
+    ps.iter()
+        .map(|p| {
+            p.to_device(device)
+                .unwrap_or_else(|e| panic!("these tests need a CUDA device (cuda:0): {e}"))
+                .detach()
+                .requires_grad_(true)
+                .unwrap()
+        })
+        .collect()
+}
+
+fn data(b: usize, d: usize, device: Device) -> (Tensor, Tensor) {
+    let mut g = Generator::new(1);
+    let mut t = || {
+        Tensor::randn_with(&[b, d], DType::F32, CPU, &mut g)
+            .unwrap()
+            .to_device(device)
+            .unwrap()
+    };
+    (t(), t())
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Net {
+    Mlp,
+    SharedWeight,
+    MixedUse,
+}
+
+fn loss_of(net: Net, p: &[Tensor], x: &Tensor, y: &Tensor) -> Tensor {
+    let h = x.linear(&p[0], Some(&p[1])).unwrap().relu().unwrap();
+    let h = match net {
+        Net::SharedWeight => h.linear(&p[0], None).unwrap().relu().unwrap(),
+        _ => h,
+    };
+    let loss = h.linear(&p[2], Some(&p[3])).unwrap().mse_loss(y).unwrap();
+    match net {
+        Net::MixedUse => loss
+            .add(
+                &p[2]
+                    .mul(&p[2])
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .mul_scalar(1e-2)
+                    .unwrap(),
+            )
+            .unwrap(),
+        _ => loss,
+    }
+}
+
+fn cfg() -> SgdConfig {
+    SgdConfig {
+        lr: 0.05,
+        momentum: 0.9,
+        ..Default::default()
+    }
+}
+
+fn host(ps: &[Tensor]) -> Vec<Vec<f32>> {
+    ps.iter().map(|p| p.to_vec::<f32>().unwrap()).collect()
+}
+
+#[test]
+fn fused_sgd_on_cuda_matches_the_ordinary_cpu_step() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let (d, b) = (96, 24);
+    for net in [Net::Mlp, Net::SharedWeight, Net::MixedUse] {
+        let ps = layers(d, CPU);
+        let (x, y) = data(b, d, CPU);
+        let mut opt = Sgd::new(ps.clone(), cfg()).unwrap();
+        for _ in 0..3 {
+            loss_of(net, &ps, &x, &y).backward().unwrap();
+            opt.step().unwrap();
+            opt.zero_grad().unwrap();
+        }
+        let qs = layers(d, GPU);
+        let (gx, gy) = data(b, d, GPU);
+        let sib = StepInBackward::install_fused(Sgd::new(qs.clone(), cfg()).unwrap()).unwrap();
+        for _ in 0..3 {
+            loss_of(net, &qs, &gx, &gy).backward().unwrap();
+            assert!(qs.iter().all(|p| p.grad().is_none()), "{net:?}");
+        }
+        let bufs: Vec<Vec<f32>> = sib
+            .with_optimizer(|o| {
+                (0..qs.len())
+                    .map(|i| o.momentum_buffer(i).unwrap().to_vec::<f32>().unwrap())
+                    .collect()
+            })
+            .unwrap();
+        let want_bufs: Vec<Vec<f32>> = (0..ps.len())
+            .map(|i| opt.momentum_buffer(i).unwrap().to_vec::<f32>().unwrap())
+            .collect();
+        for (what, got, want) in [
+            ("parameters", host(&qs), host(&ps)),
+            ("momentum", bufs, want_bufs),
+        ] {
+            for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+                assert!(
+                    (g - w).abs() <= 1e-5 * w.abs().max(1.0),
+                    "{net:?} {what}: cuda {g} vs cpu {w}"
+                );
+            }
+        }
+    }
+}
+
+/// The backward peak of the 3rd step under `install` or `install_fused`, on the GPU.
+fn gpu_peak(fused: bool, d: usize, b: usize) -> u64 {
+    let ps = layers(d, GPU);
+    let (x, y) = data(b, d, GPU);
+    let opt = Sgd::new(ps.clone(), cfg()).unwrap();
+    let _sib = if fused {
+        StepInBackward::install_fused(opt).unwrap()
+    } else {
+        StepInBackward::install(opt).unwrap()
+    };
+    let mut peak = 0;
+    for _ in 0..3 {
+        let loss = loss_of(Net::Mlp, &ps, &x, &y);
+        memory::reset_peak_memory_stats(GPU).unwrap();
+        loss.backward().unwrap();
+        peak = memory::max_memory_allocated(GPU).unwrap();
+    }
+    peak
+}
+
+#[test]
+fn fused_sgd_on_cuda_holds_no_weight_gradient_at_the_peak() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let (d, b) = (512, 64);
+    let plain = gpu_peak(false, d, b);
+    let fused = gpu_peak(true, d, b);
+    let weight_grad = (d * d * 4) as u64;
+    assert!(
+        fused + weight_grad <= plain,
+        "fused peak {fused} vs plain step in backward {plain} (weight gradient {weight_grad})"
+    );
+}
