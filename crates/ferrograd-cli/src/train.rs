@@ -18,7 +18,7 @@ pub struct TrainArgs {
     #[arg(long, default_value = "cpu")]
     device: String,
     /// Total optimizer steps (the learning-rate schedule's length).
-    #[arg(long, default_value_t = 600)]
+    #[arg(long, default_value_t = 800)]
     max_steps: u64,
     /// Stop after this many steps of this invocation (resume later with --resume).
     #[arg(long)]

@@ -80,7 +80,7 @@ impl Default for TrainJob {
                 seed: 0,
             },
             batch_size: 16,
-            max_steps: 600,
+            max_steps: 800,
             stop_after: None,
             lr: 2e-3,
             min_lr: 2e-4,
