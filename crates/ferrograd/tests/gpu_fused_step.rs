@@ -7,6 +7,9 @@
 
 use std::sync::Mutex;
 
+mod fused_nets;
+use fused_nets::{Net, loss_of};
+
 use ferrograd::nn::{Linear, Module};
 use ferrograd::optim::{Optimizer, Sgd, SgdConfig};
 use ferrograd::train::StepInBackward;
@@ -44,36 +47,6 @@ fn data(b: usize, d: usize, device: Device) -> (Tensor, Tensor) {
             .unwrap()
     };
     (t(), t())
-}
-
-#[derive(Clone, Copy, Debug)]
-enum Net {
-    Mlp,
-    SharedWeight,
-    MixedUse,
-}
-
-fn loss_of(net: Net, p: &[Tensor], x: &Tensor, y: &Tensor) -> Tensor {
-    let h = x.linear(&p[0], Some(&p[1])).unwrap().relu().unwrap();
-    let h = match net {
-        Net::SharedWeight => h.linear(&p[0], None).unwrap().relu().unwrap(),
-        _ => h,
-    };
-    let loss = h.linear(&p[2], Some(&p[3])).unwrap().mse_loss(y).unwrap();
-    match net {
-        Net::MixedUse => loss
-            .add(
-                &p[2]
-                    .mul(&p[2])
-                    .unwrap()
-                    .sum_all()
-                    .unwrap()
-                    .mul_scalar(1e-2)
-                    .unwrap(),
-            )
-            .unwrap(),
-        _ => loss,
-    }
 }
 
 fn cfg() -> SgdConfig {

@@ -5,6 +5,9 @@
 
 use std::sync::Mutex;
 
+mod fused_nets;
+use fused_nets::{Net, loss_of};
+
 use ferrograd::nn::{Linear, Module, Relu, Sequential};
 use ferrograd::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use ferrograd::train::StepInBackward;
@@ -192,38 +195,6 @@ fn layers(d: usize, dtype: DType, device: Device) -> Vec<Tensor> {
         ps.extend(l.parameters());
     }
     ps
-}
-
-/// How the parameters are used: the MLP; w1 twice in one forward; the MLP with an extra
-/// non-linear use of w2 (an L2 term), whose gradient arrives as an ordinary `.grad`.
-#[derive(Clone, Copy, Debug)]
-enum Net {
-    Mlp,
-    SharedWeight,
-    MixedUse,
-}
-
-fn loss_of(net: Net, p: &[Tensor], x: &Tensor, y: &Tensor) -> Tensor {
-    let h = x.linear(&p[0], Some(&p[1])).unwrap().relu().unwrap();
-    let h = match net {
-        Net::SharedWeight => h.linear(&p[0], None).unwrap().relu().unwrap(),
-        _ => h,
-    };
-    let loss = h.linear(&p[2], Some(&p[3])).unwrap().mse_loss(y).unwrap();
-    match net {
-        Net::MixedUse => loss
-            .add(
-                &p[2]
-                    .mul(&p[2])
-                    .unwrap()
-                    .sum_all()
-                    .unwrap()
-                    .mul_scalar(1e-2)
-                    .unwrap(),
-            )
-            .unwrap(),
-        _ => loss,
-    }
 }
 
 fn data_as(b: usize, d: usize, dtype: DType, device: Device) -> (Tensor, Tensor) {

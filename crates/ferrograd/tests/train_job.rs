@@ -157,10 +157,8 @@ fn resume_continues_exactly_with_step_in_backward_and_recompute() {
     assert_eq!(tensors(&dir.path("a")), tensors(&dir.path("c")));
 }
 
-#[test]
-fn a_truncated_state_is_refused_and_the_save_target_left_alone() {
-    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let dir = TestDir::new("bad");
+/// The state file of a small run stopped after one step.
+fn state_after_one_step(dir: &TestDir) -> PathBuf {
     let saved = dir.path("state.safetensors");
     run(&TrainJob {
         save: Some(saved.clone()),
@@ -168,6 +166,14 @@ fn a_truncated_state_is_refused_and_the_save_target_left_alone() {
         ..small_job(TrainerConfig::default())
     })
     .unwrap();
+    saved
+}
+
+#[test]
+fn a_truncated_state_is_refused_and_the_save_target_left_alone() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = TestDir::new("bad");
+    let saved = state_after_one_step(&dir);
     let bytes = std::fs::read(&saved).unwrap();
     let cut = dir.path("cut.safetensors");
     std::fs::write(&cut, &bytes[..bytes.len() / 2]).unwrap();
@@ -190,13 +196,7 @@ fn a_truncated_state_is_refused_and_the_save_target_left_alone() {
 fn a_state_of_another_model_shape_is_refused() {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let dir = TestDir::new("shape");
-    let saved = dir.path("state.safetensors");
-    run(&TrainJob {
-        save: Some(saved.clone()),
-        stop_after: Some(1),
-        ..small_job(TrainerConfig::default())
-    })
-    .unwrap();
+    let saved = state_after_one_step(&dir);
     let mut other = small_job(TrainerConfig::default());
     other.model.n_layer = 3;
     other.resume = Some(saved.clone());

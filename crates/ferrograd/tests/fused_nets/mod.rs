@@ -1,0 +1,36 @@
+//! The networks the fused step-in-backward tests run (CPU and GPU): how the parameters
+//! [w1, b1, w2, b2] are used by the loss.
+
+use ferrograd::Tensor;
+
+/// How the parameters are used: the MLP; w1 twice in one forward; the MLP with an extra
+/// non-linear use of w2 (an L2 term), whose gradient arrives as an ordinary `.grad`.
+#[derive(Clone, Copy, Debug)]
+pub enum Net {
+    Mlp,
+    SharedWeight,
+    MixedUse,
+}
+
+pub fn loss_of(net: Net, p: &[Tensor], x: &Tensor, y: &Tensor) -> Tensor {
+    let h = x.linear(&p[0], Some(&p[1])).unwrap().relu().unwrap();
+    let h = match net {
+        Net::SharedWeight => h.linear(&p[0], None).unwrap().relu().unwrap(),
+        _ => h,
+    };
+    let loss = h.linear(&p[2], Some(&p[3])).unwrap().mse_loss(y).unwrap();
+    match net {
+        Net::MixedUse => loss
+            .add(
+                &p[2]
+                    .mul(&p[2])
+                    .unwrap()
+                    .sum_all()
+                    .unwrap()
+                    .mul_scalar(1e-2)
+                    .unwrap(),
+            )
+            .unwrap(),
+        _ => loss,
+    }
+}
