@@ -30,6 +30,11 @@ pub trait Backend: Send + Sync {
     /// Fresh device data of `len` elements, zero-filled, at `addr` (the address the device's
     /// allocator handed out; 0 on the host, where the backend owns its buffers).
     fn zeros(&self, dtype: DType, len: usize, addr: u64) -> Result<BackendData>;
+    /// Fresh device data whose contents are unspecified, for an op output that its kernel
+    /// overwrites entirely. Zero-filled unless the backend can skip it (PyTorch's `empty`).
+    fn empty(&self, dtype: DType, len: usize, addr: u64) -> Result<BackendData> {
+        self.zeros(dtype, len, addr)
+    }
     /// Uploads host values into fresh data at `addr`.
     fn upload(&self, dtype: DType, values: HostValues, addr: u64) -> Result<BackendData>;
     /// Downloads a view as contiguous host values.

@@ -19,7 +19,7 @@ pub(crate) fn binary_forward(
     super::check_float(name, a)?;
     let shape = broadcast_shape(name, a.shape(), b.shape())?;
     let (la, lb) = (a.broadcast_layout(&shape)?, b.broadcast_layout(&shape)?);
-    let out = Tensor::output(&shape, a.dtype(), a.device(), name)?;
+    let out = Tensor::output_uninit(&shape, a.dtype(), a.device(), name)?;
     a.backend()?.binary(
         op,
         View {
@@ -38,7 +38,7 @@ pub(crate) fn binary_forward(
 /// `out = op(x)`, no autograd.
 pub(crate) fn unary_forward(op: UnaryOp, x: &Tensor, name: &'static str) -> Result<Tensor> {
     super::check_float(name, x)?;
-    let out = Tensor::output(x.shape(), x.dtype(), x.device(), name)?;
+    let out = Tensor::output_uninit(x.shape(), x.dtype(), x.device(), name)?;
     x.backend()?.unary(op, x.view(), out.storage())?;
     Ok(out)
 }

@@ -35,7 +35,12 @@ pub(crate) fn matmul_forward(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         a.broadcast_layout(&with(m, k))?,
         b.broadcast_layout(&with(k, n))?,
     );
-    let out = Tensor::output(&with(m, n), a.dtype(), a.device(), "matmul")?;
+    // With k = 0 the product is all zeros, which only a zero-filled output gives.
+    let out = if k > 0 {
+        Tensor::output_uninit(&with(m, n), a.dtype(), a.device(), "matmul")?
+    } else {
+        Tensor::output(&with(m, n), a.dtype(), a.device(), "matmul")?
+    };
     let spec = MatmulSpec {
         batch: batch.iter().product(),
         m,

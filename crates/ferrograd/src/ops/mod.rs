@@ -96,7 +96,7 @@ impl Tensor {
 
     /// A fresh contiguous copy in `dtype`, no autograd history.
     pub(crate) fn copy_as(&self, dtype: DType, origin: &'static str) -> Result<Tensor> {
-        let out = Tensor::output(self.shape(), dtype, self.device(), origin)?;
+        let out = Tensor::output_uninit(self.shape(), dtype, self.device(), origin)?;
         self.backend()?.copy(self.view(), out.view())?;
         Ok(out)
     }

@@ -93,10 +93,25 @@ impl Tensor {
         category: Category,
         origin: &'static str,
     ) -> Result<Tensor> {
+        Tensor::alloc_with(shape, dtype, device, category, origin, true)
+    }
+
+    fn alloc_with(
+        shape: &[usize],
+        dtype: DType,
+        device: Device,
+        category: Category,
+        origin: &'static str,
+        zeroed: bool,
+    ) -> Result<Tensor> {
         let len = numel_of(origin, shape)?;
         let be = backend::backend(device)?;
         let storage = Storage::new(device, dtype, len, category, origin, |addr| {
-            be.zeros(dtype, len, addr)
+            if zeroed {
+                be.zeros(dtype, len, addr)
+            } else {
+                be.empty(dtype, len, addr)
+            }
         })?;
         Ok(Tensor::from_storage(
             Arc::new(storage),
@@ -112,6 +127,17 @@ impl Tensor {
         origin: &'static str,
     ) -> Result<Tensor> {
         Tensor::alloc(shape, dtype, device, Category::Temporary, origin)
+    }
+
+    /// An op output whose kernel writes every element: not zero-filled where the backend
+    /// can skip it (the GPU), so large outputs cost no memset.
+    pub(crate) fn output_uninit(
+        shape: &[usize],
+        dtype: DType,
+        device: Device,
+        origin: &'static str,
+    ) -> Result<Tensor> {
+        Tensor::alloc_with(shape, dtype, device, Category::Temporary, origin, false)
     }
 
     pub(crate) fn from_host_values(

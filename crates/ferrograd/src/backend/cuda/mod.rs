@@ -57,6 +57,12 @@ impl Backend for CudaDevice {
         Ok(BackendData::Cuda(CudaBuffer { ptr: addr, bytes }))
     }
 
+    fn empty(&self, dtype: DType, len: usize, addr: u64) -> Result<BackendData> {
+        // No memset: the op's kernel writes every element before anything reads them.
+        let bytes = len * dtype.size_in_bytes();
+        Ok(BackendData::Cuda(CudaBuffer { ptr: addr, bytes }))
+    }
+
     fn upload(&self, dtype: DType, values: HostValues, addr: u64) -> Result<BackendData> {
         let bytes = host_bytes(dtype, values)?;
         self.copy_to_device(addr, &bytes)?;
