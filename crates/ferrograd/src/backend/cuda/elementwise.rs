@@ -28,7 +28,9 @@ pub(crate) const MAX_RANK: usize = 8;
 pub(crate) struct Strided {
     offset: i64,
     rank: i32,
-    pad: i32,
+    /// 1 when the view has fewer than 2^31 elements: kernels then locate elements with
+    /// 32-bit division, several times cheaper on the GPU than 64-bit.
+    index32: i32,
     shape: [i64; MAX_RANK],
     strides: [i64; MAX_RANK],
 }
@@ -55,10 +57,11 @@ impl Strided {
                 ),
             ));
         }
+        let numel: usize = shape.iter().product();
         let mut s = Strided {
             offset: offset as i64,
             rank: shape.len() as i32,
-            pad: 0,
+            index32: i32::from(numel <= i32::MAX as usize),
             shape: [1; MAX_RANK],
             strides: [0; MAX_RANK],
         };
@@ -78,7 +81,7 @@ impl Strided {
         let mut s = Strided {
             offset: 0,
             rank: 1,
-            pad: 0,
+            index32: i32::from(n <= i32::MAX as usize),
             shape: [1; MAX_RANK],
             strides: [0; MAX_RANK],
         };

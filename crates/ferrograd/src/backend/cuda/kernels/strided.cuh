@@ -28,7 +28,7 @@ typedef unsigned char u8;
 struct Strided {
     i64 offset;
     int rank;
-    int pad;
+    int index32;  // 1: fewer than 2^31 elements, 32-bit index math is exact
     i64 shape[MAX_RANK];
     i64 strides[MAX_RANK];
 };
@@ -38,6 +38,21 @@ struct Strided {
 __device__ __forceinline__ i64 strided_offset(const Strided& s, i64 i) {
     if (s.rank == 1) return s.offset + i * s.strides[0];
     i64 off = s.offset;
+    if (s.index32 && i <= 0x7fffffffLL) {
+        // 32-bit division: a 64-bit one is a long software sequence on the GPU, and this
+        // runs once per dim per element.
+        u32 j = (u32)i;
+#pragma unroll
+        for (int d = MAX_RANK - 1; d >= 0; --d) {
+            if (d < s.rank) {
+                u32 n = (u32)s.shape[d];
+                u32 q = j / n;
+                off += (i64)(j - q * n) * s.strides[d];
+                j = q;
+            }
+        }
+        return off;
+    }
 #pragma unroll
     for (int d = MAX_RANK - 1; d >= 0; --d) {
         if (d < s.rank) {
