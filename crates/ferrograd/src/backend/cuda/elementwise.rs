@@ -227,6 +227,19 @@ fn launch_copy(
     if n == 0 {
         return Ok(());
     }
+    if let Some(name) = contiguous_cast(sd, ss, dd, ds) {
+        // Element offsets → addresses: the cast kernels take plain contiguous pointers.
+        let src = src + (ss.offset as u64) * sd.size_in_bytes() as u64;
+        let dst = dst + (ds.offset as u64) * dd.size_in_bytes() as u64;
+        let f = d.function(KEY, SRC, name)?;
+        let n64 = n as i64;
+        let mut b = d.stream().launch_builder(&f);
+        b.arg(&src).arg(&dst).arg(&n64);
+        // SAFETY: cast_*(const S*, D*, i64) with both views contiguous from their offsets and
+        // bounds-checked for n elements (as for copy_strided).
+        unsafe { b.launch(grid(n)) }.map_err(|e| launch_err(d, name, e))?;
+        return Ok(());
+    }
     let f = d.function(KEY, SRC, "copy_strided")?;
     let (sdc, ddc) = (dtype_code(sd), dtype_code(dd));
     let size = sd.size_in_bytes() as i32;
@@ -244,6 +257,23 @@ fn launch_copy(
     // against their storages (or address a fresh contiguous scratch buffer of n elements).
     unsafe { b.launch(grid(n)) }.map_err(|e| launch_err(d, "copy_strided", e))?;
     Ok(())
+}
+
+/// The kernel of a cast between two contiguous views among f32, f16 and bf16 (autocast's
+/// casts, on the largest tensors of a step): one per dtype pair, converting through f32 with
+/// no per-element dtype switch. None for anything else (copy_strided handles it).
+fn contiguous_cast(sd: DType, ss: &Strided, dd: DType, ds: &Strided) -> Option<&'static str> {
+    let contiguous = |s: &Strided| s.rank == 1 && s.strides[0] == 1;
+    if !contiguous(ss) || !contiguous(ds) {
+        return None;
+    }
+    match (sd, dd) {
+        (DType::F32, DType::BF16) => Some("cast_f32_bf16"),
+        (DType::BF16, DType::F32) => Some("cast_bf16_f32"),
+        (DType::F32, DType::F16) => Some("cast_f32_f16"),
+        (DType::F16, DType::F32) => Some("cast_f16_f32"),
+        _ => None,
+    }
 }
 
 /// A contiguous device copy of a view, in its own dtype, in scratch memory.

@@ -221,6 +221,22 @@ extern "C" __global__ void copy_strided(const void* src, int sd, Strided ss, voi
     }
 }
 
+// Contiguous casts among f32, f16 and bf16 through f32 (exact for every source value, so the
+// same single rounding as copy_strided's path): dst[i] = convert(src[i]).
+__device__ __forceinline__ float cast_ld(float v) { return v; }
+__device__ __forceinline__ float cast_ld_f16(u16 v) { return f16_to_f32(v); }
+__device__ __forceinline__ float cast_ld_bf16(u16 v) { return bf16_to_f32(v); }
+
+#define CAST_KERNEL(NAME, S, LOAD, D, STORE)                                       \
+    extern "C" __global__ void NAME(const S* src, D* dst, i64 n) {                 \
+        for (i64 i = grid_start(); i < n; i += grid_step()) dst[i] = STORE(LOAD(src[i])); \
+    }
+
+CAST_KERNEL(cast_f32_bf16, float, cast_ld, u16, f32_to_bf16)
+CAST_KERNEL(cast_bf16_f32, u16, cast_ld_bf16, float, cast_ld)
+CAST_KERNEL(cast_f32_f16, float, cast_ld, u16, f32_to_f16)
+CAST_KERNEL(cast_f16_f32, u16, cast_ld_f16, float, cast_ld)
+
 // Every element of a contiguous buffer = the `size`-byte little-endian pattern `bits`.
 extern "C" __global__ void fill_bits(void* dst, int size, u64 bits, i64 n) {
     for (i64 i = grid_start(); i < n; i += grid_step()) {
