@@ -74,6 +74,9 @@ pub struct TrainArgs {
     eval_every: u64,
     #[arg(long, default_value_t = 8)]
     eval_batches: usize,
+    /// Print the step log (loss, lr, tokens/s, memory) every N steps; 0: progress bar only.
+    #[arg(long, default_value_t = 0)]
+    log_every: u64,
     /// Characters of text to sample at the end.
     #[arg(long, default_value_t = 300)]
     sample_chars: usize,
@@ -180,6 +183,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         }
         Event::Step(r) => {
             bar.set_position(r.step + 1);
+            if args.log_every > 0 && (r.step + 1) % args.log_every == 0 {
+                say(&bar, &r.to_string());
+            }
             bar.set_message(format!(
                 "loss {:.3} | {:.0} tok/s | mem {} (peak {})",
                 r.loss,
@@ -193,12 +199,12 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
                 "step {:>5}: train loss {:.4}, val loss {:.4}",
                 e.step, e.train_loss, e.val_loss
             );
-            bar.println(&line);
+            say(&bar, &line);
             log.push(line);
         }
         Event::Saved { step, path } => {
             let line = format!("step {step:>5}: saved {}", path.display());
-            bar.println(&line);
+            say(&bar, &line);
             log.push(line);
         }
     })?;
@@ -209,6 +215,16 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
         print!("{}", render(&summary, &log));
     }
     Ok(())
+}
+
+/// A line above the progress bar, or on stderr when there is no bar (not a terminal), so
+/// logs survive redirection and never mix into `--json` output.
+fn say(bar: &ProgressBar, line: &str) {
+    if bar.is_hidden() {
+        eprintln!("{line}");
+    } else {
+        bar.println(line);
+    }
 }
 
 fn render(s: &JobSummary, log: &[String]) -> String {

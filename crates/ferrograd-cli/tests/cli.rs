@@ -70,6 +70,30 @@ fn train_json_reports_the_promised_fields() {
 }
 
 #[test]
+fn the_step_log_shows_loss_speed_and_memory() {
+    let args = [SMALL, &["--log-every", "1", "--clip", "1.0"]].concat();
+    let out = ferrograd(&args);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
+    let steps: Vec<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("step ") && l.contains("tok/s"))
+        .collect();
+    assert_eq!(steps.len(), 3, "{text}");
+    for l in steps {
+        assert!(
+            l.contains("loss") && l.contains("MiB") && l.contains("norm"),
+            "{l}"
+        );
+    }
+}
+
+#[test]
 fn unknown_strategy_spellings_are_refused() {
     let err = stderr_of(&[SMALL, &["--recompute", "sometimes"]].concat());
     assert!(err.contains("every:K"), "{err}");
