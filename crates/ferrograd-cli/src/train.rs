@@ -174,11 +174,16 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     );
     let mut log = Vec::new();
     let summary = job::run(&job, &mut |e| match e {
-        Event::Started { params, start_step } => {
+        Event::Started {
+            params,
+            start_step,
+            predicted_peak,
+        } => {
             bar.set_position(*start_step);
             log.push(format!(
-                "model: {} parameters, device {}, starting at step {start_step}",
-                params, job.device
+                "model: {params} parameters, device {}, starting at step {start_step}; predicted peak {}",
+                job.device,
+                format_size(*predicted_peak)
             ));
         }
         Event::Step(r) => {
@@ -240,7 +245,11 @@ fn render(s: &JobSummary, log: &[String]) -> String {
         "loss {:.4} -> {:.4} (val {:.4} -> {:.4})\n",
         s.initial_loss, s.final_loss, s.initial_eval.val_loss, s.final_eval.val_loss
     );
-    out += &format!("peak memory {} allocated:", format_size(s.peak_bytes));
+    out += &format!(
+        "peak memory {} allocated (predicted {}):",
+        format_size(s.peak_bytes),
+        format_size(s.predicted_peak_bytes)
+    );
     for (name, bytes) in s.by_category_at_peak.iter().filter(|(_, b)| **b > 0) {
         out += &format!(" {name} {}", format_size(*bytes));
     }

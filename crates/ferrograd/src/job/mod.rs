@@ -108,6 +108,8 @@ pub enum Event {
     Started {
         params: usize,
         start_step: u64,
+        /// The step's peak as predicted from the sizes before anything was allocated.
+        predicted_peak: u64,
     },
     Step(StepReport),
     Eval(EvalReport),
@@ -142,6 +144,8 @@ pub struct JobSummary {
     pub params: usize,
     /// max_memory_allocated over the run and the categories at that moment.
     pub peak_bytes: u64,
+    /// What `predicted_peak_bytes` said before the run (an estimate that errs high).
+    pub predicted_peak_bytes: u64,
     pub by_category_at_peak: std::collections::BTreeMap<String, u64>,
     pub peak_reserved_bytes: u64,
     pub device: String,
@@ -173,7 +177,12 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
     }
     let start_step = trainer.step_index();
     let params = model.config.num_params();
-    on_event(&Event::Started { params, start_step });
+    let predicted_peak = predicted_peak_bytes(job, data.vocab_size());
+    on_event(&Event::Started {
+        params,
+        start_step,
+        predicted_peak,
+    });
     memory::reset_peak_memory_stats(job.device)?;
     let initial_eval = evaluate(&mut model, &data, job, start_step)?;
     on_event(&Event::Eval(initial_eval.clone()));
@@ -250,6 +259,7 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
         seconds,
         params,
         peak_bytes,
+        predicted_peak_bytes: predicted_peak_bytes(job, data.vocab_size()),
         by_category_at_peak: at_peak.to_map(),
         peak_reserved_bytes,
         device: job.device.to_string(),
