@@ -8,72 +8,52 @@ use ferrograd::amp::{GradScaler, GradScalerConfig};
 use ferrograd::backend::{FusedOp, Storage, backend};
 use ferrograd::optim::{Optimizer, Sgd, SgdConfig, clip_grad_norm};
 use ferrograd::{DType, Device, Error, Tensor};
-use safetensors::{Dtype, SafeTensors};
 
 const CPU: Device = Device::Cpu;
-const FIXTURES: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../tests/fixtures/scaler.safetensors"
-);
-const HINT: &str = "regenerate with tools/make_scaler_fixtures.py";
 const PARAMS: [&str; 4] = ["W1", "b1", "W2", "b2"];
 
 // ---- fixtures -----------------------------------------------------------------------------------
 
-fn fixture_bytes() -> Vec<u8> {
-    let bytes = std::fs::read(FIXTURES).unwrap_or_else(|e| panic!("{FIXTURES}: {e}; {HINT}"));
-    let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
-    let md = meta.metadata().clone().unwrap_or_default();
-    assert_eq!(
-        md.get("format").map(String::as_str),
-        Some("ferrograd-scaler-fixtures"),
-        "{HINT}"
-    );
-    assert_eq!(md.get("version").map(String::as_str), Some("1"), "{HINT}");
-    bytes
+#[path = "common/fixture_file.rs"]
+mod fixture_file;
+use fixture_file::FixtureFile;
+
+fn fixtures() -> &'static FixtureFile {
+    fixture_file::open(
+        "scaler.safetensors",
+        "ferrograd-scaler-fixtures",
+        "make_scaler_fixtures.py",
+    )
 }
 
-fn f32s(st: &SafeTensors, key: &str) -> (Vec<f32>, Vec<usize>) {
-    let v = st
-        .tensor(key)
-        .unwrap_or_else(|_| panic!("missing {key}; {HINT}"));
-    assert_eq!(v.dtype(), Dtype::F32, "{key}");
-    let data = v
-        .data()
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect();
-    (data, v.shape().to_vec())
+fn stored(f: &FixtureFile, key: &str, dtype: DType) -> Tensor {
+    let t = f.get(key);
+    assert_eq!(t.dtype(), dtype, "{key}");
+    t
 }
 
-fn i64s(st: &SafeTensors, key: &str) -> Vec<i64> {
-    let v = st
-        .tensor(key)
-        .unwrap_or_else(|_| panic!("missing {key}; {HINT}"));
-    assert_eq!(v.dtype(), Dtype::I64, "{key}");
-    v.data()
-        .chunks_exact(8)
-        .map(|b| i64::from_le_bytes(b.try_into().unwrap()))
-        .collect()
+fn f32s(f: &FixtureFile, key: &str) -> (Vec<f32>, Vec<usize>) {
+    let t = stored(f, key, DType::F32);
+    (t.to_vec::<f32>().unwrap(), t.shape().to_vec())
 }
 
-fn tensor(st: &SafeTensors, key: &str) -> Tensor {
-    let (data, shape) = f32s(st, key);
-    Tensor::from_vec(data, &shape, CPU).unwrap()
+fn i64s(f: &FixtureFile, key: &str) -> Vec<i64> {
+    stored(f, key, DType::I64).to_vec::<i64>().unwrap()
+}
+
+fn tensor(f: &FixtureFile, key: &str) -> Tensor {
+    stored(f, key, DType::F32)
 }
 
 /// The case's configuration from the fixture's metadata.
-fn case_config(bytes: &[u8], name: &str) -> serde_json::Value {
-    let (_, meta) = SafeTensors::read_metadata(bytes).unwrap();
-    let md = meta.metadata().clone().unwrap_or_default();
-    serde_json::from_str(md.get(name).expect("case metadata")).unwrap()
+fn case_config(f: &FixtureFile, name: &str) -> serde_json::Value {
+    serde_json::from_str(f.meta(name)).expect("case metadata")
 }
 
 /// Replays one fixture case: same data, same events, same calls as the generator.
 fn check_case(name: &str) {
-    let bytes = fixture_bytes();
-    let st = SafeTensors::deserialize(&bytes).unwrap();
-    let cfg = case_config(&bytes, name);
+    let st = fixtures();
+    let cfg = case_config(st, name);
     let num = |k: &str| cfg[k].as_f64().unwrap();
     let mut scaler = GradScaler::with_config(GradScalerConfig {
         init_scale: num("init_scale"),
@@ -87,7 +67,7 @@ fn check_case(name: &str) {
     let params: Vec<Tensor> = PARAMS
         .iter()
         .map(|p| {
-            tensor(&st, &format!("init.{p}"))
+            tensor(st, &format!("init.{p}"))
                 .requires_grad_(true)
                 .unwrap()
         })
@@ -98,18 +78,18 @@ fn check_case(name: &str) {
         ..SgdConfig::default()
     };
     let mut opt = Sgd::new(params.clone(), sgd).unwrap();
-    let events = i64s(&st, "events");
-    let (want_scale, _) = f32s(&st, &format!("{name}.scale"));
-    let want_tracker = i64s(&st, &format!("{name}.tracker"));
-    let want_skipped = i64s(&st, &format!("{name}.skipped"));
+    let events = i64s(st, "events");
+    let (want_scale, _) = f32s(st, &format!("{name}.scale"));
+    let want_tracker = i64s(st, &format!("{name}.tracker"));
+    let want_skipped = i64s(st, &format!("{name}.skipped"));
     for (i, &event) in events.iter().enumerate() {
         let k = i + 1;
-        let (mut x, xs) = f32s(&st, &format!("data.x{k}"));
+        let (mut x, xs) = f32s(st, &format!("data.x{k}"));
         if event == 1 {
             x[0] = f32::INFINITY;
         }
         let x = Tensor::from_vec(x, &xs, CPU).unwrap();
-        let target = tensor(&st, &format!("data.t{k}"))
+        let target = tensor(st, &format!("data.t{k}"))
             .mul_scalar(target_scale)
             .unwrap();
         opt.zero_grad().unwrap();
@@ -154,7 +134,7 @@ fn check_case(name: &str) {
             "{name} iteration {k}: growth tracker"
         );
         for (p, pname) in params.iter().zip(PARAMS) {
-            let want = f32s(&st, &format!("{name}.step{k}.{pname}")).0;
+            let want = f32s(st, &format!("{name}.step{k}.{pname}")).0;
             let got = p.to_vec::<f32>().unwrap();
             let diff = got
                 .iter()

@@ -5,51 +5,23 @@
 //! Only `dropout_default_follows_manual_seed` touches the process-wide generator; every other
 //! test draws from its own `Generator`, so tests running in parallel cannot disturb it.
 
-use std::sync::OnceLock;
-
 use ferrograd::backend::{FusedOp, View, backend};
 use ferrograd::{BackwardOptions, DType, Device, Error, Generator, Tensor, manual_seed, no_grad};
-use safetensors::{Dtype, SafeTensors};
 
 const CPU: Device = Device::Cpu;
-const FIXTURES: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../tests/fixtures/ops.safetensors"
-);
 
 // ---- fixture loading ---------------------------------------------------------------------------
 
-fn fixture_bytes() -> &'static [u8] {
-    static BYTES: OnceLock<Vec<u8>> = OnceLock::new();
-    BYTES.get_or_init(|| {
-        std::fs::read(FIXTURES).expect("fixture file; regenerate with tools/make_fixtures.py")
-    })
+#[path = "common/fixture_file.rs"]
+mod fixture_file;
+
+fn fixtures() -> &'static fixture_file::FixtureFile {
+    fixture_file::open("ops.safetensors", "ferrograd-fixtures", "make_fixtures.py")
 }
 
 /// The fixture tensor `key`, or None when the file has no such key.
 fn fixture(key: &str) -> Option<Tensor> {
-    let st = SafeTensors::deserialize(fixture_bytes()).expect("a valid safetensors file");
-    let view = st.tensor(key).ok()?;
-    let (shape, data) = (view.shape().to_vec(), view.data());
-    let t = match view.dtype() {
-        Dtype::F32 => {
-            let v: Vec<f32> = data
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                .collect();
-            Tensor::from_vec(v, &shape, CPU)
-        }
-        Dtype::I64 => {
-            let v: Vec<i64> = data
-                .chunks_exact(8)
-                .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
-                .collect();
-            Tensor::from_vec(v, &shape, CPU)
-        }
-        Dtype::U8 => Tensor::from_vec(data.to_vec(), &shape, CPU),
-        other => panic!("{key}: unexpected fixture dtype {other:?}"),
-    };
-    Some(t.unwrap())
+    fixtures().try_get(key)
 }
 
 fn assert_close(what: &str, got: &Tensor, want: &Tensor, tol: f64) {
@@ -115,10 +87,8 @@ fn golden(name: &str, f: impl Fn(&[Tensor]) -> Vec<Tensor>) {
 
 #[test]
 fn fixture_header_names_the_format() {
-    let (_, meta) = SafeTensors::read_metadata(fixture_bytes()).unwrap();
-    let meta = meta.metadata().as_ref().expect("__metadata__");
-    assert_eq!(meta["format"], "ferrograd-fixtures");
-    assert_eq!(meta["version"], "1");
+    assert_eq!(fixtures().meta("format"), "ferrograd-fixtures");
+    assert_eq!(fixtures().meta("version"), "1");
 }
 
 #[test]

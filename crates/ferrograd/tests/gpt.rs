@@ -6,72 +6,33 @@
 mod common;
 
 use std::collections::HashMap;
-use std::sync::OnceLock;
 
 use common::assert_close;
+use common::fixture_file::FixtureFile;
 use ferrograd::nn::{Dropout, Gpt, GptConfig, IGNORE_INDEX, Module, causal_mask, load_named};
 use ferrograd::{DType, Device, Tensor, no_grad};
-use safetensors::{Dtype, SafeTensors};
-
-const FIXTURES: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../tests/fixtures/gpt.safetensors"
-);
-const HINT: &str = "regenerate with tools/make_gpt_fixtures.py";
 
 /// float32 against PyTorch's float64 reference.
 const ATOL: f64 = 1e-5;
 const RTOL: f64 = 1e-4;
 
-fn fixtures() -> &'static SafeTensors<'static> {
-    static FILE: OnceLock<SafeTensors<'static>> = OnceLock::new();
-    FILE.get_or_init(|| {
-        let bytes = std::fs::read(FIXTURES)
-            .unwrap_or_else(|e| panic!("cannot read {FIXTURES}: {e}; {HINT}"));
-        let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
-        let (_, meta) = SafeTensors::read_metadata(bytes).unwrap();
-        let md = meta.metadata().clone().unwrap_or_default();
-        assert_eq!(
-            md.get("format").map(String::as_str),
-            Some("ferrograd-gpt-fixtures"),
-            "{HINT}"
-        );
-        assert_eq!(md.get("version").map(String::as_str), Some("1"), "{HINT}");
-        SafeTensors::deserialize(bytes).unwrap()
-    })
+fn fixtures() -> &'static FixtureFile {
+    common::fixture_file::open(
+        "gpt.safetensors",
+        "ferrograd-gpt-fixtures",
+        "make_gpt_fixtures.py",
+    )
 }
 
 fn load(key: &str) -> Tensor {
-    let v = fixtures()
-        .tensor(key)
-        .unwrap_or_else(|_| panic!("no fixture tensor '{key}'; {HINT}"));
-    let (shape, data) = (v.shape().to_vec(), v.data());
-    match v.dtype() {
-        Dtype::F32 => {
-            let x: Vec<f32> = data
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                .collect();
-            Tensor::from_vec(x, &shape, Device::Cpu).unwrap()
-        }
-        Dtype::I64 => {
-            let x: Vec<i64> = data
-                .chunks_exact(8)
-                .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
-                .collect();
-            Tensor::from_vec(x, &shape, Device::Cpu).unwrap()
-        }
-        other => panic!("fixture '{key}' has unexpected dtype {other:?}"),
-    }
+    fixtures().get(key)
 }
 
 /// Every fixture tensor `CASE.KIND.name`, keyed by name.
 fn named(case: &str, kind: &str) -> HashMap<String, Tensor> {
-    let prefix = format!("{case}.{kind}.");
     fixtures()
-        .names()
+        .named(&format!("{case}.{kind}"))
         .into_iter()
-        .filter_map(|k| k.strip_prefix(&prefix).map(|n| (n.to_string(), load(k))))
         .collect()
 }
 

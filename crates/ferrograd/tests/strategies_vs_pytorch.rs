@@ -20,13 +20,10 @@ use ferrograd::train::{
     checkpoint_activations, freeze,
 };
 use ferrograd::{Category, DType, Device, Generator, Result, Tensor, memory, no_grad};
-use safetensors::{Dtype, SafeTensors};
+#[path = "common/fixture_file.rs"]
+mod fixture_file;
 
 const CPU: Device = Device::Cpu;
-const FIXTURES: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../tests/fixtures/strategies.safetensors"
-);
 const HINT: &str = "regenerate with tools/make_strategy_fixtures.py (see tools/README.md)";
 /// float64 on both sides: only summation order differs.
 const TOL: f64 = 1e-10;
@@ -53,29 +50,18 @@ struct Fixture(HashMap<String, Tensor>);
 
 impl Fixture {
     fn load() -> Fixture {
-        let bytes = std::fs::read(FIXTURES)
-            .unwrap_or_else(|e| panic!("cannot read {FIXTURES}: {e}; {HINT}"));
-        let (_, meta) = SafeTensors::read_metadata(&bytes).unwrap();
-        let md = meta.metadata().clone().unwrap_or_default();
-        assert_eq!(
-            md.get("format").map(String::as_str),
-            Some("ferrograd-strategy-fixtures"),
-            "{HINT}"
+        let file = fixture_file::open(
+            "strategies.safetensors",
+            "ferrograd-strategy-fixtures",
+            "make_strategy_fixtures.py",
         );
-        assert_eq!(md.get("version").map(String::as_str), Some("1"), "{HINT}");
-        let st = SafeTensors::deserialize(&bytes).unwrap();
-        let tensors = st
-            .tensors()
+        let tensors = file
+            .names()
             .into_iter()
-            .map(|(name, view)| {
-                assert_eq!(view.dtype(), Dtype::F64, "{name}: {HINT}");
-                let data: Vec<f64> = view
-                    .data()
-                    .chunks_exact(8)
-                    .map(|c| f64::from_le_bytes(c.try_into().unwrap()))
-                    .collect();
-                let t = Tensor::from_vec(data, view.shape(), CPU).unwrap();
-                (name, t)
+            .map(|name| {
+                let t = file.get(name);
+                assert_eq!(t.dtype(), DType::F64, "{name}: {HINT}");
+                (name.to_string(), t)
             })
             .collect();
         Fixture(tensors)

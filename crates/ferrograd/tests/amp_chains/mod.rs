@@ -5,18 +5,9 @@
 #![allow(dead_code)]
 
 use std::collections::BTreeMap;
-use std::sync::OnceLock;
 
 use ferrograd::ops::GeluApprox;
 use ferrograd::{DType, Device, Result, Tensor};
-use half::{bf16, f16};
-use safetensors::{Dtype, SafeTensors};
-
-const FIXTURES: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../tests/fixtures/amp.safetensors"
-);
-const HINT: &str = "regenerate with tools/make_amp_fixtures.py";
 
 /// Tolerances (atol, rtol) against PyTorch, per region dtype. Both libraries accumulate
 /// products in f32 but in another order, and PyTorch adds a linear's bias before its one
@@ -33,67 +24,25 @@ pub fn tol(d: DType) -> (f64, f64) {
     }
 }
 
-fn fixtures() -> &'static SafeTensors<'static> {
-    static FILE: OnceLock<SafeTensors<'static>> = OnceLock::new();
-    FILE.get_or_init(|| {
-        let bytes = std::fs::read(FIXTURES)
-            .unwrap_or_else(|e| panic!("cannot read {FIXTURES}: {e}; {HINT}"));
-        let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
-        let (_, meta) = SafeTensors::read_metadata(bytes).unwrap();
-        let md = meta.metadata().clone().unwrap_or_default();
-        assert_eq!(
-            md.get("format").map(String::as_str),
-            Some("ferrograd-amp-fixtures"),
-            "{HINT}"
-        );
-        assert_eq!(md.get("version").map(String::as_str), Some("1"), "{HINT}");
-        SafeTensors::deserialize(bytes).unwrap()
-    })
-}
+#[path = "../common/fixture_file.rs"]
+mod fixture_file;
 
-fn words<const N: usize>(data: &[u8]) -> impl Iterator<Item = [u8; N]> + '_ {
-    data.chunks_exact(N).map(|c| c.try_into().unwrap())
+fn fixtures() -> &'static fixture_file::FixtureFile {
+    fixture_file::open(
+        "amp.safetensors",
+        "ferrograd-amp-fixtures",
+        "make_amp_fixtures.py",
+    )
 }
 
 /// One fixture tensor on the CPU, in its stored dtype (f32, bf16, f16 or i64).
 pub fn load(key: &str) -> Tensor {
-    let v = fixtures()
-        .tensor(key)
-        .unwrap_or_else(|_| panic!("no fixture tensor '{key}'; {HINT}"));
-    let (shape, data) = (v.shape().to_vec(), v.data());
-    let cpu = Device::Cpu;
-    let t = match v.dtype() {
-        Dtype::F32 => Tensor::from_vec(words(data).map(f32::from_le_bytes).collect(), &shape, cpu),
-        Dtype::BF16 => Tensor::from_vec(
-            words(data)
-                .map(|w| bf16::from_bits(u16::from_le_bytes(w)))
-                .collect(),
-            &shape,
-            cpu,
-        ),
-        Dtype::F16 => Tensor::from_vec(
-            words(data)
-                .map(|w| f16::from_bits(u16::from_le_bytes(w)))
-                .collect(),
-            &shape,
-            cpu,
-        ),
-        Dtype::I64 => Tensor::from_vec(words(data).map(i64::from_le_bytes).collect(), &shape, cpu),
-        other => panic!("fixture '{key}' has unexpected dtype {other:?}; {HINT}"),
-    };
-    t.unwrap()
+    fixtures().get(key)
 }
 
 /// Every fixture tensor `CASE.KIND.name`, by name.
 pub fn named(case: &str, kind: &str) -> BTreeMap<String, Tensor> {
-    let prefix = format!("{case}.{kind}.");
-    let map: BTreeMap<String, Tensor> = fixtures()
-        .names()
-        .into_iter()
-        .filter_map(|k| k.strip_prefix(&prefix).map(|n| (n.to_string(), load(k))))
-        .collect();
-    assert!(!map.is_empty(), "no '{prefix}*' tensors; {HINT}");
-    map
+    fixtures().named(&format!("{case}.{kind}"))
 }
 
 /// The case's inputs on `device`: float ones as fresh leaves requiring grad, others as they

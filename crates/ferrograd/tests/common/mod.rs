@@ -4,84 +4,38 @@
 //! gradient check (`gradcheck`). Not a test by itself.
 #![allow(dead_code)]
 
-use std::sync::OnceLock;
-
 use ferrograd::{DType, Device, Generator, Result, Tensor, no_grad};
-use safetensors::{Dtype, SafeTensors};
 
-const FIXTURES: &str = concat!(
-    env!("CARGO_MANIFEST_DIR"),
-    "/../../tests/fixtures/ops.safetensors"
-);
+pub mod fixture_file;
+
+use fixture_file::FixtureFile;
+
+const FILE: &str = "ops.safetensors";
 const FORMAT: &str = "ferrograd-fixtures";
-const VERSION: &str = "1";
+const TOOL: &str = "make_fixtures.py";
 const HINT: &str = "regenerate with tools/make_fixtures.py (see tools/README.md)";
 
 /// Default tolerances of the golden cases (float32 against PyTorch's float32).
 pub const ATOL: f64 = 1e-5;
 pub const RTOL: f64 = 1e-5;
 
-/// The fixture file, read and header-checked once per test binary.
-fn fixtures() -> &'static SafeTensors<'static> {
-    static FILE: OnceLock<SafeTensors<'static>> = OnceLock::new();
-    FILE.get_or_init(|| {
-        let bytes = std::fs::read(FIXTURES)
-            .unwrap_or_else(|e| panic!("cannot read {FIXTURES}: {e}; {HINT}"));
-        let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
-        check_header(bytes);
-        SafeTensors::deserialize(bytes)
-            .unwrap_or_else(|e| panic!("{FIXTURES} is not safetensors: {e}; {HINT}"))
-    })
+fn fixtures() -> &'static FixtureFile {
+    fixture_file::open(FILE, FORMAT, TOOL)
 }
 
 /// The metadata must name our format and version, or every comparison would be meaningless.
 pub fn check_header(bytes: &[u8]) {
-    let (_, meta) = SafeTensors::read_metadata(bytes)
-        .unwrap_or_else(|e| panic!("bad fixture header: {e}; {HINT}"));
-    let md = meta.metadata().clone().unwrap_or_default();
-    let field = |k: &str| md.get(k).cloned().unwrap_or_else(|| "<missing>".into());
-    assert_eq!(
-        field("format"),
-        FORMAT,
-        "fixture format mismatch in {FIXTURES}; {HINT}"
-    );
-    assert_eq!(
-        field("version"),
-        VERSION,
-        "fixture version mismatch in {FIXTURES}; {HINT}"
-    );
+    fixture_file::check_header(bytes, FILE, FORMAT, HINT);
 }
 
 /// Whether the fixture file holds `name`.
 pub fn has_fixture(name: &str) -> bool {
-    fixtures().tensor(name).is_ok()
+    fixtures().try_get(name).is_some()
 }
 
-/// One fixture tensor on the CPU: f32, i64 or u8 as stored.
+/// One fixture tensor on the CPU, in its stored dtype.
 pub fn load_fixture(name: &str) -> Tensor {
-    let view = fixtures()
-        .tensor(name)
-        .unwrap_or_else(|_| panic!("no fixture tensor '{name}'; {HINT}"));
-    let (shape, data) = (view.shape().to_vec(), view.data());
-    let t = match view.dtype() {
-        Dtype::F32 => {
-            let v: Vec<f32> = data
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-                .collect();
-            Tensor::from_vec(v, &shape, Device::Cpu)
-        }
-        Dtype::I64 => {
-            let v: Vec<i64> = data
-                .chunks_exact(8)
-                .map(|c| i64::from_le_bytes(c.try_into().unwrap()))
-                .collect();
-            Tensor::from_vec(v, &shape, Device::Cpu)
-        }
-        Dtype::U8 => Tensor::from_vec(data.to_vec(), &shape, Device::Cpu),
-        other => panic!("fixture '{name}' has unexpected dtype {other:?}; {HINT}"),
-    };
-    t.unwrap()
+    fixtures().get(name)
 }
 
 /// Compares two tensors elementwise: |got - want| <= atol + rtol |want|. On failure prints
