@@ -19,16 +19,7 @@ const CHUNK: usize = 1 << 14;
 
 /// inputs []; outputs [found_inf (1) F32, grad_0, .., grad_{n-1}].
 pub(crate) fn unscale_check(inv_scale: f32, inputs: &[View], outputs: &[&Storage]) -> Result<()> {
-    if !inputs.is_empty() {
-        return Err(Error::invalid(
-            OP,
-            "takes no inputs: the gradients are outputs, updated in place",
-        ));
-    }
-    let (flag, grads) = outputs
-        .split_first()
-        .ok_or_else(|| Error::invalid(OP, "expects the found_inf flag as the first output"))?;
-    check_operands(flag, grads)?;
+    let (flag, grads) = operands(inputs, outputs)?;
     let mut found = false;
     for g in grads {
         found |= write(g, |d| unscale(d, inv_scale))?;
@@ -51,7 +42,26 @@ pub(crate) fn unscale_check(inv_scale: f32, inputs: &[View], outputs: &[&Storage
 
 /// A one-element F32 flag; float gradients; all storages distinct (a storage listed twice
 /// would be unscaled twice).
-pub(crate) fn check_operands(flag: &Storage, grads: &[&Storage]) -> Result<()> {
+/// The flag and the gradients of an `UnscaleCheck`, checked (shared with the CUDA launcher):
+/// no inputs; outputs [found_inf (1) F32, grad_0, ..].
+pub(crate) fn operands<'a>(
+    inputs: &[View],
+    outputs: &'a [&'a Storage],
+) -> Result<(&'a Storage, &'a [&'a Storage])> {
+    if !inputs.is_empty() {
+        return Err(Error::invalid(
+            OP,
+            "takes no inputs: the gradients are outputs, updated in place",
+        ));
+    }
+    let (flag, grads) = outputs
+        .split_first()
+        .ok_or_else(|| Error::invalid(OP, "expects the found_inf flag as the first output"))?;
+    check_operands(flag, grads)?;
+    Ok((flag, grads))
+}
+
+fn check_operands(flag: &Storage, grads: &[&Storage]) -> Result<()> {
     if flag.dtype() != DType::F32 || flag.len() != 1 {
         return Err(Error::invalid(
             OP,

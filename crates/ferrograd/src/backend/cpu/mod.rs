@@ -15,7 +15,7 @@ mod reduce;
 pub use data::{CpuData, Elem};
 #[allow(unused_imports)]
 pub(crate) use data::{with_float, with_float_pair};
-pub(crate) use fused_amp::check_operands as check_unscale_operands;
+pub(crate) use fused_amp::operands as unscale_operands;
 
 use std::ops::Deref;
 

@@ -9,9 +9,9 @@ use cudarc::driver::PushKernelArg;
 
 use super::multi_tensor::{Groups, Row, Table, suffix};
 use super::{CudaDevice, ptr};
-use crate::backend::cpu::check_unscale_operands;
+use crate::backend::cpu::unscale_operands;
 use crate::backend::{Storage, View};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::tensor::DType;
 
 const MODULE: &str = "amp";
@@ -19,7 +19,6 @@ const SRC: &str = concat!(
     include_str!("kernels/strided.cuh"),
     include_str!("kernels/amp.cu")
 );
-const OP: &str = "unscale_check";
 /// inputs []; outputs [found_inf (1) F32, grad_0, .., grad_{n-1}].
 pub(crate) fn unscale_check(
     d: &CudaDevice,
@@ -27,16 +26,7 @@ pub(crate) fn unscale_check(
     inputs: &[View],
     outputs: &[&Storage],
 ) -> Result<()> {
-    if !inputs.is_empty() {
-        return Err(Error::invalid(
-            OP,
-            "takes no inputs: the gradients are outputs, updated in place",
-        ));
-    }
-    let (flag, grads) = outputs
-        .split_first()
-        .ok_or_else(|| Error::invalid(OP, "expects the found_inf flag as the first output"))?;
-    check_unscale_operands(flag, grads)?;
+    let (flag, grads) = unscale_operands(inputs, outputs)?;
     let mut groups = Groups::new();
     for g in grads.iter().filter(|g| !g.is_empty()) {
         groups.push(
@@ -76,7 +66,7 @@ fn launch(
     // SAFETY: unscale_check_*(const UnscaleEntry*, int, i64, float, float*) with the table
     // just uploaded (count rows, chunk numbers below `chunks`); every address in it is a live
     // block of the row's dtype holding n elements, and found_inf is a live one-element f32
-    // block (checked in `check_unscale_operands`). The table's block is freed after the
+    // block (checked in `unscale_operands`). The table's block is freed after the
     // launch is queued: later users of it are ordered after the launch on this device's
     // single stream.
     unsafe { b.launch(table.config()) }.map_err(|e| d.err(&format!("launching {name}"), e))?;
