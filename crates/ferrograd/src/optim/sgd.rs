@@ -115,13 +115,7 @@ impl Sgd {
             (Some(b), true) => (b.clone(), self.cfg.momentum),
             (Some(b), false) => (b.clone(), 1.0),
             (None, true) => {
-                let b = Tensor::alloc(
-                    p.shape(),
-                    p.dtype(),
-                    p.device(),
-                    Category::OptimizerState,
-                    "sgd_momentum",
-                )?;
+                let b = momentum_buffer_like(p)?;
                 self.momentum_buffers[i] = Some(b.clone());
                 (b, 0.0)
             }
@@ -188,13 +182,7 @@ impl Sgd {
         };
         let first_step = c.momentum != 0.0 && self.momentum_buffers[i].is_none();
         if first_step {
-            let b = Tensor::alloc(
-                p.shape(),
-                p.dtype(),
-                p.device(),
-                Category::OptimizerState,
-                "sgd_momentum",
-            )?;
+            let b = momentum_buffer_like(p)?;
             self.momentum_buffers[i] = Some(b);
         }
         let op = FusedOp::SgdStep {
@@ -213,6 +201,17 @@ impl Sgd {
         outputs.iter().for_each(|s| s.bump_version());
         Ok(())
     }
+}
+
+/// A fresh momentum buffer for parameter `p`, counted as optimizer state.
+fn momentum_buffer_like(p: &Tensor) -> Result<Tensor> {
+    Tensor::alloc(
+        p.shape(),
+        p.dtype(),
+        p.device(),
+        Category::OptimizerState,
+        "sgd_momentum",
+    )
 }
 
 impl Optimizer for Sgd {
