@@ -34,12 +34,12 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use ferrograd::amp::{AmpDType, GradScaler, autocast};
+use ferrograd::amp::{AmpDType, autocast};
+use ferrograd::autograd::{Segment, checkpoint_activations};
 use ferrograd::nn::{Gpt, GptConfig, Linear, Module, Recompute, Relu, Sequential};
 use ferrograd::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
-use ferrograd::train::{
-    Segment, StepInBackward, accumulate_gradients, checkpoint_activations, freeze,
-};
+use ferrograd::train::GradScaler;
+use ferrograd::train::{StepInBackward, accumulate_gradients, freeze};
 use ferrograd::{DType, Device, Generator, Tensor, memory};
 
 type BoxError = Box<dyn std::error::Error>;

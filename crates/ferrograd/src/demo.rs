@@ -10,8 +10,8 @@
 
 use serde::Serialize;
 
-use crate::error::{Error, Result};
-use crate::memory::{self, Category, HostPolicy, format_size};
+use crate::base::{Error, Result};
+use crate::memory::{self, Category, format_size};
 use crate::nn::{Linear, Module, Relu, Sequential};
 use crate::tensor::{DType, Device, Generator, Tensor};
 
@@ -84,10 +84,7 @@ fn sizes(cfg: &DemoConfig) -> Result<(u64, u64)> {
 /// Refuses sizes whose predicted peak exceeds what the device can give, before allocating.
 fn check_fits(cfg: &DemoConfig, p: u64, a: u64) -> Result<()> {
     let needed = 2 * p + 3 * a + 4;
-    let available = match cfg.device {
-        Device::Cpu => HostPolicy::available_memory().unwrap_or(u64::MAX),
-        _ => memory::allocator(cfg.device)?.mem_info().free,
-    };
+    let available = crate::backend::available_memory(cfg.device)?;
     if needed > available {
         return Err(Error::DoesNotFit {
             what: format!("the demo with --dim {} --batch {}", cfg.dim, cfg.batch),

@@ -1,27 +1,41 @@
 //! ferrograd: a training engine whose first concern is memory.
 //!
-//! The tour, bottom up:
-//! - `memory`: one allocator per device, the only source of byte counts. PyTorch-style
-//!   statistics (`memory_allocated`, `max_memory_allocated`, `memory_reserved`, ...) and a
-//!   category for every live block (parameter, gradient, saved activation, optimizer state,
-//!   input, workspace, temporary) that always sums to `memory_allocated`.
-//! - `backend`: a narrow trait over devices; op kinds travel as data. `cpu` is the reference.
-//!   Backends know nothing of autograd.
-//! - `tensor`: `Tensor` = `Arc` over a storage + layout + autograd state; views share storage.
-//! - `autograd`: dynamic graphs, an iterative deterministic backward engine, PyTorch's
-//!   `.grad` semantics, `retain_graph`, `no_grad`, custom functions and hooks.
-//! - `ops`: every op's forward and backward side by side.
-//! - `nn`, `optim`: modules and optimizers on top.
-//! - `train`: memory strategies, one small file each (recomputation, freezing, ...).
-//! - `data`, `io`: the shipped corpus with a character tokenizer; training state in
-//!   safetensors with atomic writes.
+//! The tour, bottom up. Each module imports only modules above it in this list (a test,
+//! tests/layering.rs, reads this list and the crate's `crate::` paths and enforces it):
+//!
+//! 1. `base` — plain data every layer needs: `Device`, `DType`, `Layout`, memory
+//!    `Category`, the `Error` type and the out-of-memory report it carries.
+//! 2. `memory` — one allocator per device, the only source of byte counts: PyTorch-style
+//!    statistics (`memory_allocated`, `max_memory_allocated`, `memory_reserved`, ...), a
+//!    category for every live block that always sums to `memory_allocated`, and the caching
+//!    policy for GPUs. It knows no backend: a GPU backend registers its driver memory.
+//! 3. `backend` — the narrow contract with devices: storages, and op families passed as
+//!    typed data (elementwise, reduce, matmul, rows, loss, index, optim) with `cpu` (the
+//!    reference), `cuda` (cuBLAS and NVRTC kernels) and `meta` (shapes and bytes only).
+//!    Backends know nothing of autograd.
+//! 4. `tensor` — `Tensor` = `Arc` over a storage + layout + autograd state; views share
+//!    storage. The graph's data (nodes, edges, saved tensors, hooks) lives with the tensor
+//!    that carries it; the operand checks every op starts with too.
+//! 5. `amp` — autocast regions: per-thread state and the weight-cast cache.
+//! 6. `autograd` — recording ops into graphs, the iterative deterministic backward engine,
+//!    grad modes, custom functions, activation recomputation.
+//! 7. `ops` — every op's forward and backward side by side, with autocast's op policy.
+//! 8. `optim` — SGD, Adam/AdamW, clipping, learning-rate schedules.
+//! 9. `nn` — modules: Linear, Embedding, LayerNorm, attention, MLP, GPT (with its
+//!    recomputation policy).
+//! 10. `train` — memory strategies, one small file each (accumulation, freezing, step in
+//!     backward, the `GradScaler`), composed by the `Trainer`.
+//! 11. `data` — the shipped corpus and a character tokenizer.
+//! 12. `io` — training state in safetensors, written atomically.
+//! 13. `job` — the main job: a character-level GPT trained, evaluated, sampled and saved.
+//! 14. `demo` — the memory demo: an MLP step with its bytes explained.
 
 pub mod amp;
 pub mod autograd;
 pub mod backend;
+pub mod base;
 pub mod data;
 pub mod demo;
-pub mod error;
 pub mod io;
 pub mod job;
 pub mod memory;
@@ -32,6 +46,6 @@ pub mod tensor;
 pub mod train;
 
 pub use autograd::{BackwardOptions, enable_grad, is_grad_enabled, no_grad};
-pub use error::{Error, Result};
+pub use base::{Error, Result};
 pub use memory::Category;
 pub use tensor::{DType, Device, Generator, Tensor, manual_seed};

@@ -4,9 +4,9 @@
 //! growth and backoff rules; the fused unscale-and-check op on every float dtype; errors
 //! (unscale or step twice, f16 gradients, bad configurations, bad saved state).
 
-use ferrograd::amp::{GradScaler, GradScalerConfig};
 use ferrograd::backend::{FusedOp, Storage, backend};
 use ferrograd::optim::{Optimizer, Sgd, SgdConfig, clip_grad_norm};
+use ferrograd::train::{GradScaler, GradScalerConfig};
 use ferrograd::{DType, Device, Error, Tensor};
 
 const CPU: Device = Device::Cpu;

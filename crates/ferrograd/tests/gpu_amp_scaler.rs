@@ -9,9 +9,9 @@
 mod common;
 
 use common::assert_close;
-use ferrograd::amp::{GradScaler, GradScalerConfig};
 use ferrograd::backend::{FusedOp, Storage, backend};
 use ferrograd::optim::{Optimizer, Sgd, SgdConfig};
+use ferrograd::train::{GradScaler, GradScalerConfig};
 use ferrograd::{DType, Device, Generator, Tensor};
 
 const GPU: Device = Device::Cuda(0);

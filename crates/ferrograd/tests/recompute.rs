@@ -3,7 +3,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use ferrograd::train::{Segment, checkpoint_activations};
+use ferrograd::autograd::{Segment, checkpoint_activations};
 use ferrograd::{Category, DType, Device, Tensor, manual_seed, memory};
 
 const CPU: Device = Device::Cpu;

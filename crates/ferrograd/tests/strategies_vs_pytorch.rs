@@ -13,11 +13,11 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use ferrograd::autograd::{Segment, checkpoint_activations};
 use ferrograd::nn::{Linear, Module, Relu, Sequential, load_named};
 use ferrograd::optim::{Optimizer, Sgd, SgdConfig, clip_grad_norm};
 use ferrograd::train::{
-    MicroBatch, Segment, StepInBackward, StepReport, Trainer, TrainerConfig, accumulate_gradients,
-    checkpoint_activations, freeze,
+    MicroBatch, StepInBackward, StepReport, Trainer, TrainerConfig, accumulate_gradients, freeze,
 };
 use ferrograd::{Category, DType, Device, Generator, Result, Tensor, memory, no_grad};
 #[path = "common/fixture_file.rs"]

@@ -28,8 +28,7 @@ use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::{Arc, Weak};
 
-use crate::autograd::is_grad_enabled;
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::tensor::{DType, Tensor, TensorImpl};
 
 /// The dtypes an autocast region can run matmul-like ops in.
@@ -78,6 +77,16 @@ struct CacheKey {
     source: usize,
     dtype: DType,
     recorded: bool,
+}
+
+impl CacheKey {
+    fn of(source: &Tensor, dtype: DType, recorded: bool) -> CacheKey {
+        CacheKey {
+            source: Arc::as_ptr(&source.0) as usize,
+            dtype,
+            recorded,
+        }
+    }
 }
 
 struct CacheEntry {
@@ -172,127 +181,29 @@ fn clear_cache() {
     drop(old);
 }
 
-// ---- the op policy (called at the top of the public ops) ---------------------------------
-
-/// Whether autocast converts `t` to `to`: floats other than F64 not already in `to`.
-fn eligible(t: &Tensor, to: DType) -> bool {
-    let d = t.dtype();
-    d.is_float() && d != DType::F64 && d != to
-}
-
-/// `t` in `to`; parameters cast to half precision come from the cache.
-fn cast(t: &Tensor, to: DType) -> Result<Tensor> {
-    let cacheable = to != DType::F32 && t.dtype() == DType::F32 && t.is_leaf() && t.requires_grad();
-    if cacheable {
-        cached_cast(t, to)
-    } else {
-        t.to_dtype(to)
-    }
-}
-
-fn cached_cast(t: &Tensor, to: DType) -> Result<Tensor> {
-    let key = CacheKey {
-        source: Arc::as_ptr(&t.0) as usize,
-        dtype: to,
-        recorded: is_grad_enabled(),
-    };
-    let version = t.storage().version();
-    let hit = CACHE.with(|c| {
+/// The cast of `source` to `dtype` cached in this thread's region, made with grad mode
+/// `recorded`, if the source's storage has not changed since (its version).
+pub(crate) fn cached_cast(source: &Tensor, dtype: DType, recorded: bool) -> Option<Tensor> {
+    let key = CacheKey::of(source, dtype, recorded);
+    let version = source.storage().version();
+    CACHE.with(|c| {
         c.borrow()
             .get(&key)
             .filter(|e| e.version == version)
             .map(|e| e.cast.clone())
-    });
-    if let Some(hit) = hit {
-        return Ok(hit);
-    }
-    let cast = t.to_dtype(to)?;
+    })
+}
+
+/// Keeps `cast` (of `source` to `dtype`, made with grad mode `recorded`) until the outermost
+/// region ends. A stale entry (older version) is replaced.
+pub(crate) fn cache_cast(source: &Tensor, dtype: DType, recorded: bool, cast: &Tensor) {
     let entry = CacheEntry {
-        _source: Arc::downgrade(&t.0),
-        version,
+        _source: Arc::downgrade(&source.0),
+        version: source.storage().version(),
         cast: cast.clone(),
     };
-    // A stale entry (older version) is replaced; it is dropped outside the borrow.
+    let key = CacheKey::of(source, dtype, recorded);
+    // The replaced entry is dropped outside the borrow.
     let stale = CACHE.with(|c| c.borrow_mut().insert(key, entry));
     drop(stale);
-    Ok(cast)
-}
-
-/// The inputs converted to `to` where eligible, or None when none is (the op then runs on
-/// its inputs as they are; the re-called op therefore never casts twice).
-fn cast_all<const N: usize>(inputs: [&Tensor; N], to: DType) -> Result<Option<[Tensor; N]>> {
-    if !inputs.iter().any(|t| eligible(t, to)) {
-        return Ok(None);
-    }
-    let mut out = Vec::with_capacity(N);
-    for t in inputs {
-        out.push(if eligible(t, to) {
-            cast(t, to)?
-        } else {
-            t.clone()
-        });
-    }
-    Ok(out.try_into().ok())
-}
-
-/// `cast_all` with optional inputs (a bias, a LayerNorm weight).
-fn cast_all_opt<const N: usize>(
-    inputs: [Option<&Tensor>; N],
-    to: DType,
-) -> Result<Option<[Option<Tensor>; N]>> {
-    if !inputs.iter().flatten().any(|t| eligible(t, to)) {
-        return Ok(None);
-    }
-    let mut out = Vec::with_capacity(N);
-    for t in inputs {
-        out.push(
-            t.map(|t| {
-                if eligible(t, to) {
-                    cast(t, to)
-                } else {
-                    Ok(t.clone())
-                }
-            })
-            .transpose()?,
-        );
-    }
-    Ok(out.try_into().ok())
-}
-
-/// Lower-precision policy (matmul, linear): inside a region, the float inputs in the
-/// region's dtype. None when autocast is off or nothing needs a cast.
-pub(crate) fn cast_lower<const N: usize>(inputs: [&Tensor; N]) -> Result<Option<[Tensor; N]>> {
-    match autocast_dtype() {
-        Some(d) => cast_all(inputs, d),
-        None => Ok(None),
-    }
-}
-
-/// `cast_lower` with optional inputs.
-pub(crate) fn cast_lower_opt<const N: usize>(
-    inputs: [Option<&Tensor>; N],
-) -> Result<Option<[Option<Tensor>; N]>> {
-    match autocast_dtype() {
-        Some(d) => cast_all_opt(inputs, d),
-        None => Ok(None),
-    }
-}
-
-/// Float32 policy (softmax, norms, losses, sum, exp, log, pow): inside a region, half inputs
-/// in f32. None when autocast is off or nothing needs a cast.
-pub(crate) fn cast_f32<const N: usize>(inputs: [&Tensor; N]) -> Result<Option<[Tensor; N]>> {
-    match autocast_dtype() {
-        Some(_) => cast_all(inputs, DType::F32),
-        None => Ok(None),
-    }
-}
-
-/// `cast_f32` with optional inputs.
-pub(crate) fn cast_f32_opt<const N: usize>(
-    inputs: [Option<&Tensor>; N],
-) -> Result<Option<[Option<Tensor>; N]>> {
-    match autocast_dtype() {
-        Some(_) => cast_all_opt(inputs, DType::F32),
-        None => Ok(None),
-    }
 }

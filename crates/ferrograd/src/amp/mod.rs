@@ -1,9 +1,8 @@
-//! Mixed precision: `autocast` regions run matmul-like ops in f16/bf16 and precision-sensitive
-//! ops in f32 (PyTorch's op policy), with f32 master weights; `GradScaler` scales the loss so
-//! f16 gradients do not underflow, unscales before clipping and skips steps with inf/NaN.
+//! Mixed precision's region state: `autocast` regions (per thread, nesting) and the
+//! weight-cast cache that lives as long as the outermost region. The op policy that reads
+//! this state sits with the ops (`ops/autocast.rs`); the `GradScaler`, which drives an
+//! optimizer, sits with the training strategies (`train/grad_scaler.rs`).
 
 mod autocast;
-mod scaler;
 
 pub use autocast::*;
-pub use scaler::*;

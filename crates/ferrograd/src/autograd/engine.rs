@@ -10,11 +10,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::edge_of;
 use super::grad_mode::no_grad;
-use super::meta::{AutogradMeta, run_hooks};
-use super::node::{Edge, InputMeta, Node};
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::memory::Category;
-use crate::tensor::{Tensor, broadcast_shape};
+use crate::tensor::{AutogradMeta, Edge, InputMeta, Node, Tensor, broadcast_shape, run_hooks};
 
 /// Options of `Tensor::backward_with`.
 #[derive(Clone, Debug, Default)]
@@ -82,7 +80,7 @@ impl Tensor {
                     ));
                 }
                 // A gradient of another dtype or device would end up as a leaf's .grad.
-                crate::ops::check_pair("backward", self, &g)?;
+                crate::tensor::check_pair("backward", self, &g)?;
                 g
             }
             None if self.numel() == 1 => Tensor::ones(self.shape(), self.dtype(), self.device())?,

@@ -2,10 +2,9 @@
 //! through the context (like `torch.autograd.Function`).
 
 use super::grad_mode::no_grad;
-use super::saved::SavedTensor;
 use super::{record, should_record};
-use crate::error::Result;
-use crate::tensor::Tensor;
+use crate::base::Result;
+use crate::tensor::{SavedTensor, Tensor, take_pending_saves};
 
 /// What a custom function's forward can keep for its backward.
 #[derive(Default)]
@@ -45,7 +44,7 @@ pub fn apply_custom<F: CustomFunction>(mut f: F, inputs: &[Tensor]) -> Result<Te
     let refs: Vec<&Tensor> = inputs.iter().collect();
     let mut ctx = FunctionCtx::default();
     // Saves made by the forward belong to this function's node alone.
-    let _ = super::saved::take_pending();
+    let _ = take_pending_saves();
     let out = {
         let _g = no_grad();
         f.forward(&mut ctx, inputs)?

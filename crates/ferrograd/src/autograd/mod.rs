@@ -10,22 +10,21 @@
 mod engine;
 mod function;
 mod grad_mode;
-mod meta;
-mod node;
-mod saved;
+mod recompute;
 
+pub use crate::tensor::{
+    AutogradMeta, BackwardFn, Edge, GradSink, Node, PostAccumulateHook, SavedTensor, TensorHook,
+};
 pub use engine::BackwardOptions;
 pub(crate) use engine::backward_id;
 pub use function::{CustomFunction, FunctionCtx, apply_custom};
 pub use grad_mode::{GradModeGuard, enable_grad, is_grad_enabled, no_grad};
-pub use meta::{AutogradMeta, GradSink, PostAccumulateHook, TensorHook};
-pub use node::{BackwardFn, Edge, Node};
-pub use saved::SavedTensor;
+pub use recompute::{Segment, checkpoint_activations};
 
 use std::sync::Arc;
 
-use crate::error::Result;
-use crate::tensor::Tensor;
+use crate::base::Result;
+use crate::tensor::{InputMeta, Tensor, take_pending_saves};
 
 /// Where the gradient for `t` should flow, if anywhere.
 pub(crate) fn edge_of(t: &Tensor) -> Option<Edge> {
@@ -94,13 +93,13 @@ where
     let needs: Vec<bool> = edges.iter().map(Option::is_some).collect();
     let metas = inputs
         .iter()
-        .map(|t| node::InputMeta {
+        .map(|t| InputMeta {
             shape: t.shape().to_vec(),
             dtype: t.dtype(),
         })
         .collect();
     let backward = make(&out, &needs);
-    let saved = saved::take_pending();
+    let saved = take_pending_saves();
     let node = Arc::new(Node::new(name, edges, metas, Box::new(backward), saved));
     out.with_grad_fn(node)
 }

@@ -14,8 +14,8 @@ mod storage;
 pub use ops::{BinaryOp, FusedOp, MatmulSpec, ReduceOp, UnaryOp};
 pub use storage::{BackendData, Storage};
 
-use crate::error::Result;
-use crate::tensor::{DType, Device, Layout};
+use crate::base::Result;
+use crate::base::{DType, Device, Layout};
 
 /// A storage seen through a layout: the input of every backend op.
 #[derive(Clone, Copy)]
@@ -67,7 +67,7 @@ pub trait Backend: Send + Sync {
         if beta == 0.0 {
             return self.matmul(spec, a, b, out);
         }
-        Err(crate::error::Error::NotSupportedOnDevice {
+        Err(crate::base::Error::NotSupportedOnDevice {
             op: "matmul_acc",
             device: out.device(),
         })
@@ -104,6 +104,19 @@ impl HostValues {
     }
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+/// Bytes a new allocation on `device` can still get: the host's available memory, or a
+/// GPU's free memory as its driver reports it (the device is opened first).
+pub fn available_memory(device: Device) -> Result<u64> {
+    match device {
+        Device::Cpu => Ok(crate::memory::HostPolicy::available_memory().unwrap_or(u64::MAX)),
+        Device::Meta => Ok(u64::MAX),
+        Device::Cuda(_) => {
+            backend(device)?;
+            Ok(crate::memory::allocator(device)?.mem_info().free)
+        }
     }
 }
 

@@ -5,9 +5,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::cpu::CpuData;
-use crate::error::Result;
+use crate::base::Result;
+use crate::base::{DType, Device};
 use crate::memory::{self, Allocation, Category};
-use crate::tensor::{DType, Device};
 
 /// Device-specific contents.
 pub enum BackendData {
@@ -39,6 +39,8 @@ impl Storage {
         make: impl FnOnce(u64) -> Result<BackendData>,
     ) -> Result<Storage> {
         let bytes = len * dtype.size_in_bytes();
+        // Opening the device first registers a GPU's memory with its allocator.
+        super::backend(device)?;
         let alloc = memory::allocator(device)?.malloc(bytes, category, origin)?;
         let data = make(alloc.addr())?;
         Ok(Storage {

@@ -6,7 +6,7 @@ use std::fmt;
 use std::str::FromStr;
 
 use super::CharTokenizer;
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::tensor::{Device, Generator, Tensor};
 
 /// The share of the tokens held out for validation (the last 10%, as nanoGPT).

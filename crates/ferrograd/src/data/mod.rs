@@ -12,7 +12,7 @@ pub use tokenizer::CharTokenizer;
 
 use std::path::Path;
 
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 
 /// The name the default corpus goes by in logs and checkpoints.
 pub const DEFAULT_CORPUS_NAME: &str = "shakespeare.txt";

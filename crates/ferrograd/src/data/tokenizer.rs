@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CharTokenizer {

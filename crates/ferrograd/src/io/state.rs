@@ -23,7 +23,7 @@ use safetensors::{Dtype, SafeTensors};
 
 use crate::backend::cpu::{self, CpuData};
 use crate::backend::{BackendData, HostValues, Storage};
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::memory::{Category, format_size};
 use crate::tensor::{DType, Device, Layout, Tensor};
 

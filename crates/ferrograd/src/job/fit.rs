@@ -12,9 +12,7 @@
 //! is for refusing what cannot fit, not for packing a device to the last byte.
 
 use super::TrainJob;
-use crate::error::{Error, Result};
-use crate::memory::{self, HostPolicy};
-use crate::tensor::Device;
+use crate::base::{Error, Result};
 
 /// The predicted peak bytes of one step of `job` with a vocabulary of `vocab` tokens.
 pub fn predicted_peak_bytes(job: &TrainJob, vocab: usize) -> u64 {
@@ -43,10 +41,7 @@ pub fn predicted_peak_bytes(job: &TrainJob, vocab: usize) -> u64 {
 /// Refuses a run whose predicted peak exceeds what `job.device` can give.
 pub fn check_fits(job: &TrainJob, vocab: usize) -> Result<()> {
     let needed = predicted_peak_bytes(job, vocab);
-    let available = match job.device {
-        Device::Cpu => HostPolicy::available_memory().unwrap_or(u64::MAX),
-        d => memory::allocator(d)?.mem_info().free,
-    };
+    let available = crate::backend::available_memory(job.device)?;
     if needed <= available {
         return Ok(());
     }

@@ -19,8 +19,8 @@ pub use sample::sample_text;
 pub use state::{STATE_FORMAT, load_training_state, save_training_state};
 
 use crate::autograd::no_grad;
+use crate::base::{Error, Result};
 use crate::data::{Split, TextDataset};
-use crate::error::{Error, Result};
 use crate::memory;
 use crate::nn::{Gpt, GptConfig, Module, Recompute};
 use crate::optim::{Adam, AdamConfig, WarmupCosine};

@@ -3,8 +3,8 @@
 //! sample.py). The context is cropped to the model's block size.
 
 use crate::autograd::no_grad;
+use crate::base::Result;
 use crate::data::CharTokenizer;
-use crate::error::Result;
 use crate::nn::{Gpt, Module};
 use crate::tensor::{DType, Device, Generator, Tensor};
 

@@ -10,8 +10,8 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
+use crate::base::{Error, Result};
 use crate::data::CharTokenizer;
-use crate::error::{Error, Result};
 use crate::io::{load_state, save_state};
 use crate::nn::{Gpt, GptConfig, Module, load_named};
 use crate::optim::{Adam, AdamState, Optimizer};

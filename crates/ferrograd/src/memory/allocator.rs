@@ -8,11 +8,11 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::category::{Category, CategoryBytes};
-use super::oom::{LiveBlockInfo, OomReport};
 use super::stats::{DeviceStats, Pool};
-use crate::error::{Error, Result};
-use crate::tensor::Device;
+use crate::base::Device;
+use crate::base::{Category, CategoryBytes};
+use crate::base::{Error, Result};
+use crate::base::{LiveBlockInfo, OomReport};
 
 /// A block as the policy hands it out.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -41,6 +41,10 @@ pub trait Policy: Send {
     /// Returns whole free segments to the driver.
     fn empty_cache(&mut self, stats: &mut DeviceStats);
     fn mem_info(&self) -> MemInfo;
+    /// True only for the placeholder of a device whose backend has not opened it.
+    fn is_unopened(&self) -> bool {
+        false
+    }
 }
 
 struct LiveBlock {
@@ -234,6 +238,11 @@ impl Allocator {
         let st = &mut *st;
         st.policy.empty_cache(&mut st.stats);
     }
+    /// Whether this is a GPU's placeholder, waiting for its backend to register memory.
+    pub(crate) fn is_unopened(&self) -> bool {
+        self.lock().policy.is_unopened()
+    }
+
     pub fn mem_info(&self) -> MemInfo {
         self.lock().policy.mem_info()
     }

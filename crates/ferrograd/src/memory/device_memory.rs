@@ -5,7 +5,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::allocator::MemInfo;
+use super::allocator::{MemInfo, Policy, PolicyBlock};
+use super::stats::DeviceStats;
 
 /// What a device driver offers the caching policy. Segments are whole driver allocations;
 /// the policy never frees part of one.
@@ -15,6 +16,26 @@ pub trait DeviceMemory: Send {
     /// Returns a segment obtained from `alloc` (same address and size).
     fn free(&mut self, addr: u64, bytes: usize);
     fn mem_info(&self) -> MemInfo;
+}
+
+/// The policy of a GPU whose backend has not opened it yet: nothing allocated, nothing
+/// reserved, and an allocation is refused (the allocator reports it as out of memory with a
+/// zero capacity). Storages open their device's backend before allocating, so users only
+/// meet it through statistics, which read zero as in PyTorch before CUDA is initialised.
+pub struct Unopened;
+
+impl Policy for Unopened {
+    fn malloc(&mut self, _requested: usize, _stats: &mut DeviceStats) -> Option<PolicyBlock> {
+        None
+    }
+    fn free(&mut self, _block: &PolicyBlock, _requested: usize, _stats: &mut DeviceStats) {}
+    fn empty_cache(&mut self, _stats: &mut DeviceStats) {}
+    fn mem_info(&self) -> MemInfo {
+        MemInfo { total: 0, free: 0 }
+    }
+    fn is_unopened(&self) -> bool {
+        true
+    }
 }
 
 /// Addresses start here so that no segment sits at 0, the address of zero-size blocks.

@@ -4,28 +4,23 @@
 
 mod allocator;
 mod caching;
-mod category;
 mod device_memory;
-mod format;
 mod host;
-mod oom;
 mod stats;
 mod summary;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
+pub use crate::base::{Category, CategoryBytes, LiveBlockInfo, OomReport, format_size};
 pub use allocator::{Allocation, Allocator, MemInfo, Policy, PolicyBlock};
 pub use caching::{BlockInfo, CachingPolicy, SegmentInfo, StreamId};
-pub use category::{Category, CategoryBytes};
-pub use device_memory::{DeviceMemory, SimulatedDevice};
-pub use format::format_size;
+pub use device_memory::{DeviceMemory, SimulatedDevice, Unopened};
 pub use host::HostPolicy;
-pub use oom::{LiveBlockInfo, OomReport};
 pub use stats::{DeviceStats, Pool, SMALL_SIZE, Stat, StatArray};
 
-use crate::error::{Error, Result};
-use crate::tensor::Device;
+use crate::base::Device;
+use crate::base::{Error, Result};
 
 type Registry = Mutex<HashMap<Device, Arc<Allocator>>>;
 
@@ -34,7 +29,9 @@ fn registry() -> &'static Registry {
     REG.get_or_init(|| Mutex::new(HashMap::new()))
 }
 
-/// The allocator of `device`, created on first use.
+/// The allocator of `device`, created on first use. A GPU's allocator starts without device
+/// memory (statistics read zero, allocations fail) until its backend opens the device and
+/// registers the driver's memory with `register_device_memory`: memory knows no backend.
 pub fn allocator(device: Device) -> Result<Arc<Allocator>> {
     let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
     if let Some(a) = reg.get(&device) {
@@ -43,13 +40,25 @@ pub fn allocator(device: Device) -> Result<Arc<Allocator>> {
     let policy: Box<dyn Policy> = match device {
         Device::Cpu => Box::new(HostPolicy::new(HostPolicy::physical_memory())),
         Device::Meta => Box::new(HostPolicy::new(u64::MAX)),
-        Device::Cuda(ordinal) => Box::new(CachingPolicy::new(
-            crate::backend::cuda::CudaMemory::new(ordinal)?,
-        )),
+        Device::Cuda(_) => Box::new(Unopened),
     };
     let a = Allocator::new(device, policy);
     reg.insert(device, Arc::clone(&a));
     Ok(a)
+}
+
+/// Gives `device`'s allocator its driver memory, with the caching policy on top. Called by a
+/// backend when it opens the device; a policy installed earlier (a simulated device in tests)
+/// is kept.
+pub fn register_device_memory(device: Device, memory: impl DeviceMemory + 'static) {
+    let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
+    if reg.get(&device).is_some_and(|a| !a.is_unopened()) {
+        return;
+    }
+    reg.insert(
+        device,
+        Allocator::new(device, Box::new(CachingPolicy::new(memory))),
+    );
 }
 
 /// Replaces a device's allocator policy (e.g. a memory limit for the host, or a simulated

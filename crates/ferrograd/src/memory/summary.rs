@@ -1,9 +1,9 @@
 //! `memory_summary`: the table PyTorch prints (same sections, columns and unit rules), plus
 //! a section that ferrograd adds: allocated bytes by category.
 
-use super::category::CategoryBytes;
 use super::stats::{DeviceStats, Stat, StatArray};
-use crate::tensor::Device;
+use crate::base::CategoryBytes;
+use crate::base::Device;
 
 const RULE: usize = 75;
 

@@ -1,7 +1,7 @@
 //! Parameter-free activation modules.
 
 use super::Module;
-use crate::error::Result;
+use crate::base::Result;
 use crate::ops::GeluApprox;
 use crate::tensor::Tensor;
 

@@ -6,7 +6,7 @@
 
 use super::state::prefixed;
 use super::{Dropout, Linear, Module};
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::tensor::{Device, Tensor};
 
 #[derive(Clone)]

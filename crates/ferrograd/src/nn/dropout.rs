@@ -6,7 +6,7 @@
 use std::sync::{Arc, Mutex};
 
 use super::Module;
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::tensor::{Generator, Tensor};
 
 #[derive(Clone)]

@@ -2,7 +2,7 @@
 //! PyTorch's `nn.Embedding`: weight ~ N(0, 1).
 
 use super::Module;
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::memory::Category;
 use crate::tensor::{DType, Device, Generator, Tensor};
 

@@ -16,7 +16,7 @@ use super::mlp::Mlp;
 use super::recompute::Recompute;
 use super::state::prefixed;
 use super::{Dropout, Embedding, LayerNorm, Linear, Module};
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::memory::Category;
 use crate::tensor::{DType, Device, Generator, Tensor};
 

@@ -3,7 +3,7 @@
 //! may leave it out).
 
 use super::Module;
-use crate::error::Result;
+use crate::base::Result;
 use crate::memory::Category;
 use crate::tensor::{DType, Device, Tensor};
 

@@ -2,7 +2,7 @@
 //! W, b ~ U(-1/√in, 1/√in).
 
 use super::Module;
-use crate::error::Result;
+use crate::base::Result;
 use crate::memory::Category;
 use crate::tensor::{DType, Device, Generator, Tensor};
 

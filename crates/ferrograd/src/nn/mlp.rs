@@ -3,7 +3,7 @@
 
 use super::state::prefixed;
 use super::{Dropout, Linear, Module};
-use crate::error::Result;
+use crate::base::Result;
 use crate::ops::GeluApprox;
 use crate::tensor::Tensor;
 

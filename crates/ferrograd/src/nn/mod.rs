@@ -26,7 +26,7 @@ pub use recompute::Recompute;
 pub use sequential::Sequential;
 pub use state::load_named;
 
-use crate::error::Result;
+use crate::base::Result;
 use crate::tensor::Tensor;
 
 /// Mean squared error (`torch.nn.functional.mse_loss`, reduction mean).

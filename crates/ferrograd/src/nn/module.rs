@@ -1,6 +1,6 @@
 //! The `Module` trait: a forward pass, named parameters, train/eval mode and freezing.
 
-use crate::error::Result;
+use crate::base::Result;
 use crate::tensor::Tensor;
 
 pub trait Module: Send {

@@ -12,9 +12,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::gpt::Block;
-use crate::error::{Error, Result};
+use crate::autograd::{Segment, checkpoint_activations};
+use crate::base::{Error, Result};
 use crate::tensor::{Generator, Tensor};
-use crate::train::{Segment, checkpoint_activations};
 
 /// Which blocks recompute their activations in backward instead of saving them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

@@ -2,7 +2,7 @@
 //! layer has consumed it, so only what the graph saved stays alive.
 
 use super::Module;
-use crate::error::Result;
+use crate::base::Result;
 use crate::tensor::Tensor;
 
 #[derive(Default)]

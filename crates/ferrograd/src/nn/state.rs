@@ -5,7 +5,7 @@ use std::collections::HashMap;
 
 use super::Module;
 use crate::autograd::no_grad;
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::tensor::Tensor;
 
 /// Copies `tensors[name]` into every parameter `name` of `module`, in place (the parameters

@@ -5,7 +5,7 @@
 use super::check_pair;
 use crate::autograd::{SavedTensor, record};
 use crate::backend::{BinaryOp, UnaryOp, View};
-use crate::error::Result;
+use crate::base::Result;
 use crate::tensor::{DType, Tensor, broadcast_shape};
 
 /// `out = op(a, b)` with broadcasting, no autograd.
@@ -165,7 +165,7 @@ impl Tensor {
 
     /// a ^ b elementwise. Backward: (g * b * a^(b-1), g * a^b * ln a).
     pub fn pow(&self, other: &Tensor) -> Result<Tensor> {
-        if let Some([a, b]) = crate::amp::cast_f32([self, other])? {
+        if let Some([a, b]) = super::autocast::cast_f32([self, other])? {
             return a.pow(&b);
         }
         if let Some((a, b)) = promoted(self, other)? {
@@ -218,7 +218,7 @@ impl Tensor {
 
     /// x ^ c. Backward: g * c * x^(c-1).
     pub fn pow_scalar(&self, c: f64) -> Result<Tensor> {
-        if let Some([x]) = crate::amp::cast_f32([self])? {
+        if let Some([x]) = super::autocast::cast_f32([self])? {
             return x.pow_scalar(c);
         }
         let out = unary_forward(UnaryOp::PowScalar(c), self, "pow_scalar")?;

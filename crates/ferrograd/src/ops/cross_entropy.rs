@@ -7,7 +7,7 @@
 use super::{check_float, check_same_device, stats_dtype};
 use crate::autograd::{SavedTensor, record};
 use crate::backend::FusedOp;
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::tensor::{DType, Tensor};
 
 impl Tensor {
@@ -17,7 +17,7 @@ impl Tensor {
     /// neither in the sum nor in the mean; when all are ignored the loss is NaN, as PyTorch's.
     /// Returns a 0-dim tensor in the logits' dtype.
     pub fn cross_entropy(&self, targets: &Tensor, ignore_index: i64) -> Result<Tensor> {
-        if let Some([x]) = crate::amp::cast_f32([self])? {
+        if let Some([x]) = super::autocast::cast_f32([self])? {
             return x.cross_entropy(targets, ignore_index);
         }
         let rows = check_args(self, targets)?;

@@ -6,7 +6,7 @@
 use super::binary::binary_forward;
 use crate::autograd::{SavedTensor, record};
 use crate::backend::BinaryOp;
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::memory::Category;
 use crate::tensor::{DType, Device, Generator, Tensor, with_default};
 

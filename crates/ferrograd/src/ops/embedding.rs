@@ -5,7 +5,7 @@
 
 use crate::autograd::{SavedTensor, record};
 use crate::backend::{FusedOp, View};
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::tensor::{DType, Layout, Tensor};
 
 impl Tensor {

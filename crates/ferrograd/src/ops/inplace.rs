@@ -4,7 +4,7 @@
 
 use crate::autograd::is_grad_enabled;
 use crate::backend::{BinaryOp, View};
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::tensor::Tensor;
 
 impl Tensor {

@@ -6,14 +6,14 @@
 use super::matmul::matmul_forward;
 use crate::autograd::{SavedTensor, record};
 use crate::backend::{BinaryOp, ReduceOp};
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::tensor::Tensor;
 
 impl Tensor {
     /// x: (..., in), weight: (out, in), bias: (out) → (..., out)
     pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         if let Some([Some(x), Some(w), b]) =
-            crate::amp::cast_lower_opt([Some(self), Some(weight), bias])?
+            super::autocast::cast_lower_opt([Some(self), Some(weight), bias])?
         {
             return x.linear(&w, b.as_ref());
         }

@@ -4,13 +4,13 @@
 
 use crate::autograd::{SavedTensor, record};
 use crate::backend::FusedOp;
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::tensor::Tensor;
 
 impl Tensor {
     /// mean((self - target)²), a 0-dim tensor. Both sides may require grad.
     pub fn mse_loss(&self, target: &Tensor) -> Result<Tensor> {
-        if let Some([x, y]) = crate::amp::cast_f32([self, target])? {
+        if let Some([x, y]) = super::autocast::cast_f32([self, target])? {
             return x.mse_loss(&y);
         }
         if self.shape() != target.shape() {

@@ -4,7 +4,7 @@
 
 use crate::autograd::{SavedTensor, record};
 use crate::backend::{MatmulSpec, View};
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::tensor::{Tensor, broadcast_shape};
 
 /// `a @ b` for rank ≥ 2 operands with broadcast batch dims, no autograd.
@@ -100,7 +100,7 @@ pub(crate) fn matmul_acc_into(a: &Tensor, b: &Tensor, out: &Tensor, beta: f64) -
 impl Tensor {
     /// Matrix product with PyTorch's rules for 1-D and batched operands.
     pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
-        if let Some([a, b]) = crate::amp::cast_lower([self, other])? {
+        if let Some([a, b]) = super::autocast::cast_lower([self, other])? {
             return a.matmul(&b);
         }
         match (self.dims(), other.dims()) {

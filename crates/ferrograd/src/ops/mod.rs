@@ -2,6 +2,7 @@
 //! allocate outputs through the device allocator and call the backend; `autograd::record`
 //! attaches the backward closure with what it saved.
 
+mod autocast;
 mod binary;
 mod cross_entropy;
 mod dropout;
@@ -21,47 +22,10 @@ pub(crate) use matmul::matmul_acc_into;
 pub use unary::GeluApprox;
 
 use crate::backend::{self, Backend};
-use crate::error::{Error, Result};
+use crate::base::Result;
 use crate::tensor::{DType, Layout, Tensor};
 
-pub(crate) fn check_same_device(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
-    if a.device() != b.device() {
-        return Err(Error::DeviceMismatch {
-            op,
-            a: a.device(),
-            b: b.device(),
-        });
-    }
-    Ok(())
-}
-
-pub(crate) fn check_same_dtype(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
-    if a.dtype() != b.dtype() {
-        return Err(Error::DType {
-            op,
-            expected: a.dtype(),
-            got: b.dtype(),
-        });
-    }
-    Ok(())
-}
-
-pub(crate) fn check_float(op: &'static str, t: &Tensor) -> Result<()> {
-    if !t.dtype().is_float() {
-        return Err(Error::UnsupportedDType {
-            op,
-            dtype: t.dtype(),
-            hint: "this op needs a floating-point tensor; convert with .to_dtype(DType::F32)",
-        });
-    }
-    Ok(())
-}
-
-/// Both checks every binary op needs.
-pub(crate) fn check_pair(op: &'static str, a: &Tensor, b: &Tensor) -> Result<()> {
-    check_same_device(op, a, b)?;
-    check_same_dtype(op, a, b)
-}
+pub(crate) use crate::tensor::{check_float, check_pair, check_same_device};
 
 /// The dtype of per-row statistics a fused op keeps for its backward (mean, rstd,
 /// log-sum-exp): F64 for F64 tensors, else F32, as half-precision statistics would cost

@@ -2,7 +2,7 @@
 //! Backward of a view is the inverse movement of the gradient.
 
 use crate::autograd::record;
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::tensor::{Layout, Tensor, resolve_dim};
 
 impl Tensor {

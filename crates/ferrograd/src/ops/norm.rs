@@ -6,7 +6,7 @@
 use super::{check_pair, stats_dtype};
 use crate::autograd::{SavedTensor, record};
 use crate::backend::FusedOp;
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::tensor::Tensor;
 
 impl Tensor {
@@ -20,7 +20,7 @@ impl Tensor {
         bias: Option<&Tensor>,
         eps: f64,
     ) -> Result<Tensor> {
-        if let Some([Some(x), w, b]) = crate::amp::cast_f32_opt([Some(self), weight, bias])? {
+        if let Some([Some(x), w, b]) = super::autocast::cast_f32_opt([Some(self), weight, bias])? {
             return x.layer_norm(normalized_shape, w.as_ref(), b.as_ref(), eps);
         }
         let rows = check_args(self, normalized_shape, weight, bias)?;

@@ -3,7 +3,7 @@
 
 use crate::autograd::{SavedTensor, record};
 use crate::backend::{BinaryOp, ReduceOp};
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::tensor::{DType, Tensor, resolve_dim};
 
 fn resolve_dims(op: &'static str, dims: &[isize], rank: usize) -> Result<Vec<usize>> {
@@ -59,7 +59,7 @@ impl Tensor {
 
     /// Sum over `dims`. Backward: the gradient broadcast back over the reduced dims.
     pub fn sum(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
-        if let Some([x]) = crate::amp::cast_f32([self])? {
+        if let Some([x]) = super::autocast::cast_f32([self])? {
             return x.sum(dims, keepdim);
         }
         self.sum_own_dtype(dims, keepdim)

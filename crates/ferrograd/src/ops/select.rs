@@ -6,7 +6,7 @@
 
 use crate::autograd::{SavedTensor, record};
 use crate::backend::{FusedOp, View};
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::tensor::{DType, Tensor, broadcast_shape, resolve_dim};
 
 /// `cond ? a : b` with all three broadcast together, no autograd. `cond` is U8; `a` and `b`

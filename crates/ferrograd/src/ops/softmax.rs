@@ -6,7 +6,7 @@
 
 use crate::autograd::{SavedTensor, record};
 use crate::backend::FusedOp;
-use crate::error::Result;
+use crate::base::Result;
 use crate::tensor::{Tensor, resolve_dim};
 
 impl Tensor {
@@ -22,7 +22,7 @@ impl Tensor {
 }
 
 fn softmax_along(x: &Tensor, dim: isize, log: bool) -> Result<Tensor> {
-    if let Some([x]) = crate::amp::cast_f32([x])? {
+    if let Some([x]) = super::autocast::cast_f32([x])? {
         return softmax_along(&x, dim, log);
     }
     let name = if log { "log_softmax" } else { "softmax" };

@@ -4,7 +4,7 @@
 use super::binary::{binary_forward, unary_forward};
 use crate::autograd::{SavedTensor, record};
 use crate::backend::{BinaryOp, UnaryOp};
-use crate::error::Result;
+use crate::base::Result;
 use crate::tensor::Tensor;
 
 /// GELU flavours, as `approximate` in PyTorch.
@@ -47,7 +47,7 @@ impl Tensor {
 
     /// e^x. Backward: g * y.
     pub fn exp(&self) -> Result<Tensor> {
-        if let Some([x]) = crate::amp::cast_f32([self])? {
+        if let Some([x]) = super::autocast::cast_f32([self])? {
             return x.exp();
         }
         self.unary_from_output(UnaryOp::Exp, BinaryOp::Mul, "exp")
@@ -79,7 +79,7 @@ impl Tensor {
 
     /// ln x. Backward: g / x.
     pub fn log(&self) -> Result<Tensor> {
-        if let Some([x]) = crate::amp::cast_f32([self])? {
+        if let Some([x]) = super::autocast::cast_f32([self])? {
             return x.log();
         }
         let out = unary_forward(UnaryOp::Log, self, "log")?;

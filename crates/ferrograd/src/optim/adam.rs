@@ -14,7 +14,7 @@
 use super::{Optimizer, check_lr};
 use crate::autograd::no_grad;
 use crate::backend::{FusedOp, Storage, View};
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::memory::Category;
 use crate::tensor::{Device, Tensor};
 

@@ -7,7 +7,7 @@
 
 use crate::autograd::no_grad;
 use crate::backend::{BinaryOp, ReduceOp, UnaryOp};
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::tensor::{DType, Device, Tensor};
 
 /// Added to the norm before dividing, as PyTorch does.

@@ -12,7 +12,7 @@ pub use clip::{clip_grad_norm, clip_grad_value};
 pub use schedule::WarmupCosine;
 pub use sgd::{Sgd, SgdConfig};
 
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::tensor::Tensor;
 
 pub trait Optimizer {

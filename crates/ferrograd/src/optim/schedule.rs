@@ -4,7 +4,7 @@
 //!
 //!   for step in 0..n { opt.set_lr(schedule.lr_at(step))?; ...; opt.step()?; }
 
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct WarmupCosine {

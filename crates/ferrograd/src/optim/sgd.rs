@@ -15,7 +15,7 @@
 use super::{Optimizer, check_lr};
 use crate::autograd::no_grad;
 use crate::backend::FusedOp;
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::memory::Category;
 use crate::tensor::Tensor;
 

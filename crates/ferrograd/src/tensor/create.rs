@@ -8,7 +8,7 @@ use half::{bf16, f16};
 use super::random::{Generator, with_default};
 use super::{DType, Device, Layout, Tensor};
 use crate::backend::{self, HostValues, Storage};
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::memory::Category;
 
 /// Host element types that tensors can be built from and read into.

@@ -1,26 +1,31 @@
 //! Tensor: an `Arc` over a storage, a layout (shape, strides, offset) and autograd state.
 //! Clones and views are cheap; the storage is freed when its last view is dropped.
 
+mod checks;
 mod create;
-mod device;
-mod dtype;
-mod layout;
+mod meta;
+mod node;
 mod random;
+mod saved;
 
+pub use crate::base::{DType, Device, Layout, broadcast_shape, contiguous_strides, resolve_dim};
+pub(crate) use checks::{check_float, check_pair, check_same_device};
 pub use create::HostElem;
-pub use device::Device;
-pub use dtype::DType;
-pub use layout::{Layout, broadcast_shape, contiguous_strides, resolve_dim};
+pub(crate) use meta::run_hooks;
+pub use meta::{AutogradMeta, GradSink, PostAccumulateHook, TensorHook};
+pub(crate) use node::InputMeta;
+pub use node::{BackwardFn, Edge, Node};
 pub(crate) use random::with_default;
 pub use random::{Generator, get_rng_state, manual_seed, set_rng_state};
+pub use saved::SavedTensor;
+pub(crate) use saved::take_pending as take_pending_saves;
 
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use crate::autograd::{AutogradMeta, GradSink, Node, PostAccumulateHook, TensorHook};
 use crate::backend::{self, HostValues, Storage, View};
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::memory::Category;
 
 #[derive(Clone)]
@@ -162,7 +167,7 @@ impl Tensor {
                     ),
                 ));
             }
-            crate::ops::check_pair("set_grad", self, g)?;
+            check_pair("set_grad", self, g)?;
             g.set_category(Category::Gradient);
         }
         *self.0.meta.grad_slot() = grad;

@@ -2,7 +2,7 @@
 //! `.grad` ends up as the gradient of the mean loss over the whole batch — the same update as
 //! one large batch — while only one micro-batch's activations are alive at a time.
 
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::tensor::Tensor;
 
 /// Runs `loss_of(i)` for micro-batches `i = 0..n` and backpropagates `loss / n` after each;

@@ -2,7 +2,7 @@
 //! parameter gets no gradient, and since ops save only what the remaining gradients need, its
 //! layer stops saving inputs that were kept only for the weight's gradient.
 
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::nn::Module;
 
 /// Matches `name` against `pattern`, where `*` stands for any run of characters

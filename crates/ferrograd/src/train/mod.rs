@@ -2,12 +2,12 @@
 
 mod accumulate;
 mod freeze;
-mod recompute;
+mod grad_scaler;
 mod step_in_backward;
 mod trainer;
 
 pub use accumulate::accumulate_gradients;
 pub use freeze::{freeze, name_matches};
-pub use recompute::{Segment, checkpoint_activations};
+pub use grad_scaler::{GradScaler, GradScalerConfig};
 pub use step_in_backward::StepInBackward;
 pub use trainer::{MicroBatch, StepReport, Trainer, TrainerConfig};

@@ -16,7 +16,7 @@
 use std::sync::{Arc, Mutex, Weak};
 
 use crate::autograd::{GradSink, backward_id};
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::optim::{Optimizer, Sgd};
 use crate::tensor::Tensor;
 

@@ -11,9 +11,10 @@
 
 use std::time::Instant;
 
+use super::GradScaler;
 use super::StepInBackward;
-use crate::amp::{AmpDType, GradScaler, try_autocast};
-use crate::error::{Error, Result};
+use crate::amp::{AmpDType, try_autocast};
+use crate::base::{Error, Result};
 use crate::memory::{self, CategoryBytes};
 use crate::optim::{Optimizer, WarmupCosine, clip_grad_norm};
 use crate::tensor::{DType, Device, Tensor};

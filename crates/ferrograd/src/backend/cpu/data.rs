@@ -4,8 +4,8 @@
 use half::{bf16, f16};
 
 use crate::backend::HostValues;
-use crate::error::{Error, Result};
-use crate::tensor::DType;
+use crate::base::DType;
+use crate::base::{Error, Result};
 
 pub enum CpuData {
     F32(Vec<f32>),
@@ -51,7 +51,7 @@ macro_rules! with_float {
             $crate::backend::cpu::CpuData::F16($v) => $body,
             $crate::backend::cpu::CpuData::BF16($v) => $body,
             other => {
-                return Err($crate::error::Error::UnsupportedDType {
+                return Err($crate::base::Error::UnsupportedDType {
                     op: $op,
                     dtype: other.dtype(),
                     hint: "this op needs a floating-point tensor; convert with .to_dtype(DType::F32)",
@@ -79,7 +79,7 @@ macro_rules! with_float_pair {
                 $body
             }
             (x, y) => {
-                return Err($crate::error::Error::DType {
+                return Err($crate::base::Error::DType {
                     op: $op,
                     expected: x.dtype(),
                     got: y.dtype(),
@@ -99,7 +99,7 @@ macro_rules! per_float_variant {
             $crate::backend::cpu::CpuData::F64(_) => $go!(F64),
             $crate::backend::cpu::CpuData::F16(_) => $go!(F16),
             $crate::backend::cpu::CpuData::BF16(_) => $go!(BF16),
-            other => Err($crate::error::Error::UnsupportedDType {
+            other => Err($crate::base::Error::UnsupportedDType {
                 op: $op,
                 dtype: other.dtype(),
                 hint: $hint,

@@ -6,8 +6,8 @@ use rayon::prelude::*;
 
 use super::data::{CpuData, Elem, with_float, with_float_pair};
 use crate::backend::{BinaryOp, UnaryOp};
-use crate::error::{Error, Result};
-use crate::tensor::Layout;
+use crate::base::Layout;
+use crate::base::{Error, Result};
 
 /// Below this many elements a kernel runs on the calling thread.
 pub(crate) const PAR_MIN: usize = 1 << 15;

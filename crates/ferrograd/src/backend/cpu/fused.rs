@@ -4,7 +4,7 @@
 
 use super::{fused_amp, fused_index, fused_loss, fused_optim, fused_rows};
 use crate::backend::{FusedOp, Storage, View};
-use crate::error::Result;
+use crate::base::Result;
 
 pub(crate) fn run(op: &FusedOp, inputs: &[View], outputs: &[&Storage]) -> Result<()> {
     match op {

@@ -11,8 +11,8 @@ use rayon::prelude::*;
 use super::data::CpuData;
 use super::write;
 use crate::backend::{Storage, View};
-use crate::error::{Error, Result};
-use crate::tensor::DType;
+use crate::base::DType;
+use crate::base::{Error, Result};
 
 const OP: &str = "unscale_check";
 const CHUNK: usize = 1 << 14;

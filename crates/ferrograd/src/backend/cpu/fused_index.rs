@@ -11,8 +11,8 @@ use super::data::{CpuData, Elem, with_float_pair};
 use super::elementwise::{PAR_MIN, at, for_each_out, rows};
 use super::{CpuRead, read, write};
 use crate::backend::{FusedOp, Storage, View};
-use crate::error::{Error, Result};
-use crate::tensor::Layout;
+use crate::base::Layout;
+use crate::base::{Error, Result};
 
 pub(crate) fn run(op: &FusedOp, inputs: &[View], outputs: &[&Storage]) -> Result<()> {
     match (op, inputs, outputs) {

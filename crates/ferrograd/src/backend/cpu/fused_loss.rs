@@ -6,7 +6,7 @@ use rayon::prelude::*;
 use super::data::{CpuData, Elem, per_float_variant};
 use super::{read, write};
 use crate::backend::{FusedOp, Storage, View};
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 
 /// Elements per partial sum; partials are added in order, so results do not depend on the
 /// number of threads.

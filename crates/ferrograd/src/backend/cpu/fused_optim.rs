@@ -11,7 +11,7 @@ use super::data::{CpuData, Elem, per_float_variant};
 use super::{read, write};
 use crate::backend::ops::AdamScalars;
 use crate::backend::{FusedOp, Storage, View};
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 
 const CHUNK: usize = 1 << 14;
 

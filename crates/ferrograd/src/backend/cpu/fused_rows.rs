@@ -16,8 +16,8 @@ use super::data::{CpuData, Elem, with_float};
 use super::elementwise::PAR_MIN;
 use super::{CpuRead, read, write};
 use crate::backend::{FusedOp, Storage, View};
-use crate::error::{Error, Result};
-use crate::tensor::{DType, Layout};
+use crate::base::{DType, Layout};
+use crate::base::{Error, Result};
 
 /// Calls `$f::<T>(args)` with `T` the float element type named by `$dtype`.
 macro_rules! dispatch {

@@ -9,8 +9,8 @@ use rayon::prelude::*;
 
 use super::data::CpuData;
 use crate::backend::MatmulSpec;
-use crate::error::{Error, Result};
-use crate::tensor::Layout;
+use crate::base::Layout;
+use crate::base::{Error, Result};
 
 /// One operand: the element slice, the offset of each batch's matrix, and (row, col) strides.
 struct Operand<'a, T> {

@@ -23,8 +23,8 @@ use super::{
     Backend, BackendData, BinaryOp, FusedOp, HostValues, MatmulSpec, ReduceOp, Storage, UnaryOp,
     View,
 };
-use crate::error::{Error, Result};
-use crate::tensor::{DType, Layout};
+use crate::base::{DType, Layout};
+use crate::base::{Error, Result};
 
 pub struct CpuBackend;
 

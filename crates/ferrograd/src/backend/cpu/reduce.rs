@@ -6,8 +6,8 @@ use rayon::prelude::*;
 use super::data::{CpuData, Elem, with_float};
 use super::elementwise::PAR_MIN;
 use crate::backend::ReduceOp;
-use crate::error::{Error, Result};
-use crate::tensor::Layout;
+use crate::base::Layout;
+use crate::base::{Error, Result};
 
 /// Elements summed sequentially before partial sums are combined.
 const SUM_CHUNK: usize = 1 << 12;

@@ -11,8 +11,8 @@ use super::multi_tensor::{Groups, Row, Table, suffix};
 use super::{CudaDevice, ptr};
 use crate::backend::cpu::unscale_operands;
 use crate::backend::{Storage, View};
-use crate::error::Result;
-use crate::tensor::DType;
+use crate::base::DType;
+use crate::base::Result;
 
 const MODULE: &str = "amp";
 const SRC: &str = concat!(

@@ -10,8 +10,8 @@ use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, result};
 use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
 
-use crate::error::{Error, Result};
-use crate::tensor::Device;
+use crate::base::Device;
+use crate::base::{Error, Result};
 
 pub struct CudaDevice {
     ordinal: usize,
@@ -72,6 +72,7 @@ pub fn device(ordinal: usize) -> Result<&'static CudaDevice> {
     }
     let d: &'static CudaDevice = Box::leak(Box::new(CudaDevice::open(ordinal)?));
     reg.insert(ordinal, d);
+    crate::memory::register_device_memory(Device::Cuda(ordinal), super::memory::CudaMemory::of(d));
     Ok(d)
 }
 

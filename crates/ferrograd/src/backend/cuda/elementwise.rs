@@ -7,9 +7,9 @@ use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::{CudaDevice, host_bytes};
 use crate::backend::{BinaryOp, HostValues, Storage, UnaryOp, View};
-use crate::error::{Error, Result};
+use crate::base::{DType, Device, Layout};
+use crate::base::{Error, Result};
 use crate::memory::{Allocation, Category};
-use crate::tensor::{DType, Device, Layout};
 
 /// NVRTC module of the elementwise kernels.
 const KEY: &str = "elementwise";
@@ -617,7 +617,7 @@ mod tests {
         // every other element: no two dims merge
         let strides: Vec<isize> = (0..9u32).map(|d| 4isize.pow(8 - d)).collect();
         assert!(Strided::new("t", 0, &shape, &strides).is_err());
-        let contiguous = crate::tensor::contiguous_strides(&shape);
+        let contiguous = crate::base::contiguous_strides(&shape);
         assert_eq!(Strided::new("t", 0, &shape, &contiguous).unwrap().rank, 1);
     }
 

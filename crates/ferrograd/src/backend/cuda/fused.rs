@@ -12,9 +12,9 @@ use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::{CudaDevice, ptr};
 use crate::backend::{FusedOp, Storage, View};
-use crate::error::{Error, Result};
+use crate::base::{DType, Device, Layout};
+use crate::base::{Error, Result};
 use crate::memory::{Allocation, Category};
-use crate::tensor::{DType, Device, Layout};
 
 const MODULE: &str = "fused";
 const SRC: &str = include_str!("kernels/fused.cu");

@@ -23,9 +23,9 @@ use cudarc::cublas::sys::{
 
 use super::{CudaBuffer, CudaDevice, allow_tf32, ptr};
 use crate::backend::{BackendData, MatmulSpec, Storage, View};
-use crate::error::{Error, Result};
+use crate::base::{DType, Device, Layout};
+use crate::base::{Error, Result};
 use crate::memory::{Allocation, Category};
-use crate::tensor::{DType, Device, Layout};
 
 /// cuBLAS workspace per device (NVIDIA's recommendation for Hopper).
 const WORKSPACE_BYTES: usize = 32 << 20;

@@ -1,8 +1,7 @@
 //! The device side of the caching allocator: segments straight from cuMemAlloc (not the
 //! driver's stream-ordered pool), so "reserved" is ours to answer.
 
-use super::device::{CudaDevice, device};
-use crate::error::Result;
+use super::device::CudaDevice;
 use crate::memory::{DeviceMemory, MemInfo};
 
 pub struct CudaMemory {
@@ -10,10 +9,9 @@ pub struct CudaMemory {
 }
 
 impl CudaMemory {
-    pub fn new(ordinal: usize) -> Result<CudaMemory> {
-        Ok(CudaMemory {
-            dev: device(ordinal)?,
-        })
+    /// The memory of an opened device (registered with the allocator when it opens).
+    pub(crate) fn of(dev: &'static CudaDevice) -> CudaMemory {
+        CudaMemory { dev }
     }
 }
 

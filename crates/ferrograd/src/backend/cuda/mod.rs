@@ -23,8 +23,8 @@ use super::{
     Backend, BackendData, BinaryOp, FusedOp, HostValues, MatmulSpec, ReduceOp, Storage, UnaryOp,
     View,
 };
-use crate::error::{Error, Result};
-use crate::tensor::{DType, Device};
+use crate::base::{DType, Device};
+use crate::base::{Error, Result};
 
 /// A storage's block on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -8,9 +8,9 @@
 use cudarc::driver::LaunchConfig;
 
 use super::CudaDevice;
-use crate::error::{Error, Result};
+use crate::base::{DType, Device};
+use crate::base::{Error, Result};
 use crate::memory::{Allocation, Category};
-use crate::tensor::{DType, Device};
 
 /// Threads per block (OPTIM_BLOCK in optim.cu, AMP_BLOCK in amp.cu).
 pub(crate) const BLOCK: u32 = 256;

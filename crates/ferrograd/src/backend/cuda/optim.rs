@@ -10,8 +10,8 @@ use super::multi_tensor::{Groups, Row, Table, suffix};
 use super::{CudaDevice, ptr};
 use crate::backend::ops::AdamScalars;
 use crate::backend::{FusedOp, Storage, View};
-use crate::error::{Error, Result};
-use crate::tensor::DType;
+use crate::base::DType;
+use crate::base::{Error, Result};
 
 const MODULE: &str = "optim";
 const SRC: &str = concat!(

@@ -10,8 +10,8 @@ use cudarc::driver::{LaunchConfig, PushKernelArg};
 use super::CudaDevice;
 use super::elementwise::{Strided, check_bounds, dev_ptr, dtype_code, float_suffix, temp};
 use crate::backend::{ReduceOp, Storage, View};
-use crate::error::{Error, Result};
-use crate::tensor::DType;
+use crate::base::DType;
+use crate::base::{Error, Result};
 
 const KEY: &str = "reduce";
 const SRC: &str = concat!(

@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use crate::autograd::no_grad;
 use crate::backend::{FusedOp, Storage};
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::memory::Category;
 use crate::optim::Optimizer;
 use crate::tensor::{DType, Device, Tensor};

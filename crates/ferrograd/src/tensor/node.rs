@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use super::meta::{AutogradMeta, TensorHook};
-use crate::error::Result;
-use crate::tensor::{DType, Tensor};
+use super::{DType, Tensor};
+use crate::base::Result;
 
 /// A node's backward: given the gradient of its output and which inputs need a gradient,
 /// returns one optional gradient per input.
@@ -85,12 +85,12 @@ impl Node {
     }
 
     /// Fails if a buffer this node saved was modified in place since.
-    pub(crate) fn check_saved_versions(&self) -> crate::error::Result<()> {
+    pub(crate) fn check_saved_versions(&self) -> crate::base::Result<()> {
         for (storage, version) in &self.saved {
             if let Some(s) = storage.upgrade()
                 && s.version() != *version
             {
-                return Err(crate::error::Error::autograd(format!(
+                return Err(crate::base::Error::autograd(format!(
                     "one of the tensors needed for the gradient of {} was modified by an in-place operation (its version is {}, it was saved at version {}); avoid in-place updates of tensors that backward needs, or update a .detach()ed copy made with contiguous_copy()",
                     self.name,
                     s.version(),

@@ -12,7 +12,7 @@ use std::sync::Arc;
 
 use crate::amp::{autocast_dtype, set_autocast};
 use crate::autograd::{BackwardOptions, SavedTensor, enable_grad, no_grad, record_always};
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 use crate::tensor::{Tensor, get_rng_state, set_rng_state};
 
 /// The function a recomputed segment runs: inputs → one output.

@@ -2,7 +2,7 @@
 //! contiguous tensor, permute, transpose, narrow, expand) are new layouts over the same
 //! storage; nothing here touches data.
 
-use crate::error::{Error, Result};
+use crate::base::{Error, Result};
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Layout {

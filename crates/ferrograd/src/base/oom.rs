@@ -4,8 +4,8 @@
 use std::fmt;
 
 use super::category::{Category, CategoryBytes};
+use super::device::Device;
 use super::format::format_size;
-use crate::tensor::Device;
 
 #[derive(Clone, Debug)]
 pub struct LiveBlockInfo {

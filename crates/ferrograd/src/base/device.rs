@@ -5,7 +5,7 @@
 use std::fmt;
 use std::str::FromStr;
 
-use crate::error::Error;
+use crate::base::Error;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Device {

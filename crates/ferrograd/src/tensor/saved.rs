@@ -12,8 +12,8 @@
 use std::cell::RefCell;
 use std::sync::{Arc, Weak};
 
+use super::Tensor;
 use crate::backend::Storage;
-use crate::tensor::Tensor;
 
 /// A saved buffer and its version at save time.
 pub(crate) type SavedVersion = (Weak<Storage>, u64);

@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use super::node::Node;
-use crate::error::Result;
-use crate::tensor::{Tensor, TensorImpl};
+use super::{Tensor, TensorImpl};
+use crate::base::Result;
 
 /// Runs on a tensor's gradient during backward; may return a replacement.
 pub type TensorHook = Box<dyn Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync>;

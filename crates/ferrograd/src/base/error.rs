@@ -2,8 +2,8 @@
 //! autograd misuse, files, out of memory) is a variant here with a message that says what to do.
 //! Panics are reserved for broken internal invariants.
 
-use crate::memory::OomReport;
-use crate::tensor::{DType, Device};
+use super::oom::OomReport;
+use super::{DType, Device};
 
 /// Result alias used across the crate.
 pub type Result<T> = std::result::Result<T, Error>;
@@ -56,7 +56,7 @@ pub enum Error {
     #[error("{0}")]
     OutOfMemory(Box<OomReport>),
 
-    #[error("{what} needs about {needed} at its peak but only {available} is available on {device}; {hint}", needed = crate::memory::format_size(*.needed), available = crate::memory::format_size(*.available))]
+    #[error("{what} needs about {needed} at its peak but only {available} is available on {device}; {hint}", needed = super::format::format_size(*.needed), available = super::format::format_size(*.available))]
     DoesNotFit {
         what: String,
         device: Device,

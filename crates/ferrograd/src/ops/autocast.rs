@@ -1,0 +1,114 @@
+//! Autocast's op policy, applied at the top of the public ops: inside a region (see `amp`),
+//! matmul-like ops take their float inputs in the region's f16/bf16 and precision-sensitive
+//! ops take half inputs in f32. Parameters cast to half precision come from the region's
+//! weight-cast cache. The region state and the cache itself live in `amp`.
+
+use crate::amp::{self, autocast_dtype};
+use crate::autograd::is_grad_enabled;
+use crate::base::Result;
+use crate::tensor::{DType, Tensor};
+
+/// Whether autocast converts `t` to `to`: floats other than F64 not already in `to`.
+fn eligible(t: &Tensor, to: DType) -> bool {
+    let d = t.dtype();
+    d.is_float() && d != DType::F64 && d != to
+}
+
+/// `t` in `to`; parameters cast to half precision come from the cache.
+fn cast(t: &Tensor, to: DType) -> Result<Tensor> {
+    let cacheable = to != DType::F32 && t.dtype() == DType::F32 && t.is_leaf() && t.requires_grad();
+    if cacheable {
+        cached_cast(t, to)
+    } else {
+        t.to_dtype(to)
+    }
+}
+
+fn cached_cast(t: &Tensor, to: DType) -> Result<Tensor> {
+    let recorded = is_grad_enabled();
+    if let Some(hit) = amp::cached_cast(t, to, recorded) {
+        return Ok(hit);
+    }
+    let cast = t.to_dtype(to)?;
+    amp::cache_cast(t, to, recorded, &cast);
+    Ok(cast)
+}
+
+/// The inputs converted to `to` where eligible, or None when none is (the op then runs on
+/// its inputs as they are; the re-called op therefore never casts twice).
+fn cast_all<const N: usize>(inputs: [&Tensor; N], to: DType) -> Result<Option<[Tensor; N]>> {
+    if !inputs.iter().any(|t| eligible(t, to)) {
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(N);
+    for t in inputs {
+        out.push(if eligible(t, to) {
+            cast(t, to)?
+        } else {
+            t.clone()
+        });
+    }
+    Ok(out.try_into().ok())
+}
+
+/// `cast_all` with optional inputs (a bias, a LayerNorm weight).
+fn cast_all_opt<const N: usize>(
+    inputs: [Option<&Tensor>; N],
+    to: DType,
+) -> Result<Option<[Option<Tensor>; N]>> {
+    if !inputs.iter().flatten().any(|t| eligible(t, to)) {
+        return Ok(None);
+    }
+    let mut out = Vec::with_capacity(N);
+    for t in inputs {
+        out.push(
+            t.map(|t| {
+                if eligible(t, to) {
+                    cast(t, to)
+                } else {
+                    Ok(t.clone())
+                }
+            })
+            .transpose()?,
+        );
+    }
+    Ok(out.try_into().ok())
+}
+
+/// Lower-precision policy (matmul, linear): inside a region, the float inputs in the
+/// region's dtype. None when autocast is off or nothing needs a cast.
+pub(crate) fn cast_lower<const N: usize>(inputs: [&Tensor; N]) -> Result<Option<[Tensor; N]>> {
+    match autocast_dtype() {
+        Some(d) => cast_all(inputs, d),
+        None => Ok(None),
+    }
+}
+
+/// `cast_lower` with optional inputs.
+pub(crate) fn cast_lower_opt<const N: usize>(
+    inputs: [Option<&Tensor>; N],
+) -> Result<Option<[Option<Tensor>; N]>> {
+    match autocast_dtype() {
+        Some(d) => cast_all_opt(inputs, d),
+        None => Ok(None),
+    }
+}
+
+/// Float32 policy (softmax, norms, losses, sum, exp, log, pow): inside a region, half inputs
+/// in f32. None when autocast is off or nothing needs a cast.
+pub(crate) fn cast_f32<const N: usize>(inputs: [&Tensor; N]) -> Result<Option<[Tensor; N]>> {
+    match autocast_dtype() {
+        Some(_) => cast_all(inputs, DType::F32),
+        None => Ok(None),
+    }
+}
+
+/// `cast_f32` with optional inputs.
+pub(crate) fn cast_f32_opt<const N: usize>(
+    inputs: [Option<&Tensor>; N],
+) -> Result<Option<[Option<Tensor>; N]>> {
+    match autocast_dtype() {
+        Some(_) => cast_all_opt(inputs, DType::F32),
+        None => Ok(None),
+    }
+}
