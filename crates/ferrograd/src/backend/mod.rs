@@ -1,17 +1,34 @@
 //! Backends: the narrow contract between tensor ops and devices. Backends know nothing of
-//! autograd: they receive storages with layouts and an op kind passed as data, and write into
-//! output storages that the caller has already allocated through the device's allocator.
+//! autograd: they receive storages with layouts and typed arguments, and write into output
+//! storages that the caller has already allocated through the device's allocator.
 //!
-//! `cpu` is the reference implementation. A device backend (CUDA) and the shape-only `meta`
-//! backend implement the same trait.
+//! Ops come in families, one module each (elementwise, reduce, matmul, rows, loss, index,
+//! optim): the family module holds the typed arguments, their one validator, the family trait
+//! that every backend implements, and entry functions that validate once, dispatch to the
+//! device's backend and bump the version of every storage written in place. `cpu` is the
+//! reference implementation; `cuda` mirrors it file for file; `meta` runs the validation only.
 
+mod check;
 pub mod cpu;
 pub mod cuda;
+pub mod elementwise;
+pub mod index;
+pub mod loss;
+pub mod matmul;
 mod meta;
-mod ops;
+pub mod optim;
+pub mod reduce;
+pub mod rows;
 mod storage;
 
-pub use ops::{BinaryOp, FusedOp, MatmulSpec, ReduceOp, UnaryOp};
+pub use check::rows_cols;
+pub use elementwise::{BinaryOp, ElementwiseKernels, UnaryOp};
+pub use index::IndexKernels;
+pub use loss::LossKernels;
+pub use matmul::{MatmulKernels, MatmulSpec};
+pub use optim::OptimKernels;
+pub use reduce::{ReduceKernels, ReduceOp};
+pub use rows::RowKernels;
 pub use storage::{BackendData, Storage};
 
 use crate::error::Result;
@@ -24,9 +41,20 @@ pub struct View<'a> {
     pub layout: &'a Layout,
 }
 
-/// What a backend does. Outputs are contiguous storages allocated by the caller, never
-/// aliasing an input (except `binary_inplace`'s destination).
-pub trait Backend: Send + Sync {
+/// What a backend does: data movement here, ops through the family traits. Call the ops
+/// through the families' entry functions (`rows::layer_norm`...), which validate the
+/// arguments and record in-place writes; the trait methods trust their arguments.
+pub trait Backend:
+    ElementwiseKernels
+    + ReduceKernels
+    + MatmulKernels
+    + RowKernels
+    + LossKernels
+    + IndexKernels
+    + OptimKernels
+    + Send
+    + Sync
+{
     /// Fresh device data of `len` elements, zero-filled, at `addr` (the address the device's
     /// allocator handed out; 0 on the host, where the backend owns its buffers).
     fn zeros(&self, dtype: DType, len: usize, addr: u64) -> Result<BackendData>;
@@ -39,41 +67,6 @@ pub trait Backend: Send + Sync {
     fn upload(&self, dtype: DType, values: HostValues, addr: u64) -> Result<BackendData>;
     /// Downloads a view as contiguous host values.
     fn to_host(&self, src: View) -> Result<HostValues>;
-    /// Copies `src` into the (possibly strided) region `dst` of the same shape, converting
-    /// dtype if they differ. `dst` must not overlap `src`.
-    fn copy(&self, src: View, dst: View) -> Result<()>;
-    fn fill(&self, dst: &Storage, value: f64) -> Result<()>;
-    fn unary(&self, op: UnaryOp, x: View, out: &Storage) -> Result<()>;
-    /// `a` and `b` are already broadcast to the output shape (stride 0 where stretched).
-    fn binary(&self, op: BinaryOp, a: View, b: View, out: &Storage) -> Result<()>;
-    /// `dst = op(dst, src)` where `dst` is a whole contiguous storage and `src` is broadcast
-    /// to its shape. `src` may share `dst`'s storage.
-    fn binary_inplace(&self, op: BinaryOp, dst: &Storage, src: View) -> Result<()>;
-    /// Reduces `dims` (sorted, unique); the output is contiguous with those dims kept as 1.
-    fn reduce(&self, op: ReduceOp, x: View, dims: &[usize], out: &Storage) -> Result<()>;
-    /// Batched `out = a @ b` where a: (..., m, k), b: (..., k, n) with equal batch dims.
-    fn matmul(&self, spec: &MatmulSpec, a: View, b: View, out: &Storage) -> Result<()>;
-    /// Batched `out = a @ b + beta·out`: a GEMM that accumulates into its output (the fused
-    /// SGD step writes a weight gradient straight into the momentum buffer). With beta = 0
-    /// the output is not read. Backends without it answer beta = 0 only.
-    fn matmul_acc(
-        &self,
-        spec: &MatmulSpec,
-        a: View,
-        b: View,
-        out: &Storage,
-        beta: f64,
-    ) -> Result<()> {
-        if beta == 0.0 {
-            return self.matmul(spec, a, b, out);
-        }
-        Err(crate::error::Error::NotSupportedOnDevice {
-            op: "matmul_acc",
-            device: out.device(),
-        })
-    }
-    /// Ops with their own kernels (softmax, layer norm, cross-entropy, embedding...).
-    fn fused(&self, op: &FusedOp, inputs: &[View], outputs: &[&Storage]) -> Result<()>;
 }
 
 /// Host-side values crossing the device boundary.

@@ -3,25 +3,22 @@
 
 mod data;
 mod elementwise;
-mod fused;
-mod fused_amp;
-mod fused_index;
-mod fused_loss;
-mod fused_optim;
-mod fused_rows;
+mod index;
+mod loss;
 mod matmul;
+mod optim;
 mod reduce;
+mod rows;
 
 pub use data::{CpuData, Elem};
 #[allow(unused_imports)]
 pub(crate) use data::{with_float, with_float_pair};
-pub(crate) use fused_amp::operands as unscale_operands;
 
 use std::ops::Deref;
 
 use super::{
-    Backend, BackendData, BinaryOp, FusedOp, HostValues, MatmulSpec, ReduceOp, Storage, UnaryOp,
-    View,
+    Backend, BackendData, BinaryOp, ElementwiseKernels, HostValues, MatmulKernels, MatmulSpec,
+    ReduceKernels, ReduceOp, Storage, UnaryOp, View,
 };
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Layout};
@@ -84,7 +81,9 @@ impl Backend for CpuBackend {
             _ => HostValues::F64(offs.map(|i| d.get_f64(i)).collect()),
         })
     }
+}
 
+impl ElementwiseKernels for CpuBackend {
     fn copy(&self, src: View, dst: View) -> Result<()> {
         let s = read(src.storage)?;
         write(dst.storage, |d| {
@@ -134,12 +133,16 @@ impl Backend for CpuBackend {
         let s = read(src.storage)?;
         write(dst, |d| elementwise::binary_inplace(op, d, &s, src.layout))
     }
+}
 
+impl ReduceKernels for CpuBackend {
     fn reduce(&self, op: ReduceOp, x: View, dims: &[usize], out: &Storage) -> Result<()> {
         let xd = read(x.storage)?;
         write(out, |o| reduce::reduce(op, &xd, x.layout, dims, o))
     }
+}
 
+impl MatmulKernels for CpuBackend {
     fn matmul(&self, spec: &MatmulSpec, a: View, b: View, out: &Storage) -> Result<()> {
         let ad = read(a.storage)?;
         if a.storage.same(b.storage) {
@@ -171,9 +174,5 @@ impl Backend for CpuBackend {
         write(out, |o| {
             matmul::matmul_acc(spec, &ad, a.layout, &bd, b.layout, o, beta)
         })
-    }
-
-    fn fused(&self, op: &FusedOp, inputs: &[View], outputs: &[&Storage]) -> Result<()> {
-        fused::run(op, inputs, outputs)
     }
 }

@@ -4,24 +4,26 @@
 //! a storage's data is just the address of its block. Kernels are `.cu` sources compiled by
 //! NVRTC once per device for its compute capability; GEMMs go through cuBLAS.
 
-mod amp;
 mod device;
 mod elementwise;
-mod fused;
+mod index;
 mod info;
+mod launch;
+mod loss;
 mod matmul;
 mod memory;
 mod multi_tensor;
 mod optim;
 mod reduce;
+mod rows;
 
 pub use device::{CudaDevice, allow_tf32, device, device_count, driver_present, set_allow_tf32};
 pub use info::{CudaInfo, GpuInfo, cuda_info};
 pub use memory::CudaMemory;
 
 use super::{
-    Backend, BackendData, BinaryOp, FusedOp, HostValues, MatmulSpec, ReduceOp, Storage, UnaryOp,
-    View,
+    Backend, BackendData, BinaryOp, ElementwiseKernels, HostValues, MatmulKernels, MatmulSpec,
+    ReduceKernels, ReduceOp, Storage, UnaryOp, View,
 };
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Device};
@@ -75,7 +77,9 @@ impl Backend for CudaDevice {
     fn to_host(&self, src: View) -> Result<HostValues> {
         elementwise::to_host(self, src)
     }
+}
 
+impl ElementwiseKernels for CudaDevice {
     fn copy(&self, src: View, dst: View) -> Result<()> {
         elementwise::copy(self, src, dst)
     }
@@ -95,11 +99,15 @@ impl Backend for CudaDevice {
     fn binary_inplace(&self, op: BinaryOp, dst: &Storage, src: View) -> Result<()> {
         elementwise::binary_inplace(self, op, dst, src)
     }
+}
 
+impl ReduceKernels for CudaDevice {
     fn reduce(&self, op: ReduceOp, x: View, dims: &[usize], out: &Storage) -> Result<()> {
         reduce::reduce(self, op, x, dims, out)
     }
+}
 
+impl MatmulKernels for CudaDevice {
     fn matmul(&self, spec: &MatmulSpec, a: View, b: View, out: &Storage) -> Result<()> {
         matmul::matmul(self, spec, a, b, out)
     }
@@ -113,10 +121,6 @@ impl Backend for CudaDevice {
         beta: f64,
     ) -> Result<()> {
         matmul::matmul_acc(self, spec, a, b, out, beta)
-    }
-
-    fn fused(&self, op: &FusedOp, inputs: &[View], outputs: &[&Storage]) -> Result<()> {
-        fused::run(self, op, inputs, outputs)
     }
 }
 

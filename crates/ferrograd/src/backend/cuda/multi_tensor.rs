@@ -108,16 +108,6 @@ fn table_words<const A: usize>(rows: &[Row<A>]) -> (Vec<u64>, usize) {
     (words, chunks)
 }
 
-/// The kernel-name suffix of a float dtype.
-pub(crate) fn suffix(dtype: DType) -> &'static str {
-    match dtype {
-        DType::F64 => "f64",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        _ => "f32",
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
