@@ -98,6 +98,36 @@ impl HostValues {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// The values stored as `dtype`, as little-endian bytes (a device upload). Converts as
+    /// the CPU backend stores host values (`CpuData::from_host`): floats round to nearest,
+    /// integers from floats saturate (`as`), U8 is `value != 0`.
+    pub(crate) fn into_le_bytes(self, dtype: DType) -> Vec<u8> {
+        fn each<const N: usize>(v: impl Iterator<Item = [u8; N]>) -> Vec<u8> {
+            v.flatten().collect()
+        }
+        match (dtype, self) {
+            (DType::F32, HostValues::F32(v)) => bytemuck::cast_slice(&v).to_vec(),
+            (DType::I64, HostValues::I64(v)) => bytemuck::cast_slice(&v).to_vec(),
+            (DType::U8, HostValues::I64(v)) => v.iter().map(|&x| (x != 0) as u8).collect(),
+            (d, HostValues::F32(v)) => {
+                HostValues::F64(v.iter().map(|&x| x as f64).collect()).into_le_bytes(d)
+            }
+            (d, HostValues::I64(v)) => {
+                HostValues::F64(v.iter().map(|&x| x as f64).collect()).into_le_bytes(d)
+            }
+            (DType::F64, HostValues::F64(v)) => bytemuck::cast_slice(&v).to_vec(),
+            (DType::F32, HostValues::F64(v)) => each(v.iter().map(|&x| (x as f32).to_le_bytes())),
+            (DType::F16, HostValues::F64(v)) => {
+                each(v.iter().map(|&x| half::f16::from_f64(x).to_le_bytes()))
+            }
+            (DType::BF16, HostValues::F64(v)) => {
+                each(v.iter().map(|&x| half::bf16::from_f64(x).to_le_bytes()))
+            }
+            (DType::I64, HostValues::F64(v)) => each(v.iter().map(|&x| (x as i64).to_le_bytes())),
+            (DType::U8, HostValues::F64(v)) => v.iter().map(|&x| (x != 0.0) as u8).collect(),
+        }
+    }
 }
 
 /// Waits until all queued work on `device` has finished (a no-op on the host). Timing GPU
@@ -106,5 +136,43 @@ pub fn synchronize(device: Device) -> Result<()> {
     match device {
         Device::Cuda(i) => cuda::device(i)?.synchronize(),
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuData;
+
+    /// The device upload bytes equal the CPU backend's stored values, for every dtype pair.
+    #[test]
+    fn upload_bytes_match_the_cpu_conversion() {
+        let f = vec![0.1, -2.5, 65520.0, f64::NAN, 1e300, -0.0, 3.0];
+        let i = vec![0, 1, -7, i64::MAX];
+        let hosts = [
+            HostValues::F64(f.clone()),
+            HostValues::F32(f.iter().map(|&x| x as f32).collect()),
+            HostValues::I64(i),
+        ];
+        for dtype in [
+            DType::F32,
+            DType::F64,
+            DType::F16,
+            DType::BF16,
+            DType::I64,
+            DType::U8,
+        ] {
+            for h in &hosts {
+                let want = match CpuData::from_host(dtype, h.clone()).unwrap() {
+                    CpuData::F32(v) => bytemuck::cast_slice(&v).to_vec(),
+                    CpuData::F64(v) => bytemuck::cast_slice(&v).to_vec(),
+                    CpuData::F16(v) => bytemuck::cast_slice(&v).to_vec(),
+                    CpuData::BF16(v) => bytemuck::cast_slice(&v).to_vec(),
+                    CpuData::I64(v) => bytemuck::cast_slice(&v).to_vec(),
+                    CpuData::U8(v) => v,
+                };
+                assert_eq!(h.clone().into_le_bytes(dtype), want, "{dtype} {h:?}");
+            }
+        }
     }
 }

@@ -7,10 +7,10 @@
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::{CudaDevice, ptr};
-use crate::backend::View;
+use crate::backend::{Storage, View};
 use crate::error::{Error, Result};
 use crate::memory::{Allocation, Category};
-use crate::tensor::{DType, Device};
+use crate::tensor::{DType, Device, Layout};
 
 /// Threads per block of the row and reduction kernels (BLOCK in the .cu files).
 pub(crate) const BLOCK: u32 = 256;
@@ -25,11 +25,12 @@ pub(crate) struct Module {
 
 /// One kernel argument. Launch arguments are read through references, so they live in a
 /// slice that outlasts the launch call. `Ptr` is a device address (a C++ pointer parameter;
-/// 0 is null), `I64` a `long long`, `F64` a `double`, `F32` a `float`, `I32` an `int`, and
+/// 0 is null), `U64` an `unsigned long long`, `I64` a `long long`, `F64` a `double`, `F32` a `float`, `I32` an `int`, and
 /// `Struct` a `#[repr(C)]` parameter struct laid out as its C++ twin.
 #[derive(Clone, Copy)]
 pub(crate) enum Arg<'a> {
     Ptr(u64),
+    U64(u64),
     I64(i64),
     F64(f64),
     F32(f32),
@@ -65,7 +66,7 @@ pub(crate) fn launch(
     let mut b = d.stream().launch_builder(&f);
     for a in args {
         match a {
-            Arg::Ptr(v) => {
+            Arg::Ptr(v) | Arg::U64(v) => {
                 b.arg(v);
             }
             Arg::I64(v) => {
@@ -101,6 +102,11 @@ pub(crate) fn rows_cfg(rows: usize) -> LaunchConfig {
     }
 }
 
+/// A grid-stride launch shape for `n` elements.
+pub(crate) fn grid(n: usize) -> LaunchConfig {
+    CudaDevice::grid_1d(n)
+}
+
 /// Kernel-name suffix of a float dtype; any other dtype is an error (never a silent f32).
 pub(crate) fn suffix(op: &'static str, dtype: DType) -> Result<&'static str> {
     match dtype {
@@ -133,6 +139,19 @@ pub(crate) fn dtype_code(dt: DType) -> i32 {
         DType::I64 => 4,
         DType::U8 => 5,
     }
+}
+
+/// The device address of a storage that must live on `d` (not another GPU).
+pub(crate) fn dev_ptr(d: &CudaDevice, op: &'static str, s: &Storage) -> Result<u64> {
+    let here = Device::Cuda(d.ordinal());
+    if s.device() != here {
+        return Err(Error::DeviceMismatch {
+            op,
+            a: here,
+            b: s.device(),
+        });
+    }
+    ptr(s)
 }
 
 /// Device address of a view's first element.
@@ -187,4 +206,148 @@ pub(crate) fn host_i64s(d: &CudaDevice, v: &View) -> Result<Vec<i64>> {
         return Ok(span);
     }
     Ok(l.offsets().map(|o| span[o - lo]).collect())
+}
+
+// ---- strided operands -------------------------------------------------------------------------
+
+/// Most dims a kernel operand may have after merging (`MAX_RANK` in prelude.cuh).
+pub(crate) const MAX_RANK: usize = 8;
+
+/// A view as the kernels take it (`struct Strided` in strided.cuh): element offset, then
+/// shape and strides in elements.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Strided {
+    pub(crate) offset: i64,
+    pub(crate) rank: i32,
+    /// 1 when the view has fewer than 2^31 elements: kernels then locate elements with
+    /// 32-bit division, several times cheaper on the GPU than 64-bit.
+    pub(crate) index32: i32,
+    pub(crate) shape: [i64; MAX_RANK],
+    pub(crate) strides: [i64; MAX_RANK],
+}
+
+// SAFETY: #[repr(C)] plain integers laid out exactly as `struct Strided` in strided.cuh
+// (i64, i32, i32, i64[8], i64[8]: no implicit padding on either side).
+unsafe impl DeviceRepr for Strided {}
+
+impl Strided {
+    /// A view of `shape`/`strides` at `offset`, with mergeable dims merged.
+    pub(crate) fn new(
+        op: &'static str,
+        offset: usize,
+        shape: &[usize],
+        strides: &[isize],
+    ) -> Result<Strided> {
+        let (shape, strides) = merge_dims(shape, strides);
+        if shape.len() > MAX_RANK {
+            return Err(Error::invalid(
+                op,
+                format!(
+                    "the CUDA kernels take views of at most {MAX_RANK} non-mergeable dims, this one has {}; call .contiguous() first",
+                    shape.len()
+                ),
+            ));
+        }
+        let numel: usize = shape.iter().product();
+        let mut s = Strided {
+            offset: offset as i64,
+            rank: shape.len() as i32,
+            index32: i32::from(numel <= i32::MAX as usize),
+            shape: [1; MAX_RANK],
+            strides: [0; MAX_RANK],
+        };
+        for (d, (&n, &st)) in shape.iter().zip(&strides).enumerate() {
+            s.shape[d] = n as i64;
+            s.strides[d] = st as i64;
+        }
+        Ok(s)
+    }
+
+    pub(crate) fn of(op: &'static str, l: &Layout) -> Result<Strided> {
+        Strided::new(op, l.offset(), l.shape(), l.strides())
+    }
+
+    /// `n` contiguous elements from offset 0.
+    pub(crate) fn flat(n: usize) -> Strided {
+        let mut s = Strided {
+            offset: 0,
+            rank: 1,
+            index32: i32::from(n <= i32::MAX as usize),
+            shape: [1; MAX_RANK],
+            strides: [0; MAX_RANK],
+        };
+        s.shape[0] = n as i64;
+        s.strides[0] = 1;
+        s
+    }
+
+    /// Stride of the innermost merged dim (None for a single element).
+    pub(crate) fn inner_stride(&self) -> Option<i64> {
+        (self.rank > 0).then(|| self.strides[self.rank as usize - 1])
+    }
+}
+
+/// Drops size-1 dims and merges neighbours that memory walks as one dim
+/// (`stride[d] == stride[d+1] * shape[d+1]`). The row-major order of elements is unchanged,
+/// so the i-th element of the merged view is the i-th of the original.
+pub(crate) fn merge_dims(shape: &[usize], strides: &[isize]) -> (Vec<usize>, Vec<isize>) {
+    let mut out_shape: Vec<usize> = Vec::with_capacity(shape.len());
+    let mut out_strides: Vec<isize> = Vec::with_capacity(shape.len());
+    for (&n, &s) in shape.iter().zip(strides) {
+        if n == 1 {
+            continue;
+        }
+        match (out_shape.last_mut(), out_strides.last_mut()) {
+            (Some(pn), Some(ps)) if *ps == s * n as isize => {
+                *pn *= n;
+                *ps = s;
+            }
+            _ => {
+                out_shape.push(n);
+                out_strides.push(s);
+            }
+        }
+    }
+    (out_shape, out_strides)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merges_contiguous_dims_and_drops_ones() {
+        assert_eq!(merge_dims(&[2, 3, 4], &[12, 4, 1]), (vec![24], vec![1]));
+        assert_eq!(merge_dims(&[2, 1, 3], &[3, 99, 1]), (vec![6], vec![1]));
+        assert_eq!(merge_dims(&[1, 1], &[5, 7]), (vec![], vec![]));
+    }
+
+    #[test]
+    fn keeps_transposed_and_broadcast_dims() {
+        // a transpose of (3, 4): strides (1, 3) cannot merge
+        assert_eq!(merge_dims(&[4, 3], &[1, 4]), (vec![4, 3], vec![1, 4]));
+        // (2, 3) broadcast from (3,): the stride-0 dim stays separate
+        assert_eq!(merge_dims(&[2, 3], &[0, 1]), (vec![2, 3], vec![0, 1]));
+        // fully broadcast scalar: one stride-0 dim
+        assert_eq!(merge_dims(&[2, 3], &[0, 0]), (vec![6], vec![0]));
+        // a narrowed row block of a (4, 5) matrix: rows 5 apart, 2 columns
+        assert_eq!(merge_dims(&[4, 2], &[5, 1]), (vec![4, 2], vec![5, 1]));
+    }
+
+    #[test]
+    fn strided_rejects_too_many_dims() {
+        let shape = vec![2usize; 9];
+        // every other element: no two dims merge
+        let strides: Vec<isize> = (0..9u32).map(|d| 4isize.pow(8 - d)).collect();
+        assert!(Strided::new("t", 0, &shape, &strides).is_err());
+        let contiguous = crate::tensor::contiguous_strides(&shape);
+        assert_eq!(Strided::new("t", 0, &shape, &contiguous).unwrap().rank, 1);
+    }
+
+    #[test]
+    fn strided_matches_the_kernel_struct_size() {
+        // struct Strided in strided.cuh: 8 + 4 + 4 + 64 + 64 bytes
+        assert_eq!(std::mem::size_of::<Strided>(), 144);
+    }
 }

@@ -66,7 +66,7 @@ impl Backend for CudaDevice {
     }
 
     fn upload(&self, dtype: DType, values: HostValues, addr: u64) -> Result<BackendData> {
-        let bytes = host_bytes(dtype, values)?;
+        let bytes = values.into_le_bytes(dtype);
         self.copy_to_device(addr, &bytes)?;
         Ok(BackendData::Cuda(CudaBuffer {
             ptr: addr,
@@ -122,18 +122,4 @@ impl MatmulKernels for CudaDevice {
     ) -> Result<()> {
         matmul::matmul_acc(self, spec, a, b, out, beta)
     }
-}
-
-/// Host values as the little-endian bytes of `dtype`.
-fn host_bytes(dtype: DType, values: HostValues) -> Result<Vec<u8>> {
-    use crate::backend::cpu::CpuData;
-    let data = CpuData::from_host(dtype, values)?;
-    Ok(match &data {
-        CpuData::F32(v) => bytemuck::cast_slice(v).to_vec(),
-        CpuData::F64(v) => bytemuck::cast_slice(v).to_vec(),
-        CpuData::F16(v) => bytemuck::cast_slice(v).to_vec(),
-        CpuData::BF16(v) => bytemuck::cast_slice(v).to_vec(),
-        CpuData::I64(v) => bytemuck::cast_slice(v).to_vec(),
-        CpuData::U8(v) => v.clone(),
-    })
 }
