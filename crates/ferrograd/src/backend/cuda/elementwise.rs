@@ -1,10 +1,10 @@
 //! CUDA elementwise ops: download (to_host), strided copy with dtype conversion, fill, unary,
 //! binary and in-place binary. Each op is one kernel launch (kernels/elementwise.cu, after the
-//! shared prelude kernels/strided.cuh); operands travel as `Strided` views whose dims the host
+//! shared prelude kernels/prelude.cuh); operands travel as `Strided` views whose dims the host
 //! has already merged where memory allows, so contiguous operands index as a flat array.
 
-use super::CudaDevice;
 use super::launch::{Arg, Module, Strided, dev_ptr, dtype_code, grid, launch, suffix, temp};
+use super::{CudaDevice, codes};
 use crate::backend::check::{same_dtype, within as check_bounds};
 use crate::backend::{BinaryOp, HostValues, Storage, UnaryOp, View};
 use crate::error::{Error, Result};
@@ -12,13 +12,7 @@ use crate::memory::Allocation;
 use crate::tensor::DType;
 
 /// NVRTC module of the elementwise kernels.
-const KERNELS: Module = Module {
-    key: "elementwise",
-    src: concat!(
-        include_str!("kernels/strided.cuh"),
-        include_str!("kernels/elementwise.cu")
-    ),
-};
+static KERNELS: Module = Module::new("elementwise", include_str!("kernels/elementwise.cu"));
 
 /// Queues `copy_strided`: the `n` elements of view `ss` of buffer `src` (dtype `sd`) into view
 /// `ds` of `dst` (dtype `dd`).
@@ -192,44 +186,44 @@ pub(crate) fn fill(d: &CudaDevice, dst: &Storage, value: f64) -> Result<()> {
     launch(d, &KERNELS, "fill_bits", grid(n), &args)
 }
 
-/// Op code and f64 parameter of a unary op (`U_*` in elementwise.cu).
+/// Op code (U_* in codes.rs) and f64 parameter of a unary op.
 fn unary_code(op: UnaryOp) -> (i32, f64) {
     match op {
-        UnaryOp::Neg => (0, 0.0),
-        UnaryOp::Exp => (1, 0.0),
-        UnaryOp::Log => (2, 0.0),
-        UnaryOp::Sqrt => (3, 0.0),
-        UnaryOp::Tanh => (4, 0.0),
-        UnaryOp::Sigmoid => (5, 0.0),
-        UnaryOp::Relu => (6, 0.0),
-        UnaryOp::GeluTanh => (7, 0.0),
-        UnaryOp::GeluErf => (8, 0.0),
-        UnaryOp::Abs => (9, 0.0),
-        UnaryOp::AddScalar(c) => (10, c),
-        UnaryOp::MulScalar(c) => (11, c),
-        UnaryOp::PowScalar(c) => (12, c),
-        UnaryOp::Step => (13, 0.0),
-        UnaryOp::Clamp { lo, .. } => (14, lo),
+        UnaryOp::Neg => (codes::U_NEG, 0.0),
+        UnaryOp::Exp => (codes::U_EXP, 0.0),
+        UnaryOp::Log => (codes::U_LOG, 0.0),
+        UnaryOp::Sqrt => (codes::U_SQRT, 0.0),
+        UnaryOp::Tanh => (codes::U_TANH, 0.0),
+        UnaryOp::Sigmoid => (codes::U_SIGMOID, 0.0),
+        UnaryOp::Relu => (codes::U_RELU, 0.0),
+        UnaryOp::GeluTanh => (codes::U_GELU_TANH, 0.0),
+        UnaryOp::GeluErf => (codes::U_GELU_ERF, 0.0),
+        UnaryOp::Abs => (codes::U_ABS, 0.0),
+        UnaryOp::AddScalar(c) => (codes::U_ADD_SCALAR, c),
+        UnaryOp::MulScalar(c) => (codes::U_MUL_SCALAR, c),
+        UnaryOp::PowScalar(c) => (codes::U_POW_SCALAR, c),
+        UnaryOp::Step => (codes::U_STEP, 0.0),
+        UnaryOp::Clamp { lo, .. } => (codes::U_CLAMP, lo),
     }
 }
 
-/// Op code and f64 parameter of a binary op (`B_*` in elementwise.cu).
+/// Op code (B_* in codes.rs) and f64 parameter of a binary op.
 fn binary_code(op: BinaryOp) -> (i32, f64) {
     match op {
-        BinaryOp::Add => (0, 0.0),
-        BinaryOp::Sub => (1, 0.0),
-        BinaryOp::Mul => (2, 0.0),
-        BinaryOp::Div => (3, 0.0),
-        BinaryOp::Pow => (4, 0.0),
-        BinaryOp::Maximum => (5, 0.0),
-        BinaryOp::AddScaled(alpha) => (6, alpha),
-        BinaryOp::Assign => (7, 0.0),
-        BinaryOp::ReluBackward => (8, 0.0),
-        BinaryOp::TanhBackward => (9, 0.0),
-        BinaryOp::SigmoidBackward => (10, 0.0),
-        BinaryOp::GeluTanhBackward => (11, 0.0),
-        BinaryOp::GeluErfBackward => (12, 0.0),
-        BinaryOp::Eq => (13, 0.0),
+        BinaryOp::Add => (codes::B_ADD, 0.0),
+        BinaryOp::Sub => (codes::B_SUB, 0.0),
+        BinaryOp::Mul => (codes::B_MUL, 0.0),
+        BinaryOp::Div => (codes::B_DIV, 0.0),
+        BinaryOp::Pow => (codes::B_POW, 0.0),
+        BinaryOp::Maximum => (codes::B_MAXIMUM, 0.0),
+        BinaryOp::AddScaled(alpha) => (codes::B_ADD_SCALED, alpha),
+        BinaryOp::Assign => (codes::B_ASSIGN, 0.0),
+        BinaryOp::ReluBackward => (codes::B_RELU_BACKWARD, 0.0),
+        BinaryOp::TanhBackward => (codes::B_TANH_BACKWARD, 0.0),
+        BinaryOp::SigmoidBackward => (codes::B_SIGMOID_BACKWARD, 0.0),
+        BinaryOp::GeluTanhBackward => (codes::B_GELU_TANH_BACKWARD, 0.0),
+        BinaryOp::GeluErfBackward => (codes::B_GELU_ERF_BACKWARD, 0.0),
+        BinaryOp::Eq => (codes::B_EQ, 0.0),
     }
 }
 

@@ -16,10 +16,7 @@ use crate::backend::index::{IndexAdd, IndexKernels, IndexSelect, Where};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Layout};
 
-const KERNELS: Module = Module {
-    key: "fused",
-    src: include_str!("kernels/fused.cu"),
-};
+static KERNELS: Module = Module::new("index", include_str!("kernels/index.cu"));
 /// Dims a `where` handles after merging (WHERE_MAX_DIMS in index.cu).
 const WHERE_MAX_DIMS: usize = 8;
 

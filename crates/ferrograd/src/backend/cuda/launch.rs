@@ -4,9 +4,11 @@
 //! *validation* is not here: the family modules (backend/rows.rs...) check shapes, dtypes and
 //! lengths once before any backend runs.
 
+use std::sync::OnceLock;
+
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 
-use super::{CudaDevice, ptr};
+use super::{CudaDevice, codes, ptr};
 use crate::backend::{Storage, View};
 use crate::error::{Error, Result};
 use crate::memory::{Allocation, Category};
@@ -17,10 +19,31 @@ pub(crate) const BLOCK: u32 = 256;
 /// Most blocks a row kernel launches; rows beyond are taken by a grid-stride loop.
 pub(crate) const MAX_ROW_BLOCKS: usize = 1 << 20;
 
-/// One kernel module: its NVRTC cache key and its source.
+/// The prelude of every kernel file (after the generated codes).
+const PRELUDE: &str = include_str!("kernels/prelude.cuh");
+
+/// One kernel module: its NVRTC cache key and its kernel file. The source NVRTC compiles is
+/// the generated code header, the prelude and the file, assembled once on first use.
 pub(crate) struct Module {
-    pub key: &'static str,
-    pub src: &'static str,
+    key: &'static str,
+    body: &'static str,
+    src: OnceLock<String>,
+}
+
+impl Module {
+    pub(crate) const fn new(key: &'static str, body: &'static str) -> Module {
+        Module {
+            key,
+            body,
+            src: OnceLock::new(),
+        }
+    }
+
+    /// codes header + prelude.cuh + the kernel file.
+    pub(crate) fn source(&'static self) -> &'static str {
+        self.src
+            .get_or_init(|| [codes::header().as_str(), PRELUDE, self.body].concat())
+    }
 }
 
 /// One kernel argument. Launch arguments are read through references, so they live in a
@@ -57,12 +80,12 @@ pub(crate) fn i64_of(v: usize) -> Arg<'static> {
 /// Launches kernel `name` of `module` with `args`, in order.
 pub(crate) fn launch(
     d: &CudaDevice,
-    module: &Module,
+    module: &'static Module,
     name: &str,
     cfg: LaunchConfig,
     args: &[Arg],
 ) -> Result<()> {
-    let f = d.function(module.key, module.src, name)?;
+    let f = d.function(module.key, module.source(), name)?;
     let mut b = d.stream().launch_builder(&f);
     for a in args {
         match a {
@@ -123,21 +146,21 @@ pub(crate) fn suffix(op: &'static str, dtype: DType) -> Result<&'static str> {
 }
 
 /// The code of a float dtype passed to kernels that take a buffer whose dtype may differ
-/// from the rows' (statistics, losses): FG_F32.. in kernels/prelude.cuh.
+/// from the rows' (statistics, losses).
 pub(crate) fn float_code(op: &'static str, dtype: DType) -> Result<i32> {
     suffix(op, dtype)?;
     Ok(dtype_code(dtype))
 }
 
-/// The code of any dtype, as the kernels' `dtype` parameters read it (kernels/prelude.cuh).
+/// The code of any dtype (DT_* in codes.rs), as the kernels' dtype parameters read it.
 pub(crate) fn dtype_code(dt: DType) -> i32 {
     match dt {
-        DType::F32 => 0,
-        DType::F64 => 1,
-        DType::F16 => 2,
-        DType::BF16 => 3,
-        DType::I64 => 4,
-        DType::U8 => 5,
+        DType::F32 => codes::DT_F32,
+        DType::F64 => codes::DT_F64,
+        DType::F16 => codes::DT_F16,
+        DType::BF16 => codes::DT_BF16,
+        DType::I64 => codes::DT_I64,
+        DType::U8 => codes::DT_U8,
     }
 }
 

@@ -17,10 +17,7 @@ use crate::backend::loss::{
 use crate::backend::{View, rows_cols};
 use crate::error::{Error, Result};
 
-const KERNELS: Module = Module {
-    key: "fused",
-    src: include_str!("kernels/fused.cu"),
-};
+static KERNELS: Module = Module::new("loss", include_str!("kernels/loss.cu"));
 /// Most partial sums of the two-stage MSE reduction (fixed by n alone: deterministic).
 const MAX_PARTIALS: usize = 1024;
 

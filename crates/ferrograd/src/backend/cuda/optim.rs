@@ -15,24 +15,7 @@ use crate::backend::optim::{
 use crate::error::Result;
 use crate::tensor::DType;
 
-const FUSED: Module = Module {
-    key: "fused",
-    src: include_str!("kernels/fused.cu"),
-};
-const OPTIM: Module = Module {
-    key: "optim",
-    src: concat!(
-        include_str!("kernels/strided.cuh"),
-        include_str!("kernels/optim.cu")
-    ),
-};
-const AMP: Module = Module {
-    key: "amp",
-    src: concat!(
-        include_str!("kernels/strided.cuh"),
-        include_str!("kernels/amp.cu")
-    ),
-};
+static KERNELS: Module = Module::new("optim", include_str!("kernels/optim.cu"));
 /// One parameter's addresses, in the order of struct AdamEntry in optim.cu.
 type AdamRow = Row<4>;
 
@@ -75,7 +58,7 @@ fn sgd(d: &CudaDevice, a: &SgdStep) -> Result<()> {
     ];
     launch(
         d,
-        &FUSED,
+        &KERNELS,
         &format!("sgd_step_{s}"),
         CudaDevice::grid_1d(n),
         &args,
@@ -162,7 +145,7 @@ fn adam_launch(d: &CudaDevice, dtype: DType, rows: &[AdamRow], hyper: &AdamHyper
         Arg::I64(table.chunks),
         Arg::Struct(hyper),
     ];
-    launch(d, &OPTIM, &name, table.config(), &args)
+    launch(d, &KERNELS, &name, table.config(), &args)
 }
 
 // ---- unscale with inf/NaN check ----------------------------------------------------------------
@@ -194,7 +177,7 @@ fn unscale_check(d: &CudaDevice, a: &UnscaleCheck) -> Result<()> {
             Arg::F32(a.inv_scale),
             Arg::Ptr(found_inf),
         ];
-        launch(d, &AMP, &name, table.config(), &args)?;
+        launch(d, &KERNELS, &name, table.config(), &args)?;
     }
     Ok(())
 }

@@ -7,20 +7,14 @@
 
 use cudarc::driver::LaunchConfig;
 
-use super::CudaDevice;
 use super::launch::{Arg, Module, Strided, dev_ptr, dtype_code, launch, suffix, temp};
+use super::{CudaDevice, codes};
 use crate::backend::check::within as check_bounds;
 use crate::backend::{ReduceOp, Storage, View};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 
-const KERNELS: Module = Module {
-    key: "reduce",
-    src: concat!(
-        include_str!("kernels/strided.cuh"),
-        include_str!("kernels/reduce.cu")
-    ),
-};
+static KERNELS: Module = Module::new("reduce", include_str!("kernels/reduce.cu"));
 
 /// At most this many reduced elements: one thread per output.
 const THREAD_MAX_IN: usize = 32;
@@ -37,13 +31,13 @@ const COL_SPLIT_MIN: usize = 256;
 const COLS_X: usize = 32;
 const COLS_Y: usize = 8;
 
-/// `R_*` in reduce.cu.
+/// The op code (R_* in codes.rs).
 fn reduce_code(op: ReduceOp) -> i32 {
     match op {
-        ReduceOp::Sum => 0,
-        ReduceOp::Max => 1,
-        ReduceOp::Min => 2,
-        ReduceOp::ArgMax => 3,
+        ReduceOp::Sum => codes::R_SUM,
+        ReduceOp::Max => codes::R_MAX,
+        ReduceOp::Min => codes::R_MIN,
+        ReduceOp::ArgMax => codes::R_ARGMAX,
     }
 }
 

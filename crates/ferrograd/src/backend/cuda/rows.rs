@@ -12,10 +12,7 @@ use crate::backend::rows::{LayerNorm, LayerNormBackward, RowKernels, Softmax, So
 use crate::backend::{View, rows_cols};
 use crate::error::Result;
 
-const KERNELS: Module = Module {
-    key: "fused",
-    src: include_str!("kernels/fused.cu"),
-};
+static KERNELS: Module = Module::new("rows", include_str!("kernels/rows.cu"));
 
 impl RowKernels for CudaDevice {
     fn softmax(&self, a: &Softmax) -> Result<()> {
