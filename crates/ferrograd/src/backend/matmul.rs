@@ -4,10 +4,10 @@
 //! version. Not here: the kernels (backend/cpu/matmul.rs, backend/cuda/matmul.rs, cuBLAS).
 
 use super::{Storage, View, backend};
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 /// Shapes of a batched GEMM: `batch` matrices of (m, k) @ (k, n).
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MatmulSpec {
     pub batch: usize,
     pub m: usize,
@@ -15,39 +15,46 @@ pub struct MatmulSpec {
     pub k: usize,
 }
 
-/// The matmul kernels of one device.
-pub trait MatmulKernels {
-    /// Batched `out = a @ b` where a: (..., m, k), b: (..., k, n) with equal batch dims.
-    fn matmul(&self, spec: &MatmulSpec, a: View, b: View, out: &Storage) -> Result<()>;
-    /// Batched `out = a @ b + beta·out`: a GEMM that accumulates into its output (the fused
-    /// SGD step writes a weight gradient straight into the momentum buffer). With beta = 0
-    /// the output is not read. Backends without it answer beta = 0 only.
-    fn matmul_acc(
-        &self,
-        spec: &MatmulSpec,
-        a: View,
-        b: View,
-        out: &Storage,
-        beta: f64,
-    ) -> Result<()> {
-        if beta == 0.0 {
-            return self.matmul(spec, a, b, out);
-        }
-        Err(Error::NotSupportedOnDevice {
-            op: "matmul_acc",
-            device: out.device(),
-        })
-    }
+/// Batched `out = a @ b + beta·out` where a: (..., m, k), b: (..., k, n) with equal batch
+/// dims and out (batch, m, n) contiguous. beta = 0 does not read `out` (a NaN there does not
+/// survive); beta != 0 accumulates into a live buffer (the fused SGD step writes a weight
+/// gradient straight into the momentum buffer).
+pub struct Matmul<'a> {
+    pub spec: MatmulSpec,
+    pub a: View<'a>,
+    pub b: View<'a>,
+    pub out: &'a Storage,
+    pub beta: f64,
 }
 
+/// The matmul kernels of one device.
+pub trait MatmulKernels {
+    fn matmul(&self, m: &Matmul) -> Result<()>;
+}
+
+/// `out = a @ b` into a fresh output.
 pub fn matmul(spec: &MatmulSpec, a: View, b: View, out: &Storage) -> Result<()> {
-    backend(out.device())?.matmul(spec, a, b, out)
+    let m = Matmul {
+        spec: *spec,
+        a,
+        b,
+        out,
+        beta: 0.0,
+    };
+    backend(out.device())?.matmul(&m)
 }
 
 /// `out = a @ b + beta·out` into an existing buffer; bumps `out`'s version (the caller's
 /// buffer is live: a momentum buffer, or a gradient being accumulated).
 pub fn matmul_acc(spec: &MatmulSpec, a: View, b: View, out: &Storage, beta: f64) -> Result<()> {
-    backend(out.device())?.matmul_acc(spec, a, b, out, beta)?;
+    let m = Matmul {
+        spec: *spec,
+        a,
+        b,
+        out,
+        beta,
+    };
+    backend(out.device())?.matmul(&m)?;
     out.bump_version();
     Ok(())
 }

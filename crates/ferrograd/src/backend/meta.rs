@@ -6,13 +6,11 @@
 use super::elementwise::ElementwiseKernels;
 use super::index::{IndexAdd, IndexKernels, IndexSelect, Where};
 use super::loss::{CrossEntropy, CrossEntropyBackward, LossKernels, MseLoss, MseLossBackward};
-use super::matmul::MatmulKernels;
+use super::matmul::{Matmul, MatmulKernels};
 use super::optim::{AdamStep, OptimKernels, SgdStep, UnscaleCheck};
 use super::reduce::ReduceKernels;
 use super::rows::{LayerNorm, LayerNormBackward, RowKernels, Softmax, SoftmaxBackward};
-use super::{
-    Backend, BackendData, BinaryOp, HostValues, MatmulSpec, ReduceOp, Storage, UnaryOp, View,
-};
+use super::{Backend, BackendData, BinaryOp, HostValues, ReduceOp, Storage, UnaryOp, View};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Device};
 
@@ -58,7 +56,7 @@ impl ReduceKernels for MetaBackend {
 }
 
 impl MatmulKernels for MetaBackend {
-    fn matmul(&self, _: &MatmulSpec, _: View, _: View, _: &Storage) -> Result<()> {
+    fn matmul(&self, _: &Matmul) -> Result<()> {
         Ok(())
     }
 }

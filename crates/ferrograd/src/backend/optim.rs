@@ -76,12 +76,13 @@ pub trait OptimKernels {
 pub fn sgd_step(a: &SgdStep) -> Result<()> {
     const OP: &str = "sgd";
     let device = a.param.device();
-    let mut all = vec![a.grad.storage, a.param];
-    all.extend(a.momentum_buf);
+    // [grad, param, buf?]: no allocation per step.
+    let trio = [a.grad.storage, a.param, a.momentum_buf.unwrap_or(a.param)];
+    let all = &trio[..2 + a.momentum_buf.is_some() as usize];
     check::on_device(OP, device, all.iter().copied())?;
     check::distinct(
         OP,
-        &all,
+        all,
         "gradient, parameter and momentum buffer must be distinct storages",
     )?;
     let dtype = a.param.dtype();
@@ -189,14 +190,12 @@ pub fn unscale_check(a: &UnscaleCheck) -> Result<()> {
         }
     }
     check::on_device(OP, device, a.grads.iter().copied())?;
-    let all: Vec<&Storage> = std::iter::once(flag)
-        .chain(a.grads.iter().copied())
-        .collect();
-    check::distinct(
-        OP,
-        &all,
-        "the flag and the gradients must be distinct storages; pass each gradient once",
-    )?;
+    const SHARED: &str =
+        "the flag and the gradients must be distinct storages; pass each gradient once";
+    if a.grads.iter().any(|g| g.same(flag)) {
+        return Err(Error::invalid(OP, SHARED));
+    }
+    check::distinct(OP, a.grads, SHARED)?;
     backend(device)?.unscale_check(a)?;
     a.grads.iter().for_each(|g| g.bump_version());
     Ok(())

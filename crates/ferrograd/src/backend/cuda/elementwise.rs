@@ -6,7 +6,7 @@
 use super::launch::{Arg, Module, Strided, dev_ptr, dtype_code, grid, launch, suffix, temp};
 use super::{CudaDevice, codes};
 use crate::backend::check::{same_dtype, within as check_bounds};
-use crate::backend::{BinaryOp, HostValues, Storage, UnaryOp, View};
+use crate::backend::{BinaryOp, ElementwiseKernels, HostValues, Storage, UnaryOp, View};
 use crate::error::{Error, Result};
 use crate::memory::Allocation;
 use crate::tensor::DType;
@@ -360,4 +360,22 @@ pub(crate) fn binary_inplace(d: &CudaDevice, op: BinaryOp, dst: &Storage, src: V
     launch(d, &KERNELS, &format!("inplace_{suffix}"), grid(n), &args)?;
     drop(scratch);
     Ok(())
+}
+
+impl ElementwiseKernels for CudaDevice {
+    fn copy(&self, src: View, dst: View) -> Result<()> {
+        copy(self, src, dst)
+    }
+    fn fill(&self, dst: &Storage, value: f64) -> Result<()> {
+        fill(self, dst, value)
+    }
+    fn unary(&self, op: UnaryOp, x: View, out: &Storage) -> Result<()> {
+        unary(self, op, x, out)
+    }
+    fn binary(&self, op: BinaryOp, a: View, b: View, out: &Storage) -> Result<()> {
+        binary(self, op, a, b, out)
+    }
+    fn binary_inplace(&self, op: BinaryOp, dst: &Storage, src: View) -> Result<()> {
+        binary_inplace(self, op, dst, src)
+    }
 }

@@ -8,7 +8,8 @@
 use cudarc::driver::{DeviceRepr, LaunchConfig};
 
 use super::launch::{
-    Arg, BLOCK, MAX_ROW_BLOCKS, Module, addr, host_i64s, i64_of, launch, suffix, upload_words,
+    Arg, BLOCK, MAX_ROW_BLOCKS, Module, addr, host_i64s, i64_of, launch, merge_dims_n, suffix,
+    upload_words,
 };
 use super::{CudaDevice, ptr};
 use crate::backend::View;
@@ -183,38 +184,6 @@ fn index_add(d: &CudaDevice, a: &IndexAdd) -> Result<()> {
 
 // ---- where ------------------------------------------------------------------------------------
 
-/// Merges dims so that a strided walk of `shape` steps through each operand with fewer dims:
-/// size-1 dims go, and neighbours merge where every operand's outer stride spans the inner
-/// dim. Returns (shape, per-operand strides), outermost first.
-fn merge_dims(shape: &[usize], strides: [&[isize]; 3]) -> (Vec<usize>, [Vec<isize>; 3]) {
-    let mut sh: Vec<usize> = Vec::new();
-    let mut st: [Vec<isize>; 3] = Default::default();
-    for (i, &n) in shape.iter().enumerate() {
-        if n == 1 {
-            continue;
-        }
-        let mergeable = sh
-            .last()
-            .is_some_and(|_| (0..3).all(|k| st[k].last() == Some(&(strides[k][i] * n as isize))));
-        if mergeable {
-            if let Some(last) = sh.last_mut() {
-                *last *= n;
-            }
-            for k in 0..3 {
-                if let Some(s) = st[k].last_mut() {
-                    *s = strides[k][i];
-                }
-            }
-        } else {
-            sh.push(n);
-            for k in 0..3 {
-                st[k].push(strides[k][i]);
-            }
-        }
-    }
-    (sh, st)
-}
-
 /// out = cond != 0 ? a : b; all three broadcast to one shape, out contiguous.
 fn select_where(d: &CudaDevice, args: &Where) -> Result<()> {
     const OP: &str = "where";
@@ -225,7 +194,7 @@ fn select_where(d: &CudaDevice, args: &Where) -> Result<()> {
         return Ok(());
     }
     let strides = [c.layout.strides(), a.layout.strides(), b.layout.strides()];
-    let (sh, st) = merge_dims(shape, strides);
+    let (sh, st) = merge_dims_n(shape, strides);
     if sh.len() > WHERE_MAX_DIMS {
         return Err(Error::invalid(
             OP,
@@ -269,19 +238,5 @@ mod tests {
         assert_eq!(&flat[..3], &[0, 1, 3]); // destination rows
         assert_eq!(&flat[3..7], &[0, 1, 3, 5]); // group starts
         assert_eq!(&flat[7..], &[4, 1, 3, 0, 2]); // positions
-    }
-
-    #[test]
-    fn merge_dims_collapses_contiguous_and_keeps_broadcast() {
-        let (sh, st) = merge_dims(&[2, 3, 4], [&[12, 4, 1], &[12, 4, 1], &[0, 0, 0]]);
-        assert_eq!(sh, vec![24]);
-        assert_eq!(st, [vec![1], vec![1], vec![0]]);
-        // A broadcast middle dim splits the walk.
-        let (sh, st) = merge_dims(&[2, 3, 4], [&[12, 4, 1], &[4, 0, 1], &[12, 4, 1]]);
-        assert_eq!(sh, vec![2, 3, 4]);
-        assert_eq!(st[1], vec![4, 0, 1]);
-        // Size-1 dims vanish.
-        let (sh, _) = merge_dims(&[1, 5, 1], [&[5, 1, 1], &[5, 1, 1], &[0, 1, 0]]);
-        assert_eq!(sh, vec![5]);
     }
 }

@@ -315,24 +315,43 @@ impl Strided {
 /// (`stride[d] == stride[d+1] * shape[d+1]`). The row-major order of elements is unchanged,
 /// so the i-th element of the merged view is the i-th of the original.
 pub(crate) fn merge_dims(shape: &[usize], strides: &[isize]) -> (Vec<usize>, Vec<isize>) {
-    let mut out_shape: Vec<usize> = Vec::with_capacity(shape.len());
-    let mut out_strides: Vec<isize> = Vec::with_capacity(shape.len());
-    for (&n, &s) in shape.iter().zip(strides) {
+    let (sh, [st]) = merge_dims_n(shape, [strides]);
+    (sh, st)
+}
+
+/// `merge_dims` for K operands walked together (one shape, per-operand strides): a pair of
+/// neighbours merges only where it does for every operand. Returns (shape, strides per
+/// operand), outermost first.
+pub(crate) fn merge_dims_n<const K: usize>(
+    shape: &[usize],
+    strides: [&[isize]; K],
+) -> (Vec<usize>, [Vec<isize>; K]) {
+    let mut sh: Vec<usize> = Vec::with_capacity(shape.len());
+    let mut st: [Vec<isize>; K] = std::array::from_fn(|_| Vec::with_capacity(shape.len()));
+    for (i, &n) in shape.iter().enumerate() {
         if n == 1 {
             continue;
         }
-        match (out_shape.last_mut(), out_strides.last_mut()) {
-            (Some(pn), Some(ps)) if *ps == s * n as isize => {
-                *pn *= n;
-                *ps = s;
+        let mergeable =
+            !sh.is_empty() && (0..K).all(|k| st[k].last() == Some(&(strides[k][i] * n as isize)));
+        match sh.last_mut() {
+            Some(last) if mergeable => {
+                *last *= n;
+                for k in 0..K {
+                    if let Some(s) = st[k].last_mut() {
+                        *s = strides[k][i];
+                    }
+                }
             }
             _ => {
-                out_shape.push(n);
-                out_strides.push(s);
+                sh.push(n);
+                for k in 0..K {
+                    st[k].push(strides[k][i]);
+                }
             }
         }
     }
-    (out_shape, out_strides)
+    (sh, st)
 }
 
 #[cfg(test)]
@@ -356,6 +375,20 @@ mod tests {
         assert_eq!(merge_dims(&[2, 3], &[0, 0]), (vec![6], vec![0]));
         // a narrowed row block of a (4, 5) matrix: rows 5 apart, 2 columns
         assert_eq!(merge_dims(&[4, 2], &[5, 1]), (vec![4, 2], vec![5, 1]));
+    }
+
+    #[test]
+    fn merge_dims_n_collapses_contiguous_and_keeps_broadcast() {
+        let (sh, st) = merge_dims_n(&[2, 3, 4], [&[12, 4, 1], &[12, 4, 1], &[0, 0, 0]]);
+        assert_eq!(sh, vec![24]);
+        assert_eq!(st, [vec![1], vec![1], vec![0]]);
+        // A broadcast middle dim splits the walk.
+        let (sh, st) = merge_dims_n(&[2, 3, 4], [&[12, 4, 1], &[4, 0, 1], &[12, 4, 1]]);
+        assert_eq!(sh, vec![2, 3, 4]);
+        assert_eq!(st[1], vec![4, 0, 1]);
+        // Size-1 dims vanish.
+        let (sh, _) = merge_dims_n(&[1, 5, 1], [&[5, 1, 1], &[5, 1, 1], &[0, 1, 0]]);
+        assert_eq!(sh, vec![5]);
     }
 
     #[test]

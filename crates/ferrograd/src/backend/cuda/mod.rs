@@ -22,10 +22,7 @@ pub use device::{CudaDevice, allow_tf32, device, device_count, driver_present, s
 pub use info::{CudaInfo, GpuInfo, cuda_info};
 pub use memory::CudaMemory;
 
-use super::{
-    Backend, BackendData, BinaryOp, ElementwiseKernels, HostValues, MatmulKernels, MatmulSpec,
-    ReduceKernels, ReduceOp, Storage, UnaryOp, View,
-};
+use super::{Backend, BackendData, HostValues, Storage, View};
 use crate::error::{Error, Result};
 use crate::tensor::{DType, Device};
 
@@ -77,50 +74,5 @@ impl Backend for CudaDevice {
 
     fn to_host(&self, src: View) -> Result<HostValues> {
         elementwise::to_host(self, src)
-    }
-}
-
-impl ElementwiseKernels for CudaDevice {
-    fn copy(&self, src: View, dst: View) -> Result<()> {
-        elementwise::copy(self, src, dst)
-    }
-
-    fn fill(&self, dst: &Storage, value: f64) -> Result<()> {
-        elementwise::fill(self, dst, value)
-    }
-
-    fn unary(&self, op: UnaryOp, x: View, out: &Storage) -> Result<()> {
-        elementwise::unary(self, op, x, out)
-    }
-
-    fn binary(&self, op: BinaryOp, a: View, b: View, out: &Storage) -> Result<()> {
-        elementwise::binary(self, op, a, b, out)
-    }
-
-    fn binary_inplace(&self, op: BinaryOp, dst: &Storage, src: View) -> Result<()> {
-        elementwise::binary_inplace(self, op, dst, src)
-    }
-}
-
-impl ReduceKernels for CudaDevice {
-    fn reduce(&self, op: ReduceOp, x: View, dims: &[usize], out: &Storage) -> Result<()> {
-        reduce::reduce(self, op, x, dims, out)
-    }
-}
-
-impl MatmulKernels for CudaDevice {
-    fn matmul(&self, spec: &MatmulSpec, a: View, b: View, out: &Storage) -> Result<()> {
-        matmul::matmul(self, spec, a, b, out)
-    }
-
-    fn matmul_acc(
-        &self,
-        spec: &MatmulSpec,
-        a: View,
-        b: View,
-        out: &Storage,
-        beta: f64,
-    ) -> Result<()> {
-        matmul::matmul_acc(self, spec, a, b, out, beta)
     }
 }

@@ -10,7 +10,7 @@ use cudarc::driver::LaunchConfig;
 use super::launch::{Arg, Module, Strided, dev_ptr, dtype_code, launch, suffix, temp};
 use super::{CudaDevice, codes};
 use crate::backend::check::within as check_bounds;
-use crate::backend::{ReduceOp, Storage, View};
+use crate::backend::{ReduceKernels, ReduceOp, Storage, View};
 use crate::error::{Error, Result};
 use crate::tensor::DType;
 
@@ -258,6 +258,12 @@ fn launch_finish(d: &CudaDevice, splits: usize, a: &Args, pv: u64, pi: u64) -> R
     ];
     let cfg = config(a.n_out as usize, (block_threads(splits), 1));
     launch(d, &KERNELS, "reduce_finish", cfg, &args)
+}
+
+impl ReduceKernels for CudaDevice {
+    fn reduce(&self, op: ReduceOp, x: View, dims: &[usize], out: &Storage) -> Result<()> {
+        reduce(self, op, x, dims, out)
+    }
 }
 
 #[cfg(test)]
