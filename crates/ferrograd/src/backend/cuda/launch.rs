@@ -236,7 +236,7 @@ pub(crate) fn host_i64s(d: &CudaDevice, v: &View) -> Result<Vec<i64>> {
 /// Most dims a kernel operand may have after merging (`MAX_RANK` in prelude.cuh).
 pub(crate) const MAX_RANK: usize = 8;
 
-/// A view as the kernels take it (`struct Strided` in strided.cuh): element offset, then
+/// A view as the kernels take it (`struct Strided` in prelude.cuh): element offset, then
 /// shape and strides in elements.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -250,7 +250,7 @@ pub(crate) struct Strided {
     pub(crate) strides: [i64; MAX_RANK],
 }
 
-// SAFETY: #[repr(C)] plain integers laid out exactly as `struct Strided` in strided.cuh
+// SAFETY: #[repr(C)] plain integers laid out exactly as `struct Strided` in prelude.cuh
 // (i64, i32, i32, i64[8], i64[8]: no implicit padding on either side).
 unsafe impl DeviceRepr for Strided {}
 
@@ -403,7 +403,7 @@ mod tests {
 
     #[test]
     fn strided_matches_the_kernel_struct_size() {
-        // struct Strided in strided.cuh: 8 + 4 + 4 + 64 + 64 bytes
+        // struct Strided in prelude.cuh: 8 + 4 + 4 + 64 + 64 bytes
         assert_eq!(std::mem::size_of::<Strided>(), 144);
     }
 }
