@@ -136,8 +136,19 @@ __device__ __forceinline__ float f64_to_f32_odd(double v) {
     return t;
 }
 
-__device__ __forceinline__ u16 f64_to_f16(double v) { return f32_to_f16(f64_to_f32_odd(v)); }
-__device__ __forceinline__ u16 f64_to_bf16(double v) { return f32_to_bf16(f64_to_f32_odd(v)); }
+// A NaN keeps its sign and becomes the quiet NaN (0x7e00 / 0x7fc0), as the CPU's half crate
+// stores f64 NaNs; the f32 step would lose both (the GPU's f64 -> f32 NaN is canonical).
+__device__ __forceinline__ u16 f64_nan_sign(double v) {
+    return (u16)(((u64)__double_as_longlong(v) >> 48) & 0x8000u);
+}
+__device__ __forceinline__ u16 f64_to_f16(double v) {
+    if (v != v) return (u16)(f64_nan_sign(v) | 0x7e00u);
+    return f32_to_f16(f64_to_f32_odd(v));
+}
+__device__ __forceinline__ u16 f64_to_bf16(double v) {
+    if (v != v) return (u16)(f64_nan_sign(v) | 0x7fc0u);
+    return f32_to_bf16(f64_to_f32_odd(v));
+}
 
 // Rust's `as i64`: saturating, NaN -> 0.
 __device__ __forceinline__ i64 f64_to_i64(double v) {
