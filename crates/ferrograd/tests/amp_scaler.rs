@@ -4,7 +4,8 @@
 //! growth and backoff rules; the fused unscale-and-check op on every float dtype; errors
 //! (unscale or step twice, f16 gradients, bad configurations, bad saved state).
 
-use ferrograd::backend::{FusedOp, Storage, backend};
+use ferrograd::backend::Storage;
+use ferrograd::backend::optim::{UnscaleCheck, unscale_check};
 use ferrograd::optim::{Optimizer, Sgd, SgdConfig, clip_grad_norm};
 use ferrograd::train::{GradScaler, GradScalerConfig};
 use ferrograd::{DType, Device, Error, Tensor};
@@ -401,12 +402,13 @@ fn unscale_is_allowed_before_update_without_step() {
 
 fn run_fused(grads: &[Tensor], inv_scale: f32) -> f32 {
     let flag = Tensor::zeros(&[1], DType::F32, CPU).unwrap();
-    let mut outs: Vec<&Storage> = vec![flag.storage().as_ref()];
-    outs.extend(grads.iter().map(|g| g.storage().as_ref()));
-    backend(CPU)
-        .unwrap()
-        .fused(&FusedOp::UnscaleCheck { inv_scale }, &[], &outs)
-        .unwrap();
+    let outs: Vec<&Storage> = grads.iter().map(|g| g.storage().as_ref()).collect();
+    unscale_check(&UnscaleCheck {
+        found_inf: flag.storage(),
+        grads: &outs,
+        inv_scale,
+    })
+    .unwrap();
     flag.to_vec::<f32>().unwrap()[0]
 }
 

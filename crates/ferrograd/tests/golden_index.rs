@@ -5,7 +5,8 @@
 //! Only `dropout_default_follows_manual_seed` touches the process-wide generator; every other
 //! test draws from its own `Generator`, so tests running in parallel cannot disturb it.
 
-use ferrograd::backend::{FusedOp, View, backend};
+use ferrograd::backend::View;
+use ferrograd::backend::index::{IndexAdd, index_add};
 use ferrograd::{BackwardOptions, DType, Device, Error, Generator, Tensor, manual_seed, no_grad};
 
 const CPU: Device = Device::Cpu;
@@ -306,20 +307,18 @@ fn index_add_kernel_rejects_bad_ids_before_writing() {
     let g = Tensor::ones(&[2, 3], DType::F32, CPU).unwrap();
     let bad = ids(&[0, 7], &[2]);
     let out = Tensor::zeros(&[4, 3], DType::F32, CPU).unwrap();
-    let views = [
-        View {
+    let err = index_add(&IndexAdd {
+        grad: View {
             storage: g.storage(),
             layout: g.layout(),
         },
-        View {
+        ids: View {
             storage: bad.storage(),
             layout: bad.layout(),
         },
-    ];
-    let err = backend(CPU)
-        .unwrap()
-        .fused(&FusedOp::IndexAdd, &views, &[out.storage()])
-        .unwrap_err();
+        out: out.storage(),
+    })
+    .unwrap_err();
     match err {
         Error::Index { detail, .. } => assert!(
             detail.contains("index 7") && detail.contains("position 1"),

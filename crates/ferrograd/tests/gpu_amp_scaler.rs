@@ -1,5 +1,5 @@
 //! CUDA gradient unscaling against the CPU reference: the fused unscale-and-check op
-//! (`FusedOp::UnscaleCheck`, one launch per dtype) over f32 gradients of several sizes (one
+//! (`backend::optim::unscale_check`, one launch per dtype) over f32 gradients of several sizes (one
 //! element, exactly one chunk, several chunks, empty) with and without a non-finite element
 //! in the last one, mixed dtypes sharing one flag, and a GradScaler training loop with SGD on
 //! the GPU (scales, skips and parameters equal to the CPU run). Needs a CUDA device: without
@@ -9,7 +9,8 @@
 mod common;
 
 use common::assert_close;
-use ferrograd::backend::{FusedOp, Storage, backend};
+use ferrograd::backend::Storage;
+use ferrograd::backend::optim::{UnscaleCheck, unscale_check};
 use ferrograd::optim::{Optimizer, Sgd, SgdConfig};
 use ferrograd::train::{GradScaler, GradScalerConfig};
 use ferrograd::{DType, Device, Generator, Tensor};
@@ -54,12 +55,13 @@ fn fused(grads: &[Tensor], inv_scale: f32, device: Device) -> (f32, Vec<Tensor>)
         })
         .collect();
     let flag = on(&Tensor::zeros(&[1], DType::F32, CPU).unwrap(), device);
-    let mut outs: Vec<&Storage> = vec![flag.storage().as_ref()];
-    outs.extend(grads.iter().map(|g| g.storage().as_ref()));
-    backend(device)
-        .unwrap()
-        .fused(&FusedOp::UnscaleCheck { inv_scale }, &[], &outs)
-        .unwrap();
+    let outs: Vec<&Storage> = grads.iter().map(|g| g.storage().as_ref()).collect();
+    unscale_check(&UnscaleCheck {
+        found_inf: flag.storage(),
+        grads: &outs,
+        inv_scale,
+    })
+    .unwrap();
     let flag = flag.to_vec::<f32>().unwrap()[0];
     (flag, grads.iter().map(|g| on(g, CPU)).collect())
 }

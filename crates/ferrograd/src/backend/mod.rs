@@ -1,17 +1,34 @@
 //! Backends: the narrow contract between tensor ops and devices. Backends know nothing of
-//! autograd: they receive storages with layouts and an op kind passed as data, and write into
-//! output storages that the caller has already allocated through the device's allocator.
+//! autograd: they receive storages with layouts and typed arguments, and write into output
+//! storages that the caller has already allocated through the device's allocator.
 //!
-//! `cpu` is the reference implementation. A device backend (CUDA) and the shape-only `meta`
-//! backend implement the same trait.
+//! Ops come in families, one module each (elementwise, reduce, matmul, rows, loss, index,
+//! optim): the family module holds the typed arguments, their one validator, the family trait
+//! that every backend implements, and entry functions that validate once, dispatch to the
+//! device's backend and bump the version of every storage written in place. `cpu` is the
+//! reference implementation; `cuda` mirrors it file for file; `meta` runs the validation only.
 
+mod check;
 pub mod cpu;
 pub mod cuda;
+pub mod elementwise;
+pub mod index;
+pub mod loss;
+pub mod matmul;
 mod meta;
-mod ops;
+pub mod optim;
+pub mod reduce;
+pub mod rows;
 mod storage;
 
-pub use ops::{BinaryOp, FusedOp, MatmulSpec, ReduceOp, UnaryOp};
+pub use check::rows_cols;
+pub use elementwise::{BinaryOp, ElementwiseKernels, UnaryOp};
+pub use index::IndexKernels;
+pub use loss::LossKernels;
+pub use matmul::{MatmulKernels, MatmulSpec};
+pub use optim::OptimKernels;
+pub use reduce::{ReduceKernels, ReduceOp};
+pub use rows::RowKernels;
 pub use storage::{BackendData, Storage};
 
 use crate::base::Result;
@@ -24,9 +41,20 @@ pub struct View<'a> {
     pub layout: &'a Layout,
 }
 
-/// What a backend does. Outputs are contiguous storages allocated by the caller, never
-/// aliasing an input (except `binary_inplace`'s destination).
-pub trait Backend: Send + Sync {
+/// What a backend does: data movement here, ops through the family traits. Call the ops
+/// through the families' entry functions (`rows::layer_norm`...), which validate the
+/// arguments and record in-place writes; the trait methods trust their arguments.
+pub trait Backend:
+    ElementwiseKernels
+    + ReduceKernels
+    + MatmulKernels
+    + RowKernels
+    + LossKernels
+    + IndexKernels
+    + OptimKernels
+    + Send
+    + Sync
+{
     /// Fresh device data of `len` elements, zero-filled, at `addr` (the address the device's
     /// allocator handed out; 0 on the host, where the backend owns its buffers).
     fn zeros(&self, dtype: DType, len: usize, addr: u64) -> Result<BackendData>;
@@ -39,41 +67,6 @@ pub trait Backend: Send + Sync {
     fn upload(&self, dtype: DType, values: HostValues, addr: u64) -> Result<BackendData>;
     /// Downloads a view as contiguous host values.
     fn to_host(&self, src: View) -> Result<HostValues>;
-    /// Copies `src` into the (possibly strided) region `dst` of the same shape, converting
-    /// dtype if they differ. `dst` must not overlap `src`.
-    fn copy(&self, src: View, dst: View) -> Result<()>;
-    fn fill(&self, dst: &Storage, value: f64) -> Result<()>;
-    fn unary(&self, op: UnaryOp, x: View, out: &Storage) -> Result<()>;
-    /// `a` and `b` are already broadcast to the output shape (stride 0 where stretched).
-    fn binary(&self, op: BinaryOp, a: View, b: View, out: &Storage) -> Result<()>;
-    /// `dst = op(dst, src)` where `dst` is a whole contiguous storage and `src` is broadcast
-    /// to its shape. `src` may share `dst`'s storage.
-    fn binary_inplace(&self, op: BinaryOp, dst: &Storage, src: View) -> Result<()>;
-    /// Reduces `dims` (sorted, unique); the output is contiguous with those dims kept as 1.
-    fn reduce(&self, op: ReduceOp, x: View, dims: &[usize], out: &Storage) -> Result<()>;
-    /// Batched `out = a @ b` where a: (..., m, k), b: (..., k, n) with equal batch dims.
-    fn matmul(&self, spec: &MatmulSpec, a: View, b: View, out: &Storage) -> Result<()>;
-    /// Batched `out = a @ b + beta·out`: a GEMM that accumulates into its output (the fused
-    /// SGD step writes a weight gradient straight into the momentum buffer). With beta = 0
-    /// the output is not read. Backends without it answer beta = 0 only.
-    fn matmul_acc(
-        &self,
-        spec: &MatmulSpec,
-        a: View,
-        b: View,
-        out: &Storage,
-        beta: f64,
-    ) -> Result<()> {
-        if beta == 0.0 {
-            return self.matmul(spec, a, b, out);
-        }
-        Err(crate::base::Error::NotSupportedOnDevice {
-            op: "matmul_acc",
-            device: out.device(),
-        })
-    }
-    /// Ops with their own kernels (softmax, layer norm, cross-entropy, embedding...).
-    fn fused(&self, op: &FusedOp, inputs: &[View], outputs: &[&Storage]) -> Result<()>;
 }
 
 /// Host-side values crossing the device boundary.
@@ -105,6 +98,36 @@ impl HostValues {
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
+
+    /// The values stored as `dtype`, as little-endian bytes (a device upload). Converts as
+    /// the CPU backend stores host values (`CpuData::from_host`): floats round to nearest,
+    /// integers from floats saturate (`as`), U8 is `value != 0`.
+    pub(crate) fn into_le_bytes(self, dtype: DType) -> Vec<u8> {
+        fn each<const N: usize>(v: impl Iterator<Item = [u8; N]>) -> Vec<u8> {
+            v.flatten().collect()
+        }
+        match (dtype, self) {
+            (DType::F32, HostValues::F32(v)) => bytemuck::cast_slice(&v).to_vec(),
+            (DType::I64, HostValues::I64(v)) => bytemuck::cast_slice(&v).to_vec(),
+            (DType::U8, HostValues::I64(v)) => v.iter().map(|&x| (x != 0) as u8).collect(),
+            (d, HostValues::F32(v)) => {
+                HostValues::F64(v.iter().map(|&x| x as f64).collect()).into_le_bytes(d)
+            }
+            (d, HostValues::I64(v)) => {
+                HostValues::F64(v.iter().map(|&x| x as f64).collect()).into_le_bytes(d)
+            }
+            (DType::F64, HostValues::F64(v)) => bytemuck::cast_slice(&v).to_vec(),
+            (DType::F32, HostValues::F64(v)) => each(v.iter().map(|&x| (x as f32).to_le_bytes())),
+            (DType::F16, HostValues::F64(v)) => {
+                each(v.iter().map(|&x| half::f16::from_f64(x).to_le_bytes()))
+            }
+            (DType::BF16, HostValues::F64(v)) => {
+                each(v.iter().map(|&x| half::bf16::from_f64(x).to_le_bytes()))
+            }
+            (DType::I64, HostValues::F64(v)) => each(v.iter().map(|&x| (x as i64).to_le_bytes())),
+            (DType::U8, HostValues::F64(v)) => v.iter().map(|&x| (x != 0.0) as u8).collect(),
+        }
+    }
 }
 
 /// Bytes a new allocation on `device` can still get: the host's available memory, or a
@@ -126,5 +149,43 @@ pub fn synchronize(device: Device) -> Result<()> {
     match device {
         Device::Cuda(i) => cuda::device(i)?.synchronize(),
         _ => Ok(()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::CpuData;
+
+    /// The device upload bytes equal the CPU backend's stored values, for every dtype pair.
+    #[test]
+    fn upload_bytes_match_the_cpu_conversion() {
+        let f = vec![0.1, -2.5, 65520.0, f64::NAN, 1e300, -0.0, 3.0];
+        let i = vec![0, 1, -7, i64::MAX];
+        let hosts = [
+            HostValues::F64(f.clone()),
+            HostValues::F32(f.iter().map(|&x| x as f32).collect()),
+            HostValues::I64(i),
+        ];
+        for dtype in [
+            DType::F32,
+            DType::F64,
+            DType::F16,
+            DType::BF16,
+            DType::I64,
+            DType::U8,
+        ] {
+            for h in &hosts {
+                let want = match CpuData::from_host(dtype, h.clone()).unwrap() {
+                    CpuData::F32(v) => bytemuck::cast_slice(&v).to_vec(),
+                    CpuData::F64(v) => bytemuck::cast_slice(&v).to_vec(),
+                    CpuData::F16(v) => bytemuck::cast_slice(&v).to_vec(),
+                    CpuData::BF16(v) => bytemuck::cast_slice(&v).to_vec(),
+                    CpuData::I64(v) => bytemuck::cast_slice(&v).to_vec(),
+                    CpuData::U8(v) => v,
+                };
+                assert_eq!(h.clone().into_le_bytes(dtype), want, "{dtype} {h:?}");
+            }
+        }
     }
 }

@@ -4,7 +4,7 @@
 
 use super::check_pair;
 use crate::autograd::{SavedTensor, record};
-use crate::backend::{BinaryOp, UnaryOp, View};
+use crate::backend::{BinaryOp, UnaryOp, View, elementwise};
 use crate::base::Result;
 use crate::tensor::{DType, Tensor, broadcast_shape};
 
@@ -20,7 +20,7 @@ pub(crate) fn binary_forward(
     let shape = broadcast_shape(name, a.shape(), b.shape())?;
     let (la, lb) = (a.broadcast_layout(&shape)?, b.broadcast_layout(&shape)?);
     let out = Tensor::output_uninit(&shape, a.dtype(), a.device(), name)?;
-    a.backend()?.binary(
+    elementwise::binary(
         op,
         View {
             storage: a.storage(),
@@ -39,7 +39,7 @@ pub(crate) fn binary_forward(
 pub(crate) fn unary_forward(op: UnaryOp, x: &Tensor, name: &'static str) -> Result<Tensor> {
     super::check_float(name, x)?;
     let out = Tensor::output_uninit(x.shape(), x.dtype(), x.device(), name)?;
-    x.backend()?.unary(op, x.view(), out.storage())?;
+    elementwise::unary(op, x.view(), out.storage())?;
     Ok(out)
 }
 

@@ -6,7 +6,7 @@
 
 use super::{check_float, check_same_device, stats_dtype};
 use crate::autograd::{SavedTensor, record};
-use crate::backend::FusedOp;
+use crate::backend::loss::{self, CrossEntropy, CrossEntropyBackward};
 use crate::base::{Error, Result};
 use crate::tensor::{DType, Tensor};
 
@@ -30,11 +30,13 @@ impl Tensor {
             self.device(),
             "cross_entropy",
         )?;
-        self.backend()?.fused(
-            &FusedOp::CrossEntropy { ignore_index },
-            &[x.view(), t.view()],
-            &[loss.storage(), lse.storage()],
-        )?;
+        loss::cross_entropy(&CrossEntropy {
+            logits: x.view(),
+            targets: t.view(),
+            loss: loss.storage(),
+            lse: lse.storage(),
+            ignore_index,
+        })?;
         Ok(record("cross_entropy", &[self], loss, |_, _| {
             let (x, t, lse) = (
                 SavedTensor::new(&x),
@@ -46,11 +48,14 @@ impl Tensor {
                 let (x, t, lse) = (x.get(), t.get(), lse.get());
                 let gx =
                     Tensor::output(x.shape(), x.dtype(), x.device(), "cross_entropy_backward")?;
-                x.backend()?.fused(
-                    &FusedOp::CrossEntropyBackward { ignore_index },
-                    &[x.view(), t.view(), lse.view(), g.view()],
-                    &[gx.storage()],
-                )?;
+                loss::cross_entropy_backward(&CrossEntropyBackward {
+                    logits: x.view(),
+                    targets: t.view(),
+                    lse: lse.view(),
+                    gloss: g.view(),
+                    glogits: gx.storage(),
+                    ignore_index,
+                })?;
                 Ok(vec![Some(gx)])
             }
         }))

@@ -4,7 +4,8 @@
 //! does not depend on the looked-up values.
 
 use crate::autograd::{SavedTensor, record};
-use crate::backend::{FusedOp, View};
+use crate::backend::View;
+use crate::backend::index::{self, IndexAdd, IndexSelect};
 use crate::base::{Error, Result};
 use crate::tensor::{DType, Layout, Tensor};
 
@@ -16,13 +17,12 @@ impl Tensor {
         let mut shape = ids.shape().to_vec();
         shape.push(d);
         let out = Tensor::output(&shape, self.dtype(), self.device(), "embedding")?;
-        self.backend()?
-            .fused(
-                &FusedOp::IndexSelect,
-                &[self.view(), ids.view()],
-                &[out.storage()],
-            )
-            .map_err(as_embedding_error)?;
+        index::index_select(&IndexSelect {
+            weight: self.view(),
+            ids: ids.view(),
+            out: out.storage(),
+        })
+        .map_err(as_embedding_error)?;
         Ok(record("embedding", &[self], out, |_, _| {
             let ids = SavedTensor::new(ids);
             move |g: &Tensor, _: &[bool]| Ok(vec![Some(embedding_backward(g, ids.get(), v, d)?)])
@@ -79,11 +79,11 @@ fn embedding_backward(g: &Tensor, ids: &Tensor, v: usize, d: usize) -> Result<Te
         storage,
         layout: &layout,
     };
-    g.backend()?.fused(
-        &FusedOp::IndexAdd,
-        &[rows, ids.view()],
-        &[gweight.storage()],
-    )?;
+    index::index_add(&IndexAdd {
+        grad: rows,
+        ids: ids.view(),
+        out: gweight.storage(),
+    })?;
     Ok(gweight)
 }
 

@@ -3,7 +3,7 @@
 //! while grad mode is on is an error, as in PyTorch.
 
 use crate::autograd::is_grad_enabled;
-use crate::backend::{BinaryOp, View};
+use crate::backend::{BinaryOp, View, elementwise};
 use crate::base::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -30,7 +30,8 @@ impl Tensor {
         self.check_inplace_target(name)?;
         super::check_pair(name, self, src)?;
         let l = src.broadcast_layout(self.shape())?;
-        self.backend()?.binary_inplace(
+        // The entry function bumps the version: autograd sees the write.
+        elementwise::binary_inplace(
             op,
             self.storage(),
             View {
@@ -38,7 +39,6 @@ impl Tensor {
                 layout: &l,
             },
         )?;
-        self.storage().bump_version();
         Ok(())
     }
 
@@ -67,8 +67,7 @@ impl Tensor {
     /// Every element = value
     pub fn fill_(&self, value: f64) -> Result<()> {
         self.check_inplace_target("fill_")?;
-        self.backend()?.fill(self.storage(), value)?;
-        self.storage().bump_version();
+        elementwise::fill(self.storage(), value)?;
         Ok(())
     }
     /// Every element = 0

@@ -5,7 +5,7 @@
 
 use super::matmul::matmul_forward;
 use crate::autograd::{SavedTensor, record};
-use crate::backend::{BinaryOp, ReduceOp};
+use crate::backend::{BinaryOp, ReduceOp, elementwise};
 use crate::base::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -51,7 +51,7 @@ impl Tensor {
         if let Some(b) = bias {
             super::check_pair("linear", self, b)?;
             let lb = b.broadcast_layout(out.shape())?;
-            out.backend()?.binary_inplace(
+            elementwise::binary_inplace(
                 BinaryOp::Add,
                 out.storage(),
                 crate::backend::View {

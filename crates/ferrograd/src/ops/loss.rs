@@ -3,7 +3,7 @@
 //! 2 (x - y) · g / N in one pass.
 
 use crate::autograd::{SavedTensor, record};
-use crate::backend::FusedOp;
+use crate::backend::loss::{self, MseLoss, MseLossBackward};
 use crate::base::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -27,19 +27,23 @@ impl Tensor {
         super::check_float("mse_loss", self)?;
         let (x, y) = (self.detached_contiguous()?, target.detached_contiguous()?);
         let loss = Tensor::output(&[], self.dtype(), self.device(), "mse_loss")?;
-        self.backend()?
-            .fused(&FusedOp::MseLoss, &[x.view(), y.view()], &[loss.storage()])?;
+        loss::mse_loss(&MseLoss {
+            x: x.view(),
+            y: y.view(),
+            loss: loss.storage(),
+        })?;
         Ok(record("mse_loss", &[self, target], loss, |_, _| {
             let (x, y) = (SavedTensor::new(&x), SavedTensor::new(&y));
             move |g: &Tensor, needs: &[bool]| {
                 // d/dx = 2 (x - y) / N · g ; d/dy = -d/dx
                 let (x, y) = (x.get(), y.get());
                 let gx = Tensor::output(x.shape(), x.dtype(), x.device(), "mse_loss_backward")?;
-                x.backend()?.fused(
-                    &FusedOp::MseLossBackward,
-                    &[x.view(), y.view(), g.view()],
-                    &[gx.storage()],
-                )?;
+                loss::mse_loss_backward(&MseLossBackward {
+                    x: x.view(),
+                    y: y.view(),
+                    gloss: g.view(),
+                    gx: gx.storage(),
+                })?;
                 let gy = if needs[1] { Some(gx.neg()?) } else { None };
                 Ok(vec![needs[0].then_some(gx), gy])
             }

@@ -3,7 +3,8 @@
 //! Backward: dA = dC @ Bᵀ, dB = Aᵀ @ dC, each summed over broadcast batch dims.
 
 use crate::autograd::{SavedTensor, record};
-use crate::backend::{MatmulSpec, View};
+use crate::backend::View;
+use crate::backend::matmul::{self, MatmulSpec};
 use crate::base::{Error, Result};
 use crate::tensor::{Tensor, broadcast_shape};
 
@@ -47,7 +48,7 @@ pub(crate) fn matmul_forward(a: &Tensor, b: &Tensor) -> Result<Tensor> {
         n,
         k,
     };
-    a.backend()?.matmul(
+    matmul::matmul(
         &spec,
         View {
             storage: a.storage(),
@@ -91,9 +92,7 @@ pub(crate) fn matmul_acc_into(a: &Tensor, b: &Tensor, out: &Tensor, beta: f64) -
         ));
     }
     let spec = MatmulSpec { batch: 1, m, n, k };
-    a.backend()?
-        .matmul_acc(&spec, a.view(), b.view(), out.storage(), beta)?;
-    out.storage().bump_version();
+    matmul::matmul_acc(&spec, a.view(), b.view(), out.storage(), beta)?;
     Ok(())
 }
 

@@ -21,7 +21,7 @@ mod unary;
 pub(crate) use matmul::matmul_acc_into;
 pub use unary::GeluApprox;
 
-use crate::backend::{self, Backend};
+use crate::backend;
 use crate::base::Result;
 use crate::tensor::{DType, Layout, Tensor};
 
@@ -49,10 +49,6 @@ impl Tensor {
         }
     }
 
-    pub(crate) fn backend(&self) -> Result<&'static dyn Backend> {
-        backend::backend(self.device())
-    }
-
     /// A fresh contiguous copy with no autograd history (counted as temporary).
     pub(crate) fn contiguous_copy(&self) -> Result<Tensor> {
         self.copy_as(self.dtype(), "contiguous")
@@ -61,7 +57,7 @@ impl Tensor {
     /// A fresh contiguous copy in `dtype`, no autograd history.
     pub(crate) fn copy_as(&self, dtype: DType, origin: &'static str) -> Result<Tensor> {
         let out = Tensor::output_uninit(self.shape(), dtype, self.device(), origin)?;
-        self.backend()?.copy(self.view(), out.view())?;
+        backend::elementwise::copy(self.view(), out.view())?;
         Ok(out)
     }
 

@@ -5,7 +5,7 @@
 
 use super::{check_pair, stats_dtype};
 use crate::autograd::{SavedTensor, record};
-use crate::backend::FusedOp;
+use crate::backend::rows::{self, LayerNorm, LayerNormBackward};
 use crate::base::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -33,20 +33,15 @@ impl Tensor {
         let stats = stats_dtype(self.dtype());
         let mean = Tensor::output(&[rows], stats, self.device(), "layer_norm")?;
         let rstd = Tensor::output(&[rows], stats, self.device(), "layer_norm")?;
-        let inputs: Vec<_> = [Some(&x), w.as_ref(), b.as_ref()]
-            .into_iter()
-            .flatten()
-            .map(Tensor::view)
-            .collect();
-        self.backend()?.fused(
-            &FusedOp::LayerNorm {
-                eps,
-                weight: w.is_some(),
-                bias: b.is_some(),
-            },
-            &inputs,
-            &[y.storage(), mean.storage(), rstd.storage()],
-        )?;
+        rows::layer_norm(&LayerNorm {
+            x: x.view(),
+            weight: w.as_ref().map(Tensor::view),
+            bias: b.as_ref().map(Tensor::view),
+            y: y.storage(),
+            mean: mean.storage(),
+            rstd: rstd.storage(),
+            eps,
+        })?;
         let recorded: Vec<&Tensor> = [Some(self), weight, bias].into_iter().flatten().collect();
         Ok(record("layer_norm", &recorded, y, |_, _| {
             let saved = Saved {
@@ -86,27 +81,16 @@ impl Saved {
         let gx = grad(x.shape())?;
         let gw = w.map(|_| grad(&[n])).transpose()?;
         let gb = self.bias.then(|| grad(&[n])).transpose()?;
-        let inputs: Vec<_> = [
-            Some(x),
-            w,
-            Some(self.mean.get()),
-            Some(self.rstd.get()),
-            Some(&g),
-        ]
-        .into_iter()
-        .flatten()
-        .map(Tensor::view)
-        .collect();
-        let outputs: Vec<_> = [Some(&gx), gw.as_ref(), gb.as_ref()]
-            .into_iter()
-            .flatten()
-            .map(|t| &**t.storage())
-            .collect();
-        let op = FusedOp::LayerNormBackward {
-            weight: w.is_some(),
-            bias: self.bias,
-        };
-        x.backend()?.fused(&op, &inputs, &outputs)?;
+        rows::layer_norm_backward(&LayerNormBackward {
+            x: x.view(),
+            weight: w.map(Tensor::view),
+            mean: self.mean.get().view(),
+            rstd: self.rstd.get().view(),
+            gy: g.view(),
+            gx: gx.storage(),
+            gweight: gw.as_ref().map(|t| &**t.storage()),
+            gbias: gb.as_ref().map(|t| &**t.storage()),
+        })?;
         let gx = gx.reshape(&self.x_shape)?;
         let params = [gw, gb]
             .into_iter()

@@ -46,8 +46,7 @@ impl Tensor {
             self.dtype()
         };
         let out = Tensor::output(&shape, dtype, self.device(), name)?;
-        self.backend()?
-            .reduce(op, self.view(), dims, out.storage())?;
+        crate::backend::reduce::reduce(op, self.view(), dims, out.storage())?;
         Ok(out)
     }
 

@@ -5,7 +5,8 @@
 //! trip through host memory.
 
 use crate::autograd::{SavedTensor, record};
-use crate::backend::{FusedOp, View};
+use crate::backend::index::{self, Where};
+use crate::backend::{View, elementwise};
 use crate::base::{Error, Result};
 use crate::tensor::{DType, Tensor, broadcast_shape, resolve_dim};
 
@@ -37,22 +38,21 @@ pub(crate) fn where_forward(
         b.broadcast_layout(&shape)?,
     );
     let out = Tensor::output(&shape, a.dtype(), a.device(), name)?;
-    let views = [
-        View {
+    index::select_where(&Where {
+        cond: View {
             storage: cond.storage(),
             layout: &lc,
         },
-        View {
+        a: View {
             storage: a.storage(),
             layout: &la,
         },
-        View {
+        b: View {
             storage: b.storage(),
             layout: &lb,
         },
-    ];
-    a.backend()?
-        .fused(&FusedOp::Where, &views, &[out.storage()])?;
+        out: out.storage(),
+    })?;
     Ok(out)
 }
 
@@ -61,7 +61,7 @@ pub(crate) fn where_forward(
 fn scalar_like(like: &Tensor, value: f64, origin: &'static str) -> Result<Tensor> {
     let s = Tensor::output(&[], like.dtype(), like.device(), origin)?;
     if value != 0.0 {
-        s.backend()?.fill(s.storage(), value)?;
+        elementwise::fill(s.storage(), value)?;
     }
     Ok(s)
 }
@@ -124,12 +124,11 @@ impl Tensor {
         let d = resolve_dim("cat", dim, first.dims())?;
         let (shape, lens) = cat_shape(tensors, d)?;
         let out = Tensor::output(&shape, first.dtype(), first.device(), "cat")?;
-        let backend = first.backend()?;
         let mut starts = Vec::with_capacity(lens.len());
         let mut start = 0;
         for (t, &len) in tensors.iter().zip(&lens) {
             let region = out.layout().narrow(d, start, len)?;
-            backend.copy(
+            elementwise::copy(
                 t.view(),
                 View {
                     storage: out.storage(),

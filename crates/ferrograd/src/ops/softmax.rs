@@ -5,7 +5,7 @@
 //! gx = g - exp(y) Σ g, both along the dim.
 
 use crate::autograd::{SavedTensor, record};
-use crate::backend::FusedOp;
+use crate::backend::rows::{self, Softmax, SoftmaxBackward};
 use crate::base::Result;
 use crate::tensor::{Tensor, resolve_dim};
 
@@ -30,33 +30,36 @@ fn softmax_along(x: &Tensor, dim: isize, log: bool) -> Result<Tensor> {
     // A 0-dim tensor is one row of one element (dim 0 or -1), as in PyTorch.
     let d = resolve_dim(name, dim, x.dims().max(1))?;
     let perm = dim_last(x.dims(), d);
-    let y = run_rows(
-        FusedOp::Softmax { log },
-        &moved(&x.detach(), perm.as_deref())?,
-        None,
-        name,
-    )?;
+    let y = run_rows(log, &moved(&x.detach(), perm.as_deref())?, None, name)?;
     let out = moved_back(&y, perm.as_deref())?;
     Ok(record(name, &[x], out, |_, _| {
         let y = SavedTensor::new(&y);
         move |g: &Tensor, _: &[bool]| {
             let gy = moved(g, perm.as_deref())?;
-            let gx = run_rows(FusedOp::SoftmaxBackward { log }, y.get(), Some(&gy), name)?;
+            let gx = run_rows(log, y.get(), Some(&gy), name)?;
             Ok(vec![Some(moved_back(&gx, perm.as_deref())?)])
         }
     }))
 }
 
-/// One row kernel over `a` (and `b`): its (contiguous) output, shaped like `a`.
-fn run_rows(op: FusedOp, a: &Tensor, b: Option<&Tensor>, name: &'static str) -> Result<Tensor> {
+/// Softmax of `a` (x), or its backward when `gy` is given (`a` = the saved y): the
+/// (contiguous) output, shaped like `a`.
+fn run_rows(log: bool, a: &Tensor, gy: Option<&Tensor>, name: &'static str) -> Result<Tensor> {
     let a = a.detached_contiguous()?;
-    let b = b.map(Tensor::detached_contiguous).transpose()?;
     let out = Tensor::output(a.shape(), a.dtype(), a.device(), name)?;
-    let inputs: Vec<_> = std::iter::once(&a)
-        .chain(b.as_ref())
-        .map(Tensor::view)
-        .collect();
-    a.backend()?.fused(&op, &inputs, &[out.storage()])?;
+    match gy {
+        None => rows::softmax(&Softmax {
+            x: a.view(),
+            y: out.storage(),
+            log,
+        })?,
+        Some(gy) => rows::softmax_backward(&SoftmaxBackward {
+            y: a.view(),
+            gy: gy.detached_contiguous()?.view(),
+            gx: out.storage(),
+            log,
+        })?,
+    }
     Ok(out)
 }
 

@@ -3,7 +3,7 @@
 
 use super::binary::{binary_forward, unary_forward};
 use crate::autograd::{SavedTensor, record};
-use crate::backend::{BinaryOp, UnaryOp};
+use crate::backend::{BinaryOp, UnaryOp, elementwise};
 use crate::base::Result;
 use crate::tensor::Tensor;
 
@@ -26,8 +26,7 @@ fn backward_into_grad(
     name: &'static str,
 ) -> Result<Tensor> {
     if g.is_exclusive() && g.shape() == saved.shape() && g.dtype() == saved.dtype() {
-        g.backend()?.binary_inplace(op, g.storage(), saved.view())?;
-        g.storage().bump_version();
+        elementwise::binary_inplace(op, g.storage(), saved.view())?;
         return Ok(g.clone());
     }
     binary_forward(op, g, saved, name)

@@ -13,7 +13,7 @@
 
 use super::{Optimizer, check_lr};
 use crate::autograd::no_grad;
-use crate::backend::{FusedOp, Storage, View};
+use crate::backend::optim::{self, AdamParam, AdamStep};
 use crate::base::{Error, Result};
 use crate::memory::Category;
 use crate::tensor::{Device, Tensor};
@@ -263,7 +263,22 @@ impl Adam {
     /// and at step `step` after this update.
     fn run_group(&mut self, work: &[Work], members: &[usize], step: u64) -> Result<()> {
         let (b1, b2) = self.cfg.betas;
-        let op = FusedOp::AdamStep {
+        let mut params: Vec<AdamParam> = Vec::with_capacity(members.len());
+        for &k in members {
+            let w = &work[k];
+            let s = self.state[w.index]
+                .as_ref()
+                .ok_or_else(|| Error::invalid("Adam", "state missing after allocation"))?;
+            params.push(AdamParam {
+                grad: w.grad.view(),
+                param: self.params[w.index].storage(),
+                exp_avg: s.exp_avg.storage(),
+                exp_avg_sq: s.exp_avg_sq.storage(),
+            });
+        }
+        // The entry function bumps every parameter's and state buffer's version.
+        optim::adam_step(&AdamStep {
+            params: &params,
             lr: self.cfg.lr,
             beta1: b1,
             beta2: b2,
@@ -271,22 +286,7 @@ impl Adam {
             weight_decay: self.cfg.weight_decay,
             decoupled: self.decoupled,
             step,
-        };
-        let mut inputs: Vec<View> = Vec::with_capacity(members.len());
-        let mut outputs: Vec<&Storage> = Vec::with_capacity(3 * members.len());
-        for &k in members {
-            let w = &work[k];
-            let s = self.state[w.index]
-                .as_ref()
-                .ok_or_else(|| Error::invalid("Adam", "state missing after allocation"))?;
-            inputs.push(w.grad.view());
-            outputs.push(self.params[w.index].storage().as_ref());
-            outputs.push(s.exp_avg.storage().as_ref());
-            outputs.push(s.exp_avg_sq.storage().as_ref());
-        }
-        let first = &self.params[work[members[0]].index];
-        first.backend()?.fused(&op, &inputs, &outputs)?;
-        outputs.iter().for_each(|s| s.bump_version());
+        })?;
         for &k in members {
             if let Some(s) = self.state[work[k].index].as_mut() {
                 s.step = step;

@@ -6,7 +6,7 @@
 //! clipping. f16/bf16 gradients are widened to f32 for the norm (their squares overflow).
 
 use crate::autograd::no_grad;
-use crate::backend::{BinaryOp, ReduceOp, UnaryOp};
+use crate::backend::{BinaryOp, ReduceOp, UnaryOp, elementwise};
 use crate::base::{Error, Result};
 use crate::tensor::{DType, Device, Tensor};
 
@@ -159,13 +159,13 @@ fn owns_storage(t: &Tensor) -> bool {
 /// `op(x)` as a fresh temporary, no autograd.
 fn unary(op: UnaryOp, x: &Tensor, name: &'static str) -> Result<Tensor> {
     let out = Tensor::output(x.shape(), x.dtype(), x.device(), name)?;
-    x.backend()?.unary(op, x.view(), out.storage())?;
+    elementwise::unary(op, x.view(), out.storage())?;
     Ok(out)
 }
 
 /// `op(a, b)` for operands of one shape, as a fresh temporary, no autograd.
 fn binary(op: BinaryOp, a: &Tensor, b: &Tensor, name: &'static str) -> Result<Tensor> {
     let out = Tensor::output(a.shape(), a.dtype(), a.device(), name)?;
-    a.backend()?.binary(op, a.view(), b.view(), out.storage())?;
+    elementwise::binary(op, a.view(), b.view(), out.storage())?;
     Ok(out)
 }

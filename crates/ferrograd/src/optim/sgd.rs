@@ -14,7 +14,7 @@
 
 use super::{Optimizer, check_lr};
 use crate::autograd::no_grad;
-use crate::backend::FusedOp;
+use crate::backend::optim::{self, SgdStep};
 use crate::base::{Error, Result};
 use crate::memory::Category;
 use crate::tensor::Tensor;
@@ -147,18 +147,17 @@ impl Sgd {
             return Err(Error::invalid("SGD", "no momentum buffer to step with"));
         };
         // The kernel without a buffer is p ← p − lr·(g + wd·p): here g = buf and wd = 0.
-        let op = FusedOp::SgdStep {
+        optim::sgd_step(&SgdStep {
+            grad: buf.view(),
+            param: p.storage(),
+            momentum_buf: None,
             lr: self.cfg.lr,
             momentum: 0.0,
             dampening: 0.0,
             weight_decay: 0.0,
             nesterov: false,
             first_step: false,
-        };
-        p.backend()?
-            .fused(&op, &[buf.view()], &[p.storage().as_ref()])?;
-        p.storage().bump_version();
-        Ok(())
+        })
     }
 
     /// One fused pass per parameter: reads the gradient once, updates buffer and parameter.
@@ -185,21 +184,17 @@ impl Sgd {
             let b = momentum_buffer_like(p)?;
             self.momentum_buffers[i] = Some(b);
         }
-        let op = FusedOp::SgdStep {
+        optim::sgd_step(&SgdStep {
+            grad: grad.view(),
+            param: p.storage(),
+            momentum_buf: self.momentum_buffers[i].as_ref().map(|b| &**b.storage()),
             lr: c.lr,
             momentum: c.momentum,
             dampening: c.dampening,
             weight_decay: c.weight_decay,
             nesterov: c.nesterov,
             first_step,
-        };
-        let mut outputs = vec![p.storage().as_ref()];
-        if let Some(b) = &self.momentum_buffers[i] {
-            outputs.push(b.storage().as_ref());
-        }
-        p.backend()?.fused(&op, &[grad.view()], &outputs)?;
-        outputs.iter().for_each(|s| s.bump_version());
-        Ok(())
+        })
     }
 }
 

@@ -194,7 +194,7 @@ impl Tensor {
 
     pub fn full(shape: &[usize], value: f64, dtype: DType, device: Device) -> Result<Tensor> {
         let t = Tensor::alloc(shape, dtype, device, Category::Input, "full")?;
-        backend::backend(device)?.fill(t.storage(), value)?;
+        backend::elementwise::fill(t.storage(), value)?;
         Ok(t)
     }
 

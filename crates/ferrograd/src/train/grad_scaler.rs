@@ -15,13 +15,14 @@
 //! The scale is kept as an f32, like PyTorch's scale tensor: 1/scale is taken in f64 and
 //! rounded to f32; backoff and growth multiply in f64 and round to f32; growth that would
 //! reach inf is skipped. Unscaling is one fused backend call per device
-//! (`FusedOp::UnscaleCheck`: one kernel launch per dtype on a GPU), and the found_inf flags
+//! (`backend::optim::unscale_check`: one kernel launch per dtype on a GPU), and the found_inf flags
 //! are read back once per iteration, when `step` (or `update`) first needs them.
 
 use std::sync::Arc;
 
 use crate::autograd::no_grad;
-use crate::backend::{FusedOp, Storage};
+use crate::backend::Storage;
+use crate::backend::optim::{self, UnscaleCheck};
 use crate::base::{Error, Result};
 use crate::memory::Category;
 use crate::optim::Optimizer;
@@ -393,18 +394,19 @@ fn unscale_on(device: Device, grads: &[Tensor], inv_scale: f32) -> Result<Tensor
         Category::Temporary,
         "grad_scaler_found_inf",
     )?;
-    let mut outputs: Vec<&Storage> = vec![flag.storage().as_ref()];
+    let mut storages: Vec<&Storage> = Vec::with_capacity(grads.len());
     for g in grads {
         // Two parameters sharing one gradient storage must not be unscaled twice.
-        if !outputs
-            .iter()
-            .any(|s| std::ptr::eq(*s, g.storage().as_ref()))
-        {
-            outputs.push(g.storage().as_ref());
+        if !storages.iter().any(|s| s.same(g.storage())) {
+            storages.push(g.storage());
         }
     }
-    crate::backend::backend(device)?.fused(&FusedOp::UnscaleCheck { inv_scale }, &[], &outputs)?;
-    outputs[1..].iter().for_each(|s| s.bump_version());
+    // The entry function bumps every gradient's version.
+    optim::unscale_check(&UnscaleCheck {
+        found_inf: flag.storage(),
+        grads: &storages,
+        inv_scale,
+    })?;
     Ok(flag)
 }
 

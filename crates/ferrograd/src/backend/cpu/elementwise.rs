@@ -5,7 +5,8 @@
 use rayon::prelude::*;
 
 use super::data::{CpuData, Elem, with_float, with_float_pair};
-use crate::backend::{BinaryOp, UnaryOp};
+use super::{CpuBackend, read, write};
+use crate::backend::{BinaryOp, ElementwiseKernels, Storage, UnaryOp, View};
 use crate::base::Layout;
 use crate::base::{Error, Result};
 
@@ -438,4 +439,50 @@ pub(crate) fn fill(dst: &mut CpuData, value: f64) -> Result<()> {
         d => with_float!(d, "fill", v => v.fill(Elem::from_f64(value))),
     }
     Ok(())
+}
+
+impl ElementwiseKernels for CpuBackend {
+    fn copy(&self, src: View, dst: View) -> Result<()> {
+        let s = read(src.storage)?;
+        write(dst.storage, |d| copy(&s, src.layout, d, dst.layout))
+    }
+
+    fn fill(&self, dst: &Storage, value: f64) -> Result<()> {
+        write(dst, |d| fill(d, value))
+    }
+
+    fn unary(&self, op: UnaryOp, x: View, out: &Storage) -> Result<()> {
+        let xd = read(x.storage)?;
+        write(out, |o| unary(op, &xd, x.layout, o))
+    }
+
+    fn binary(&self, op: BinaryOp, a: View, b: View, out: &Storage) -> Result<()> {
+        let ad = read(a.storage)?;
+        if a.storage.same(b.storage) {
+            return write(out, |o| binary(op, &ad, a.layout, &ad, b.layout, o));
+        }
+        let bd = read(b.storage)?;
+        write(out, |o| binary(op, &ad, a.layout, &bd, b.layout, o))
+    }
+
+    fn binary_inplace(&self, op: BinaryOp, dst: &Storage, src: View) -> Result<()> {
+        if dst.same(src.storage) {
+            // Read a private copy of src first: the kernel writes dst while it reads.
+            let copy = {
+                let s = read(src.storage)?;
+                let mut c = CpuData::zeros(s.dtype(), src.layout.numel())?;
+                copy(
+                    &s,
+                    src.layout,
+                    &mut c,
+                    &Layout::contiguous(src.layout.shape()),
+                )?;
+                c
+            };
+            let l = Layout::contiguous(src.layout.shape());
+            return write(dst, |d| binary_inplace(op, d, &copy, &l));
+        }
+        let s = read(src.storage)?;
+        write(dst, |d| binary_inplace(op, d, &s, src.layout))
+    }
 }

@@ -8,7 +8,9 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::data::CpuData;
+use super::{CpuBackend, read, write};
 use crate::backend::MatmulSpec;
+use crate::backend::matmul::{Matmul, MatmulKernels};
 use crate::base::Layout;
 use crate::base::{Error, Result};
 
@@ -178,6 +180,22 @@ fn product(
         }
     }
     Ok(())
+}
+
+impl MatmulKernels for CpuBackend {
+    fn matmul(&self, m: &Matmul) -> Result<()> {
+        let (a, b, beta) = (m.a, m.b, m.beta);
+        let ad = read(a.storage)?;
+        if a.storage.same(b.storage) {
+            return write(m.out, |o| {
+                matmul_acc(&m.spec, &ad, a.layout, &ad, b.layout, o, beta)
+            });
+        }
+        let bd = read(b.storage)?;
+        write(m.out, |o| {
+            matmul_acc(&m.spec, &ad, a.layout, &bd, b.layout, o, beta)
+        })
+    }
 }
 
 #[cfg(test)]

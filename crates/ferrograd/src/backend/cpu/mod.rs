@@ -3,27 +3,21 @@
 
 mod data;
 mod elementwise;
-mod fused;
-mod fused_amp;
-mod fused_index;
-mod fused_loss;
-mod fused_optim;
-mod fused_rows;
+mod index;
+mod loss;
 mod matmul;
+mod optim;
 mod reduce;
+mod rows;
 
 pub use data::{CpuData, Elem};
 #[allow(unused_imports)]
 pub(crate) use data::{with_float, with_float_pair};
-pub(crate) use fused_amp::operands as unscale_operands;
 
 use std::ops::Deref;
 
-use super::{
-    Backend, BackendData, BinaryOp, FusedOp, HostValues, MatmulSpec, ReduceOp, Storage, UnaryOp,
-    View,
-};
-use crate::base::{DType, Layout};
+use super::{Backend, BackendData, HostValues, Storage, View};
+use crate::base::DType;
 use crate::base::{Error, Result};
 
 pub struct CpuBackend;
@@ -83,97 +77,5 @@ impl Backend for CpuBackend {
             }
             _ => HostValues::F64(offs.map(|i| d.get_f64(i)).collect()),
         })
-    }
-
-    fn copy(&self, src: View, dst: View) -> Result<()> {
-        let s = read(src.storage)?;
-        write(dst.storage, |d| {
-            elementwise::copy(&s, src.layout, d, dst.layout)
-        })
-    }
-
-    fn fill(&self, dst: &Storage, value: f64) -> Result<()> {
-        write(dst, |d| elementwise::fill(d, value))
-    }
-
-    fn unary(&self, op: UnaryOp, x: View, out: &Storage) -> Result<()> {
-        let xd = read(x.storage)?;
-        write(out, |o| elementwise::unary(op, &xd, x.layout, o))
-    }
-
-    fn binary(&self, op: BinaryOp, a: View, b: View, out: &Storage) -> Result<()> {
-        let ad = read(a.storage)?;
-        if a.storage.same(b.storage) {
-            return write(out, |o| {
-                elementwise::binary(op, &ad, a.layout, &ad, b.layout, o)
-            });
-        }
-        let bd = read(b.storage)?;
-        write(out, |o| {
-            elementwise::binary(op, &ad, a.layout, &bd, b.layout, o)
-        })
-    }
-
-    fn binary_inplace(&self, op: BinaryOp, dst: &Storage, src: View) -> Result<()> {
-        if dst.same(src.storage) {
-            // Read a private copy of src first: the kernel writes dst while it reads.
-            let copy = {
-                let s = read(src.storage)?;
-                let mut c = CpuData::zeros(s.dtype(), src.layout.numel())?;
-                elementwise::copy(
-                    &s,
-                    src.layout,
-                    &mut c,
-                    &Layout::contiguous(src.layout.shape()),
-                )?;
-                c
-            };
-            let l = Layout::contiguous(src.layout.shape());
-            return write(dst, |d| elementwise::binary_inplace(op, d, &copy, &l));
-        }
-        let s = read(src.storage)?;
-        write(dst, |d| elementwise::binary_inplace(op, d, &s, src.layout))
-    }
-
-    fn reduce(&self, op: ReduceOp, x: View, dims: &[usize], out: &Storage) -> Result<()> {
-        let xd = read(x.storage)?;
-        write(out, |o| reduce::reduce(op, &xd, x.layout, dims, o))
-    }
-
-    fn matmul(&self, spec: &MatmulSpec, a: View, b: View, out: &Storage) -> Result<()> {
-        let ad = read(a.storage)?;
-        if a.storage.same(b.storage) {
-            return write(out, |o| {
-                matmul::matmul(spec, &ad, a.layout, &ad, b.layout, o)
-            });
-        }
-        let bd = read(b.storage)?;
-        write(out, |o| {
-            matmul::matmul(spec, &ad, a.layout, &bd, b.layout, o)
-        })
-    }
-
-    fn matmul_acc(
-        &self,
-        spec: &MatmulSpec,
-        a: View,
-        b: View,
-        out: &Storage,
-        beta: f64,
-    ) -> Result<()> {
-        let ad = read(a.storage)?;
-        if a.storage.same(b.storage) {
-            return write(out, |o| {
-                matmul::matmul_acc(spec, &ad, a.layout, &ad, b.layout, o, beta)
-            });
-        }
-        let bd = read(b.storage)?;
-        write(out, |o| {
-            matmul::matmul_acc(spec, &ad, a.layout, &bd, b.layout, o, beta)
-        })
-    }
-
-    fn fused(&self, op: &FusedOp, inputs: &[View], outputs: &[&Storage]) -> Result<()> {
-        fused::run(op, inputs, outputs)
     }
 }

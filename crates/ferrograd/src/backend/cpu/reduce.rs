@@ -5,7 +5,8 @@ use rayon::prelude::*;
 
 use super::data::{CpuData, Elem, with_float};
 use super::elementwise::PAR_MIN;
-use crate::backend::ReduceOp;
+use super::{CpuBackend, read, write};
+use crate::backend::{ReduceKernels, ReduceOp, Storage, View};
 use crate::base::Layout;
 use crate::base::{Error, Result};
 
@@ -138,5 +139,12 @@ fn fill_out<U: Send>(
         o.iter_mut()
             .enumerate()
             .for_each(|(i, v)| *v = conv(value(i)));
+    }
+}
+
+impl ReduceKernels for CpuBackend {
+    fn reduce(&self, op: ReduceOp, x: View, dims: &[usize], out: &Storage) -> Result<()> {
+        let xd = read(x.storage)?;
+        write(out, |o| reduce(op, &xd, x.layout, dims, o))
     }
 }

@@ -22,6 +22,7 @@ use cudarc::cublas::sys::{
 };
 
 use super::{CudaBuffer, CudaDevice, allow_tf32, ptr};
+use crate::backend::matmul::{Matmul, MatmulKernels};
 use crate::backend::{BackendData, MatmulSpec, Storage, View};
 use crate::base::{DType, Device, Layout};
 use crate::base::{Error, Result};
@@ -29,16 +30,6 @@ use crate::memory::{Allocation, Category};
 
 /// cuBLAS workspace per device (NVIDIA's recommendation for Hopper).
 const WORKSPACE_BYTES: usize = 32 << 20;
-
-pub(crate) fn matmul(
-    d: &CudaDevice,
-    spec: &MatmulSpec,
-    a: View,
-    b: View,
-    out: &Storage,
-) -> Result<()> {
-    matmul_acc(d, spec, a, b, out, 0.0)
-}
 
 /// `out = a @ b + beta·out`; beta = 0 does not read `out` (cuBLAS's contract).
 pub(crate) fn matmul_acc(
@@ -471,6 +462,12 @@ fn gemm_batched(d: &CudaDevice, g: &Gemm, bt: &Batch) -> Result<()> {
         start += count;
     }
     Ok(())
+}
+
+impl MatmulKernels for CudaDevice {
+    fn matmul(&self, m: &Matmul) -> Result<()> {
+        matmul_acc(self, &m.spec, m.a, m.b, m.out, m.beta)
+    }
 }
 
 #[cfg(test)]

@@ -4,25 +4,25 @@
 //! a storage's data is just the address of its block. Kernels are `.cu` sources compiled by
 //! NVRTC once per device for its compute capability; GEMMs go through cuBLAS.
 
-mod amp;
+mod codes;
 mod device;
 mod elementwise;
-mod fused;
+mod index;
 mod info;
+mod launch;
+mod loss;
 mod matmul;
 mod memory;
 mod multi_tensor;
 mod optim;
 mod reduce;
+mod rows;
 
 pub use device::{CudaDevice, allow_tf32, device, device_count, driver_present, set_allow_tf32};
 pub use info::{CudaInfo, GpuInfo, cuda_info};
 pub use memory::CudaMemory;
 
-use super::{
-    Backend, BackendData, BinaryOp, FusedOp, HostValues, MatmulSpec, ReduceOp, Storage, UnaryOp,
-    View,
-};
+use super::{Backend, BackendData, HostValues, Storage, View};
 use crate::base::{DType, Device};
 use crate::base::{Error, Result};
 
@@ -64,7 +64,7 @@ impl Backend for CudaDevice {
     }
 
     fn upload(&self, dtype: DType, values: HostValues, addr: u64) -> Result<BackendData> {
-        let bytes = host_bytes(dtype, values)?;
+        let bytes = values.into_le_bytes(dtype);
         self.copy_to_device(addr, &bytes)?;
         Ok(BackendData::Cuda(CudaBuffer {
             ptr: addr,
@@ -75,61 +75,4 @@ impl Backend for CudaDevice {
     fn to_host(&self, src: View) -> Result<HostValues> {
         elementwise::to_host(self, src)
     }
-
-    fn copy(&self, src: View, dst: View) -> Result<()> {
-        elementwise::copy(self, src, dst)
-    }
-
-    fn fill(&self, dst: &Storage, value: f64) -> Result<()> {
-        elementwise::fill(self, dst, value)
-    }
-
-    fn unary(&self, op: UnaryOp, x: View, out: &Storage) -> Result<()> {
-        elementwise::unary(self, op, x, out)
-    }
-
-    fn binary(&self, op: BinaryOp, a: View, b: View, out: &Storage) -> Result<()> {
-        elementwise::binary(self, op, a, b, out)
-    }
-
-    fn binary_inplace(&self, op: BinaryOp, dst: &Storage, src: View) -> Result<()> {
-        elementwise::binary_inplace(self, op, dst, src)
-    }
-
-    fn reduce(&self, op: ReduceOp, x: View, dims: &[usize], out: &Storage) -> Result<()> {
-        reduce::reduce(self, op, x, dims, out)
-    }
-
-    fn matmul(&self, spec: &MatmulSpec, a: View, b: View, out: &Storage) -> Result<()> {
-        matmul::matmul(self, spec, a, b, out)
-    }
-
-    fn matmul_acc(
-        &self,
-        spec: &MatmulSpec,
-        a: View,
-        b: View,
-        out: &Storage,
-        beta: f64,
-    ) -> Result<()> {
-        matmul::matmul_acc(self, spec, a, b, out, beta)
-    }
-
-    fn fused(&self, op: &FusedOp, inputs: &[View], outputs: &[&Storage]) -> Result<()> {
-        fused::run(self, op, inputs, outputs)
-    }
-}
-
-/// Host values as the little-endian bytes of `dtype`.
-fn host_bytes(dtype: DType, values: HostValues) -> Result<Vec<u8>> {
-    use crate::backend::cpu::CpuData;
-    let data = CpuData::from_host(dtype, values)?;
-    Ok(match &data {
-        CpuData::F32(v) => bytemuck::cast_slice(v).to_vec(),
-        CpuData::F64(v) => bytemuck::cast_slice(v).to_vec(),
-        CpuData::F16(v) => bytemuck::cast_slice(v).to_vec(),
-        CpuData::BF16(v) => bytemuck::cast_slice(v).to_vec(),
-        CpuData::I64(v) => bytemuck::cast_slice(v).to_vec(),
-        CpuData::U8(v) => v.clone(),
-    })
 }

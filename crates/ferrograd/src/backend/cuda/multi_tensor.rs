@@ -1,7 +1,7 @@
 //! The multi-tensor launch shared by the fused optimizer-style kernels (the Adam step, the
 //! gradient unscale): the host uploads one table row per tensor — its device addresses, its
 //! element count and the index of its first chunk — and one launch walks the chunks of every
-//! tensor, each block finding its tensor by binary search (kernels/optim.cu, kernels/amp.cu).
+//! tensor, each block finding its tensor by binary search (kernels/optim.cu).
 //! Here: grouping tensors by dtype (one launch per dtype), numbering chunks, uploading the
 //! table and choosing the grid.
 
@@ -12,7 +12,7 @@ use crate::base::{DType, Device};
 use crate::base::{Error, Result};
 use crate::memory::{Allocation, Category};
 
-/// Threads per block (OPTIM_BLOCK in optim.cu, AMP_BLOCK in amp.cu).
+/// Threads per block (OPTIM_BLOCK and AMP_BLOCK in optim.cu).
 pub(crate) const BLOCK: u32 = 256;
 /// Elements per chunk, a block's unit of work (ADAM_CHUNK, AMP_CHUNK).
 pub(crate) const CHUNK: usize = 4096;
@@ -106,16 +106,6 @@ fn table_words<const A: usize>(rows: &[Row<A>]) -> (Vec<u64>, usize) {
         chunks += r.n.div_ceil(CHUNK);
     }
     (words, chunks)
-}
-
-/// The kernel-name suffix of a float dtype.
-pub(crate) fn suffix(dtype: DType) -> &'static str {
-    match dtype {
-        DType::F64 => "f64",
-        DType::F16 => "f16",
-        DType::BF16 => "bf16",
-        _ => "f32",
-    }
 }
 
 #[cfg(test)]

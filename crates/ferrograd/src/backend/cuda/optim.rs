@@ -1,26 +1,71 @@
-//! CUDA launcher of the multi-tensor Adam step (kernels in kernels/optim.cu): one launch
-//! updates every parameter of a `FusedOp::AdamStep` that shares a dtype (normally all of
-//! them). The host checks every operand first, so an error leaves all parameters untouched,
-//! then uploads a table of (param, grad, exp_avg, exp_avg_sq, numel, first chunk) for the
-//! kernel to walk. The upload waits for the stream (one synchronisation per step).
+//! CUDA launchers of the optimizer family (backend/optim.rs; kernels in kernels/optim.cu):
+//! the SGD step (one elementwise launch), the multi-tensor Adam step and the mixed-precision
+//! unscale (one launch per dtype over a table of tensors, multi_tensor.rs). Arguments arrive
+//! validated, so an error leaves every parameter untouched; a table upload waits for the
+//! stream (one synchronisation per step). Versions are bumped by the entry functions.
 
-use cudarc::driver::{DeviceRepr, PushKernelArg};
+use cudarc::driver::DeviceRepr;
 
-use super::multi_tensor::{Groups, Row, Table, suffix};
+use super::launch::{Arg, Module, addr, i64_of, launch, suffix};
+use super::multi_tensor::{Groups, Row, Table};
 use super::{CudaDevice, ptr};
-use crate::backend::ops::AdamScalars;
-use crate::backend::{FusedOp, Storage, View};
+use crate::backend::optim::{
+    AdamParam, AdamScalars, AdamStep, OptimKernels, SgdStep, UnscaleCheck,
+};
 use crate::base::DType;
-use crate::base::{Error, Result};
+use crate::base::Result;
 
-const MODULE: &str = "optim";
-const SRC: &str = concat!(
-    include_str!("kernels/strided.cuh"),
-    include_str!("kernels/optim.cu")
-);
-const OP: &str = "adam";
+static KERNELS: Module = Module::new("optim", include_str!("kernels/optim.cu"));
 /// One parameter's addresses, in the order of struct AdamEntry in optim.cu.
 type AdamRow = Row<4>;
+
+impl OptimKernels for CudaDevice {
+    fn sgd_step(&self, a: &SgdStep) -> Result<()> {
+        sgd(self, a)
+    }
+    fn adam_step(&self, a: &AdamStep) -> Result<()> {
+        adam(self, a)
+    }
+    fn unscale_check(&self, a: &UnscaleCheck) -> Result<()> {
+        unscale_check(self, a)
+    }
+}
+
+// ---- SGD ----------------------------------------------------------------------------------------
+
+/// One SGD step in place (the momentum buffer's address is 0 when absent).
+fn sgd(d: &CudaDevice, a: &SgdStep) -> Result<()> {
+    let s = suffix("sgd", a.param.dtype())?;
+    let n = a.param.len();
+    let (g, p) = (addr(&a.grad)?, ptr(a.param)?);
+    let buf = a.momentum_buf.map(ptr).transpose()?.unwrap_or(0);
+    let h = [a.lr, a.weight_decay, a.momentum, 1.0 - a.dampening];
+    let (nesterov, first) = (a.nesterov, a.first_step);
+    if n == 0 {
+        return Ok(());
+    }
+    let args = [
+        Arg::Ptr(g),
+        Arg::Ptr(p),
+        Arg::Ptr(buf),
+        i64_of(n),
+        Arg::F64(h[0]),
+        Arg::F64(h[1]),
+        Arg::F64(h[2]),
+        Arg::F64(h[3]),
+        Arg::I32(nesterov as i32),
+        Arg::I32(first as i32),
+    ];
+    launch(
+        d,
+        &KERNELS,
+        &format!("sgd_step_{s}"),
+        CudaDevice::grid_1d(n),
+        &args,
+    )
+}
+
+// ---- Adam --------------------------------------------------------------------------------------
 
 /// The step's scalars (struct AdamHyper in optim.cu).
 #[repr(C)]
@@ -60,111 +105,80 @@ impl AdamHyper {
     }
 }
 
-/// inputs [grad_i]; outputs [param_i, exp_avg_i, exp_avg_sq_i] for i in 0..n.
-pub(crate) fn adam(
-    d: &CudaDevice,
-    op: &FusedOp,
-    inputs: &[View],
-    outputs: &[&Storage],
-) -> Result<()> {
-    let k = AdamScalars::of(op).ok_or_else(|| Error::invalid(OP, "not an Adam op"))?;
-    if outputs.len() != 3 * inputs.len() {
-        return Err(Error::invalid(
-            OP,
-            format!(
-                "{} gradients need {} outputs (param, exp_avg, exp_avg_sq each), got {}",
-                inputs.len(),
-                3 * inputs.len(),
-                outputs.len()
-            ),
-        ));
-    }
+/// Every parameter of one dtype in one launch.
+fn adam(d: &CudaDevice, a: &AdamStep) -> Result<()> {
     let mut groups = Groups::new();
-    for (grad, trio) in inputs.iter().zip(outputs.chunks_exact(3)) {
-        let (dtype, row) = entry(grad, trio[0], trio[1], trio[2])?;
-        groups.push(dtype, row);
+    for p in a.params {
+        groups.push(p.param.dtype(), adam_row(p)?);
     }
-    let hyper = AdamHyper::of(&k);
+    let hyper = AdamHyper::of(&AdamScalars::of(a));
     for (dtype, rows) in groups.iter() {
-        launch(d, *dtype, rows, &hyper)?;
+        adam_launch(d, *dtype, rows, &hyper)?;
     }
     Ok(())
 }
 
-/// Checks one parameter's operands; its table row.
-fn entry(grad: &View, p: &Storage, m: &Storage, v: &Storage) -> Result<(DType, AdamRow)> {
-    let dtype = p.dtype();
-    if !matches!(dtype, DType::F32 | DType::F64 | DType::F16 | DType::BF16) {
-        return Err(Error::UnsupportedDType {
-            op: OP,
-            dtype,
-            hint: "parameters must be floating point",
-        });
-    }
-    for s in [grad.storage, m, v] {
-        if s.dtype() != dtype {
-            return Err(Error::DType {
-                op: OP,
-                expected: dtype,
-                got: s.dtype(),
-            });
-        }
-    }
-    let n = p.len();
-    let l = grad.layout;
-    if !l.is_contiguous() || l.numel() != n || l.offset() + n > grad.storage.len() {
-        return Err(Error::invalid(
-            OP,
-            format!(
-                "each gradient must be contiguous with its parameter's {n} elements, got shape {:?}",
-                l.shape()
-            ),
-        ));
-    }
-    if m.len() != n || v.len() != n {
-        return Err(Error::shape(
-            OP,
-            format!(
-                "state of {} and {} elements for a parameter of {n}",
-                m.len(),
-                v.len()
-            ),
-        ));
-    }
-    let all = [grad.storage, p, m, v];
-    for (i, a) in all.iter().enumerate() {
-        if all[i + 1..].iter().any(|b| std::ptr::eq(*a, *b)) {
-            return Err(Error::invalid(
-                OP,
-                "gradient, parameter and state buffers must be distinct storages",
-            ));
-        }
-    }
+/// One parameter's table row (grad, param, exp_avg, exp_avg_sq, validated).
+fn adam_row(p: &AdamParam) -> Result<AdamRow> {
+    let n = p.param.len();
     if n == 0 {
-        return Ok((dtype, Row { addrs: [0; 4], n }));
+        return Ok(Row { addrs: [0; 4], n });
     }
-    let g = ptr(grad.storage)? + (l.offset() * dtype.size_in_bytes()) as u64;
-    let addrs = [ptr(p)?, g, ptr(m)?, ptr(v)?];
-    Ok((dtype, Row { addrs, n }))
+    let addrs = [
+        ptr(p.param)?,
+        addr(&p.grad)?,
+        ptr(p.exp_avg)?,
+        ptr(p.exp_avg_sq)?,
+    ];
+    Ok(Row { addrs, n })
 }
 
-fn launch(d: &CudaDevice, dtype: DType, rows: &[AdamRow], hyper: &AdamHyper) -> Result<()> {
+fn adam_launch(d: &CudaDevice, dtype: DType, rows: &[AdamRow], hyper: &AdamHyper) -> Result<()> {
     let Some(table) = Table::upload(d, rows, "adam_table")? else {
         return Ok(());
     };
-    let name = format!("adam_multi_{}", suffix(dtype));
-    let f = d.function(MODULE, SRC, &name)?;
-    let mut b = d.stream().launch_builder(&f);
-    b.arg(&table.addr)
-        .arg(&table.count)
-        .arg(&table.chunks)
-        .arg(hyper);
-    // SAFETY: adam_multi_*(const AdamEntry*, int, i64, AdamHyper) with the table just
-    // uploaded (count rows, chunk numbers below `chunks`); every address in it is a live
-    // block of the row's dtype holding n elements (checked in `entry`). The table's block is
-    // freed after the launch is queued: later users of it are ordered after the launch on
-    // this device's single stream.
-    unsafe { b.launch(table.config()) }.map_err(|e| d.err(&format!("launching {name}"), e))?;
+    let name = format!("adam_multi_{}", suffix("adam", dtype)?);
+    // adam_multi_*(const AdamEntry*, int, i64, AdamHyper): the table just uploaded.
+    let args = [
+        Arg::Ptr(table.addr),
+        Arg::I32(table.count),
+        Arg::I64(table.chunks),
+        Arg::Struct(hyper),
+    ];
+    launch(d, &KERNELS, &name, table.config(), &args)
+}
+
+// ---- unscale with inf/NaN check ----------------------------------------------------------------
+
+/// One launch per dtype unscales every gradient of that dtype in place and raises the shared
+/// found_inf flag on any inf or NaN.
+fn unscale_check(d: &CudaDevice, a: &UnscaleCheck) -> Result<()> {
+    let mut groups = Groups::new();
+    for g in a.grads.iter().filter(|g| !g.is_empty()) {
+        groups.push(
+            g.dtype(),
+            Row {
+                addrs: [ptr(g)?],
+                n: g.len(),
+            },
+        );
+    }
+    let found_inf = ptr(a.found_inf)?;
+    for (dtype, rows) in groups.iter() {
+        let Some(table) = Table::upload(d, rows, "unscale_table")? else {
+            continue;
+        };
+        let name = format!("unscale_check_{}", suffix("unscale_check", *dtype)?);
+        // unscale_check_*(const UnscaleEntry*, int, i64, float, float*)
+        let args = [
+            Arg::Ptr(table.addr),
+            Arg::I32(table.count),
+            Arg::I64(table.chunks),
+            Arg::F32(a.inv_scale),
+            Arg::Ptr(found_inf),
+        ];
+        launch(d, &KERNELS, &name, table.config(), &args)?;
+    }
     Ok(())
 }
 

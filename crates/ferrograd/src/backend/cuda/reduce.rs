@@ -5,19 +5,16 @@
 //! 32-output tile for columns; long reductions with few outputs are split across blocks and
 //! finished by a second kernel in a fixed order (deterministic sums).
 
-use cudarc::driver::{LaunchConfig, PushKernelArg};
+use cudarc::driver::LaunchConfig;
 
-use super::CudaDevice;
-use super::elementwise::{Strided, check_bounds, dev_ptr, dtype_code, float_suffix, temp};
-use crate::backend::{ReduceOp, Storage, View};
+use super::launch::{Arg, Module, Strided, dev_ptr, dtype_code, launch, suffix, temp};
+use super::{CudaDevice, codes};
+use crate::backend::check::within as check_bounds;
+use crate::backend::{ReduceKernels, ReduceOp, Storage, View};
 use crate::base::DType;
 use crate::base::{Error, Result};
 
-const KEY: &str = "reduce";
-const SRC: &str = concat!(
-    include_str!("kernels/strided.cuh"),
-    include_str!("kernels/reduce.cu")
-);
+static KERNELS: Module = Module::new("reduce", include_str!("kernels/reduce.cu"));
 
 /// At most this many reduced elements: one thread per output.
 const THREAD_MAX_IN: usize = 32;
@@ -34,13 +31,13 @@ const COL_SPLIT_MIN: usize = 256;
 const COLS_X: usize = 32;
 const COLS_Y: usize = 8;
 
-/// `R_*` in reduce.cu.
+/// The op code (R_* in codes.rs).
 fn reduce_code(op: ReduceOp) -> i32 {
     match op {
-        ReduceOp::Sum => 0,
-        ReduceOp::Max => 1,
-        ReduceOp::Min => 2,
-        ReduceOp::ArgMax => 3,
+        ReduceOp::Sum => codes::R_SUM,
+        ReduceOp::Max => codes::R_MAX,
+        ReduceOp::Min => codes::R_MIN,
+        ReduceOp::ArgMax => codes::R_ARGMAX,
     }
 }
 
@@ -135,7 +132,7 @@ pub(crate) fn reduce(
     dims: &[usize],
     out: &Storage,
 ) -> Result<()> {
-    let suffix = float_suffix("reduce", x.storage.dtype())?;
+    let suffix = suffix("reduce", x.storage.dtype())?;
     if op == ReduceOp::ArgMax && dims.len() != 1 {
         return Err(Error::invalid("argmax", "argmax reduces exactly one dim"));
     }
@@ -182,7 +179,7 @@ pub(crate) fn reduce(
     }
     // f64 values then i64 indices, one per (output, split)
     let parts = n_out * p.splits;
-    let scratch = temp(d, parts * 16)?;
+    let scratch = temp(d, parts * 16, "cuda temp")?;
     let (pv, pi) = (scratch.addr(), scratch.addr() + (parts * 8) as u64);
     launch_main(d, suffix, p, &args, Some((pv, pi)))?;
     launch_finish(d, p.splits, &args, pv, pi)
@@ -227,47 +224,46 @@ fn launch_main(
             ),
         ),
     };
-    let f = d.function(KEY, SRC, &name)?;
-    let mut b = d.stream().launch_builder(&f);
-    b.arg(&a.op)
-        .arg(&a.x)
-        .arg(&a.outer)
-        .arg(&a.inner)
-        .arg(&a.n_out)
-        .arg(&a.n_in);
-    let (splits, chunk) = (p.splits as i64, p.chunk as i64);
+    // The kernel's signature in reduce.cu (reduce_thread_* takes no split or partial
+    // arguments); out holds n_out elements, the partial buffers n_out * splits entries each.
+    let mut args = vec![
+        Arg::I32(a.op),
+        Arg::Ptr(a.x),
+        Arg::Struct(&a.outer),
+        Arg::Struct(&a.inner),
+        Arg::I64(a.n_out),
+        Arg::I64(a.n_in),
+    ];
     let (pv, pi) = parts.unwrap_or((0, 0));
-    let partial = parts.is_some() as i32;
     if p.kernel != Kernel::Thread {
-        b.arg(&splits).arg(&chunk);
+        args.extend([Arg::I64(p.splits as i64), Arg::I64(p.chunk as i64)]);
     }
-    b.arg(&a.out).arg(&a.odt);
+    args.extend([Arg::Ptr(a.out), Arg::I32(a.odt)]);
     if p.kernel != Kernel::Thread {
-        b.arg(&pv).arg(&pi).arg(&partial);
+        args.extend([Arg::Ptr(pv), Arg::Ptr(pi), Arg::I32(parts.is_some() as i32)]);
     }
-    // SAFETY: the arguments follow the kernel's signature in reduce.cu (reduce_thread_* takes
-    // no split or partial arguments); x was bounds-checked for its view, out holds n_out
-    // elements, the partial buffers hold n_out * splits entries each.
-    unsafe { b.launch(cfg) }.map_err(|e| d.err(&format!("launching {name}"), e))?;
-    Ok(())
+    launch(d, &KERNELS, &name, cfg, &args)
 }
 
 fn launch_finish(d: &CudaDevice, splits: usize, a: &Args, pv: u64, pi: u64) -> Result<()> {
-    let f = d.function(KEY, SRC, "reduce_finish")?;
-    let splits = splits as i64;
-    let mut b = d.stream().launch_builder(&f);
-    b.arg(&a.op)
-        .arg(&pv)
-        .arg(&pi)
-        .arg(&a.n_out)
-        .arg(&splits)
-        .arg(&a.out)
-        .arg(&a.odt);
-    let cfg = config(a.n_out as usize, (block_threads(splits as usize), 1));
-    // SAFETY: reduce_finish(int, const double*, const i64*, i64, i64, void*, int); the
-    // partials hold n_out * splits entries, out holds n_out elements.
-    unsafe { b.launch(cfg) }.map_err(|e| d.err("launching reduce_finish", e))?;
-    Ok(())
+    // reduce_finish(int, const double*, const i64*, i64, i64, void*, int)
+    let args = [
+        Arg::I32(a.op),
+        Arg::Ptr(pv),
+        Arg::Ptr(pi),
+        Arg::I64(a.n_out),
+        Arg::I64(splits as i64),
+        Arg::Ptr(a.out),
+        Arg::I32(a.odt),
+    ];
+    let cfg = config(a.n_out as usize, (block_threads(splits), 1));
+    launch(d, &KERNELS, "reduce_finish", cfg, &args)
+}
+
+impl ReduceKernels for CudaDevice {
+    fn reduce(&self, op: ReduceOp, x: View, dims: &[usize], out: &Storage) -> Result<()> {
+        reduce(self, op, x, dims, out)
+    }
 }
 
 #[cfg(test)]

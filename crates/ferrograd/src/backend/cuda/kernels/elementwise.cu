@@ -1,40 +1,10 @@
 // elementwise.cu — unary, binary and in-place binary float kernels, the strided copy with
-// dtype conversion, and fill. Compiled after strided.cuh. One launch per op call: the op is a
+// dtype conversion, and fill. Compiled after the generated codes and prelude.cuh. One launch per op call: the op is a
 // runtime code (uniform across the grid, so the switch costs no divergence) plus an f64
 // parameter (a second one for clamp's upper bound). The formulas follow
 // backend/cpu/elementwise.rs term by term.
 
-// Op codes: keep in sync with `unary_code` / `binary_code` in elementwise.rs.
-#define U_NEG 0
-#define U_EXP 1
-#define U_LOG 2
-#define U_SQRT 3
-#define U_TANH 4
-#define U_SIGMOID 5
-#define U_RELU 6
-#define U_GELU_TANH 7
-#define U_GELU_ERF 8
-#define U_ABS 9
-#define U_ADD_SCALAR 10
-#define U_MUL_SCALAR 11
-#define U_POW_SCALAR 12
-#define U_STEP 13
-#define U_CLAMP 14
-
-#define B_ADD 0
-#define B_SUB 1
-#define B_MUL 2
-#define B_DIV 3
-#define B_POW 4
-#define B_MAXIMUM 5
-#define B_ADD_SCALED 6
-#define B_ASSIGN 7
-#define B_RELU_BACKWARD 8
-#define B_TANH_BACKWARD 9
-#define B_SIGMOID_BACKWARD 10
-#define B_GELU_TANH_BACKWARD 11
-#define B_GELU_ERF_BACKWARD 12
-#define B_EQ 13
+// Op codes (U_*, B_*) come from the generated header (backend/cuda/codes.rs).
 
 #define GELU_C 0.7978845608028654      // sqrt(2/pi)
 #define GELU_A 0.044715

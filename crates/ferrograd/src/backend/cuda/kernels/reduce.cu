@@ -1,5 +1,5 @@
 // reduce.cu — sum / max / min / argmax over any set of dims of a strided float input.
-// Compiled after strided.cuh. The host splits the input into `outer` (kept dims, one output
+// Compiled after the generated codes and prelude.cuh. The host splits the input into `outer` (kept dims, one output
 // element each) and `inner` (reduced dims, walked by a linear index j in row-major order).
 // Every value is accumulated in f64 whatever the input dtype (the CPU backend sums in f64).
 //
@@ -15,11 +15,7 @@
 // o * splits + s that reduce_finish combines in a fixed order, so sums are the same bits on
 // every run.
 
-// Keep in sync with `reduce_code` in reduce.rs.
-#define R_SUM 0
-#define R_MAX 1
-#define R_MIN 2
-#define R_ARGMAX 3
+// Op codes (R_*) come from the generated header (backend/cuda/codes.rs).
 
 // A running result: value and (argmax only) the index of the element it came from.
 struct Acc {

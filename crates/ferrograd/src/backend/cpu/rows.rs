@@ -1,25 +1,28 @@
-//! CPU kernels of the row-wise fused ops: softmax and log-softmax, layer norm, cross-entropy,
+//! CPU kernels of the row family (backend/rows.rs): softmax and log-softmax, layer norm,
 //! each with its backward. Every input is read as independent rows (R, N) of its last dim, so
-//! rows run in parallel (rayon) once a tensor is large.
+//! rows run in parallel (rayon) once a tensor is large. Arguments arrive validated.
 //!
-//! Per-row statistics (max, sums of exponentials, mean, variance, log-sum-exp) accumulate in
-//! f64 whatever the element type, with the max subtracted before exponentials. Sums across
-//! rows (weight gradients, the mean loss) add fixed blocks of rows in order, so results do not
-//! depend on the thread count. Not here: the index kernels (fused_index.rs).
+//! Per-row statistics (max, sums of exponentials, mean, variance) accumulate in f64 whatever
+//! the element type, with the max subtracted before exponentials. Sums across rows (weight
+//! gradients) add fixed blocks of rows in order, so results do not depend on the thread
+//! count. The row access helpers here are shared with the loss kernels (cross-entropy).
 
 use std::any::Any;
 
 use half::{bf16, f16};
 use rayon::prelude::*;
 
+use super::CpuBackend;
 use super::data::{CpuData, Elem, with_float};
 use super::elementwise::PAR_MIN;
 use super::{CpuRead, read, write};
-use crate::backend::{FusedOp, Storage, View};
+use crate::backend::rows::{LayerNorm, LayerNormBackward, RowKernels, Softmax, SoftmaxBackward};
+use crate::backend::{Storage, View, rows_cols};
 use crate::base::{DType, Layout};
 use crate::base::{Error, Result};
 
 /// Calls `$f::<T>(args)` with `T` the float element type named by `$dtype`.
+/// (The element types are named at the call site: callers import half's f16 and bf16.)
 macro_rules! dispatch {
     ($dtype:expr, $op:expr, $f:ident($($arg:expr),*)) => {
         match $dtype {
@@ -35,50 +38,24 @@ macro_rules! dispatch {
         }
     };
 }
+pub(super) use dispatch;
 
-pub(crate) fn run(op: &FusedOp, inputs: &[View], outputs: &[&Storage]) -> Result<()> {
-    let ins = Inputs::read(inputs)?;
-    match *op {
-        FusedOp::Softmax { log } => dispatch!(ins.dtype(0), "softmax", softmax(log, &ins, outputs)),
-        FusedOp::SoftmaxBackward { log } => {
-            dispatch!(
-                ins.dtype(0),
-                "softmax_backward",
-                softmax_backward(log, &ins, outputs)
-            )
-        }
-        FusedOp::LayerNorm { eps, weight, bias } => {
-            dispatch!(
-                ins.dtype(0),
-                "layer_norm",
-                layer_norm(eps, weight, bias, &ins, outputs)
-            )
-        }
-        FusedOp::LayerNormBackward { weight, bias } => {
-            dispatch!(
-                ins.dtype(0),
-                "layer_norm_backward",
-                layer_norm_backward(weight, bias, &ins, outputs)
-            )
-        }
-        FusedOp::CrossEntropy { ignore_index } => {
-            dispatch!(
-                ins.dtype(0),
-                "cross_entropy",
-                cross_entropy(ignore_index, &ins, outputs)
-            )
-        }
-        FusedOp::CrossEntropyBackward { ignore_index } => {
-            dispatch!(
-                ins.dtype(0),
-                "cross_entropy_backward",
-                cross_entropy_backward(ignore_index, &ins, outputs)
-            )
-        }
-        _ => Err(Error::invalid(
-            "fused",
-            format!("{op:?} is not a row kernel"),
-        )),
+impl RowKernels for CpuBackend {
+    fn softmax(&self, a: &Softmax) -> Result<()> {
+        dispatch!(a.x.storage.dtype(), "softmax", softmax(a))
+    }
+    fn softmax_backward(&self, a: &SoftmaxBackward) -> Result<()> {
+        dispatch!(a.y.storage.dtype(), "softmax_backward", softmax_backward(a))
+    }
+    fn layer_norm(&self, a: &LayerNorm) -> Result<()> {
+        dispatch!(a.x.storage.dtype(), "layer_norm", layer_norm(a))
+    }
+    fn layer_norm_backward(&self, a: &LayerNormBackward) -> Result<()> {
+        dispatch!(
+            a.x.storage.dtype(),
+            "layer_norm_backward",
+            layer_norm_backward(a)
+        )
     }
 }
 
@@ -86,14 +63,14 @@ pub(crate) fn run(op: &FusedOp, inputs: &[View], outputs: &[&Storage]) -> Result
 
 /// The inputs, read-locked once per distinct storage: two views of one buffer share a guard
 /// (locking one RwLock twice from a thread can deadlock behind a waiting writer).
-struct Inputs<'a> {
+pub(super) struct Inputs<'a> {
     views: &'a [View<'a>],
     guards: Vec<CpuRead<'a>>,
     slot: Vec<usize>,
 }
 
 impl<'a> Inputs<'a> {
-    fn read(views: &'a [View<'a>]) -> Result<Inputs<'a>> {
+    pub(super) fn read(views: &'a [View<'a>]) -> Result<Inputs<'a>> {
         let mut guards = Vec::new();
         let mut owners: Vec<&Storage> = Vec::new();
         let mut slot = Vec::with_capacity(views.len());
@@ -114,16 +91,6 @@ impl<'a> Inputs<'a> {
         })
     }
 
-    fn expect(&self, op: &'static str, count: usize) -> Result<()> {
-        if self.views.len() != count {
-            return Err(Error::invalid(
-                op,
-                format!("expected {count} inputs, got {}", self.views.len()),
-            ));
-        }
-        Ok(())
-    }
-
     fn data(&self, i: usize) -> &CpuData {
         &self.guards[self.slot[i]]
     }
@@ -134,15 +101,6 @@ impl<'a> Inputs<'a> {
 
     fn dtype(&self, i: usize) -> DType {
         self.views.get(i).map_or(DType::F32, |v| v.storage.dtype())
-    }
-
-    /// (rows, cols): input `i` read as rows of its last dim (a 0-dim tensor is one row of one element).
-    fn rows_cols(&self, i: usize) -> (usize, usize) {
-        let shape = self.layout(i).shape();
-        match shape.split_last() {
-            Some((&n, lead)) => (lead.iter().product(), n),
-            None => (1, 1),
-        }
     }
 
     /// The element range of input `i`, which must be contiguous with `len` elements.
@@ -161,7 +119,7 @@ impl<'a> Inputs<'a> {
     }
 
     /// Input `i` as a contiguous slice of `len` elements of `T`.
-    fn slice<T: Elem>(&self, op: &'static str, i: usize, len: usize) -> Result<&[T]> {
+    pub(super) fn slice<T: Elem>(&self, op: &'static str, i: usize, len: usize) -> Result<&[T]> {
         let r = self.range(op, i, len)?;
         let any: &dyn Any = match self.data(i) {
             CpuData::F32(v) => v,
@@ -182,7 +140,7 @@ impl<'a> Inputs<'a> {
     }
 
     /// Input `i` as I64 values (class targets).
-    fn i64s(&self, op: &'static str, i: usize, len: usize) -> Result<&[i64]> {
+    pub(super) fn i64s(&self, op: &'static str, i: usize, len: usize) -> Result<&[i64]> {
         let r = self.range(op, i, len)?;
         match self.data(i) {
             CpuData::I64(v) => Ok(&v[r]),
@@ -196,7 +154,7 @@ impl<'a> Inputs<'a> {
 
     /// Input `i` widened to f64: the small per-row statistics and the scalar loss gradient,
     /// which may have a float dtype other than the rows'.
-    fn f64s(&self, op: &'static str, i: usize, len: usize) -> Result<Vec<f64>> {
+    pub(super) fn f64s(&self, op: &'static str, i: usize, len: usize) -> Result<Vec<f64>> {
         let r = self.range(op, i, len)?;
         let d = self.data(i);
         Ok(r.map(|k| d.get_f64(k)).collect())
@@ -204,7 +162,11 @@ impl<'a> Inputs<'a> {
 }
 
 /// An output buffer as a mutable slice of `T`, checked to hold `len` elements.
-fn typed_mut<'d, T: Elem>(op: &'static str, d: &'d mut CpuData, len: usize) -> Result<&'d mut [T]> {
+pub(super) fn typed_mut<'d, T: Elem>(
+    op: &'static str,
+    d: &'d mut CpuData,
+    len: usize,
+) -> Result<&'d mut [T]> {
     let dtype = d.dtype();
     let any: &mut dyn Any = match d {
         CpuData::F32(v) => v,
@@ -228,7 +190,7 @@ fn typed_mut<'d, T: Elem>(op: &'static str, d: &'d mut CpuData, len: usize) -> R
 }
 
 /// Writes f64 values into a float output of any dtype (statistics, losses).
-fn store_f64(op: &'static str, out: &Storage, values: &[f64]) -> Result<()> {
+pub(super) fn store_f64(op: &'static str, out: &Storage, values: &[f64]) -> Result<()> {
     write(out, |d| {
         if d.len() != values.len() {
             return Err(Error::invalid(
@@ -245,19 +207,12 @@ fn store_f64(op: &'static str, out: &Storage, values: &[f64]) -> Result<()> {
     })
 }
 
-fn output<'s>(op: &'static str, outputs: &[&'s Storage], i: usize) -> Result<&'s Storage> {
-    outputs
-        .get(i)
-        .copied()
-        .ok_or_else(|| Error::invalid(op, format!("missing output {i}")))
-}
-
 // ---- row iteration --------------------------------------------------------------------------
 
 /// Runs `f(r, out_row, scratch)` for each row `r` of `out` (`rows` rows of `n`) and returns
 /// the results in row order. Rows run in parallel once `out` is large; each thread keeps one
 /// f64 scratch buffer.
-fn map_rows<T: Send, U: Send>(
+pub(super) fn map_rows<T: Send, U: Send>(
     out: &mut [T],
     rows: usize,
     n: usize,
@@ -281,7 +236,11 @@ fn map_rows<T: Send, U: Send>(
 }
 
 /// `f(r)` for every row index, in parallel when the rows hold `work` >= PAR_MIN elements.
-fn map_indices<U: Send>(rows: usize, work: usize, f: impl Fn(usize) -> U + Sync + Send) -> Vec<U> {
+pub(super) fn map_indices<U: Send>(
+    rows: usize,
+    work: usize,
+    f: impl Fn(usize) -> U + Sync + Send,
+) -> Vec<U> {
     if work >= PAR_MIN && rows > 1 {
         (0..rows).into_par_iter().map(f).collect()
     } else {
@@ -290,13 +249,13 @@ fn map_indices<U: Send>(rows: usize, work: usize, f: impl Fn(usize) -> U + Sync 
 }
 
 #[inline]
-fn row<T>(v: &[T], r: usize, n: usize) -> &[T] {
+pub(super) fn row<T>(v: &[T], r: usize, n: usize) -> &[T] {
     &v[r * n..(r + 1) * n]
 }
 
 /// (max, log Σ exp(x - max)) of a row; the log-sum-exp is their sum. All -inf (or NaN) rows
 /// give NaN, as PyTorch's.
-fn max_and_log_sum<T: Elem>(x: &[T]) -> (f64, f64) {
+pub(super) fn max_and_log_sum<T: Elem>(x: &[T]) -> (f64, f64) {
     let max = x
         .iter()
         .map(|&v| v.to_f64())
@@ -307,12 +266,14 @@ fn max_and_log_sum<T: Elem>(x: &[T]) -> (f64, f64) {
 
 // ---- softmax --------------------------------------------------------------------------------
 
-fn softmax<T: Elem>(log: bool, ins: &Inputs, outputs: &[&Storage]) -> Result<()> {
+fn softmax<T: Elem>(a: &Softmax) -> Result<()> {
     const OP: &str = "softmax";
-    ins.expect(OP, 1)?;
-    let (rows, n) = ins.rows_cols(0);
+    let log = a.log;
+    let views = [a.x];
+    let ins = Inputs::read(&views)?;
+    let (rows, n) = rows_cols(a.x.layout);
     let x = ins.slice::<T>(OP, 0, rows * n)?;
-    write(output(OP, outputs, 0)?, |d| {
+    write(a.y, |d| {
         let y = typed_mut::<T>(OP, d, rows * n)?;
         map_rows(y, rows, n, |r, yr, buf| {
             softmax_row(log, row(x, r, n), yr, buf)
@@ -342,15 +303,17 @@ fn softmax_row<T: Elem>(log: bool, x: &[T], y: &mut [T], buf: &mut Vec<f64>) {
     }
 }
 
-fn softmax_backward<T: Elem>(log: bool, ins: &Inputs, outputs: &[&Storage]) -> Result<()> {
+fn softmax_backward<T: Elem>(a: &SoftmaxBackward) -> Result<()> {
     const OP: &str = "softmax_backward";
-    ins.expect(OP, 2)?;
-    let (rows, n) = ins.rows_cols(0);
+    let log = a.log;
+    let views = [a.y, a.gy];
+    let ins = Inputs::read(&views)?;
+    let (rows, n) = rows_cols(a.y.layout);
     let (y, gy) = (
         ins.slice::<T>(OP, 0, rows * n)?,
         ins.slice::<T>(OP, 1, rows * n)?,
     );
-    write(output(OP, outputs, 0)?, |d| {
+    write(a.gx, |d| {
         let gx = typed_mut::<T>(OP, d, rows * n)?;
         map_rows(gx, rows, n, |r, gr, _| {
             softmax_backward_row(log, row(y, r, n), row(gy, r, n), gr)
@@ -376,30 +339,29 @@ fn softmax_backward_row<T: Elem>(log: bool, y: &[T], gy: &[T], gx: &mut [T]) {
 
 // ---- layer norm -----------------------------------------------------------------------------
 
-fn layer_norm<T: Elem>(
-    eps: f64,
-    weight: bool,
-    bias: bool,
-    ins: &Inputs,
-    outputs: &[&Storage],
-) -> Result<()> {
+fn layer_norm<T: Elem>(a: &LayerNorm) -> Result<()> {
     const OP: &str = "layer_norm";
-    ins.expect(OP, 1 + weight as usize + bias as usize)?;
-    let (rows, n) = ins.rows_cols(0);
+    let (eps, weight, bias) = (a.eps, a.weight.is_some(), a.bias.is_some());
+    // [x, weight?, bias?]: one lock per distinct storage.
+    let mut views = [a.x; 3];
+    let params = a.weight.iter().chain(&a.bias);
+    params.enumerate().for_each(|(i, v)| views[1 + i] = *v);
+    let ins = Inputs::read(&views[..1 + weight as usize + bias as usize])?;
+    let (rows, n) = rows_cols(a.x.layout);
     let x = ins.slice::<T>(OP, 0, rows * n)?;
     let w = weight.then(|| ins.slice::<T>(OP, 1, n)).transpose()?;
     let b = bias
         .then(|| ins.slice::<T>(OP, 1 + weight as usize, n))
         .transpose()?;
-    let stats = write(output(OP, outputs, 0)?, |d| {
+    let stats = write(a.y, |d| {
         let y = typed_mut::<T>(OP, d, rows * n)?;
         Ok(map_rows(y, rows, n, |r, yr, _| {
             layer_norm_row(row(x, r, n), w, b, eps, yr)
         }))
     })?;
     let (mean, rstd): (Vec<f64>, Vec<f64>) = stats.into_iter().unzip();
-    store_f64(OP, output(OP, outputs, 1)?, &mean)?;
-    store_f64(OP, output(OP, outputs, 2)?, &rstd)
+    store_f64(OP, a.mean, &mean)?;
+    store_f64(OP, a.rstd, &rstd)
 }
 
 /// Normalises one row into `y`; returns (mean, rstd). Two passes: the variance of the
@@ -428,21 +390,22 @@ fn layer_norm_row<T: Elem>(
     (mean, rstd)
 }
 
-fn layer_norm_backward<T: Elem>(
-    weight: bool,
-    bias: bool,
-    ins: &Inputs,
-    outputs: &[&Storage],
-) -> Result<()> {
+fn layer_norm_backward<T: Elem>(a: &LayerNormBackward) -> Result<()> {
     const OP: &str = "layer_norm_backward";
+    let weight = a.weight.is_some();
     let k = weight as usize;
-    ins.expect(OP, 4 + k)?;
-    let (rows, n) = ins.rows_cols(0);
+    // [x, weight?, mean, rstd, gy]: one lock per distinct storage.
+    let views = match a.weight {
+        Some(w) => [a.x, w, a.mean, a.rstd, a.gy],
+        None => [a.x, a.mean, a.rstd, a.gy, a.gy],
+    };
+    let ins = Inputs::read(&views[..4 + k])?;
+    let (rows, n) = rows_cols(a.x.layout);
     let x = ins.slice::<T>(OP, 0, rows * n)?;
     let w = weight.then(|| ins.slice::<T>(OP, 1, n)).transpose()?;
     let (mean, rstd) = (ins.f64s(OP, 1 + k, rows)?, ins.f64s(OP, 2 + k, rows)?);
     let gy = ins.slice::<T>(OP, 3 + k, rows * n)?;
-    write(output(OP, outputs, 0)?, |d| {
+    write(a.gx, |d| {
         let gx = typed_mut::<T>(OP, d, rows * n)?;
         map_rows(gx, rows, n, |r, gr, buf| {
             let rs = RowStats {
@@ -453,13 +416,13 @@ fn layer_norm_backward<T: Elem>(
         });
         Ok(())
     })?;
-    if weight || bias {
+    if a.gweight.is_some() || a.gbias.is_some() {
         let (gw, gb) = layer_norm_param_grads(x, gy, &mean, &rstd, rows, n);
-        if weight {
-            store_f64(OP, output(OP, outputs, 1)?, &gw)?;
+        if let Some(out) = a.gweight {
+            store_f64(OP, out, &gw)?;
         }
-        if bias {
-            store_f64(OP, output(OP, outputs, 1 + k)?, &gb)?;
+        if let Some(out) = a.gbias {
+            store_f64(OP, out, &gb)?;
         }
     }
     Ok(())
@@ -529,82 +492,4 @@ fn layer_norm_param_grads<T: Elem>(
         gb.iter_mut().zip(pb).for_each(|(a, b)| *a += b);
     }
     (gw, gb)
-}
-
-// ---- cross-entropy --------------------------------------------------------------------------
-
-/// Every target is a class in [0, C) or the ignored index; the first one that is not is named.
-fn check_targets(targets: &[i64], classes: usize, ignore_index: i64) -> Result<()> {
-    let bad = targets
-        .iter()
-        .enumerate()
-        .find(|&(_, &t)| t != ignore_index && (t < 0 || t as u64 >= classes as u64));
-    match bad {
-        None => Ok(()),
-        Some((i, &t)) => Err(Error::Index {
-            op: "cross_entropy",
-            detail: format!(
-                "target {t} at position {i} is not a class index: targets must be in [0, {classes}) or equal ignore_index ({ignore_index})"
-            ),
-        }),
-    }
-}
-
-fn cross_entropy<T: Elem>(ignore_index: i64, ins: &Inputs, outputs: &[&Storage]) -> Result<()> {
-    const OP: &str = "cross_entropy";
-    ins.expect(OP, 2)?;
-    let (rows, c) = ins.rows_cols(0);
-    let x = ins.slice::<T>(OP, 0, rows * c)?;
-    let t = ins.i64s(OP, 1, rows)?;
-    check_targets(t, c, ignore_index)?;
-    // Per row: log-sum-exp (saved for backward) and -log p(target) (0 when ignored).
-    let per_row = map_indices(rows, rows * c, |r| {
-        let xr = row(x, r, c);
-        let (max, log_sum) = max_and_log_sum(xr);
-        let lse = max + log_sum;
-        let nll = if t[r] == ignore_index {
-            0.0
-        } else {
-            lse - xr[t[r] as usize].to_f64()
-        };
-        (lse, nll)
-    });
-    let count = t.iter().filter(|&&v| v != ignore_index).count();
-    // 0 / 0 = NaN when every target is ignored, as PyTorch's mean reduction.
-    let loss = per_row.iter().map(|p| p.1).sum::<f64>() / count as f64;
-    let lse: Vec<f64> = per_row.into_iter().map(|p| p.0).collect();
-    store_f64(OP, output(OP, outputs, 0)?, &[loss])?;
-    store_f64(OP, output(OP, outputs, 1)?, &lse)
-}
-
-fn cross_entropy_backward<T: Elem>(
-    ignore_index: i64,
-    ins: &Inputs,
-    outputs: &[&Storage],
-) -> Result<()> {
-    const OP: &str = "cross_entropy_backward";
-    ins.expect(OP, 4)?;
-    let (rows, c) = ins.rows_cols(0);
-    let x = ins.slice::<T>(OP, 0, rows * c)?;
-    let t = ins.i64s(OP, 1, rows)?;
-    check_targets(t, c, ignore_index)?;
-    let lse = ins.f64s(OP, 2, rows)?;
-    let gloss = ins.f64s(OP, 3, 1)?[0];
-    let count = t.iter().filter(|&&v| v != ignore_index).count();
-    let scale = gloss / count as f64;
-    write(output(OP, outputs, 0)?, |d| {
-        let gx = typed_mut::<T>(OP, d, rows * c)?;
-        map_rows(gx, rows, c, |r, gr, _| {
-            if t[r] == ignore_index {
-                gr.fill(T::zero());
-                return;
-            }
-            for (j, (o, &v)) in gr.iter_mut().zip(row(x, r, c)).enumerate() {
-                let p = (v.to_f64() - lse[r]).exp();
-                let hot = if j as i64 == t[r] { 1.0 } else { 0.0 };
-                *o = T::from_f64((p - hot) * scale);
-            }
-        });
-        Ok(())
-    })
 }

@@ -1,10 +1,14 @@
-// strided.cuh — shared prelude of the elementwise and reduction kernels (prepended to each
-// source before NVRTC compiles it). NVRTC has no standard or CUDA headers without include
-// paths, so the integer types, the f16/bf16 conversions and the limits are defined here.
+// prelude.cuh — the one prelude of every kernel file (rows.cu, loss.cu, index.cu, optim.cu,
+// elementwise.cu, reduce.cu): prepended to each source before NVRTC compiles it, after the
+// `#define` block of integer codes (DT_* dtype codes, U_*/B_*/R_* op codes) that
+// backend/cuda/codes.rs generates from its one table — no kernel file defines a code itself.
+// NVRTC has no standard or CUDA headers without include paths, so the integer types, the
+// f16/bf16 conversions, element access by dtype code, strided indexing and block reductions
+// are defined here, once.
 //
-// Conventions: element counts and offsets are 64-bit; every kernel walks its elements with a
-// grid-stride loop, so any grid size is correct. Dtype codes match `dtype_code` in
-// elementwise.rs.
+// Conventions: element counts and offsets are 64-bit; elementwise kernels walk their elements
+// with a grid-stride loop, so any grid size is correct; row kernels run one block of BLOCK
+// threads per row.
 
 typedef long long i64;
 typedef unsigned long long u64;
@@ -12,19 +16,12 @@ typedef unsigned int u32;
 typedef unsigned short u16;
 typedef unsigned char u8;
 
-#define DT_F32 0
-#define DT_F64 1
-#define DT_F16 2
-#define DT_BF16 3
-#define DT_I64 4
-#define DT_U8 5
-
 #define MAX_RANK 8
 #define I64_MAX 0x7fffffffffffffffLL
 #define I64_MIN (-I64_MAX - 1LL)
 
 // A view of a buffer: element offset, then shape and strides (in elements, possibly negative
-// or zero) of up to MAX_RANK dims. Mirrors `Strided` in elementwise.rs (#[repr(C)]).
+// or zero) of up to MAX_RANK dims. Mirrors `Strided` in cuda/launch.rs (#[repr(C)]).
 struct Strided {
     i64 offset;
     int rank;
@@ -139,8 +136,19 @@ __device__ __forceinline__ float f64_to_f32_odd(double v) {
     return t;
 }
 
-__device__ __forceinline__ u16 f64_to_f16(double v) { return f32_to_f16(f64_to_f32_odd(v)); }
-__device__ __forceinline__ u16 f64_to_bf16(double v) { return f32_to_bf16(f64_to_f32_odd(v)); }
+// A NaN keeps its sign and becomes the quiet NaN (0x7e00 / 0x7fc0), as the CPU's half crate
+// stores f64 NaNs; the f32 step would lose both (the GPU's f64 -> f32 NaN is canonical).
+__device__ __forceinline__ u16 f64_nan_sign(double v) {
+    return (u16)(((u64)__double_as_longlong(v) >> 48) & 0x8000u);
+}
+__device__ __forceinline__ u16 f64_to_f16(double v) {
+    if (v != v) return (u16)(f64_nan_sign(v) | 0x7e00u);
+    return f32_to_f16(f64_to_f32_odd(v));
+}
+__device__ __forceinline__ u16 f64_to_bf16(double v) {
+    if (v != v) return (u16)(f64_nan_sign(v) | 0x7fc0u);
+    return f32_to_bf16(f64_to_f32_odd(v));
+}
 
 // Rust's `as i64`: saturating, NaN -> 0.
 __device__ __forceinline__ i64 f64_to_i64(double v) {
@@ -210,3 +218,96 @@ struct BF16T {
     static __device__ __forceinline__ S st(C v) { return f32_to_bf16(v); }
     static __device__ __forceinline__ C cparam(double p) { return bf16_to_f32(f64_to_bf16(p)); }
 };
+
+// ---- float element types for the row, loss, index and SGD kernels ----------------------------
+// Templates over the storage type itself: f16/bf16 travel as wrapped bits; to_d widens to
+// double, from_d rounds once (nearest even) with the conversions above.
+
+#define BLOCK 256
+#define NEG_INF (-__longlong_as_double(0x7ff0000000000000LL))
+
+struct f16_t {
+    u16 bits;
+};
+struct bf16_t {
+    u16 bits;
+};
+
+#define FOR_FLOATS(M) M(f32, float) M(f64, double) M(f16, f16_t) M(bf16, bf16_t)
+
+__device__ __forceinline__ i64 min_i64(i64 a, i64 b) { return a < b ? a : b; }
+
+__device__ __forceinline__ double to_d(float v) { return (double)v; }
+__device__ __forceinline__ double to_d(double v) { return v; }
+__device__ __forceinline__ double to_d(f16_t v) { return (double)f16_to_f32(v.bits); }
+__device__ __forceinline__ double to_d(bf16_t v) { return (double)bf16_to_f32(v.bits); }
+
+template <typename T> __device__ T from_d(double v);
+template <> __device__ __forceinline__ float from_d<float>(double v) { return (float)v; }
+template <> __device__ __forceinline__ double from_d<double>(double v) { return v; }
+template <> __device__ __forceinline__ f16_t from_d<f16_t>(double v) {
+    f16_t r;
+    r.bits = f64_to_f16(v);
+    return r;
+}
+template <> __device__ __forceinline__ bf16_t from_d<bf16_t>(double v) {
+    bf16_t r;
+    r.bits = f64_to_bf16(v);
+    return r;
+}
+
+// Arithmetic in the element type, as the CPU's generic kernels do it: f16/bf16 widen to float
+// per operation and round back. The _rn intrinsics keep the compiler from fusing a multiply
+// and an add into an FMA the CPU does not do.
+__device__ __forceinline__ float t_add(float a, float b) { return __fadd_rn(a, b); }
+__device__ __forceinline__ float t_sub(float a, float b) { return __fsub_rn(a, b); }
+__device__ __forceinline__ float t_mul(float a, float b) { return __fmul_rn(a, b); }
+__device__ __forceinline__ double t_add(double a, double b) { return __dadd_rn(a, b); }
+__device__ __forceinline__ double t_sub(double a, double b) { return __dsub_rn(a, b); }
+__device__ __forceinline__ double t_mul(double a, double b) { return __dmul_rn(a, b); }
+
+#define HALF_OPS(T, TOF)                                                                      \
+    __device__ __forceinline__ T t_add(T a, T b) {                                           \
+        return from_d<T>((double)__fadd_rn(TOF(a), TOF(b)));                                 \
+    }                                                                                         \
+    __device__ __forceinline__ T t_sub(T a, T b) {                                           \
+        return from_d<T>((double)__fsub_rn(TOF(a), TOF(b)));                                 \
+    }                                                                                         \
+    __device__ __forceinline__ T t_mul(T a, T b) {                                           \
+        return from_d<T>((double)__fmul_rn(TOF(a), TOF(b)));                                 \
+    }
+
+__device__ __forceinline__ float f16_f(f16_t v) { return f16_to_f32(v.bits); }
+__device__ __forceinline__ float bf16_f(bf16_t v) { return bf16_to_f32(v.bits); }
+HALF_OPS(f16_t, f16_f)
+HALF_OPS(bf16_t, bf16_f)
+
+// ---- block reductions (blockDim.x == BLOCK) --------------------------------------------------
+
+// Sum of v over the block, returned to every thread. `sh` may be reused right after.
+__device__ double block_sum(double v, double* sh) {
+    const int t = threadIdx.x;
+    sh[t] = v;
+    __syncthreads();
+    for (int s = BLOCK / 2; s > 0; s >>= 1) {
+        if (t < s) sh[t] += sh[t + s];
+        __syncthreads();
+    }
+    const double r = sh[0];
+    __syncthreads();
+    return r;
+}
+
+// Max of v over the block (NaN-ignoring like fmax and the CPU's f64::max).
+__device__ double block_max(double v, double* sh) {
+    const int t = threadIdx.x;
+    sh[t] = v;
+    __syncthreads();
+    for (int s = BLOCK / 2; s > 0; s >>= 1) {
+        if (t < s) sh[t] = fmax(sh[t], sh[t + s]);
+        __syncthreads();
+    }
+    const double r = sh[0];
+    __syncthreads();
+    return r;
+}

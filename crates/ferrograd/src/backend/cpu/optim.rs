@@ -1,63 +1,50 @@
-//! Optimizer updates as single fused passes over contiguous buffers: one read of the
-//! gradient, one read-modify-write of the parameter and of each state buffer. SGD computes in
-//! the element type; Adam in its compute type (f32 for f32/f16/bf16, f64 for f64), rounding
-//! once per store, as the CUDA kernel (kernels/optim.cu) does term by term.
+//! CPU kernels of the optimizer family (backend/optim.rs), single fused passes over
+//! contiguous buffers: one read of the gradient, one read-modify-write of the parameter and of
+//! each state buffer. SGD computes in the element type; Adam in its compute type (f32 for
+//! f32/f16/bf16, f64 for f64), rounding once per store, as the CUDA kernel
+//! (kernels/optim.cu) does term by term. The unscale multiplies every gradient by 1/scale and
+//! raises one found_inf flag when any value was inf or NaN; the check looks at the scaled
+//! value (before the multiply) and the product is rounded once, as on the GPU, so both agree
+//! bit for bit. Arguments arrive validated; versions are bumped by the entry functions.
 
 use half::{bf16, f16};
 use num_traits::Float;
 use rayon::prelude::*;
 
+use super::CpuBackend;
 use super::data::{CpuData, Elem, per_float_variant};
 use super::{read, write};
-use crate::backend::ops::AdamScalars;
-use crate::backend::{FusedOp, Storage, View};
+use crate::backend::Storage;
+use crate::backend::optim::{AdamScalars, AdamStep, OptimKernels, SgdStep, UnscaleCheck};
+use crate::base::DType;
 use crate::base::{Error, Result};
 
 const CHUNK: usize = 1 << 14;
 
-pub(crate) fn run(op: &FusedOp, inputs: &[View], outputs: &[&Storage]) -> Result<()> {
-    match op {
-        FusedOp::SgdStep { .. } => sgd(op, inputs, outputs),
-        FusedOp::AdamStep { .. } => adam(op, inputs, outputs),
-        _ => Err(Error::invalid(
-            "fused_optim",
-            format!("{op:?} is not an optimizer op"),
-        )),
+impl OptimKernels for CpuBackend {
+    fn sgd_step(&self, a: &SgdStep) -> Result<()> {
+        sgd(a)
+    }
+    fn adam_step(&self, a: &AdamStep) -> Result<()> {
+        adam(a)
+    }
+    fn unscale_check(&self, a: &UnscaleCheck) -> Result<()> {
+        unscale_check(a.inv_scale, a.found_inf, a.grads)
     }
 }
 
-fn sgd(op: &FusedOp, inputs: &[View], outputs: &[&Storage]) -> Result<()> {
-    let FusedOp::SgdStep {
-        lr,
-        momentum,
-        dampening,
-        weight_decay,
-        nesterov,
-        first_step,
-    } = *op
-    else {
-        return Err(Error::invalid("sgd", "not an SGD op"));
-    };
+fn sgd(a: &SgdStep) -> Result<()> {
     let h = Sgd {
-        lr,
-        momentum,
-        dampening,
-        weight_decay,
-        nesterov,
-        first_step,
+        lr: a.lr,
+        momentum: a.momentum,
+        dampening: a.dampening,
+        weight_decay: a.weight_decay,
+        nesterov: a.nesterov,
+        first_step: a.first_step,
     };
-    let (grad, param) = match (inputs, outputs) {
-        ([g], [p, ..]) if g.layout.is_contiguous() => (g, *p),
-        _ => {
-            return Err(Error::invalid(
-                "sgd",
-                "expects one contiguous gradient and the parameter",
-            ));
-        }
-    };
-    let g = read(grad.storage)?;
-    let off = grad.layout.offset();
-    write(param, |p| match outputs.get(1) {
+    let g = read(a.grad.storage)?;
+    let off = a.grad.layout.offset();
+    write(a.param, |p| match a.momentum_buf {
         Some(buf) => write(buf, |b| h.dispatch(&g, off, p, Some(b))),
         None => h.dispatch(&g, off, p, None),
     })
@@ -135,65 +122,17 @@ impl Sgd {
 
 // ---- Adam --------------------------------------------------------------------------------------
 
-/// Parameter i's update reads inputs[i] and rewrites outputs[3i..3i+3] = (param, exp_avg,
-/// exp_avg_sq), one parameter after another.
-fn adam(op: &FusedOp, inputs: &[View], outputs: &[&Storage]) -> Result<()> {
-    let k = AdamScalars::of(op).ok_or_else(|| Error::invalid("adam", "not an Adam op"))?;
-    if outputs.len() != 3 * inputs.len() {
-        return Err(Error::invalid(
-            "adam",
-            format!(
-                "{} gradients need {} outputs (param, exp_avg, exp_avg_sq each), got {}",
-                inputs.len(),
-                3 * inputs.len(),
-                outputs.len()
-            ),
-        ));
-    }
-    for (grad, trio) in inputs.iter().zip(outputs.chunks_exact(3)) {
-        let [p, m, v] = [trio[0], trio[1], trio[2]];
-        check_adam_operands(grad, p, m, v)?;
-        let g = read(grad.storage)?;
-        let off = grad.layout.offset();
-        write(p, |p| {
-            write(m, |m| write(v, |v| adam_dispatch(&k, &g, off, p, m, v)))
+/// One parameter after another: read the gradient, rewrite (param, exp_avg, exp_avg_sq).
+fn adam(a: &AdamStep) -> Result<()> {
+    let k = AdamScalars::of(a);
+    for e in a.params {
+        let g = read(e.grad.storage)?;
+        let off = e.grad.layout.offset();
+        write(e.param, |p| {
+            write(e.exp_avg, |m| {
+                write(e.exp_avg_sq, |v| adam_dispatch(&k, &g, off, p, m, v))
+            })
         })?;
-    }
-    Ok(())
-}
-
-/// One contiguous gradient of the parameter's numel; four distinct storages (a shared one
-/// would deadlock on its lock and is a caller bug anyway).
-fn check_adam_operands(grad: &View, p: &Storage, m: &Storage, v: &Storage) -> Result<()> {
-    let n = p.len();
-    let l = grad.layout;
-    if !l.is_contiguous() || l.numel() != n || l.offset() + n > grad.storage.len() {
-        return Err(Error::invalid(
-            "adam",
-            format!(
-                "each gradient must be contiguous with its parameter's {n} elements, got shape {:?}",
-                l.shape()
-            ),
-        ));
-    }
-    if m.len() != n || v.len() != n {
-        return Err(Error::shape(
-            "adam",
-            format!(
-                "state of {} and {} elements for a parameter of {n}",
-                m.len(),
-                v.len()
-            ),
-        ));
-    }
-    let all = [grad.storage, p, m, v];
-    for (i, a) in all.iter().enumerate() {
-        if all[i + 1..].iter().any(|b| std::ptr::eq(*a, *b)) {
-            return Err(Error::invalid(
-                "adam",
-                "gradient, parameter and state buffers must be distinct storages",
-            ));
-        }
     }
     Ok(())
 }
@@ -319,4 +258,94 @@ fn adam_apply<T: Opmath>(k: &AdamScalars, g: &[T], p: &mut [T], m: &mut [T], v: 
                 *v = T::down(nv);
             }
         });
+}
+
+// ---- unscale with inf/NaN check --------------------------------------------------------------
+
+const OP: &str = "unscale_check";
+
+/// Unscales every gradient; raises `flag` when any held an inf or NaN.
+fn unscale_check(inv_scale: f32, flag: &Storage, grads: &[&Storage]) -> Result<()> {
+    let mut found = false;
+    for g in grads {
+        found |= write(g, |d| unscale(d, inv_scale))?;
+    }
+    if found {
+        write(flag, |f| match f {
+            CpuData::F32(v) => {
+                v[0] = 1.0;
+                Ok(())
+            }
+            other => Err(Error::DType {
+                op: OP,
+                expected: DType::F32,
+                got: other.dtype(),
+            }),
+        })?;
+    }
+    Ok(())
+}
+
+/// Unscales one buffer in place; whether it held an inf or NaN.
+fn unscale(d: &mut CpuData, inv: f32) -> Result<bool> {
+    Ok(match d {
+        CpuData::F32(v) => unscale_apply(v, inv, |x| x, |c| c),
+        CpuData::F64(v) => unscale_apply(v, inv as f64, |x| x, |c| c),
+        CpuData::F16(v) => unscale_apply(v, inv, f16::to_f32, f16::from_f32),
+        CpuData::BF16(v) => unscale_apply(v, inv, bf16::to_f32, bf16::from_f32),
+        other => {
+            return Err(Error::UnsupportedDType {
+                op: OP,
+                dtype: other.dtype(),
+                hint: "gradients must be floating point",
+            });
+        }
+    })
+}
+
+/// Every element is unscaled, even after a non-finite one (PyTorch leaves no element
+/// behind either); chunks run in parallel and OR their flags.
+fn unscale_apply<T, C>(v: &mut [T], inv: C, up: fn(T) -> C, down: fn(C) -> T) -> bool
+where
+    T: Copy + Send + Sync,
+    C: num_traits::Float + Send + Sync,
+{
+    let identity = inv == C::one();
+    v.par_chunks_mut(CHUNK)
+        .map(|chunk| {
+            let mut bad = false;
+            for x in chunk.iter_mut() {
+                let c = up(*x);
+                bad |= !c.is_finite();
+                if !identity {
+                    *x = down(c * inv);
+                }
+            }
+            bad
+        })
+        .reduce(|| false, |a, b| a || b)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checks_before_scaling_and_widens_for_f64() {
+        // 1e38 · 10 overflows after scaling but was finite before: not flagged (as PyTorch).
+        let mut v = vec![1e38f32, 2.0];
+        assert!(!unscale_apply(&mut v, 10.0f32, |x| x, |c| c));
+        assert_eq!(v, vec![f32::INFINITY, 20.0]);
+        let mut v = vec![1.0f32, f32::NAN, 3.0];
+        assert!(unscale_apply(&mut v, 0.5f32, |x| x, |c| c));
+        assert_eq!((v[0], v[2]), (0.5, 1.5));
+        // f64 gradients multiply by the f32 inverse widened to f64.
+        let inv = 0.1f32;
+        let mut d = CpuData::F64(vec![0.1]);
+        assert!(!unscale(&mut d, inv).unwrap());
+        match d {
+            CpuData::F64(v) => assert_eq!(v[0], 0.1 * inv as f64),
+            _ => unreachable!(),
+        }
+    }
 }

@@ -1,32 +1,30 @@
-//! CPU kernels of the index ops: gather rows by id (embedding forward), add rows into their
+//! CPU kernels of the index family (backend/index.rs): gather rows by id (embedding forward), add rows into their
 //! ids' rows in order (embedding backward), and pick elementwise by a U8 condition (where,
 //! masked_fill). Every id is checked before anything is written, so a bad id leaves the
 //! output untouched and comes back as an `Error::Index` that names it.
 //!
-//! Not here: the row kernels (softmax, layer norm, cross-entropy) live in `fused_rows`.
+//! Arguments arrive validated (backend/index.rs); the id values are checked here.
 
 use rayon::prelude::*;
 
+use super::CpuBackend;
 use super::data::{CpuData, Elem, with_float_pair};
 use super::elementwise::{PAR_MIN, at, for_each_out, rows};
 use super::{CpuRead, read, write};
-use crate::backend::{FusedOp, Storage, View};
+use crate::backend::index::{IndexAdd, IndexKernels, IndexSelect, Where};
+use crate::backend::{Storage, View};
 use crate::base::Layout;
 use crate::base::{Error, Result};
 
-pub(crate) fn run(op: &FusedOp, inputs: &[View], outputs: &[&Storage]) -> Result<()> {
-    match (op, inputs, outputs) {
-        (FusedOp::IndexSelect, &[w, ids], &[out]) => index_select(w, ids, out),
-        (FusedOp::IndexAdd, &[g, ids], &[out]) => index_add(g, ids, out),
-        (FusedOp::Where, &[c, a, b], &[out]) => select_where(c, a, b, out),
-        _ => Err(Error::invalid(
-            "fused",
-            format!(
-                "{op:?} got {} inputs and {} outputs, which its contract does not allow",
-                inputs.len(),
-                outputs.len()
-            ),
-        )),
+impl IndexKernels for CpuBackend {
+    fn index_select(&self, a: &IndexSelect) -> Result<()> {
+        index_select(a.weight, a.ids, a.out)
+    }
+    fn index_add(&self, a: &IndexAdd) -> Result<()> {
+        index_add(a.grad, a.ids, a.out)
+    }
+    fn select_where(&self, a: &Where) -> Result<()> {
+        select_where(a.cond, a.a, a.b, a.out)
     }
 }
 
@@ -40,22 +38,15 @@ struct Matrix {
 }
 
 impl Matrix {
-    fn of(op: &'static str, l: &Layout) -> Result<Matrix> {
-        match (l.shape(), l.strides()) {
-            (&[rows, cols], &[rs, cs]) => Ok(Matrix {
-                rows,
-                cols,
-                rs,
-                cs,
-                offset: l.offset(),
-            }),
-            _ => Err(Error::shape(
-                op,
-                format!(
-                    "expected a 2-D (rows, cols) input, got shape {:?}",
-                    l.shape()
-                ),
-            )),
+    /// A validated 2-D layout (backend/index.rs checks the rank).
+    fn of(l: &Layout) -> Matrix {
+        let (shape, strides) = (l.shape(), l.strides());
+        Matrix {
+            rows: shape[0],
+            cols: shape[1],
+            rs: strides[0],
+            cs: strides[1],
+            offset: l.offset(),
         }
     }
 
@@ -90,16 +81,6 @@ fn row_ids(op: &'static str, ids: View, rows: usize) -> Result<Vec<usize>> {
         .collect()
 }
 
-fn check_len(op: &'static str, out: &Storage, want: usize) -> Result<()> {
-    if out.len() != want {
-        return Err(Error::shape(
-            op,
-            format!("output holds {} elements, the op writes {want}", out.len()),
-        ));
-    }
-    Ok(())
-}
-
 /// Runs `f(row index, row)` over the `cols`-wide rows of `out`, in parallel when large.
 fn for_each_row<T: Send>(
     out: &mut [T],
@@ -124,9 +105,8 @@ fn for_each_row<T: Send>(
 // ---- index select: out[i, :] = weight[ids[i], :] ---------------------------------------------
 
 fn index_select(w: View, ids: View, out: &Storage) -> Result<()> {
-    let m = Matrix::of("index_select", w.layout)?;
+    let m = Matrix::of(w.layout);
     let ids = row_ids("index_select", ids, m.rows)?;
-    check_len("index_select", out, ids.len() * m.cols)?;
     let wd = read(w.storage)?;
     write(out, |o| {
         with_float_pair!(&*wd, o, "index_select", wv, ov => gather(wv, &m, &ids, ov));
@@ -176,28 +156,12 @@ impl Groups {
 }
 
 fn index_add(g: View, ids: View, out: &Storage) -> Result<()> {
-    let m = Matrix::of("index_add", g.layout)?;
+    let m = Matrix::of(g.layout);
     if m.cols == 0 {
         // Zero-width rows: nothing to add (and no row count to check the ids against).
         return Ok(());
     }
-    if !out.len().is_multiple_of(m.cols) {
-        return Err(Error::shape(
-            "index_add",
-            format!(
-                "output of {} elements is not a whole number of {}-wide rows",
-                out.len(),
-                m.cols
-            ),
-        ));
-    }
     let ids = row_ids("index_add", ids, out.len() / m.cols)?;
-    if ids.len() != m.rows {
-        return Err(Error::shape(
-            "index_add",
-            format!("{} ids for {} gradient rows", ids.len(), m.rows),
-        ));
-    }
     let groups = Groups::new(&ids, out.len() / m.cols);
     let gd = read(g.storage)?;
     write(out, |o| {
@@ -285,19 +249,6 @@ macro_rules! with_same3 {
 }
 
 fn select_where(c: View, a: View, b: View, out: &Storage) -> Result<()> {
-    let shape = c.layout.shape();
-    if a.layout.shape() != shape || b.layout.shape() != shape {
-        return Err(Error::shape(
-            "where",
-            format!(
-                "cond {:?}, a {:?} and b {:?} must be broadcast to one shape first",
-                shape,
-                a.layout.shape(),
-                b.layout.shape()
-            ),
-        ));
-    }
-    check_len("where", out, c.layout.numel())?;
     let flat = c.layout.is_contiguous() && a.layout.is_contiguous() && b.layout.is_contiguous();
     let (rc, ra, rb) = (
         rows(c.layout, flat),

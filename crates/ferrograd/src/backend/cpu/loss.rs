@@ -1,0 +1,210 @@
+//! CPU kernels of the loss family (backend/loss.rs): cross-entropy over rows of class logits
+//! (per-row log-sum-exp in f64, the mean added in row order) and the MSE fused into single
+//! passes — forward reduces (x - y)² without materialising the difference, backward writes
+//! 2 (x - y) · g / N directly. Arguments arrive validated; targets are checked here, before
+//! anything is written, since that needs their values.
+
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use super::CpuBackend;
+use super::data::{CpuData, Elem, per_float_variant};
+use super::rows::{
+    Inputs, dispatch, map_indices, map_rows, max_and_log_sum, row, store_f64, typed_mut,
+};
+use super::{read, write};
+use crate::backend::loss::{
+    CrossEntropy, CrossEntropyBackward, LossKernels, MseLoss, MseLossBackward,
+};
+use crate::backend::{View, rows_cols};
+use crate::base::DType;
+use crate::base::{Error, Result};
+
+/// Elements per partial sum; partials are added in order, so results do not depend on the
+/// number of threads.
+const CHUNK: usize = 1 << 12;
+
+impl LossKernels for CpuBackend {
+    fn cross_entropy(&self, a: &CrossEntropy) -> Result<()> {
+        dispatch!(a.logits.storage.dtype(), "cross_entropy", cross_entropy(a))
+    }
+    fn cross_entropy_backward(&self, a: &CrossEntropyBackward) -> Result<()> {
+        dispatch!(
+            a.logits.storage.dtype(),
+            "cross_entropy_backward",
+            cross_entropy_backward(a)
+        )
+    }
+    fn mse_loss(&self, a: &MseLoss) -> Result<()> {
+        mse(&a.x, &a.y, a.loss)
+    }
+    fn mse_loss_backward(&self, a: &MseLossBackward) -> Result<()> {
+        mse_backward(&a.x, &a.y, &a.gloss, a.gx)
+    }
+}
+
+// ---- cross-entropy --------------------------------------------------------------------------
+
+/// Every target is a class in [0, C) or the ignored index; the first one that is not is named.
+fn check_targets(targets: &[i64], classes: usize, ignore_index: i64) -> Result<()> {
+    let bad = targets
+        .iter()
+        .enumerate()
+        .find(|&(_, &t)| t != ignore_index && (t < 0 || t as u64 >= classes as u64));
+    match bad {
+        None => Ok(()),
+        Some((i, &t)) => Err(Error::Index {
+            op: "cross_entropy",
+            detail: format!(
+                "target {t} at position {i} is not a class index: targets must be in [0, {classes}) or equal ignore_index ({ignore_index})"
+            ),
+        }),
+    }
+}
+
+fn cross_entropy<T: Elem>(a: &CrossEntropy) -> Result<()> {
+    const OP: &str = "cross_entropy";
+    let ignore_index = a.ignore_index;
+    let views = [a.logits, a.targets];
+    let ins = Inputs::read(&views)?;
+    let (rows, c) = rows_cols(a.logits.layout);
+    let x = ins.slice::<T>(OP, 0, rows * c)?;
+    let t = ins.i64s(OP, 1, rows)?;
+    check_targets(t, c, ignore_index)?;
+    // Per row: log-sum-exp (saved for backward) and -log p(target) (0 when ignored).
+    let per_row = map_indices(rows, rows * c, |r| {
+        let xr = row(x, r, c);
+        let (max, log_sum) = max_and_log_sum(xr);
+        let lse = max + log_sum;
+        let nll = if t[r] == ignore_index {
+            0.0
+        } else {
+            lse - xr[t[r] as usize].to_f64()
+        };
+        (lse, nll)
+    });
+    let count = t.iter().filter(|&&v| v != ignore_index).count();
+    // 0 / 0 = NaN when every target is ignored, as PyTorch's mean reduction.
+    let loss = per_row.iter().map(|p| p.1).sum::<f64>() / count as f64;
+    let lse: Vec<f64> = per_row.into_iter().map(|p| p.0).collect();
+    store_f64(OP, a.loss, &[loss])?;
+    store_f64(OP, a.lse, &lse)
+}
+
+fn cross_entropy_backward<T: Elem>(a: &CrossEntropyBackward) -> Result<()> {
+    const OP: &str = "cross_entropy_backward";
+    let ignore_index = a.ignore_index;
+    let views = [a.logits, a.targets, a.lse, a.gloss];
+    let ins = Inputs::read(&views)?;
+    let (rows, c) = rows_cols(a.logits.layout);
+    let x = ins.slice::<T>(OP, 0, rows * c)?;
+    let t = ins.i64s(OP, 1, rows)?;
+    check_targets(t, c, ignore_index)?;
+    let lse = ins.f64s(OP, 2, rows)?;
+    let gloss = ins.f64s(OP, 3, 1)?[0];
+    let count = t.iter().filter(|&&v| v != ignore_index).count();
+    let scale = gloss / count as f64;
+    write(a.glogits, |d| {
+        let gx = typed_mut::<T>(OP, d, rows * c)?;
+        map_rows(gx, rows, c, |r, gr, _| {
+            if t[r] == ignore_index {
+                gr.fill(T::zero());
+                return;
+            }
+            for (j, (o, &v)) in gr.iter_mut().zip(row(x, r, c)).enumerate() {
+                let p = (v.to_f64() - lse[r]).exp();
+                let hot = if j as i64 == t[r] { 1.0 } else { 0.0 };
+                *o = T::from_f64((p - hot) * scale);
+            }
+        });
+        Ok(())
+    })
+}
+
+// ---- MSE ------------------------------------------------------------------------------------
+
+/// out = (a - b) · scale
+fn scaled_diff<T: Elem>(out: &mut [T], a: &[T], b: &[T], scale: f64) {
+    let s = T::from_f64(scale);
+    out.par_chunks_mut(CHUNK)
+        .zip(a.par_chunks(CHUNK).zip(b.par_chunks(CHUNK)))
+        .for_each(|(o, (p, q))| {
+            o.iter_mut()
+                .zip(p.iter().zip(q))
+                .for_each(|(o, (&u, &v))| *o = (u - v) * s)
+        });
+}
+
+/// The element slice a contiguous view covers.
+fn span<'a, T>(v: &'a [T], view: &View) -> &'a [T] {
+    let off = view.layout.offset();
+    &v[off..off + view.layout.numel()]
+}
+
+fn mse(x: &View, y: &View, out: &crate::backend::Storage) -> Result<()> {
+    let (xd, yd) = (read(x.storage)?, read(y.storage)?);
+    let n = x.layout.numel().max(1) as f64;
+    macro_rules! go {
+        ($v:ident) => {{
+            let (CpuData::$v(a), CpuData::$v(b)) = (&*xd, &*yd) else {
+                return Err(mismatch());
+            };
+            let total = sum_sq_diff(span(a, x), span(b, y));
+            write(out, |o| match o {
+                CpuData::$v(o) => Ok(o[0] = Elem::from_f64(total / n)),
+                _ => Err(mismatch()),
+            })
+        }};
+    }
+    per_float_variant!(
+        &*xd,
+        "mse_loss",
+        "mse_loss needs floating-point tensors",
+        go
+    )
+}
+
+fn sum_sq_diff<T: Elem>(a: &[T], b: &[T]) -> f64 {
+    let part = |(p, q): (&[T], &[T])| {
+        p.iter().zip(q).fold(0.0f64, |acc, (&u, &v)| {
+            let d = u.to_f64() - v.to_f64();
+            acc + d * d
+        })
+    };
+    let parts: Vec<f64> = a
+        .par_chunks(CHUNK)
+        .zip(b.par_chunks(CHUNK))
+        .map(part)
+        .collect();
+    parts.into_iter().fold(0.0, |acc, v| acc + v)
+}
+
+fn mse_backward(x: &View, y: &View, g: &View, gx: &crate::backend::Storage) -> Result<()> {
+    let (xd, yd, gd) = (read(x.storage)?, read(y.storage)?, read(g.storage)?);
+    let scale = 2.0 * gd.get_f64(g.layout.offset()) / x.layout.numel().max(1) as f64;
+    macro_rules! go {
+        ($v:ident) => {{
+            let (CpuData::$v(a), CpuData::$v(b)) = (&*xd, &*yd) else {
+                return Err(mismatch());
+            };
+            let (a, b) = (span(a, x), span(b, y));
+            write(gx, |o| match o {
+                CpuData::$v(o) => Ok(scaled_diff(o, a, b, scale)),
+                _ => Err(mismatch()),
+            })
+        }};
+    }
+    per_float_variant!(
+        &*xd,
+        "mse_loss",
+        "mse_loss needs floating-point tensors",
+        go
+    )
+}
+
+fn mismatch() -> Error {
+    Error::invalid(
+        "mse_loss",
+        "input, target and gradient must share one dtype",
+    )
+}

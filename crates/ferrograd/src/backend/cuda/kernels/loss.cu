@@ -1,0 +1,115 @@
+// loss.cu — the loss family's kernels (backend/loss.rs): cross-entropy (one block per row)
+// and the two-stage MSE. They mirror backend/cpu/loss.rs: statistics in double, sums across
+// rows or blocks in a fixed order (deterministic); f16/bf16 arithmetic that the CPU does in the
+// element type (MSE backward) rounds after every operation here too.
+// Pointers arrive already offset to the first element; a `*k` int argument is the dtype code
+// (DT_* in the generated header) of a float buffer whose type may differ from the rows'
+// (statistics, losses). Compiled after the generated codes and prelude.cuh.
+
+// ---- cross-entropy ---------------------------------------------------------------------------
+
+// Per row: lse (kind lk) and -log p(target) into nll (0 when ignored). Targets were checked on
+// the host; the range test only keeps a bad one from reading out of bounds.
+template <typename T>
+__device__ void cross_entropy_fwd(const T* x, const i64* t, i64 rows, i64 c, i64 ignore, void* lse,
+                                  int lk, double* nll) {
+    __shared__ double sh[BLOCK];
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* xr = x + r * c;
+        double m = NEG_INF;
+        for (i64 j = threadIdx.x; j < c; j += BLOCK) m = fmax(m, to_d(xr[j]));
+        m = block_max(m, sh);
+        double s = 0.0;
+        for (i64 j = threadIdx.x; j < c; j += BLOCK) s += exp(to_d(xr[j]) - m);
+        s = block_sum(s, sh);
+        if (threadIdx.x == 0) {
+            const double l = m + log(s);
+            store_f64(lse, lk, r, l);
+            const i64 tr = t[r];
+            nll[r] = (tr == ignore || tr < 0 || tr >= c) ? 0.0 : l - to_d(xr[tr]);
+        }
+    }
+}
+
+// glogits = (softmax - onehot) · gloss / count per row, zero rows where the target is ignored.
+template <typename T>
+__device__ void cross_entropy_bwd(const T* x, const i64* t, const void* lse, int lk,
+                                  const void* gloss, int gk, double count, T* gx, i64 rows, i64 c,
+                                  i64 ignore) {
+    const double scale = load_f64(gloss, gk, 0) / count;
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* xr = x + r * c;
+        T* outr = gx + r * c;
+        const i64 tr = t[r];
+        if (tr == ignore) {
+            for (i64 j = threadIdx.x; j < c; j += blockDim.x) outr[j] = from_d<T>(0.0);
+            continue;
+        }
+        const double l = load_f64(lse, lk, r);
+        for (i64 j = threadIdx.x; j < c; j += blockDim.x) {
+            const double p = exp(to_d(xr[j]) - l);
+            const double hot = j == tr ? 1.0 : 0.0;
+            outr[j] = from_d<T>((p - hot) * scale);
+        }
+    }
+}
+
+// One block: out[0] (kind ok) = Σ part[0..count) / divisor, partials added in a fixed order.
+extern "C" __global__ void __launch_bounds__(BLOCK)
+    sum_to_scalar(const double* part, i64 count, double divisor, void* out, int ok) {
+    __shared__ double sh[BLOCK];
+    double s = 0.0;
+    for (i64 i = threadIdx.x; i < count; i += BLOCK) s += part[i];
+    s = block_sum(s, sh);
+    if (threadIdx.x == 0) store_f64(out, ok, 0, s / divisor);
+}
+
+// ---- MSE ---------------------------------------------------------------------------------------
+
+// Stage 1 of Σ (x - y)²: block b sums a fixed grid-stride share into part[b].
+template <typename T>
+__device__ void mse_partial(const T* x, const T* y, i64 n, double* part) {
+    __shared__ double sh[BLOCK];
+    const i64 step = (i64)gridDim.x * BLOCK;
+    double s = 0.0;
+    for (i64 i = (i64)blockIdx.x * BLOCK + threadIdx.x; i < n; i += step) {
+        const double d = to_d(x[i]) - to_d(y[i]);
+        s += d * d;
+    }
+    s = block_sum(s, sh);
+    if (threadIdx.x == 0) part[blockIdx.x] = s;
+}
+
+// gx = (x - y) · s with s = 2 gloss / count rounded to T, in T arithmetic as the CPU does.
+template <typename T>
+__device__ void mse_bwd(const T* x, const T* y, const void* g, int gk, T* gx, i64 n, double count) {
+    const T s = from_d<T>(2.0 * load_f64(g, gk, 0) / count);
+    const i64 step = (i64)gridDim.x * blockDim.x;
+    for (i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += step)
+        gx[i] = t_mul(t_sub(x[i], y[i]), s);
+}
+
+// ---- entry points ------------------------------------------------------------------------------
+
+#define LOSS_KERNELS(S, T)                                                                         \
+    extern "C" __global__ void __launch_bounds__(BLOCK)                                            \
+        cross_entropy_fwd_##S(const T* x, const i64* t, i64 rows, i64 c, i64 ignore, void* lse,    \
+                              int lk, double* nll) {                                               \
+        cross_entropy_fwd<T>(x, t, rows, c, ignore, lse, lk, nll);                                 \
+    }                                                                                              \
+    extern "C" __global__ void cross_entropy_bwd_##S(const T* x, const i64* t, const void* lse,    \
+                                                     int lk, const void* gloss, int gk,            \
+                                                     double count, T* gx, i64 rows, i64 c,         \
+                                                     i64 ignore) {                                 \
+        cross_entropy_bwd<T>(x, t, lse, lk, gloss, gk, count, gx, rows, c, ignore);                \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(BLOCK)                                            \
+        mse_partial_##S(const T* x, const T* y, i64 n, double* part) {                             \
+        mse_partial<T>(x, y, n, part);                                                             \
+    }                                                                                              \
+    extern "C" __global__ void mse_bwd_##S(const T* x, const T* y, const void* g, int gk, T* gx,   \
+                                           i64 n, double count) {                                  \
+        mse_bwd<T>(x, y, g, gk, gx, n, count);                                                     \
+    }
+
+FOR_FLOATS(LOSS_KERNELS)

@@ -1,0 +1,180 @@
+// rows.cu — the row family's kernels (backend/rows.rs): softmax and layer norm with their
+// backwards, one block of BLOCK threads per row, looping over rows with a grid stride. They
+// mirror backend/cpu/rows.rs: per-row statistics accumulate in double whatever the element
+// type, and sums that cross rows (weight gradients) add fixed partitions in a fixed order.
+// Pointers arrive already offset to the first element; a `*k` int argument is the dtype code
+// (DT_* in the generated header) of a float buffer whose type may differ from the rows'
+// (statistics, losses). Compiled after the generated codes and prelude.cuh.
+
+// ---- softmax ---------------------------------------------------------------------------------
+
+// y = softmax(x) or log_softmax(x) over rows of n.
+template <typename T>
+__device__ void softmax_fwd(const T* x, T* y, i64 rows, i64 n, int log_) {
+    __shared__ double sh[BLOCK];
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* xr = x + r * n;
+        T* yr = y + r * n;
+        double m = NEG_INF;
+        for (i64 j = threadIdx.x; j < n; j += BLOCK) m = fmax(m, to_d(xr[j]));
+        m = block_max(m, sh);
+        double s = 0.0;
+        for (i64 j = threadIdx.x; j < n; j += BLOCK) s += exp(to_d(xr[j]) - m);
+        s = block_sum(s, sh);
+        if (log_) {
+            const double ls = log(s);
+            for (i64 j = threadIdx.x; j < n; j += BLOCK) yr[j] = from_d<T>((to_d(xr[j]) - m) - ls);
+        } else {
+            const double inv = 1.0 / s;
+            for (i64 j = threadIdx.x; j < n; j += BLOCK)
+                yr[j] = from_d<T>(exp(to_d(xr[j]) - m) * inv);
+        }
+    }
+}
+
+// From the saved output y: softmax gx = y (gy - Σ gy·y); log-softmax gx = gy - exp(y) Σ gy.
+template <typename T>
+__device__ void softmax_bwd(const T* y, const T* gy, T* gx, i64 rows, i64 n, int log_) {
+    __shared__ double sh[BLOCK];
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* yr = y + r * n;
+        const T* gr = gy + r * n;
+        T* outr = gx + r * n;
+        double s = 0.0;
+        for (i64 j = threadIdx.x; j < n; j += BLOCK)
+            s += log_ ? to_d(gr[j]) : to_d(yr[j]) * to_d(gr[j]);
+        s = block_sum(s, sh);
+        for (i64 j = threadIdx.x; j < n; j += BLOCK) {
+            const double yv = to_d(yr[j]), g = to_d(gr[j]);
+            outr[j] = from_d<T>(log_ ? g - exp(yv) * s : yv * (g - s));
+        }
+    }
+}
+
+// ---- layer norm ------------------------------------------------------------------------------
+
+// y = (x - mean) rstd [· w] [+ b]; mean and rstd (biased variance, two passes) stored with
+// kind sk. w and b may be null.
+template <typename T>
+__device__ void layer_norm_fwd(const T* x, const T* w, const T* b, T* y, void* mean, void* rstd,
+                               int sk, i64 rows, i64 n, double eps) {
+    __shared__ double sh[BLOCK];
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* xr = x + r * n;
+        T* yr = y + r * n;
+        double s = 0.0;
+        for (i64 j = threadIdx.x; j < n; j += BLOCK) s += to_d(xr[j]);
+        const double mu = block_sum(s, sh) / (double)n;
+        double v = 0.0;
+        for (i64 j = threadIdx.x; j < n; j += BLOCK) {
+            const double d = to_d(xr[j]) - mu;
+            v += d * d;
+        }
+        const double var = block_sum(v, sh) / (double)n;
+        const double rs = 1.0 / sqrt(var + eps);
+        for (i64 j = threadIdx.x; j < n; j += BLOCK) {
+            double h = (to_d(xr[j]) - mu) * rs;
+            if (w) h *= to_d(w[j]);
+            if (b) h += to_d(b[j]);
+            yr[j] = from_d<T>(h);
+        }
+        if (threadIdx.x == 0) {
+            store_f64(mean, sk, r, mu);
+            store_f64(rstd, sk, r, rs);
+        }
+    }
+}
+
+// gx = rstd (ĝ - mean(ĝ) - x̂ mean(ĝ x̂)) with x̂ = (x - mean) rstd and ĝ = gy · w.
+template <typename T>
+__device__ void layer_norm_bwd(const T* x, const T* w, const void* mean, const void* rstd, int sk,
+                               const T* gy, T* gx, i64 rows, i64 n) {
+    __shared__ double sh[BLOCK];
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* xr = x + r * n;
+        const T* gr = gy + r * n;
+        T* outr = gx + r * n;
+        const double mu = load_f64(mean, sk, r), rs = load_f64(rstd, sk, r);
+        double sg = 0.0, sgx = 0.0;
+        for (i64 j = threadIdx.x; j < n; j += BLOCK) {
+            const double gh = to_d(gr[j]) * (w ? to_d(w[j]) : 1.0);
+            const double xh = (to_d(xr[j]) - mu) * rs;
+            sg += gh;
+            sgx += gh * xh;
+        }
+        const double mean_g = block_sum(sg, sh) / (double)n;
+        const double mean_gx = block_sum(sgx, sh) / (double)n;
+        for (i64 j = threadIdx.x; j < n; j += BLOCK) {
+            const double gh = to_d(gr[j]) * (w ? to_d(w[j]) : 1.0);
+            const double xh = (to_d(xr[j]) - mu) * rs;
+            outr[j] = from_d<T>(rs * (gh - mean_g - xh * mean_gx));
+        }
+    }
+}
+
+// Stage 1 of the weight/bias gradients: grid (ceil(n / BLOCK), chunks). Thread (j, c) sums
+// column j over the rows of chunk c in order into part[c][j] (Σ gy x̂) and
+// part[chunks + c][j] (Σ gy).
+template <typename T>
+__device__ void layer_norm_params(const T* x, const T* gy, const void* mean, const void* rstd,
+                                  int sk, double* part, i64 rows, i64 n, i64 rows_per_chunk,
+                                  i64 chunks) {
+    const i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x;
+    const i64 c = blockIdx.y;
+    if (j >= n || c >= chunks) return;
+    const i64 r0 = c * rows_per_chunk;
+    const i64 r1 = min_i64(rows, r0 + rows_per_chunk);
+    double gw = 0.0, gb = 0.0;
+    for (i64 r = r0; r < r1; ++r) {
+        const double g = to_d(gy[r * n + j]);
+        gw += g * (to_d(x[r * n + j]) - load_f64(mean, sk, r)) * load_f64(rstd, sk, r);
+        gb += g;
+    }
+    part[c * n + j] = gw;
+    part[(chunks + c) * n + j] = gb;
+}
+
+// Stage 2: column j adds its chunk partials in chunk order; gw / gb (kind ok) may be null.
+extern "C" __global__ void layer_norm_params_finish(const double* part, i64 chunks, i64 n,
+                                                    void* gw, void* gb, int ok) {
+    const i64 step = (i64)gridDim.x * blockDim.x;
+    for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += step) {
+        double a = 0.0, b = 0.0;
+        for (i64 c = 0; c < chunks; ++c) {
+            a += part[c * n + j];
+            b += part[(chunks + c) * n + j];
+        }
+        if (gw) store_f64(gw, ok, j, a);
+        if (gb) store_f64(gb, ok, j, b);
+    }
+}
+
+// ---- entry points ------------------------------------------------------------------------------
+
+#define ROW_KERNELS(S, T)                                                                          \
+    extern "C" __global__ void __launch_bounds__(BLOCK)                                            \
+        softmax_fwd_##S(const T* x, T* y, i64 rows, i64 n, int log_) {                             \
+        softmax_fwd<T>(x, y, rows, n, log_);                                                       \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(BLOCK)                                            \
+        softmax_bwd_##S(const T* y, const T* gy, T* gx, i64 rows, i64 n, int log_) {               \
+        softmax_bwd<T>(y, gy, gx, rows, n, log_);                                                  \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(BLOCK)                                            \
+        layer_norm_fwd_##S(const T* x, const T* w, const T* b, T* y, void* mean, void* rstd,       \
+                           int sk, i64 rows, i64 n, double eps) {                                  \
+        layer_norm_fwd<T>(x, w, b, y, mean, rstd, sk, rows, n, eps);                               \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(BLOCK)                                            \
+        layer_norm_bwd_##S(const T* x, const T* w, const void* mean, const void* rstd, int sk,     \
+                           const T* gy, T* gx, i64 rows, i64 n) {                                  \
+        layer_norm_bwd<T>(x, w, mean, rstd, sk, gy, gx, rows, n);                                  \
+    }                                                                                              \
+    extern "C" __global__ void layer_norm_params_##S(const T* x, const T* gy, const void* mean,    \
+                                                     const void* rstd, int sk, double* part,       \
+                                                     i64 rows, i64 n, i64 rows_per_chunk,          \
+                                                     i64 chunks) {                                 \
+        layer_norm_params<T>(x, gy, mean, rstd, sk, part, rows, n, rows_per_chunk, chunks);        \
+    }
+
+FOR_FLOATS(ROW_KERNELS)

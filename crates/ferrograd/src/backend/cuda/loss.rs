@@ -1,0 +1,200 @@
+//! CUDA launchers of the loss family (backend/loss.rs; kernels in kernels/loss.cu):
+//! cross-entropy with one block per row and the two-stage MSE. Arguments arrive validated.
+//! Class targets are copied to the host and checked there before any kernel runs, so a bad
+//! one is an `Error::Index` naming it and nothing is written, as on the CPU (one
+//! synchronisation per such op). Sums across rows or blocks add fixed partitions in a fixed
+//! order: results do not depend on scheduling.
+
+use cudarc::driver::LaunchConfig;
+
+use super::launch::{
+    Arg, BLOCK, Module, addr, float_code, host_i64s, i64_of, launch, rows_cfg, suffix, temp,
+};
+use super::{CudaDevice, ptr};
+use crate::backend::loss::{
+    CrossEntropy, CrossEntropyBackward, LossKernels, MseLoss, MseLossBackward,
+};
+use crate::backend::{View, rows_cols};
+use crate::base::{Error, Result};
+
+static KERNELS: Module = Module::new("loss", include_str!("kernels/loss.cu"));
+/// Most partial sums of the two-stage MSE reduction (fixed by n alone: deterministic).
+const MAX_PARTIALS: usize = 1024;
+
+impl LossKernels for CudaDevice {
+    fn cross_entropy(&self, a: &CrossEntropy) -> Result<()> {
+        cross_entropy(self, a)
+    }
+    fn cross_entropy_backward(&self, a: &CrossEntropyBackward) -> Result<()> {
+        cross_entropy_backward(self, a)
+    }
+    fn mse_loss(&self, a: &MseLoss) -> Result<()> {
+        mse(self, a)
+    }
+    fn mse_loss_backward(&self, a: &MseLossBackward) -> Result<()> {
+        mse_backward(self, a)
+    }
+}
+
+// ---- cross-entropy ----------------------------------------------------------------------------
+
+/// Every target is a class in [0, C) or the ignored index (the first that is not is named);
+/// returns how many are not ignored.
+fn check_targets(targets: &[i64], classes: usize, ignore_index: i64) -> Result<usize> {
+    let bad = targets
+        .iter()
+        .enumerate()
+        .find(|&(_, &t)| t != ignore_index && (t < 0 || t as u64 >= classes as u64));
+    if let Some((i, &t)) = bad {
+        return Err(Error::Index {
+            op: "cross_entropy",
+            detail: format!(
+                "target {t} at position {i} is not a class index: targets must be in [0, {classes}) or equal ignore_index ({ignore_index})"
+            ),
+        });
+    }
+    Ok(targets.iter().filter(|&&t| t != ignore_index).count())
+}
+
+/// The targets (R contiguous I64) checked on the host: (address, non-ignored count).
+fn targets(d: &CudaDevice, t: &View, classes: usize, ignore_index: i64) -> Result<(u64, usize)> {
+    let count = check_targets(&host_i64s(d, t)?, classes, ignore_index)?;
+    Ok((addr(t)?, count))
+}
+
+fn cross_entropy(d: &CudaDevice, a: &CrossEntropy) -> Result<()> {
+    const OP: &str = "cross_entropy";
+    let ignore_index = a.ignore_index;
+    let s = suffix(OP, a.logits.storage.dtype())?;
+    let (rows, c) = rows_cols(a.logits.layout);
+    let x = addr(&a.logits)?;
+    let (loss, lk) = (ptr(a.loss)?, float_code(OP, a.loss.dtype())?);
+    let (lse, sk) = (ptr(a.lse)?, float_code(OP, a.lse.dtype())?);
+    let (t, count) = targets(d, &a.targets, c, ignore_index)?;
+    // Per-row -log p(target), then their sum over the non-ignored count (0 / 0 = NaN when all
+    // are ignored, as PyTorch's mean).
+    let nll = temp(d, rows * 8, "cross_entropy")?;
+    if rows > 0 {
+        let args = [
+            Arg::Ptr(x),
+            Arg::Ptr(t),
+            i64_of(rows),
+            i64_of(c),
+            Arg::I64(ignore_index),
+            Arg::Ptr(lse),
+            Arg::I32(sk),
+            Arg::Ptr(nll.addr()),
+        ];
+        launch(
+            d,
+            &KERNELS,
+            &format!("cross_entropy_fwd_{s}"),
+            rows_cfg(rows),
+            &args,
+        )?;
+    }
+    sum_to_scalar(d, nll.addr(), rows, count as f64, loss, lk)
+}
+
+/// out[0] (kind `k`) = Σ part[..count] / divisor, in one block.
+fn sum_to_scalar(
+    d: &CudaDevice,
+    part: u64,
+    count: usize,
+    divisor: f64,
+    out: u64,
+    k: i32,
+) -> Result<()> {
+    let args = [
+        Arg::Ptr(part),
+        i64_of(count),
+        Arg::F64(divisor),
+        Arg::Ptr(out),
+        Arg::I32(k),
+    ];
+    launch(d, &KERNELS, "sum_to_scalar", rows_cfg(1), &args)
+}
+
+fn cross_entropy_backward(d: &CudaDevice, a: &CrossEntropyBackward) -> Result<()> {
+    const OP: &str = "cross_entropy_backward";
+    let ignore_index = a.ignore_index;
+    let s = suffix(OP, a.logits.storage.dtype())?;
+    let (rows, c) = rows_cols(a.logits.layout);
+    let x = addr(&a.logits)?;
+    let (lse, lk) = (addr(&a.lse)?, float_code(OP, a.lse.storage.dtype())?);
+    let (gloss, gk) = (addr(&a.gloss)?, float_code(OP, a.gloss.storage.dtype())?);
+    let gx = ptr(a.glogits)?;
+    let (t, count) = targets(d, &a.targets, c, ignore_index)?;
+    if rows * c == 0 {
+        return Ok(());
+    }
+    let args = [
+        Arg::Ptr(x),
+        Arg::Ptr(t),
+        Arg::Ptr(lse),
+        Arg::I32(lk),
+        Arg::Ptr(gloss),
+        Arg::I32(gk),
+        Arg::F64(count as f64),
+        Arg::Ptr(gx),
+        i64_of(rows),
+        i64_of(c),
+        Arg::I64(ignore_index),
+    ];
+    launch(
+        d,
+        &KERNELS,
+        &format!("cross_entropy_bwd_{s}"),
+        rows_cfg(rows),
+        &args,
+    )
+}
+
+// ---- MSE ----------------------------------------------------------------------------------------
+
+fn mse(d: &CudaDevice, a: &MseLoss) -> Result<()> {
+    const OP: &str = "mse_loss";
+    let dtype = a.x.storage.dtype();
+    let s = suffix(OP, dtype)?;
+    let n = a.x.layout.numel();
+    let (x, y, loss) = (addr(&a.x)?, addr(&a.y)?, ptr(a.loss)?);
+    // Partials from a block count fixed by n, then added in order: reproducible.
+    let blocks = n.div_ceil(BLOCK as usize).clamp(1, MAX_PARTIALS);
+    let part = temp(d, blocks * 8, "mse_loss")?;
+    let cfg = LaunchConfig {
+        grid_dim: (blocks as u32, 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let args = [Arg::Ptr(x), Arg::Ptr(y), i64_of(n), Arg::Ptr(part.addr())];
+    launch(d, &KERNELS, &format!("mse_partial_{s}"), cfg, &args)?;
+    let k = float_code(OP, dtype)?;
+    sum_to_scalar(d, part.addr(), blocks, n.max(1) as f64, loss, k)
+}
+
+fn mse_backward(d: &CudaDevice, a: &MseLossBackward) -> Result<()> {
+    const OP: &str = "mse_loss";
+    let s = suffix(OP, a.x.storage.dtype())?;
+    let n = a.x.layout.numel();
+    let (x, y, gx) = (addr(&a.x)?, addr(&a.y)?, ptr(a.gx)?);
+    let (g, gk) = (addr(&a.gloss)?, float_code(OP, a.gloss.storage.dtype())?);
+    if n == 0 {
+        return Ok(());
+    }
+    let args = [
+        Arg::Ptr(x),
+        Arg::Ptr(y),
+        Arg::Ptr(g),
+        Arg::I32(gk),
+        Arg::Ptr(gx),
+        i64_of(n),
+        Arg::F64(n as f64),
+    ];
+    launch(
+        d,
+        &KERNELS,
+        &format!("mse_bwd_{s}"),
+        CudaDevice::grid_1d(n),
+        &args,
+    )
+}

@@ -1,0 +1,240 @@
+//! CUDA launchers of the row family (backend/rows.rs; kernels in kernels/rows.cu): softmax
+//! and layer norm with their backwards, one block per row. Arguments arrive validated.
+//! Semantics and the dtypes of the statistics follow the CPU reference (backend/cpu/rows.rs).
+//! Sums across rows (weight gradients) add fixed partitions in a fixed order: results do not
+//! depend on scheduling.
+
+use cudarc::driver::LaunchConfig;
+
+use super::launch::{Arg, BLOCK, Module, addr, float_code, i64_of, launch, rows_cfg, suffix, temp};
+use super::{CudaDevice, ptr};
+use crate::backend::rows::{LayerNorm, LayerNormBackward, RowKernels, Softmax, SoftmaxBackward};
+use crate::backend::{View, rows_cols};
+use crate::base::Result;
+
+static KERNELS: Module = Module::new("rows", include_str!("kernels/rows.cu"));
+
+impl RowKernels for CudaDevice {
+    fn softmax(&self, a: &Softmax) -> Result<()> {
+        softmax(self, a)
+    }
+    fn softmax_backward(&self, a: &SoftmaxBackward) -> Result<()> {
+        softmax_backward(self, a)
+    }
+    fn layer_norm(&self, a: &LayerNorm) -> Result<()> {
+        layer_norm(self, a)
+    }
+    fn layer_norm_backward(&self, a: &LayerNormBackward) -> Result<()> {
+        layer_norm_backward(self, a)
+    }
+}
+
+/// The address of an optional operand; 0 (a null pointer) when absent.
+fn optional(v: &Option<View>) -> Result<u64> {
+    v.as_ref().map_or(Ok(0), addr)
+}
+
+// ---- softmax ----------------------------------------------------------------------------------
+
+fn softmax(d: &CudaDevice, a: &Softmax) -> Result<()> {
+    let (log, s) = (a.log, suffix("softmax", a.x.storage.dtype())?);
+    let (rows, n) = rows_cols(a.x.layout);
+    let (x, y) = (addr(&a.x)?, ptr(a.y)?);
+    if rows * n == 0 {
+        return Ok(());
+    }
+    let args = [
+        Arg::Ptr(x),
+        Arg::Ptr(y),
+        i64_of(rows),
+        i64_of(n),
+        Arg::I32(log as i32),
+    ];
+    launch(
+        d,
+        &KERNELS,
+        &format!("softmax_fwd_{s}"),
+        rows_cfg(rows),
+        &args,
+    )
+}
+
+fn softmax_backward(d: &CudaDevice, a: &SoftmaxBackward) -> Result<()> {
+    let (log, s) = (a.log, suffix("softmax_backward", a.y.storage.dtype())?);
+    let (rows, n) = rows_cols(a.y.layout);
+    let (y, gy, gx) = (addr(&a.y)?, addr(&a.gy)?, ptr(a.gx)?);
+    if rows * n == 0 {
+        return Ok(());
+    }
+    let args = [
+        Arg::Ptr(y),
+        Arg::Ptr(gy),
+        Arg::Ptr(gx),
+        i64_of(rows),
+        i64_of(n),
+        Arg::I32(log as i32),
+    ];
+    launch(
+        d,
+        &KERNELS,
+        &format!("softmax_bwd_{s}"),
+        rows_cfg(rows),
+        &args,
+    )
+}
+
+// ---- layer norm -------------------------------------------------------------------------------
+
+fn layer_norm(d: &CudaDevice, a: &LayerNorm) -> Result<()> {
+    const OP: &str = "layer_norm";
+    let (eps, s) = (a.eps, suffix(OP, a.x.storage.dtype())?);
+    let (rows, n) = rows_cols(a.x.layout);
+    let (x, w, b) = (addr(&a.x)?, optional(&a.weight)?, optional(&a.bias)?);
+    let (y, mean, rstd) = (ptr(a.y)?, ptr(a.mean)?, ptr(a.rstd)?);
+    let sk = float_code(OP, a.mean.dtype())?;
+    if rows == 0 {
+        return Ok(());
+    }
+    let args = [
+        Arg::Ptr(x),
+        Arg::Ptr(w),
+        Arg::Ptr(b),
+        Arg::Ptr(y),
+        Arg::Ptr(mean),
+        Arg::Ptr(rstd),
+        Arg::I32(sk),
+        i64_of(rows),
+        i64_of(n),
+        Arg::F64(eps),
+    ];
+    launch(
+        d,
+        &KERNELS,
+        &format!("layer_norm_fwd_{s}"),
+        rows_cfg(rows),
+        &args,
+    )
+}
+
+fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
+    const OP: &str = "layer_norm_backward";
+    let dtype = a.x.storage.dtype();
+    let s = suffix(OP, dtype)?;
+    let (rows, n) = rows_cols(a.x.layout);
+    let (x, w) = (addr(&a.x)?, optional(&a.weight)?);
+    let (mean, rstd) = (addr(&a.mean)?, addr(&a.rstd)?);
+    let sk = float_code(OP, a.mean.storage.dtype())?;
+    let (gy, gx) = (addr(&a.gy)?, ptr(a.gx)?);
+    let gw = a.gweight.map(ptr).transpose()?.unwrap_or(0);
+    let gb = a.gbias.map(ptr).transpose()?.unwrap_or(0);
+    if rows == 0 {
+        // No rows: gx is empty and the parameter gradients stay the caller's zeros.
+        return Ok(());
+    }
+    let stats = [Arg::Ptr(mean), Arg::Ptr(rstd), Arg::I32(sk)];
+    let args = [
+        &[Arg::Ptr(x), Arg::Ptr(w)][..],
+        &stats,
+        &[Arg::Ptr(gy), Arg::Ptr(gx), i64_of(rows), i64_of(n)],
+    ]
+    .concat();
+    launch(
+        d,
+        &KERNELS,
+        &format!("layer_norm_bwd_{s}"),
+        rows_cfg(rows),
+        &args,
+    )?;
+    if (a.gweight.is_some() || a.gbias.is_some()) && n > 0 {
+        let grads = ParamGrads {
+            x,
+            gy,
+            gw,
+            gb,
+            kind: float_code(OP, dtype)?,
+        };
+        layer_norm_param_grads(d, s, &grads, &stats, rows, n)?;
+    }
+    Ok(())
+}
+
+/// Inputs and outputs of the weight/bias gradient reduction (addresses; 0 = absent output).
+struct ParamGrads {
+    x: u64,
+    gy: u64,
+    gw: u64,
+    gb: u64,
+    kind: i32,
+}
+
+/// (rows per chunk, chunks) of the column sums: enough (chunk, column) threads to fill the
+/// GPU, at most 512 chunks. Depends on the shape alone, so the sums are reproducible.
+fn param_chunks(rows: usize, n: usize) -> (usize, usize) {
+    let want = ((1usize << 18) / n.max(1)).clamp(1, 512).min(rows.max(1));
+    let per = rows.div_ceil(want).max(1);
+    (per, rows.div_ceil(per).max(1))
+}
+
+/// gweight = Σ_r gy x̂ and gbias = Σ_r gy per column, in two deterministic stages: each chunk
+/// of rows sums its columns in row order, then each column adds its chunks in chunk order.
+fn layer_norm_param_grads(
+    d: &CudaDevice,
+    s: &str,
+    p: &ParamGrads,
+    stats: &[Arg],
+    rows: usize,
+    n: usize,
+) -> Result<()> {
+    let (per, chunks) = param_chunks(rows, n);
+    let part = temp(d, 2 * chunks * n * 8, "layer_norm_backward")?;
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(BLOCK as usize) as u32, chunks as u32, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let args = [
+        &[Arg::Ptr(p.x), Arg::Ptr(p.gy)][..],
+        stats,
+        &[
+            Arg::Ptr(part.addr()),
+            i64_of(rows),
+            i64_of(n),
+            i64_of(per),
+            i64_of(chunks),
+        ],
+    ]
+    .concat();
+    launch(d, &KERNELS, &format!("layer_norm_params_{s}"), cfg, &args)?;
+    let args = [
+        Arg::Ptr(part.addr()),
+        i64_of(chunks),
+        i64_of(n),
+        Arg::Ptr(p.gw),
+        Arg::Ptr(p.gb),
+        Arg::I32(p.kind),
+    ];
+    launch(
+        d,
+        &KERNELS,
+        "layer_norm_params_finish",
+        CudaDevice::grid_1d(n),
+        &args,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn param_chunks_cover_all_rows() {
+        for (rows, n) in [(1, 1), (7, 3), (1000, 768), (65536, 64), (3, 100_000)] {
+            let (per, chunks) = param_chunks(rows, n);
+            assert!(
+                per * chunks >= rows && per * (chunks - 1) < rows,
+                "{rows} {n}"
+            );
+            assert!(chunks <= 512);
+        }
+    }
+}

@@ -1,0 +1,109 @@
+//! The elementwise family: unary and binary ops (already broadcast), in-place binary, copy
+//! (with dtype conversion) and fill. Here: the op kinds, the `ElementwiseKernels` trait that
+//! every backend implements, and the entry functions. The in-place entry points
+//! (`binary_inplace`, `copy`, `fill`) bump the destination's version, so autograd sees every
+//! in-place write. Not here: the kernels (backend/cpu/elementwise.rs,
+//! backend/cuda/elementwise.rs + kernels/elementwise.cu).
+
+use super::{Storage, View, backend};
+use crate::base::Result;
+
+/// Elementwise ops of one input. Scalar parameters travel inside the variant.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum UnaryOp {
+    Neg,
+    Exp,
+    Log,
+    Sqrt,
+    Tanh,
+    Sigmoid,
+    Relu,
+    GeluTanh,
+    GeluErf,
+    Abs,
+    /// x + c
+    AddScalar(f64),
+    /// x * c
+    MulScalar(f64),
+    /// x ^ c
+    PowScalar(f64),
+    /// 1 if x > 0 else 0, in x's dtype
+    Step,
+    /// min(max(x, lo), hi), NaN kept (torch.clamp); lo and hi rounded to x's dtype first
+    Clamp {
+        lo: f64,
+        hi: f64,
+    },
+}
+
+/// Elementwise ops of two inputs (same dtype, already broadcast).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum BinaryOp {
+    Add,
+    Sub,
+    Mul,
+    Div,
+    Pow,
+    Maximum,
+    /// a + alpha * b (used by in-place accumulation and optimizer updates)
+    AddScaled(f64),
+    /// copy b into a (in-place only)
+    Assign,
+    /// grad * (y > 0): ReLU backward from the saved output
+    ReluBackward,
+    /// grad * (1 - y^2): tanh backward from the saved output
+    TanhBackward,
+    /// grad * y * (1 - y): sigmoid backward from the saved output
+    SigmoidBackward,
+    /// grad * gelu'(x), tanh approximation, from the saved input
+    GeluTanhBackward,
+    /// grad * gelu'(x), exact erf form, from the saved input
+    GeluErfBackward,
+    /// 1.0 where a == b else 0.0 (used by max backward)
+    Eq,
+}
+
+/// The elementwise kernels of one device. Outputs are contiguous storages allocated by the
+/// caller, never aliasing an input (except `binary_inplace`'s destination). Call them through
+/// the entry functions below, which record in-place writes.
+pub trait ElementwiseKernels {
+    /// Copies `src` into the (possibly strided) region `dst` of the same shape, converting
+    /// dtype if they differ. `dst` must not overlap `src`.
+    fn copy(&self, src: View, dst: View) -> Result<()>;
+    fn fill(&self, dst: &Storage, value: f64) -> Result<()>;
+    fn unary(&self, op: UnaryOp, x: View, out: &Storage) -> Result<()>;
+    /// `a` and `b` are already broadcast to the output shape (stride 0 where stretched).
+    fn binary(&self, op: BinaryOp, a: View, b: View, out: &Storage) -> Result<()>;
+    /// `dst = op(dst, src)` where `dst` is a whole contiguous storage and `src` is broadcast
+    /// to its shape. `src` may share `dst`'s storage.
+    fn binary_inplace(&self, op: BinaryOp, dst: &Storage, src: View) -> Result<()>;
+}
+
+/// Copies `src` into `dst` (see `ElementwiseKernels::copy`); bumps `dst`'s version.
+pub fn copy(src: View, dst: View) -> Result<()> {
+    backend(dst.storage.device())?.copy(src, dst)?;
+    dst.storage.bump_version();
+    Ok(())
+}
+
+/// Sets every element of `dst` to `value`; bumps its version.
+pub fn fill(dst: &Storage, value: f64) -> Result<()> {
+    backend(dst.device())?.fill(dst, value)?;
+    dst.bump_version();
+    Ok(())
+}
+
+pub fn unary(op: UnaryOp, x: View, out: &Storage) -> Result<()> {
+    backend(out.device())?.unary(op, x, out)
+}
+
+pub fn binary(op: BinaryOp, a: View, b: View, out: &Storage) -> Result<()> {
+    backend(out.device())?.binary(op, a, b, out)
+}
+
+/// `dst = op(dst, src)` (see `ElementwiseKernels::binary_inplace`); bumps `dst`'s version.
+pub fn binary_inplace(op: BinaryOp, dst: &Storage, src: View) -> Result<()> {
+    backend(dst.device())?.binary_inplace(op, dst, src)?;
+    dst.bump_version();
+    Ok(())
+}

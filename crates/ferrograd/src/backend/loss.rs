@@ -1,0 +1,117 @@
+//! The loss family: cross-entropy over class logits and the mean squared error, each with its
+//! backward, fused into single kernels. Here: the typed arguments, their one validator, the
+//! `LossKernels` trait that every backend implements, and the entry functions (validate once,
+//! then dispatch). Class targets are checked against the class count by the kernels (that
+//! needs their values), before anything is written. Not here: the kernels
+//! (backend/cpu/loss.rs, backend/cuda/loss.rs + kernels/loss.cu).
+
+use super::check::{self, rows_cols};
+use super::{Storage, View, backend};
+use crate::base::DType;
+use crate::base::Result;
+
+/// Mean over targets != ignore_index of -log softmax(logits)[target] (NaN when all are
+/// ignored). logits (R, C) contiguous; targets I64 (R) contiguous, each in [0, C) or
+/// ignore_index (else `Error::Index` naming it); loss () and lse (R) of any float dtype.
+pub struct CrossEntropy<'a> {
+    pub logits: View<'a>,
+    pub targets: View<'a>,
+    pub loss: &'a Storage,
+    pub lse: &'a Storage,
+    pub ignore_index: i64,
+}
+
+/// glogits (R, C) = (softmax - onehot) · gloss / count, zero rows where the target is ignored.
+/// lse (R) as saved by the forward; gloss () of any float dtype.
+pub struct CrossEntropyBackward<'a> {
+    pub logits: View<'a>,
+    pub targets: View<'a>,
+    pub lse: View<'a>,
+    pub gloss: View<'a>,
+    pub glogits: &'a Storage,
+    pub ignore_index: i64,
+}
+
+/// loss () = mean((x - y)²) in one pass; x, y contiguous of one shape and float dtype.
+pub struct MseLoss<'a> {
+    pub x: View<'a>,
+    pub y: View<'a>,
+    pub loss: &'a Storage,
+}
+
+/// gx = 2 (x - y) · gloss / N in one pass; gloss () of any float dtype.
+pub struct MseLossBackward<'a> {
+    pub x: View<'a>,
+    pub y: View<'a>,
+    pub gloss: View<'a>,
+    pub gx: &'a Storage,
+}
+
+/// The loss kernels of one device. Arguments arrive validated (entry functions below).
+pub trait LossKernels {
+    fn cross_entropy(&self, a: &CrossEntropy) -> Result<()>;
+    fn cross_entropy_backward(&self, a: &CrossEntropyBackward) -> Result<()>;
+    fn mse_loss(&self, a: &MseLoss) -> Result<()>;
+    fn mse_loss_backward(&self, a: &MseLossBackward) -> Result<()>;
+}
+
+pub fn cross_entropy(a: &CrossEntropy) -> Result<()> {
+    const OP: &str = "cross_entropy";
+    let device = a.loss.device();
+    check::on_device(OP, device, [a.logits.storage, a.targets.storage, a.lse])?;
+    let (rows, _) = logits_and_targets(OP, &a.logits, &a.targets)?;
+    check::out_float(OP, a.loss, 1)?;
+    check::out_float(OP, a.lse, rows)?;
+    backend(device)?.cross_entropy(a)
+}
+
+pub fn cross_entropy_backward(a: &CrossEntropyBackward) -> Result<()> {
+    const OP: &str = "cross_entropy_backward";
+    let device = a.glogits.device();
+    let ins = [a.logits, a.targets, a.lse, a.gloss];
+    check::on_device(OP, device, ins.iter().map(|v| v.storage))?;
+    let (rows, c) = logits_and_targets(OP, &a.logits, &a.targets)?;
+    check::dense_float(OP, "lse", &a.lse, rows)?;
+    check::dense_float(OP, "the loss gradient", &a.gloss, 1)?;
+    check::out(OP, a.glogits, rows * c, a.logits.storage.dtype())?;
+    backend(device)?.cross_entropy_backward(a)
+}
+
+/// (R, C) of float logits read as rows of their last dim, with R contiguous I64 targets.
+fn logits_and_targets(op: &'static str, logits: &View, targets: &View) -> Result<(usize, usize)> {
+    let dtype = logits.storage.dtype();
+    check::float(op, dtype)?;
+    let (rows, c) = rows_cols(logits.layout);
+    check::dense(op, "the logits", logits, rows * c, dtype)?;
+    check::dense(op, "the targets", targets, rows, DType::I64)?;
+    Ok((rows, c))
+}
+
+pub fn mse_loss(a: &MseLoss) -> Result<()> {
+    const OP: &str = "mse_loss";
+    let device = a.loss.device();
+    check::on_device(OP, device, [a.x.storage, a.y.storage])?;
+    let (_, dtype) = pair(OP, &a.x, &a.y)?;
+    check::out(OP, a.loss, 1, dtype)?;
+    backend(device)?.mse_loss(a)
+}
+
+pub fn mse_loss_backward(a: &MseLossBackward) -> Result<()> {
+    const OP: &str = "mse_loss";
+    let device = a.gx.device();
+    check::on_device(OP, device, [a.x.storage, a.y.storage, a.gloss.storage])?;
+    let (n, dtype) = pair(OP, &a.x, &a.y)?;
+    check::dense_float(OP, "the loss gradient", &a.gloss, 1)?;
+    check::out(OP, a.gx, n, dtype)?;
+    backend(device)?.mse_loss_backward(a)
+}
+
+/// (numel, dtype) of an input/target pair: contiguous, one float dtype and size.
+fn pair(op: &'static str, x: &View, y: &View) -> Result<(usize, DType)> {
+    let dtype = x.storage.dtype();
+    check::float(op, dtype)?;
+    let n = x.layout.numel();
+    check::dense(op, "the input", x, n, dtype)?;
+    check::dense(op, "the target", y, n, dtype)?;
+    Ok((n, dtype))
+}

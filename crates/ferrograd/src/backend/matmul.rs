@@ -1,0 +1,60 @@
+//! The matmul family: batched GEMMs, plain or accumulating into their output. Here: the
+//! shape spec, the `MatmulKernels` trait that every backend implements, and the entry
+//! functions; `matmul_acc` with beta != 0 writes a live buffer in place and bumps its
+//! version. Not here: the kernels (backend/cpu/matmul.rs, backend/cuda/matmul.rs, cuBLAS).
+
+use super::{Storage, View, backend};
+use crate::base::Result;
+
+/// Shapes of a batched GEMM: `batch` matrices of (m, k) @ (k, n).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MatmulSpec {
+    pub batch: usize,
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+}
+
+/// Batched `out = a @ b + beta·out` where a: (..., m, k), b: (..., k, n) with equal batch
+/// dims and out (batch, m, n) contiguous. beta = 0 does not read `out` (a NaN there does not
+/// survive); beta != 0 accumulates into a live buffer (the fused SGD step writes a weight
+/// gradient straight into the momentum buffer).
+pub struct Matmul<'a> {
+    pub spec: MatmulSpec,
+    pub a: View<'a>,
+    pub b: View<'a>,
+    pub out: &'a Storage,
+    pub beta: f64,
+}
+
+/// The matmul kernels of one device.
+pub trait MatmulKernels {
+    fn matmul(&self, m: &Matmul) -> Result<()>;
+}
+
+/// `out = a @ b` into a fresh output.
+pub fn matmul(spec: &MatmulSpec, a: View, b: View, out: &Storage) -> Result<()> {
+    let m = Matmul {
+        spec: *spec,
+        a,
+        b,
+        out,
+        beta: 0.0,
+    };
+    backend(out.device())?.matmul(&m)
+}
+
+/// `out = a @ b + beta·out` into an existing buffer; bumps `out`'s version (the caller's
+/// buffer is live: a momentum buffer, or a gradient being accumulated).
+pub fn matmul_acc(spec: &MatmulSpec, a: View, b: View, out: &Storage, beta: f64) -> Result<()> {
+    let m = Matmul {
+        spec: *spec,
+        a,
+        b,
+        out,
+        beta,
+    };
+    backend(out.device())?.matmul(&m)?;
+    out.bump_version();
+    Ok(())
+}

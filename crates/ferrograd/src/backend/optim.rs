@@ -1,0 +1,243 @@
+//! The optimizer family: in-place updates fused into single passes — the SGD step, the
+//! multi-tensor Adam / AdamW step, and the mixed-precision unscale with its inf/NaN check.
+//! Here: the typed arguments, their one validator, the `OptimKernels` trait that every
+//! backend implements, and the entry functions, which validate once, dispatch, and record
+//! the in-place writes (storage versions) so that callers cannot forget them. Not here: the
+//! kernels (backend/cpu/optim.rs, backend/cuda/optim.rs + kernels/optim.cu).
+
+use super::{Storage, View, backend, check};
+use crate::base::DType;
+use crate::base::{Error, Result};
+
+/// One SGD update in a single pass, in place on `param` (and `momentum_buf`):
+///   d ← g + wd·p;  buf ← d if `first_step` else μ·buf + (1 − dampening)·d
+///   p ← p − lr·(nesterov ? d + μ·buf : buf)      (without a buffer: p ← p − lr·d)
+/// grad contiguous with the parameter's numel and dtype (float).
+pub struct SgdStep<'a> {
+    pub grad: View<'a>,
+    pub param: &'a Storage,
+    pub momentum_buf: Option<&'a Storage>,
+    pub lr: f64,
+    pub momentum: f64,
+    pub dampening: f64,
+    pub weight_decay: f64,
+    pub nesterov: bool,
+    pub first_step: bool,
+}
+
+/// One parameter of an Adam step: its gradient (contiguous, the parameter's numel and dtype)
+/// and three distinct storages updated in place.
+#[derive(Clone, Copy)]
+pub struct AdamParam<'a> {
+    pub grad: View<'a>,
+    pub param: &'a Storage,
+    pub exp_avg: &'a Storage,
+    pub exp_avg_sq: &'a Storage,
+}
+
+/// One Adam / AdamW step over every parameter in `params` in a single call (one launch per
+/// dtype on a GPU). `step` is the 1-based step count after this update, shared by all.
+/// PyTorch's single-tensor formula in the compute type (f32 for f32/f16/bf16, f64 for f64),
+/// rounded once per store:
+///   p ← p·(1 − lr·wd) if decoupled (AdamW), else g ← g + wd·p (L2), when wd != 0
+///   m ← lerp(m, g, 1 − β1);  v ← β2·v + (1 − β2)·g·g
+///   p ← p − (lr / (1 − β1^t))·m / (√v / √(1 − β2^t) + eps)
+pub struct AdamStep<'a> {
+    pub params: &'a [AdamParam<'a>],
+    pub lr: f64,
+    pub beta1: f64,
+    pub beta2: f64,
+    pub eps: f64,
+    pub weight_decay: f64,
+    pub decoupled: bool,
+    pub step: u64,
+}
+
+/// Gradient unscaling with an inf/NaN check over every gradient in one call (one launch per
+/// dtype on a GPU), in place: torch's `_amp_foreach_non_finite_check_and_unscale_`. Per
+/// element: found_inf ← 1 when the value *before* scaling is inf or NaN (never cleared: the
+/// caller zeroes it); g ← g·inv_scale in the compute type, rounded once (g kept when
+/// inv_scale == 1). found_inf: one F32 element; grads: distinct whole float storages.
+pub struct UnscaleCheck<'a> {
+    pub found_inf: &'a Storage,
+    pub grads: &'a [&'a Storage],
+    pub inv_scale: f32,
+}
+
+/// The optimizer kernels of one device. Arguments arrive validated (entry functions below);
+/// the kernels do not bump versions (the entry functions do).
+pub trait OptimKernels {
+    fn sgd_step(&self, a: &SgdStep) -> Result<()>;
+    fn adam_step(&self, a: &AdamStep) -> Result<()>;
+    fn unscale_check(&self, a: &UnscaleCheck) -> Result<()>;
+}
+
+/// Bumps the versions of the parameter and the momentum buffer.
+pub fn sgd_step(a: &SgdStep) -> Result<()> {
+    const OP: &str = "sgd";
+    let device = a.param.device();
+    // [grad, param, buf?]: no allocation per step.
+    let trio = [a.grad.storage, a.param, a.momentum_buf.unwrap_or(a.param)];
+    let all = &trio[..2 + a.momentum_buf.is_some() as usize];
+    check::on_device(OP, device, all.iter().copied())?;
+    check::distinct(
+        OP,
+        all,
+        "gradient, parameter and momentum buffer must be distinct storages",
+    )?;
+    let dtype = a.param.dtype();
+    if !dtype.is_float() {
+        return Err(Error::UnsupportedDType {
+            op: OP,
+            dtype,
+            hint: "parameters must be floating point",
+        });
+    }
+    let n = a.param.len();
+    check::dense(OP, "the gradient", &a.grad, n, dtype)?;
+    if let Some(b) = a.momentum_buf {
+        check::out(OP, b, n, dtype)?;
+    }
+    backend(device)?.sgd_step(a)?;
+    all[1..].iter().for_each(|s| s.bump_version());
+    Ok(())
+}
+
+/// Bumps the versions of every parameter and state buffer.
+pub fn adam_step(a: &AdamStep) -> Result<()> {
+    let Some(first) = a.params.first() else {
+        return Ok(());
+    };
+    let device = first.param.device();
+    for p in a.params {
+        adam_param(p)?;
+        let all = [p.grad.storage, p.param, p.exp_avg, p.exp_avg_sq];
+        check::on_device("adam", device, all)?;
+    }
+    backend(device)?.adam_step(a)?;
+    for p in a.params {
+        [p.param, p.exp_avg, p.exp_avg_sq]
+            .iter()
+            .for_each(|s| s.bump_version());
+    }
+    Ok(())
+}
+
+/// One contiguous gradient of the parameter's numel; four distinct storages of one float
+/// dtype (a shared one would be updated twice, or deadlock on its lock).
+fn adam_param(p: &AdamParam) -> Result<()> {
+    const OP: &str = "adam";
+    let dtype = p.param.dtype();
+    if !dtype.is_float() {
+        return Err(Error::UnsupportedDType {
+            op: OP,
+            dtype,
+            hint: "parameters must be floating point",
+        });
+    }
+    for s in [p.grad.storage, p.exp_avg, p.exp_avg_sq] {
+        check::same_dtype(OP, dtype, s.dtype())?;
+    }
+    let n = p.param.len();
+    let l = p.grad.layout;
+    if !l.is_contiguous() || l.numel() != n || l.offset() + n > p.grad.storage.len() {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "each gradient must be contiguous with its parameter's {n} elements, got shape {:?}",
+                l.shape()
+            ),
+        ));
+    }
+    if p.exp_avg.len() != n || p.exp_avg_sq.len() != n {
+        return Err(Error::shape(
+            OP,
+            format!(
+                "state of {} and {} elements for a parameter of {n}",
+                p.exp_avg.len(),
+                p.exp_avg_sq.len()
+            ),
+        ));
+    }
+    check::distinct(
+        OP,
+        &[p.grad.storage, p.param, p.exp_avg, p.exp_avg_sq],
+        "gradient, parameter and state buffers must be distinct storages",
+    )
+}
+
+/// Bumps the versions of the gradients.
+pub fn unscale_check(a: &UnscaleCheck) -> Result<()> {
+    const OP: &str = "unscale_check";
+    let (flag, device) = (a.found_inf, a.found_inf.device());
+    if flag.dtype() != DType::F32 || flag.len() != 1 {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "found_inf must be a one-element F32 tensor, got {} elements of {}",
+                flag.len(),
+                flag.dtype()
+            ),
+        ));
+    }
+    for g in a.grads {
+        if !g.dtype().is_float() {
+            return Err(Error::UnsupportedDType {
+                op: OP,
+                dtype: g.dtype(),
+                hint: "gradients must be floating point",
+            });
+        }
+    }
+    check::on_device(OP, device, a.grads.iter().copied())?;
+    const SHARED: &str =
+        "the flag and the gradients must be distinct storages; pass each gradient once";
+    if a.grads.iter().any(|g| g.same(flag)) {
+        return Err(Error::invalid(OP, SHARED));
+    }
+    check::distinct(OP, a.grads, SHARED)?;
+    backend(device)?.unscale_check(a)?;
+    a.grads.iter().for_each(|g| g.bump_version());
+    Ok(())
+}
+
+/// The scalars of one Adam step, derived on the host in f64 once so that every backend
+/// rounds the same values to its compute type.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub(crate) struct AdamScalars {
+    /// g ← g + l2·p (0 unless coupled weight decay)
+    pub l2: f64,
+    /// p ← p·decay first (1 unless decoupled weight decay)
+    pub decay: f64,
+    /// lerp weight of the first moment, 1 − β1
+    pub w1: f64,
+    pub beta2: f64,
+    /// 1 − β2
+    pub w2: f64,
+    /// √(1 − β2^t)
+    pub bc2_sqrt: f64,
+    /// −lr / (1 − β1^t)
+    pub neg_step_size: f64,
+    pub eps: f64,
+}
+
+impl AdamScalars {
+    /// The bias corrections use `powf` of the step as a float, as torch/optim/adam.py does
+    /// (`beta1 ** step`).
+    pub(crate) fn of(a: &AdamStep) -> AdamScalars {
+        let t = a.step as f64;
+        let bc1 = 1.0 - a.beta1.powf(t);
+        let bc2 = 1.0 - a.beta2.powf(t);
+        let wd = a.weight_decay;
+        AdamScalars {
+            l2: if a.decoupled { 0.0 } else { wd },
+            decay: if a.decoupled { 1.0 - a.lr * wd } else { 1.0 },
+            w1: 1.0 - a.beta1,
+            beta2: a.beta2,
+            w2: 1.0 - a.beta2,
+            bc2_sqrt: bc2.sqrt(),
+            neg_step_size: -(a.lr / bc1),
+            eps: a.eps,
+        }
+    }
+}

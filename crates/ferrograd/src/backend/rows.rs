@@ -1,0 +1,146 @@
+//! The row family: kernels that read a tensor as independent rows (R, N) of its last dim —
+//! softmax and log-softmax, layer norm, and their backwards. Here: the typed arguments, their
+//! one validator, the `RowKernels` trait that every backend implements, and the entry
+//! functions (validate once, then dispatch to the device's backend). Not here: the kernels
+//! (backend/cpu/rows.rs, backend/cuda/rows.rs + kernels/rows.cu) and cross-entropy (loss.rs).
+
+use super::check::{self, rows_cols};
+use super::{Storage, View, backend};
+use crate::base::{Error, Result};
+
+/// y (R, N) = softmax (or log-softmax) of x (R, N) over the last dim. Any shape is read as
+/// rows of its last dim; x contiguous, y of x's dtype and numel.
+pub struct Softmax<'a> {
+    pub x: View<'a>,
+    pub y: &'a Storage,
+    pub log: bool,
+}
+
+/// From the saved output: softmax gx = y (gy - Σ gy·y); log-softmax gx = gy - exp(y) Σ gy.
+/// y, gy (R, N) contiguous; gx (R, N).
+pub struct SoftmaxBackward<'a> {
+    pub y: View<'a>,
+    pub gy: View<'a>,
+    pub gx: &'a Storage,
+    pub log: bool,
+}
+
+/// y (R, N) = (x - mean) · rstd · weight + bias per row, with the biased variance and
+/// rstd = 1/√(var + eps). weight, bias (N); mean, rstd (R) of one float dtype (callers use
+/// F32, or F64 for F64 inputs), which may differ from x's.
+pub struct LayerNorm<'a> {
+    pub x: View<'a>,
+    pub weight: Option<View<'a>>,
+    pub bias: Option<View<'a>>,
+    pub y: &'a Storage,
+    pub mean: &'a Storage,
+    pub rstd: &'a Storage,
+    pub eps: f64,
+}
+
+/// gx (R, N) from x (R, N), weight (N), the saved mean and rstd (R) and gy (R, N); gweight
+/// and gbias (N) when wanted. gweight needs the weight.
+pub struct LayerNormBackward<'a> {
+    pub x: View<'a>,
+    pub weight: Option<View<'a>>,
+    pub mean: View<'a>,
+    pub rstd: View<'a>,
+    pub gy: View<'a>,
+    pub gx: &'a Storage,
+    pub gweight: Option<&'a Storage>,
+    pub gbias: Option<&'a Storage>,
+}
+
+/// The row kernels of one device. Arguments arrive validated (entry functions below).
+pub trait RowKernels {
+    fn softmax(&self, a: &Softmax) -> Result<()>;
+    fn softmax_backward(&self, a: &SoftmaxBackward) -> Result<()>;
+    fn layer_norm(&self, a: &LayerNorm) -> Result<()>;
+    fn layer_norm_backward(&self, a: &LayerNormBackward) -> Result<()>;
+}
+
+pub fn softmax(a: &Softmax) -> Result<()> {
+    const OP: &str = "softmax";
+    let dtype = a.x.storage.dtype();
+    check::float(OP, dtype)?;
+    check::on_device(OP, a.y.device(), [a.x.storage])?;
+    let len = a.x.layout.numel();
+    check::dense(OP, "input 0", &a.x, len, dtype)?;
+    check::out(OP, a.y, len, dtype)?;
+    backend(a.y.device())?.softmax(a)
+}
+
+pub fn softmax_backward(a: &SoftmaxBackward) -> Result<()> {
+    const OP: &str = "softmax_backward";
+    let dtype = a.y.storage.dtype();
+    check::float(OP, dtype)?;
+    check::on_device(OP, a.gx.device(), [a.y.storage, a.gy.storage])?;
+    let len = a.y.layout.numel();
+    check::dense(OP, "input 0", &a.y, len, dtype)?;
+    check::dense(OP, "input 1", &a.gy, len, dtype)?;
+    check::out(OP, a.gx, len, dtype)?;
+    backend(a.gx.device())?.softmax_backward(a)
+}
+
+pub fn layer_norm(a: &LayerNorm) -> Result<()> {
+    const OP: &str = "layer_norm";
+    let dtype = a.x.storage.dtype();
+    check::float(OP, dtype)?;
+    let params = a.weight.iter().chain(&a.bias);
+    check::on_device(
+        OP,
+        a.y.device(),
+        [a.x.storage, a.mean, a.rstd]
+            .into_iter()
+            .chain(params.clone().map(|v| v.storage)),
+    )?;
+    let (rows, n) = rows_cols(a.x.layout);
+    check::dense(OP, "x", &a.x, rows * n, dtype)?;
+    for p in params {
+        check::dense(OP, "a parameter", p, n, dtype)?;
+    }
+    check::out(OP, a.y, rows * n, dtype)?;
+    stats(OP, a.mean, a.rstd, rows)?;
+    backend(a.y.device())?.layer_norm(a)
+}
+
+pub fn layer_norm_backward(a: &LayerNormBackward) -> Result<()> {
+    const OP: &str = "layer_norm_backward";
+    let dtype = a.x.storage.dtype();
+    check::float(OP, dtype)?;
+    if a.gweight.is_some() && a.weight.is_none() {
+        return Err(Error::invalid(OP, "a weight gradient needs the weight"));
+    }
+    let device = a.gx.device();
+    let outs = [Some(a.gx), a.gweight, a.gbias].into_iter().flatten();
+    let ins = [Some(a.x), a.weight, Some(a.mean), Some(a.rstd), Some(a.gy)];
+    check::on_device(
+        OP,
+        device,
+        ins.iter().flatten().map(|v| v.storage).chain(outs),
+    )?;
+    let (rows, n) = rows_cols(a.x.layout);
+    check::dense(OP, "x", &a.x, rows * n, dtype)?;
+    if let Some(w) = &a.weight {
+        check::dense(OP, "the weight", w, n, dtype)?;
+    }
+    check::dense_float(OP, "mean", &a.mean, rows)?;
+    check::dense_float(OP, "rstd", &a.rstd, rows)?;
+    check::same_dtype(OP, a.mean.storage.dtype(), a.rstd.storage.dtype())?;
+    check::dense(OP, "gy", &a.gy, rows * n, dtype)?;
+    check::out(OP, a.gx, rows * n, dtype)?;
+    for g in [a.gweight, a.gbias].into_iter().flatten() {
+        check::out(OP, g, n, dtype)?;
+    }
+    backend(device)?.layer_norm_backward(a)
+}
+
+/// mean and rstd: `rows` elements each of one float dtype.
+fn stats(op: &'static str, mean: &Storage, rstd: &Storage, rows: usize) -> Result<()> {
+    check::out_float(op, mean, rows)?;
+    check::out_float(op, rstd, rows)?;
+    if mean.dtype() != rstd.dtype() {
+        return Err(Error::invalid(op, "mean and rstd must share one dtype"));
+    }
+    Ok(())
+}
