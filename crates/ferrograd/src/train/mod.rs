@@ -9,5 +9,5 @@ mod trainer;
 pub use accumulate::accumulate_gradients;
 pub use freeze::{freeze, name_matches};
 pub use grad_scaler::{GradScaler, GradScalerConfig};
-pub use step_in_backward::StepInBackward;
+pub use step_in_backward::{InBackwardPath, StepInBackward};
 pub use trainer::{MicroBatch, StepReport, Trainer, TrainerConfig};

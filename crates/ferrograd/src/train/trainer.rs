@@ -12,7 +12,7 @@
 use std::time::Instant;
 
 use super::GradScaler;
-use super::StepInBackward;
+use super::{InBackwardPath, StepInBackward};
 use crate::amp::{AmpDType, try_autocast};
 use crate::base::{Error, Result};
 use crate::memory::{self, CategoryBytes};
@@ -114,6 +114,8 @@ pub struct StepReport {
     pub stepped: bool,
     /// The loss scale after this step's update (f16 only).
     pub scale: Option<f64>,
+    /// Which step in backward ran (None: the optimizer stepped after backward).
+    pub in_backward: Option<InBackwardPath>,
     pub tokens: usize,
     pub seconds: f64,
     pub memory_allocated: u64,
@@ -174,7 +176,8 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
         config.validate()?;
         let scaler = config.uses_scaler().then(GradScaler::new);
         let stepper = if config.step_in_backward {
-            Stepper::InBackward(StepInBackward::install(optimizer)?)
+            // The gradient-free path where the optimizer allows it, else per-parameter hooks.
+            Stepper::InBackward(StepInBackward::install_fused(optimizer)?)
         } else {
             Stepper::AfterBackward(optimizer)
         };
@@ -189,6 +192,14 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
 
     pub fn config(&self) -> &TrainerConfig {
         &self.config
+    }
+
+    /// Which step in backward runs (None: the optimizer steps after backward).
+    pub fn in_backward_path(&self) -> Option<&InBackwardPath> {
+        match &self.stepper {
+            Stepper::AfterBackward(_) => None,
+            Stepper::InBackward(s) => Some(s.path()),
+        }
     }
 
     /// The index of the next step.
@@ -253,6 +264,7 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
             grad_norm,
             stepped,
             scale: self.scaler.as_ref().map(GradScaler::get_scale),
+            in_backward: self.in_backward_path().cloned(),
             tokens,
             seconds: start.elapsed().as_secs_f64(),
             memory_allocated: memory::memory_allocated(self.device)?,
