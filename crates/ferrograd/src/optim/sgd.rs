@@ -79,6 +79,32 @@ impl Sgd {
         self.momentum_buffers.get(i).and_then(Option::as_ref)
     }
 
+    /// Restores the momentum buffer of parameter `i` (saved training state): copied onto the
+    /// parameter's device and dtype, counted as optimizer state.
+    pub fn set_momentum_buffer(&mut self, i: usize, buf: &Tensor) -> Result<()> {
+        let p = self.params.get(i).ok_or_else(|| {
+            Error::invalid(
+                "SGD",
+                format!("no parameter {i} to restore a momentum buffer for"),
+            )
+        })?;
+        if buf.shape() != p.shape() {
+            return Err(Error::shape(
+                "SGD",
+                format!(
+                    "momentum buffer {:?} does not match parameter {i} {:?}",
+                    buf.shape(),
+                    p.shape()
+                ),
+            ));
+        }
+        let _g = no_grad();
+        let b = momentum_buffer_like(p)?;
+        b.copy_(&buf.to_dtype(p.dtype())?.to_device(p.device())?)?;
+        self.momentum_buffers[i] = Some(b);
+        Ok(())
+    }
+
     /// Whether the step is plain momentum (momentum > 0; no dampening, Nesterov or weight
     /// decay): linear in the gradient, so weight gradients can be fused into the buffer.
     pub fn fusable(&self) -> bool {
