@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use clap::Parser;
-use ferrograd::job::{self, Event, JobSummary, TrainJob};
+use ferrograd::job::{self, Event, JobSummary, OptimizerChoice, TrainJob};
 use ferrograd::memory::format_size;
 use ferrograd::nn::Recompute;
 use ferrograd::train::TrainerConfig;
@@ -38,15 +38,22 @@ pub struct TrainArgs {
     n_embd: usize,
     #[arg(long, default_value_t = 0.0)]
     dropout: f64,
-    /// Peak learning rate (AdamW), reached after --warmup steps, then cosine to --min-lr.
+    /// adamw, or sgd (with momentum; its --step-in-backward makes no weight gradients).
+    #[arg(long, default_value = "adamw")]
+    optimizer: OptimizerChoice,
+    /// Peak learning rate, reached after --warmup steps, then cosine to --min-lr.
     #[arg(long, default_value_t = 2e-3)]
     lr: f64,
     #[arg(long, default_value_t = 2e-4)]
     min_lr: f64,
     #[arg(long, default_value_t = 30)]
     warmup: u64,
-    #[arg(long, default_value_t = 0.1)]
-    weight_decay: f64,
+    /// Weight decay (default: 0.1 for adamw, 0 for sgd, whose step in backward needs none).
+    #[arg(long)]
+    weight_decay: Option<f64>,
+    /// SGD's momentum.
+    #[arg(long, default_value_t = 0.9)]
+    momentum: f64,
     /// Mixed precision: bf16, f16 (with a GradScaler) or off.
     #[arg(long, default_value = "off", value_parser = parse_amp)]
     amp: Amp,
@@ -142,7 +149,9 @@ impl TrainArgs {
             lr: self.lr,
             min_lr: self.min_lr,
             warmup_steps: self.warmup,
+            optimizer: self.optimizer,
             weight_decay: self.weight_decay,
+            momentum: self.momentum,
             trainer: TrainerConfig {
                 accum: self.accum,
                 clip: self.clip,
@@ -150,9 +159,9 @@ impl TrainArgs {
                 step_in_backward: self.step_in_backward,
                 set_to_none: !self.zero_grad_in_place,
                 schedule: None,
+                recompute: self.recompute,
+                freeze: self.freeze.clone(),
             },
-            recompute: self.recompute,
-            freeze: self.freeze.clone(),
             device: self.device.parse::<Device>()?,
             eval_every: self.eval_every,
             eval_batches: self.eval_batches,
@@ -178,6 +187,7 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
             params,
             start_step,
             predicted_peak,
+            in_backward,
         } => {
             bar.set_position(*start_step);
             log.push(format!(
@@ -185,6 +195,9 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
                 job.device,
                 format_size(*predicted_peak)
             ));
+            if let Some(path) = in_backward {
+                log.push(format!("step in backward: {path}"));
+            }
         }
         Event::Step(r) => {
             bar.set_position(r.step + 1);

@@ -1,5 +1,7 @@
-//! The `ferrograd` command end to end: `train --json` prints the promised keys, and every bad
-//! spelling or impossible combination exits non-zero with a message that says what to do.
+//! The `ferrograd` command end to end: `train --json` prints the promised keys, `--optimizer
+//! sgd` learns and its step in backward says it is gradient-free, and every bad spelling or
+//! impossible combination (an unknown optimizer, resuming another optimizer's state) exits
+//! non-zero with a message that says what to do.
 
 use std::process::{Command, Output};
 
@@ -129,4 +131,110 @@ fn a_batch_that_cannot_fit_is_an_error_not_a_crash() {
 fn a_missing_state_file_is_an_error() {
     let err = stderr_of(&[SMALL, &["--resume", "no-such-state.safetensors"]].concat());
     assert!(err.contains("no-such-state.safetensors"), "{err}");
+}
+
+/// stdout and stderr of a run that must succeed.
+fn output_of(args: &[&str]) -> String {
+    let out = ferrograd(args);
+    assert!(
+        out.status.success(),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr)
+}
+
+/// SMALL with the values of some of its flags replaced.
+fn small_with(changes: &[(&str, &'static str)]) -> Vec<&'static str> {
+    let mut args = SMALL.to_vec();
+    for (flag, value) in changes {
+        let at = args
+            .iter()
+            .position(|a| a == flag)
+            .expect("a flag of SMALL");
+        args[at + 1] = value;
+    }
+    args
+}
+
+/// SGD at a rate it learns with, over a few more steps than SMALL.
+const SGD: &[&str] = &["--optimizer", "sgd", "--lr", "0.3", "--min-lr", "0.03"];
+
+#[test]
+fn sgd_trains_and_learns() {
+    let small = small_with(&[("--max-steps", "8"), ("--eval-batches", "4")]);
+    let out = ferrograd(&[&small, SGD, &["--json"]].concat());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["optimizer"], "SGD");
+    assert_eq!(v["steps"], 8);
+    let (before, after) = (
+        v["initial_eval"]["train_loss"].as_f64().unwrap(),
+        v["final_eval"]["train_loss"].as_f64().unwrap(),
+    );
+    assert!(after < before, "SGD did not learn: {before} -> {after}");
+    // The default stays AdamW.
+    let v: serde_json::Value =
+        serde_json::from_slice(&ferrograd(&[SMALL, &["--json"]].concat()).stdout).unwrap();
+    assert_eq!(v["optimizer"], "AdamW");
+    assert!(v.get("step_in_backward").is_none(), "{v}");
+}
+
+#[test]
+fn an_unknown_optimizer_is_refused() {
+    let err = stderr_of(&[SMALL, &["--optimizer", "bogus"]].concat());
+    assert!(
+        err.contains("bogus") && err.contains("adamw") && err.contains("sgd"),
+        "{err}"
+    );
+}
+
+#[test]
+fn step_in_backward_says_which_path_ran() {
+    let text = output_of(&[SMALL, &["--step-in-backward", "--optimizer", "sgd"]].concat());
+    assert!(
+        text.contains("step in backward: fused into the weight-gradient GEMMs (SGD momentum)"),
+        "{text}"
+    );
+    let text = output_of(&[SMALL, &["--step-in-backward"]].concat());
+    assert!(
+        text.contains("step in backward: per-parameter hooks (AdamW)"),
+        "{text}"
+    );
+    // SGD with weight decay is not linear in the gradient: hooks, and the output says so.
+    let args = [
+        "--step-in-backward",
+        "--optimizer",
+        "sgd",
+        "--weight-decay",
+        "0.01",
+    ];
+    let text = output_of(&[SMALL, &args].concat());
+    assert!(
+        text.contains("step in backward: per-parameter hooks (SGD)"),
+        "{text}"
+    );
+    let text = output_of(SMALL);
+    assert!(!text.contains("step in backward"), "{text}");
+}
+
+#[test]
+fn resuming_with_another_optimizer_is_refused() {
+    let dir = std::env::temp_dir().join(format!("ferrograd-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let state = dir.join("sgd.safetensors");
+    let state = state.to_str().unwrap();
+    output_of(&[SMALL, &["--optimizer", "sgd", "--save", state]].concat());
+    let err = stderr_of(&[SMALL, &["--resume", state]].concat());
+    assert!(
+        err.contains("--optimizer sgd") && err.contains("--optimizer adamw"),
+        "{err}"
+    );
+    // The same optimizer resumes (the run is over, so no step remains).
+    output_of(&[SMALL, &["--optimizer", "sgd", "--resume", state]].concat());
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -24,10 +24,12 @@
 //! 9. `nn` — modules: Linear, Embedding, LayerNorm, attention, MLP, GPT (with its
 //!    recomputation policy).
 //! 10. `train` — memory strategies, one small file each (accumulation, freezing, step in
-//!     backward, the `GradScaler`), composed by the `Trainer`.
+//!     backward, the `GradScaler`), composed by the `Trainer` with the model's recomputation
+//!     policy.
 //! 11. `data` — the shipped corpus and a character tokenizer.
 //! 12. `io` — training state in safetensors, written atomically.
-//! 13. `job` — the main job: a character-level GPT trained, evaluated, sampled and saved.
+//! 13. `job` — the main job: a character-level GPT trained (AdamW or SGD), evaluated, sampled
+//!     and saved.
 //! 14. `demo` — the memory demo: an MLP step with its bytes explained.
 
 pub mod amp;

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
 use ferrograd::io::load_state;
-use ferrograd::job::{self, Event, TrainJob};
+use ferrograd::job::{self, Event, OptimizerChoice, TrainJob};
 use ferrograd::nn::{GptConfig, Recompute};
 use ferrograd::train::TrainerConfig;
 use ferrograd::{DType, Error, Tensor};
@@ -86,11 +86,16 @@ fn tensors(path: &Path) -> HashMap<String, Vec<f64>> {
 /// Six steps straight, versus three steps, save, and three more from the saved state: the
 /// same losses and bit-identical final state.
 fn resume_matches_an_uninterrupted_run(trainer: TrainerConfig, name: &str) {
+    resume_matches(&small_job(trainer), name);
+}
+
+/// `resume_matches_an_uninterrupted_run` for any job (another optimizer, say).
+fn resume_matches(base: &TrainJob, name: &str) {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let dir = TestDir::new(name);
     let straight = TrainJob {
         save: Some(dir.path("straight.safetensors")),
-        ..small_job(trainer.clone())
+        ..base.clone()
     };
     let all = run(&straight).unwrap();
     assert_eq!(all.len(), 6);
@@ -98,13 +103,13 @@ fn resume_matches_an_uninterrupted_run(trainer: TrainerConfig, name: &str) {
     let first = TrainJob {
         save: Some(dir.path("half.safetensors")),
         stop_after: Some(3),
-        ..small_job(trainer.clone())
+        ..base.clone()
     };
     let head = run(&first).unwrap();
     let second = TrainJob {
         resume: Some(dir.path("half.safetensors")),
         save: Some(dir.path("resumed.safetensors")),
-        ..small_job(trainer)
+        ..base.clone()
     };
     let tail = run(&second).unwrap();
     assert_eq!([head, tail].concat(), all, "per-step losses");
@@ -117,6 +122,74 @@ fn resume_matches_an_uninterrupted_run(trainer: TrainerConfig, name: &str) {
     for (k, v) in &a {
         assert_eq!(Some(v), b.get(k), "{k}");
     }
+}
+
+/// The job with SGD (momentum 0.9) at a rate SGD learns with.
+fn sgd_job(trainer: TrainerConfig) -> TrainJob {
+    TrainJob {
+        optimizer: OptimizerChoice::Sgd,
+        lr: 0.1,
+        min_lr: 0.01,
+        ..small_job(trainer)
+    }
+}
+
+#[test]
+fn resume_continues_exactly_with_sgd_momentum() {
+    resume_matches(&sgd_job(TrainerConfig::default()), "sgd");
+    // The gradient-free step in backward keeps the same buffers and resumes the same way.
+    let fused = sgd_job(TrainerConfig {
+        step_in_backward: true,
+        ..TrainerConfig::default()
+    });
+    resume_matches(&fused, "sgd-fused");
+}
+
+#[test]
+fn sgd_state_holds_momentum_buffers_and_the_optimizer_name() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = TestDir::new("sgd-keys");
+    let saved = dir.path("sgd.safetensors");
+    run(&TrainJob {
+        save: Some(saved.clone()),
+        stop_after: Some(1),
+        ..sgd_job(TrainerConfig::default())
+    })
+    .unwrap();
+    let (t, meta) = load_state(&saved).unwrap();
+    assert_eq!(meta.get("optimizer").map(String::as_str), Some("sgd"));
+    assert!(
+        t.keys().any(|k| k.ends_with(".momentum_buffer")),
+        "{:?}",
+        t.keys()
+    );
+    assert!(!t.keys().any(|k| k.contains("exp_avg")));
+}
+
+#[test]
+fn resuming_with_another_optimizer_is_a_typed_error() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = TestDir::new("mismatch");
+    let saved = state_after_one_step(&dir);
+    let before = std::fs::read(&saved).unwrap();
+    let err = run(&TrainJob {
+        resume: Some(saved.clone()),
+        save: Some(saved.clone()),
+        ..sgd_job(TrainerConfig::default())
+    })
+    .unwrap_err();
+    match &err {
+        Error::OptimizerMismatch {
+            saved, requested, ..
+        } => assert_eq!((saved.as_str(), requested.as_str()), ("adamw", "sgd")),
+        other => panic!("expected OptimizerMismatch, got {other:?}"),
+    }
+    assert!(err.to_string().contains("--optimizer adamw"), "{err}");
+    assert_eq!(
+        std::fs::read(&saved).unwrap(),
+        before,
+        "nothing overwritten"
+    );
 }
 
 #[test]
@@ -141,13 +214,13 @@ fn resume_continues_exactly_with_step_in_backward_and_recompute() {
     let dir = TestDir::new("sib");
     let trainer = TrainerConfig {
         step_in_backward: true,
+        recompute: Recompute::Every(1),
         ..TrainerConfig::default()
     };
     let job = |save: &str, stop: Option<u64>, resume: Option<&str>| TrainJob {
         save: Some(dir.path(save)),
         stop_after: stop,
         resume: resume.map(|r| dir.path(r)),
-        recompute: Recompute::Every(1),
         ..small_job(trainer.clone())
     };
     let all = run(&job("a", None, None)).unwrap();
@@ -207,7 +280,7 @@ fn a_state_of_another_model_shape_is_refused() {
     );
 
     let mut frozen = small_job(TrainerConfig::default());
-    frozen.freeze = vec!["transformer.wpe.*".into()];
+    frozen.trainer.freeze = vec!["transformer.wpe.*".into()];
     frozen.resume = Some(saved.clone());
     let err = run(&frozen).unwrap_err().to_string();
     assert!(err.contains("--freeze"), "{err}");

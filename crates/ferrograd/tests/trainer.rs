@@ -1,13 +1,16 @@
 //! The `Trainer`'s one readable step, strategy by strategy: zero_grad's two modes in exact
 //! bytes, evaluation under no_grad saving nothing, the GradScaler skipping an overflowing step,
-//! clipping after unscaling, step-in-backward giving the ordinary result, accumulation giving
-//! the large batch's update, and the combinations it refuses.
+//! clipping after unscaling, step-in-backward giving the ordinary result (gradient-free with
+//! SGD momentum, per-parameter hooks with AdamW, and saying which), accumulation giving the
+//! large batch's update, freezing and recomputation composed on the model, and the
+//! combinations it refuses.
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
-use ferrograd::nn::{Gpt, GptConfig, Linear, Module, Relu, Sequential};
-use ferrograd::optim::{Adam, AdamConfig, Sgd, SgdConfig, clip_grad_norm};
-use ferrograd::train::{MicroBatch, Trainer, TrainerConfig};
+use ferrograd::nn::{Gpt, GptConfig, Linear, Module, Recompute, Relu, Sequential};
+use ferrograd::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig, clip_grad_norm};
+use ferrograd::train::{InBackwardPath, MicroBatch, Trainer, TrainerConfig};
 use ferrograd::{Category, DType, Device, Generator, Tensor, memory, no_grad};
 
 const CPU: Device = Device::Cpu;
@@ -300,4 +303,218 @@ fn impossible_combinations_are_refused_with_the_reason() {
         ..Default::default()
     };
     assert!(Trainer::new(adam, ok, CPU).is_ok());
+}
+
+// ---- step in backward: which path the Trainer takes -------------------------------------------
+
+/// Two bias-free linear layers in f64: every weight gradient is a product, so the
+/// gradient-free path leaves nothing to an ordinary `.grad`.
+fn product_net() -> Vec<Tensor> {
+    let mut g = Generator::new(5);
+    [[16, 8], [4, 16]]
+        .iter()
+        .map(|shape| {
+            Tensor::randn_with(shape, DType::F64, CPU, &mut g)
+                .unwrap()
+                .mul_scalar(0.3)
+                .unwrap()
+                .requires_grad_(true)
+                .unwrap()
+        })
+        .collect()
+}
+
+/// What three steps of the product net through a Trainer did.
+struct PathRun {
+    values: Vec<Vec<f64>>,
+    path: Option<InBackwardPath>,
+    /// `.grad` accumulations into any parameter, over all steps.
+    grads_made: usize,
+    /// The most Gradient bytes seen: at each step's peak and after it.
+    max_gradient_bytes: u64,
+}
+
+fn run_path<O: Optimizer + Send + 'static>(
+    optimizer: impl FnOnce(Vec<Tensor>) -> O,
+    step_in_backward: bool,
+) -> PathRun {
+    let ps = product_net();
+    let made = Arc::new(AtomicUsize::new(0));
+    for p in &ps {
+        let n = Arc::clone(&made);
+        p.register_post_accumulate_grad_hook(move |_| {
+            n.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        })
+        .unwrap();
+    }
+    let config = TrainerConfig {
+        step_in_backward,
+        ..Default::default()
+    };
+    let mut trainer = Trainer::new(optimizer(ps.clone()), config, CPU).unwrap();
+    let mut g = Generator::new(6);
+    let x = Tensor::randn_with(&[8, 8], DType::F64, CPU, &mut g).unwrap();
+    let y = Tensor::randn_with(&[8, 4], DType::F64, CPU, &mut g).unwrap();
+    let (mut path, mut max_gradient_bytes) = (None, 0);
+    for _ in 0..3 {
+        memory::reset_peak_memory_stats(CPU).unwrap();
+        let r = trainer
+            .step(|_| {
+                let h = x.linear(&ps[0], None)?.relu()?;
+                Ok(MicroBatch {
+                    loss: h.linear(&ps[1], None)?.mse_loss(&y)?,
+                    tokens: 8,
+                })
+            })
+            .unwrap();
+        let at_peak = trainer.by_category_at_peak().unwrap();
+        let after = memory::memory_by_category(CPU).unwrap();
+        max_gradient_bytes = max_gradient_bytes
+            .max(at_peak.get(Category::Gradient))
+            .max(after.get(Category::Gradient));
+        assert_eq!(r.in_backward.as_ref(), trainer.in_backward_path());
+        path = r.in_backward;
+    }
+    PathRun {
+        values: ps.iter().map(|p| p.to_vec::<f64>().unwrap()).collect(),
+        path,
+        grads_made: made.load(Ordering::Relaxed),
+        max_gradient_bytes,
+    }
+}
+
+fn max_abs_diff(a: &[Vec<f64>], b: &[Vec<f64>]) -> f64 {
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f64::max)
+}
+
+fn sgd_momentum(ps: Vec<Tensor>) -> Sgd {
+    let cfg = SgdConfig {
+        lr: 0.1,
+        momentum: 0.9,
+        ..Default::default()
+    };
+    Sgd::new(ps, cfg).unwrap()
+}
+
+#[test]
+fn step_in_backward_with_sgd_momentum_makes_no_gradient() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let ordinary = run_path(sgd_momentum, false);
+    let fused = run_path(sgd_momentum, true);
+    assert_eq!(ordinary.path, None);
+    assert!(ordinary.grads_made > 0 && ordinary.max_gradient_bytes > 0);
+    let path = fused
+        .path
+        .expect("a step-in-backward trainer reports its path");
+    assert!(path.is_fused(), "{path}");
+    assert_eq!(
+        path.to_string(),
+        "fused into the weight-gradient GEMMs (SGD momentum)"
+    );
+    assert_eq!(fused.grads_made, 0, "no .grad was ever made");
+    assert_eq!(
+        fused.max_gradient_bytes, 0,
+        "no gradient bytes ever existed"
+    );
+    let d = max_abs_diff(&fused.values, &ordinary.values);
+    assert!(d < 1e-12, "fused vs ordinary SGD: {d}");
+    // The parameters moved: the comparison is not between two no-ops.
+    assert!(max_abs_diff(&fused.values, &values_of(product_net())) > 1e-3);
+}
+
+#[test]
+fn step_in_backward_with_adamw_uses_hooks_and_matches_adamw() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let adamw = |ps| Adam::adamw(ps, AdamConfig::adamw_default()).unwrap();
+    let ordinary = run_path(adamw, false);
+    let hooked = run_path(adamw, true);
+    let path = hooked
+        .path
+        .expect("a step-in-backward trainer reports its path");
+    assert!(!path.is_fused());
+    assert_eq!(path.to_string(), "per-parameter hooks (AdamW)");
+    // Each hook steps from a .grad and frees it: one per parameter per step.
+    assert_eq!(hooked.grads_made, 2 * 3);
+    let d = max_abs_diff(&hooked.values, &ordinary.values);
+    assert!(d < 1e-12, "hooked vs ordinary AdamW: {d}");
+    // SGD whose step is not linear in the gradient (Nesterov) falls back to hooks too.
+    let nesterov = |ps| {
+        let cfg = SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            nesterov: true,
+            ..Default::default()
+        };
+        Sgd::new(ps, cfg).unwrap()
+    };
+    let path = run_path(nesterov, true).path.unwrap();
+    assert_eq!(path.to_string(), "per-parameter hooks (SGD)");
+}
+
+fn values_of(ps: Vec<Tensor>) -> Vec<Vec<f64>> {
+    ps.iter().map(|p| p.to_vec::<f64>().unwrap()).collect()
+}
+
+#[test]
+fn freeze_and_recompute_are_composed_by_the_trainer() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let mut model = mlp(1);
+    let config = TrainerConfig {
+        freeze: vec!["0.*".into()],
+        ..Default::default()
+    };
+    // Trainer::new has no model to freeze: it refuses rather than ignore the patterns.
+    let err = Trainer::new(sgd(&model), config.clone(), CPU)
+        .err()
+        .unwrap();
+    assert!(err.to_string().contains("for_model"), "{err}");
+    let mut count = 0;
+    let trainer = Trainer::for_model(&mut model, config, CPU, |ps| {
+        count = ps.len();
+        Sgd::new(ps, SgdConfig::default())
+    })
+    .unwrap();
+    assert_eq!(count, 2, "the optimizer gets only what still trains");
+    let frozen: Vec<bool> = model
+        .parameters()
+        .iter()
+        .map(|p| p.requires_grad())
+        .collect();
+    assert_eq!(frozen, [false, false, true, true]);
+    drop(trainer);
+    // A model without blocks refuses a recomputation policy instead of ignoring it.
+    let config = TrainerConfig {
+        recompute: Recompute::Every(1),
+        ..Default::default()
+    };
+    let err = Trainer::for_model(&mut mlp(1), config.clone(), CPU, |ps| {
+        Sgd::new(ps, SgdConfig::default())
+    })
+    .err()
+    .unwrap();
+    assert!(err.to_string().contains("no recomputation policy"), "{err}");
+    let mut gpt = Gpt::new(
+        GptConfig {
+            vocab_size: 8,
+            block_size: 4,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 8,
+            dropout: 0.0,
+            bias: true,
+            seed: 0,
+        },
+        CPU,
+    )
+    .unwrap();
+    Trainer::for_model(&mut gpt, config, CPU, |ps| {
+        Sgd::new(ps, SgdConfig::default())
+    })
+    .unwrap();
+    assert_eq!(gpt.recompute(), Recompute::Every(1));
 }

@@ -13,7 +13,8 @@ mod grad_mode;
 mod recompute;
 
 pub use crate::tensor::{
-    AutogradMeta, BackwardFn, Edge, GradSink, Node, PostAccumulateHook, SavedTensor, TensorHook,
+    AutogradMeta, BackwardFn, Edge, GradProduct, GradSink, Node, PostAccumulateHook, ProductForm,
+    SavedTensor, TensorHook,
 };
 pub use engine::BackwardOptions;
 pub(crate) use engine::backward_id;

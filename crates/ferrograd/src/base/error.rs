@@ -74,6 +74,15 @@ pub enum Error {
 
     #[error("bad file {path}: {detail}")]
     BadFile { path: String, detail: String },
+
+    #[error(
+        "{path} was saved by a run with --optimizer {saved}, and this run uses --optimizer {requested}: resume with --optimizer {saved}, or start without --resume"
+    )]
+    OptimizerMismatch {
+        path: String,
+        saved: String,
+        requested: String,
+    },
 }
 
 impl Error {

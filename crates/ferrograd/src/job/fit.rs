@@ -2,14 +2,22 @@
 //! before anything is allocated, so an impossible batch is refused with the predicted need and
 //! what to change instead of failing half-way (or aborting in a host allocation).
 //!
-//! The estimate (f32 bytes, N = batch_size · block_size tokens per micro-batch):
-//!   4P                 weights, gradients and AdamW's two moments
-//! + N · L_saved · (16C + 3·n_head·T) · 4   saved activations of the blocks that save theirs
-//! + N · L_recomputed · C · 4               the inputs kept by recomputed blocks
-//! + N · V · 4 · 3                          logits, their log-softmax and gradient
+//! The estimate, in f32 bytes, with P parameters, L blocks of width C, n_head heads, context
+//! T, vocabulary V and N = batch_size · T tokens per micro-batch:
+//! ```text
+//!   16·P                                weights, gradients and two optimizer-state tensors
+//!                                       (AdamW's moments; SGD keeps one)
+//! + N·L_saved·(16C + 3·n_head·T)·4      activations saved by the blocks that save theirs
+//! + N·L_recomputed·C·4                  the inputs kept by recomputed blocks
+//! + N·(L_recomputed/L)·(16C + 3·n_head·T)·4
+//!                                       one block's activations, rebuilt during backward
+//! + N·V·4·3                             logits, their log-softmax and gradient
+//! ```
 //!
-//! It errs high by about a fifth on the default model (predicted 60 MB, measured 50 MB): it
-//! is for refusing what cannot fit, not for packing a device to the last byte.
+//! It leaves out what lowers the need (frozen parameters, step in backward, autocast's narrower
+//! activations, SGD's single buffer) and the short-lived temporaries of single ops, so it is a
+//! bound for refusing what cannot fit, not a figure for packing a device to the last byte; the
+//! run's summary reports it next to the measured peak.
 
 use super::TrainJob;
 use crate::base::{Error, Result};
@@ -28,7 +36,7 @@ pub fn predicted_peak_bytes(job: &TrainJob, vocab: usize) -> u64 {
     let params = cfg.num_params() as u128;
     let tokens = job.batch_size as u128 * t;
     let recomputed = (0..m.n_layer)
-        .filter(|&i| job.recompute.applies_to(i))
+        .filter(|&i| job.trainer.recompute.applies_to(i))
         .count() as u128;
     let per_token_layer = (16 * c + 3 * h * t) * 4;
     let blocks = tokens

@@ -6,6 +6,7 @@
 //! can watch every step.
 
 mod fit;
+mod optimizer;
 mod sample;
 mod state;
 
@@ -15,6 +16,7 @@ use std::time::Instant;
 use serde::Serialize;
 
 pub use fit::{check_fits, predicted_peak_bytes};
+pub use optimizer::{JobOptimizer, OptimizerChoice, OptimizerSettings};
 pub use sample::sample_text;
 pub use state::{STATE_FORMAT, load_training_state, save_training_state};
 
@@ -22,10 +24,10 @@ use crate::autograd::no_grad;
 use crate::base::{Error, Result};
 use crate::data::{Split, TextDataset};
 use crate::memory;
-use crate::nn::{Gpt, GptConfig, Module, Recompute};
-use crate::optim::{Adam, AdamConfig, WarmupCosine};
+use crate::nn::{Gpt, GptConfig, Module};
+use crate::optim::{Optimizer, WarmupCosine};
 use crate::tensor::{Device, Generator};
-use crate::train::{MicroBatch, StepReport, Trainer, TrainerConfig, freeze};
+use crate::train::{InBackwardPath, MicroBatch, StepReport, Trainer, TrainerConfig};
 
 /// Everything a run needs; `Default` is the CPU run the README shows.
 #[derive(Clone, Debug)]
@@ -43,12 +45,14 @@ pub struct TrainJob {
     pub lr: f64,
     pub min_lr: f64,
     pub warmup_steps: u64,
-    pub weight_decay: f64,
-    /// Accumulation, clipping, autocast, step-in-backward, zero_grad mode.
+    pub optimizer: OptimizerChoice,
+    /// None: the optimizer's default (`OptimizerChoice::default_weight_decay`).
+    pub weight_decay: Option<f64>,
+    /// SGD's momentum.
+    pub momentum: f64,
+    /// Every memory strategy: accumulation, clipping, autocast, step in backward, zero_grad
+    /// mode, recomputation and freezing; the `Trainer` composes them.
     pub trainer: TrainerConfig,
-    pub recompute: Recompute,
-    /// Name patterns of parameters to freeze (`transformer.h.0.*`).
-    pub freeze: Vec<String>,
     pub device: Device,
     /// Evaluate every this many steps (and at the start and end); 0: only start and end.
     pub eval_every: u64,
@@ -85,10 +89,10 @@ impl Default for TrainJob {
             lr: 2e-3,
             min_lr: 2e-4,
             warmup_steps: 30,
-            weight_decay: 0.1,
+            optimizer: OptimizerChoice::AdamW,
+            weight_decay: None,
+            momentum: 0.9,
             trainer: TrainerConfig::default(),
-            recompute: Recompute::Off,
-            freeze: Vec::new(),
             device: Device::Cpu,
             eval_every: 200,
             eval_batches: 8,
@@ -110,6 +114,8 @@ pub enum Event {
         start_step: u64,
         /// The step's peak as predicted from the sizes before anything was allocated.
         predicted_peak: u64,
+        /// Which step in backward runs (None: the optimizer steps after backward).
+        in_backward: Option<InBackwardPath>,
     },
     Step(StepReport),
     Eval(EvalReport),
@@ -142,6 +148,11 @@ pub struct JobSummary {
     pub tokens_per_s: f64,
     pub seconds: f64,
     pub params: usize,
+    /// The optimizer's name ("AdamW", "SGD").
+    pub optimizer: String,
+    /// How the step in backward ran, in words (absent without it).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub step_in_backward: Option<String>,
     /// max_memory_allocated over the run and the categories at that moment.
     pub peak_bytes: u64,
     /// What `predicted_peak_bytes` said before the run (an estimate that errs high).
@@ -160,17 +171,10 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
     cfg.vocab_size = data.vocab_size();
     cfg.seed = job.seed;
     let mut model = Gpt::new(cfg, job.device)?;
-    model.set_recompute(job.recompute);
-    for pattern in &job.freeze {
-        freeze(&model, pattern)?;
-    }
-    let trainable: Vec<_> = model
-        .parameters()
-        .into_iter()
-        .filter(|p| p.requires_grad())
-        .collect();
-    let optimizer = Adam::adamw(trainable, adam_config(job))?;
-    let mut trainer = Trainer::new(optimizer, trainer_config(job)?, job.device)?;
+    let settings = optimizer_settings(job);
+    let mut trainer = Trainer::for_model(&mut model, trainer_config(job)?, job.device, |p| {
+        JobOptimizer::new(p, &settings)
+    })?;
     let mut data_rng = Generator::new(job.seed ^ 0xDA7A);
     if let Some(path) = &job.resume {
         load_training_state(path, &model, &mut trainer, &mut data_rng, data.tokenizer())?;
@@ -178,10 +182,12 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
     let start_step = trainer.step_index();
     let params = model.config.num_params();
     let predicted_peak = predicted_peak_bytes(job, data.vocab_size());
+    let in_backward = trainer.in_backward_path().cloned();
     on_event(&Event::Started {
         params,
         start_step,
         predicted_peak,
+        in_backward: in_backward.clone(),
     });
     memory::reset_peak_memory_stats(job.device)?;
     let initial_eval = evaluate(&mut model, &data, job, start_step)?;
@@ -258,6 +264,8 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
         tokens_per_s: tokens as f64 / seconds.max(1e-9),
         seconds,
         params,
+        optimizer: trainer.with_optimizer(|o| o.name())?.to_string(),
+        step_in_backward: in_backward.map(|p| p.to_string()),
         peak_bytes,
         predicted_peak_bytes: predicted_peak_bytes(job, data.vocab_size()),
         by_category_at_peak: at_peak.to_map(),
@@ -267,12 +275,14 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
     })
 }
 
-fn adam_config(job: &TrainJob) -> AdamConfig {
-    AdamConfig {
+fn optimizer_settings(job: &TrainJob) -> OptimizerSettings {
+    OptimizerSettings {
+        choice: job.optimizer,
         lr: job.lr,
-        betas: (0.9, 0.99),
-        weight_decay: job.weight_decay,
-        ..AdamConfig::default()
+        weight_decay: job
+            .weight_decay
+            .unwrap_or_else(|| job.optimizer.default_weight_decay()),
+        momentum: job.momentum,
     }
 }
 

@@ -1,8 +1,10 @@
-//! Training state of the main job in one safetensors file: weights (`model.*`), AdamW state
-//! (`optim.{i}.exp_avg`, `optim.{i}.exp_avg_sq`, `optim.{i}.step`), the loss scaler
-//! (`scaler.*`), and in the metadata the step, the model's shape, the vocabulary, which
-//! parameters train, and every random stream (batches, dropout, the default generator) — so a
-//! resumed run continues exactly as if it had never stopped.
+//! Training state of the main job in one safetensors file: weights (`model.*`), the
+//! optimizer's state (AdamW: `optim.{i}.exp_avg`, `optim.{i}.exp_avg_sq`, `optim.{i}.step`;
+//! SGD: `optim.{i}.momentum_buffer`), the loss scaler (`scaler.*`), and in the metadata the
+//! optimizer, the step, the model's shape, the vocabulary, which parameters train, and every
+//! random stream (batches, dropout, the default generator) — so a resumed run continues
+//! exactly as if it had never stopped. A file without an `optimizer` entry is AdamW's (the
+//! only optimizer before SGD was offered).
 //!
 //! Writing is atomic (see `io::save_state`). Reading checks everything — format, model shape,
 //! vocabulary, trainable set, every tensor's shape — before changing anything.
@@ -10,11 +12,12 @@
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
+use super::{JobOptimizer, OptimizerChoice};
 use crate::base::{Error, Result};
 use crate::data::CharTokenizer;
 use crate::io::{load_state, save_state};
 use crate::nn::{Gpt, GptConfig, Module, load_named};
-use crate::optim::{Adam, AdamState, Optimizer};
+use crate::optim::{Adam, AdamState, Optimizer, Sgd};
 use crate::tensor::{Device, Generator, Tensor, get_rng_state, set_rng_state};
 use crate::train::Trainer;
 
@@ -25,7 +28,7 @@ pub const STATE_FORMAT: &str = "ferrograd-train-state-1";
 pub fn save_training_state(
     path: &Path,
     model: &Gpt,
-    trainer: &mut Trainer<Adam>,
+    trainer: &mut Trainer<JobOptimizer>,
     data_rng: &Generator,
     tokenizer: &CharTokenizer,
 ) -> Result<()> {
@@ -43,8 +46,10 @@ pub fn save_training_state(
         .iter()
         .map(|d| rng_string(&d.generator_state()))
         .collect();
+    let choice = trainer.with_optimizer(|o| o.choice())?;
     let meta = BTreeMap::from([
         ("format".to_string(), STATE_FORMAT.to_string()),
+        ("optimizer".to_string(), choice.to_string()),
         ("step".to_string(), trainer.step_index().to_string()),
         ("model".to_string(), to_json(&model.config)?),
         ("vocab".to_string(), tokenizer.vocab()),
@@ -61,7 +66,7 @@ pub fn save_training_state(
 pub fn load_training_state(
     path: &Path,
     model: &Gpt,
-    trainer: &mut Trainer<Adam>,
+    trainer: &mut Trainer<JobOptimizer>,
     data_rng: &mut Generator,
     tokenizer: &CharTokenizer,
 ) -> Result<()> {
@@ -83,6 +88,7 @@ pub fn load_training_state(
             get("format")?
         )));
     }
+    check_optimizer(path, &meta, trainer.with_optimizer(|o| o.choice())?)?;
     let saved: GptConfig = serde_json::from_str(get("model")?)
         .map_err(|e| bad(format!("unreadable model shape: {e}")))?;
     if saved != model.config {
@@ -118,10 +124,10 @@ pub fn load_training_state(
         .iter()
         .filter_map(|(k, t)| k.strip_prefix("model.").map(|n| (n.to_string(), t.clone())))
         .collect();
-    let states = trainer.with_optimizer(|o| adam_states(o, &tensors, device, &bad))??;
+    let states = trainer.with_optimizer(|o| optimizer_states(o, &tensors, device, &bad))??;
     // Everything is checked; from here on the run is overwritten.
     load_named(model, &weights)?;
-    trainer.with_optimizer(|o| states.into_iter().try_for_each(|(i, s)| o.set_state(i, s)))??;
+    trainer.with_optimizer(|o| restore(o, states))??;
     if let Some(s) = trainer.scaler_mut()
         && tensors.keys().any(|k| k.starts_with("scaler."))
     {
@@ -141,7 +147,32 @@ pub fn load_training_state(
     Ok(())
 }
 
-fn optimizer_tensors(o: &mut Adam) -> Result<Vec<(String, Tensor)>> {
+/// A file saved by another optimizer cannot be resumed by this one: its state means nothing
+/// here. Files from before the optimizer was recorded are AdamW's.
+fn check_optimizer(
+    path: &Path,
+    meta: &BTreeMap<String, String>,
+    requested: OptimizerChoice,
+) -> Result<()> {
+    let saved = meta.get("optimizer").map_or("adamw", String::as_str);
+    if saved == requested.to_string() {
+        return Ok(());
+    }
+    Err(Error::OptimizerMismatch {
+        path: path.display().to_string(),
+        saved: saved.to_string(),
+        requested: requested.to_string(),
+    })
+}
+
+fn optimizer_tensors(o: &mut JobOptimizer) -> Result<Vec<(String, Tensor)>> {
+    match o {
+        JobOptimizer::AdamW(a) => adam_tensors(a),
+        JobOptimizer::Sgd(s) => Ok(sgd_tensors(s)),
+    }
+}
+
+fn adam_tensors(o: &Adam) -> Result<Vec<(String, Tensor)>> {
     let mut v = Vec::new();
     for i in 0..o.params().len() {
         if let Some(s) = o.state(i) {
@@ -154,9 +185,74 @@ fn optimizer_tensors(o: &mut Adam) -> Result<Vec<(String, Tensor)>> {
     Ok(v)
 }
 
+fn sgd_tensors(o: &Sgd) -> Vec<(String, Tensor)> {
+    (0..o.params().len())
+        .filter_map(|i| {
+            let b = o.momentum_buffer(i)?;
+            Some((format!("optim.{i}.momentum_buffer"), b.clone()))
+        })
+        .collect()
+}
+
+/// The saved state of either optimizer, checked, ready to restore.
+enum SavedStates {
+    AdamW(Vec<(usize, AdamState)>),
+    Sgd(Vec<(usize, Tensor)>),
+}
+
+fn optimizer_states(
+    o: &mut JobOptimizer,
+    tensors: &HashMap<String, Tensor>,
+    device: Device,
+    bad: &dyn Fn(String) -> Error,
+) -> Result<SavedStates> {
+    Ok(match o {
+        JobOptimizer::AdamW(a) => SavedStates::AdamW(adam_states(a, tensors, device, bad)?),
+        JobOptimizer::Sgd(s) => SavedStates::Sgd(momentum_buffers(s, tensors, bad)?),
+    })
+}
+
+fn restore(o: &mut JobOptimizer, states: SavedStates) -> Result<()> {
+    match (o, states) {
+        (JobOptimizer::AdamW(a), SavedStates::AdamW(v)) => {
+            v.into_iter().try_for_each(|(i, s)| a.set_state(i, s))
+        }
+        (JobOptimizer::Sgd(s), SavedStates::Sgd(v)) => v
+            .into_iter()
+            .try_for_each(|(i, b)| s.set_momentum_buffer(i, &b)),
+        _ => Err(Error::invalid(
+            "load_training_state",
+            "the saved state belongs to another optimizer",
+        )),
+    }
+}
+
+/// Every parameter's saved momentum buffer, checked against the parameter.
+fn momentum_buffers(
+    o: &Sgd,
+    tensors: &HashMap<String, Tensor>,
+    bad: &dyn Fn(String) -> Error,
+) -> Result<Vec<(usize, Tensor)>> {
+    let mut out = Vec::new();
+    for (i, p) in o.params().iter().enumerate() {
+        let Some(b) = tensors.get(&format!("optim.{i}.momentum_buffer")) else {
+            continue;
+        };
+        if b.shape() != p.shape() {
+            return Err(bad(format!(
+                "momentum buffer {i} has shape {:?}, the parameter {:?}",
+                b.shape(),
+                p.shape()
+            )));
+        }
+        out.push((i, b.clone()));
+    }
+    Ok(out)
+}
+
 /// Every parameter's saved AdamW state, checked against the parameter, on its device.
 fn adam_states(
-    o: &mut Adam,
+    o: &Adam,
     tensors: &HashMap<String, Tensor>,
     device: Device,
     bad: &dyn Fn(String) -> Error,

@@ -358,6 +358,11 @@ impl Gpt {
 
 impl Module for Gpt {
     /// ids: I64 (B, T) → logits (B, T, V).
+    fn set_recompute_policy(&mut self, policy: Recompute) -> Result<()> {
+        self.set_recompute(policy);
+        Ok(())
+    }
+
     fn forward(&self, ids: &Tensor) -> Result<Tensor> {
         self.forward_loss(ids, None).map(|(logits, _)| logits)
     }

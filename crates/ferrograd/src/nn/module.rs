@@ -1,6 +1,8 @@
-//! The `Module` trait: a forward pass, named parameters, train/eval mode and freezing.
+//! The `Module` trait: a forward pass, named parameters, train/eval mode, freezing, and the
+//! recomputation policy of models that have one.
 
-use crate::base::Result;
+use super::recompute::Recompute;
+use crate::base::{Error, Result};
 use crate::tensor::Tensor;
 
 pub trait Module: Send {
@@ -30,6 +32,20 @@ pub trait Module: Send {
             p.requires_grad_(requires)?;
         }
         Ok(())
+    }
+
+    /// Chooses which blocks recompute their activations in backward. Modules without blocks
+    /// accept only `Recompute::Off`: any other policy is an error rather than a silent no-op.
+    fn set_recompute_policy(&mut self, policy: Recompute) -> Result<()> {
+        if policy == Recompute::Off {
+            return Ok(());
+        }
+        Err(Error::invalid(
+            "recompute",
+            format!(
+                "this module has no recomputation policy, so '{policy}' cannot apply; recompute a segment with checkpoint_activations instead"
+            ),
+        ))
     }
 
     /// Bytes held by the parameters.

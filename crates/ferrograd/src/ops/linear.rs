@@ -1,10 +1,10 @@
 //! `linear(x, w, b) = x @ wᵀ + b` as one op, like PyTorch's addmm: the bias is added into
 //! the GEMM's output in place, so the forward allocates one (N, out) tensor, not two.
 //! Backward: dx = g @ w, dw = gᵀ @ x, db = Σ_rows g. A leaf weight with a gradient sink
-//! (the fused SGD step) is offered g and x instead, and then gets no dw at all.
+//! (the fused SGD step) is offered dw as the product gᵀ·x instead, and then gets no dw at all.
 
 use super::matmul::matmul_forward;
-use crate::autograd::{SavedTensor, record};
+use crate::autograd::{GradProduct, ProductForm, SavedTensor, record};
 use crate::backend::{BinaryOp, ReduceOp, elementwise};
 use crate::base::{Error, Result};
 use crate::tensor::Tensor;
@@ -108,9 +108,14 @@ impl Tensor {
 
 /// dW = gᵀ·x (g: (N, out), x: (N, in)), unless the weight's gradient sink consumes it.
 fn weight_grad(leaf: Option<&Tensor>, g2: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
+    let product = GradProduct {
+        a: g2,
+        b: x,
+        form: ProductForm::TransposeLeft,
+    };
     if let Some(w) = leaf
         && let Some(sink) = w.usable_grad_sink()
-        && sink.consume_linear_weight(w, g2, x)?
+        && sink.consume_product(w, &product)?
     {
         return Ok(None);
     }

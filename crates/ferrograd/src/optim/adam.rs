@@ -361,6 +361,10 @@ impl Optimizer for Adam {
         &self.params
     }
 
+    fn name(&self) -> &'static str {
+        if self.decoupled { "AdamW" } else { "Adam" }
+    }
+
     fn lr(&self) -> f64 {
         self.cfg.lr
     }

@@ -12,6 +12,7 @@ pub use clip::{clip_grad_norm, clip_grad_value};
 pub use schedule::WarmupCosine;
 pub use sgd::{Sgd, SgdConfig};
 
+use crate::autograd::GradProduct;
 use crate::base::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -22,6 +23,9 @@ pub trait Optimizer {
     /// `step` would apply to it.
     fn step_param(&mut self, index: usize) -> Result<()>;
     fn params(&self) -> &[Tensor];
+
+    /// The optimizer's name in reports: "SGD", "AdamW".
+    fn name(&self) -> &'static str;
 
     /// The learning rate of the next step.
     fn lr(&self) -> f64;
@@ -46,6 +50,46 @@ pub trait Optimizer {
     fn zero_grad(&mut self) -> Result<()> {
         self.zero_grad_with(true)
     }
+
+    // The gradient-free step: an optimizer whose update is linear in the gradient can take
+    // each gradient contribution straight into its state, so no gradient is ever made.
+    // `StepInBackward::install_fused` drives these; the defaults say "not supported".
+
+    /// What makes this optimizer's step gradient-free, for reports ("SGD momentum"), or
+    /// None when it is not (then the three methods below are never called).
+    fn gradient_free(&self) -> Option<&'static str> {
+        None
+    }
+
+    /// Adds a gradient contribution of parameter `index`, offered as a product, into the
+    /// state; `first` marks the step's first contribution. False, touching nothing, when
+    /// the product does not fit (the caller then makes an ordinary gradient).
+    fn accumulate_product(
+        &mut self,
+        _index: usize,
+        _product: &GradProduct<'_>,
+        _first: bool,
+    ) -> Result<bool> {
+        Ok(false)
+    }
+
+    /// Adds an ordinary gradient of parameter `index` into the state, after at least one
+    /// product of the same step was accumulated.
+    fn accumulate_gradient(&mut self, _index: usize, _grad: &Tensor) -> Result<()> {
+        Err(no_gradient_free_step(self.name()))
+    }
+
+    /// Updates parameter `index` from what its step accumulated.
+    fn apply_accumulated(&mut self, _index: usize) -> Result<()> {
+        Err(no_gradient_free_step(self.name()))
+    }
+}
+
+fn no_gradient_free_step(name: &'static str) -> Error {
+    Error::invalid(
+        name,
+        "this optimizer has no gradient-free step; use the per-parameter step instead",
+    )
 }
 
 /// A learning rate must be a non-negative number (infinity is left to the caller).

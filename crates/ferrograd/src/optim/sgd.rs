@@ -9,11 +9,12 @@
 //! Momentum buffers are created at the first step and count as optimizer state.
 //!
 //! With plain momentum (no dampening, Nesterov or weight decay) the step is linear in the
-//! gradient, so a linear layer's weight gradient gᵀ·x can be written by its GEMM straight
-//! into the momentum buffer (`accumulate_linear`, used by `StepInBackward::install_fused`).
+//! gradient, so a weight gradient offered as a product (a linear layer's gᵀ·x) can be written
+//! by its GEMM straight into the momentum buffer (`accumulate_product`, reached through the
+//! `Optimizer` trait by `StepInBackward::install_fused`).
 
 use super::{Optimizer, check_lr};
-use crate::autograd::no_grad;
+use crate::autograd::{GradProduct, no_grad};
 use crate::backend::optim::{self, SgdStep};
 use crate::base::{Error, Result};
 use crate::memory::Category;
@@ -78,6 +79,32 @@ impl Sgd {
         self.momentum_buffers.get(i).and_then(Option::as_ref)
     }
 
+    /// Restores the momentum buffer of parameter `i` (saved training state): copied onto the
+    /// parameter's device and dtype, counted as optimizer state.
+    pub fn set_momentum_buffer(&mut self, i: usize, buf: &Tensor) -> Result<()> {
+        let p = self.params.get(i).ok_or_else(|| {
+            Error::invalid(
+                "SGD",
+                format!("no parameter {i} to restore a momentum buffer for"),
+            )
+        })?;
+        if buf.shape() != p.shape() {
+            return Err(Error::shape(
+                "SGD",
+                format!(
+                    "momentum buffer {:?} does not match parameter {i} {:?}",
+                    buf.shape(),
+                    p.shape()
+                ),
+            ));
+        }
+        let _g = no_grad();
+        let b = momentum_buffer_like(p)?;
+        b.copy_(&buf.to_dtype(p.dtype())?.to_device(p.device())?)?;
+        self.momentum_buffers[i] = Some(b);
+        Ok(())
+    }
+
     /// Whether the step is plain momentum (momentum > 0; no dampening, Nesterov or weight
     /// decay): linear in the gradient, so weight gradients can be fused into the buffer.
     pub fn fusable(&self) -> bool {
@@ -85,26 +112,22 @@ impl Sgd {
         c.momentum > 0.0 && c.dampening == 0.0 && !c.nesterov && c.weight_decay == 0.0
     }
 
-    /// buf_i ← beta·buf_i + gᵀ·x for parameter i (out, in), g: (N, out), x: (N, in), in one
-    /// GEMM: `first` (the step's first contribution) uses beta = μ, or writes a fresh buffer
-    /// (PyTorch's buf = clone(g)); later contributions of the same step add (beta = 1).
-    /// False, touching nothing, when the factors do not fit the parameter or it cannot fuse.
-    pub(crate) fn accumulate_linear(
+    /// buf_i ← beta·buf_i + the product, for parameter i, in one GEMM: `first` (the step's
+    /// first contribution) uses beta = μ, or writes a fresh buffer (PyTorch's buf = clone(g));
+    /// later contributions of the same step add (beta = 1). False, touching nothing, when the
+    /// product does not fit the parameter or the step cannot fuse.
+    pub(crate) fn accumulate_product(
         &mut self,
         i: usize,
-        g: &Tensor,
-        x: &Tensor,
+        product: &GradProduct<'_>,
         first: bool,
     ) -> Result<bool> {
         let Some(p) = self.params.get(i) else {
             return Ok(false);
         };
         let fits = self.fusable()
-            && g.dims() == 2
-            && x.dims() == 2
-            && g.shape()[0] == x.shape()[0]
-            && p.shape() == [g.shape()[1], x.shape()[1]]
-            && [g, x]
+            && product.shape().is_some_and(|s| p.shape() == s)
+            && [product.a, product.b]
                 .iter()
                 .all(|t| t.dtype() == p.dtype() && t.device() == p.device());
         if !fits {
@@ -126,7 +149,8 @@ impl Sgd {
                 ));
             }
         };
-        crate::ops::matmul_acc_into(&g.t_view()?, x, &buf, beta)?;
+        let (lhs, rhs) = product.operands()?;
+        crate::ops::matmul_acc_into(&lhs, &rhs, &buf, beta)?;
         Ok(true)
     }
 
@@ -231,6 +255,31 @@ impl Optimizer for Sgd {
 
     fn params(&self) -> &[Tensor] {
         &self.params
+    }
+
+    fn name(&self) -> &'static str {
+        "SGD"
+    }
+
+    fn gradient_free(&self) -> Option<&'static str> {
+        self.fusable().then_some("SGD momentum")
+    }
+
+    fn accumulate_product(
+        &mut self,
+        index: usize,
+        product: &GradProduct<'_>,
+        first: bool,
+    ) -> Result<bool> {
+        Sgd::accumulate_product(self, index, product, first)
+    }
+
+    fn accumulate_gradient(&mut self, index: usize, grad: &Tensor) -> Result<()> {
+        self.accumulate_grad(index, grad)
+    }
+
+    fn apply_accumulated(&mut self, index: usize) -> Result<()> {
+        self.apply_buffer(index)
     }
 
     fn lr(&self) -> f64 {

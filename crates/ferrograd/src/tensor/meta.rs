@@ -1,5 +1,5 @@
 //! Per-tensor autograd state: `requires_grad` (leaves), `grad_fn` (non-leaves), the `.grad`
-//! slot, retain_grad, hooks, and an optional gradient sink (a leaf whose weight gradients
+//! slot, retain_grad, hooks, and an optional gradient sink (a leaf whose gradient products
 //! are consumed by an optimizer as they are produced, so no `.grad` is ever made for them).
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -7,21 +7,81 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use super::node::Node;
 use super::{Tensor, TensorImpl};
-use crate::base::Result;
+use crate::base::Layout;
+use crate::base::{Error, Result};
 
 /// Runs on a tensor's gradient during backward; may return a replacement.
 pub type TensorHook = Box<dyn Fn(&Tensor) -> Result<Option<Tensor>> + Send + Sync>;
 /// Runs on a leaf after its gradient was accumulated into `.grad` (the leaf is passed).
 pub type PostAccumulateHook = Box<dyn FnMut(&Tensor) -> Result<()> + Send>;
 
+/// How the two factors of a `GradProduct` multiply into the gradient.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ProductForm {
+    /// dW = aᵀ·b, with a: (N, m), b: (N, n): the weight of y = x·Wᵀ (a = g, b = x), or of
+    /// y = x·W (a = x, b = g).
+    TransposeLeft,
+    /// dW = a·bᵀ, with a: (m, N), b: (n, N): the left factor of y = W·x (a = g, b = x).
+    TransposeRight,
+}
+
+/// A leaf's gradient contribution offered as two factors that are not yet multiplied, so a
+/// consumer can fold the product into a GEMM of its own choosing (one with beta = 1 into an
+/// optimizer buffer, say) instead of materialising it.
+#[derive(Clone, Copy, Debug)]
+pub struct GradProduct<'a> {
+    pub a: &'a Tensor,
+    pub b: &'a Tensor,
+    pub form: ProductForm,
+}
+
+impl GradProduct<'_> {
+    /// The shape of the gradient the product stands for; None when the factors are not 2-D
+    /// or their shared (summed) dimension differs.
+    pub fn shape(&self) -> Option<[usize; 2]> {
+        let (a, b) = (self.a.shape(), self.b.shape());
+        if a.len() != 2 || b.len() != 2 {
+            return None;
+        }
+        match self.form {
+            ProductForm::TransposeLeft => (a[0] == b[0]).then_some([a[1], b[1]]),
+            ProductForm::TransposeRight => (a[1] == b[1]).then_some([a[0], b[0]]),
+        }
+    }
+
+    /// The GEMM operands (lhs, rhs) with lhs·rhs = the gradient; transposes are views.
+    pub fn operands(&self) -> Result<(Tensor, Tensor)> {
+        if self.shape().is_none() {
+            return Err(Error::shape(
+                "GradProduct",
+                format!(
+                    "factors {:?} and {:?} do not form a {:?} product",
+                    self.a.shape(),
+                    self.b.shape(),
+                    self.form
+                ),
+            ));
+        }
+        let t = |x: &Tensor| -> Result<Tensor> { Ok(x.with_layout(transposed(x.layout())?)) };
+        Ok(match self.form {
+            ProductForm::TransposeLeft => (t(self.a)?, self.b.clone()),
+            ProductForm::TransposeRight => (self.a.clone(), t(self.b)?),
+        })
+    }
+}
+
+fn transposed(l: &Layout) -> Result<Layout> {
+    l.permute(&[1, 0])
+}
+
 /// Takes a leaf's gradient contributions in a factored form instead of a `.grad`: an op
-/// whose gradient for the leaf is a product (linear's dW = gᵀ·x) offers the factors, and the
-/// sink may apply them directly (e.g. one GEMM into an optimizer's momentum buffer).
+/// whose gradient for the leaf is a product of two tensors it already holds offers the
+/// factors, and the sink may apply them directly (e.g. one GEMM into an optimizer's buffer).
 pub trait GradSink: Send + Sync {
-    /// Offered the weight gradient gᵀ·x of `linear` for `param` (out, in), with
-    /// g: (N, out) and x: (N, in). True: consumed, no gradient is produced for `param`.
-    /// False: the op computes the gradient as usual.
-    fn consume_linear_weight(&self, param: &Tensor, g: &Tensor, x: &Tensor) -> Result<bool>;
+    /// Offered a gradient contribution for `param` as a product of two factors. True:
+    /// consumed, the op produces no gradient for `param`. False: the op computes the
+    /// gradient as usual.
+    fn consume_product(&self, param: &Tensor, product: &GradProduct<'_>) -> Result<bool>;
     /// Runs when `param` has received every contribution of the current backward (after
     /// any ordinary gradient was accumulated into `.grad` and its post-accumulate hooks ran).
     fn finish(&self, param: &Tensor) -> Result<()>;

@@ -12,7 +12,7 @@ pub use crate::base::{DType, Device, Layout, broadcast_shape, contiguous_strides
 pub(crate) use checks::{check_float, check_pair, check_same_device};
 pub use create::HostElem;
 pub(crate) use meta::run_hooks;
-pub use meta::{AutogradMeta, GradSink, PostAccumulateHook, TensorHook};
+pub use meta::{AutogradMeta, GradProduct, GradSink, PostAccumulateHook, ProductForm, TensorHook};
 pub(crate) use node::InputMeta;
 pub use node::{BackwardFn, Edge, Node};
 pub(crate) use random::with_default;
@@ -217,7 +217,7 @@ impl Tensor {
         Ok(())
     }
     /// Sets (or with None removes) this leaf's gradient sink: ops that can offer their
-    /// gradient for it in factored form (linear's weight) hand it to the sink instead.
+    /// gradient for it as a product of two factors hand the factors to the sink instead.
     pub fn set_grad_sink(&self, sink: Option<Arc<dyn GradSink>>) -> Result<()> {
         if sink.is_some() && (!self.is_leaf() || !self.requires_grad()) {
             return Err(Error::autograd(

@@ -1,21 +1,25 @@
-//! The `Trainer`: every memory strategy composed in one readable training step.
+//! The `Trainer`: every memory strategy composed in one readable training step. Each strategy
+//! lives in its own file; the Trainer only puts them in order.
 //!
-//!   for each micro-batch:  loss = forward (under autocast)  →  backward(scale(loss / N))
-//!   (all-reduce of gradients across devices goes here)
-//!   unscale  →  clip  →  step (skipped on inf/NaN)  →  update scale  →  zero_grad
+//!   built once:  recompute policy on the model  →  freeze by name  →  optimizer over what
+//!                still trains  →  step in backward (gradient-free where the optimizer allows)
+//!   each step:   accumulate (forward under autocast → backward(scale(loss / N)), per
+//!                micro-batch)  →  (all-reduce of gradients across devices goes here)
+//!                →  unscale  →  clip  →  step (skipped on inf/NaN)  →  update scale  →  zero_grad
 //!
 //! With `step_in_backward` the optimizer runs inside backward, parameter by parameter, so the
-//! second line is empty: that rules out what needs every gradient first (accumulation over
-//! micro-batches, global-norm clipping, a GradScaler's skip decision) — such combinations are
-//! refused when the trainer is built, with the reason.
+//! second half of a step is empty: that rules out what needs every gradient first (accumulation
+//! over micro-batches, global-norm clipping, a GradScaler's skip decision) — such combinations
+//! are refused when the trainer is built, with the reason.
 
 use std::time::Instant;
 
-use super::GradScaler;
-use super::StepInBackward;
-use crate::amp::{AmpDType, try_autocast};
+use super::accumulate::{Accumulation, MicroBatch, accumulate};
+use super::{GradScaler, InBackwardPath, StepInBackward, freeze};
+use crate::amp::AmpDType;
 use crate::base::{Error, Result};
 use crate::memory::{self, CategoryBytes};
+use crate::nn::{Module, Recompute};
 use crate::optim::{Optimizer, WarmupCosine, clip_grad_norm};
 use crate::tensor::{DType, Device, Tensor};
 
@@ -35,6 +39,12 @@ pub struct TrainerConfig {
     pub set_to_none: bool,
     /// The learning rate for each step; without it the optimizer's rate stays.
     pub schedule: Option<WarmupCosine>,
+    /// Which blocks of the model recompute their activations in backward
+    /// (`Trainer::for_model` sets it on the model).
+    pub recompute: Recompute,
+    /// Name patterns of parameters to freeze (`transformer.h.0.*`; `Trainer::for_model`
+    /// freezes them before the optimizer is built over what still trains).
+    pub freeze: Vec<String>,
 }
 
 impl Default for TrainerConfig {
@@ -46,6 +56,8 @@ impl Default for TrainerConfig {
             step_in_backward: false,
             set_to_none: true,
             schedule: None,
+            recompute: Recompute::Off,
+            freeze: Vec::new(),
         }
     }
 }
@@ -88,16 +100,16 @@ impl TrainerConfig {
         Ok(())
     }
 
+    /// Whether the config changes the model (recompute or freeze), so the trainer must be
+    /// built with `Trainer::for_model`.
+    pub fn touches_the_model(&self) -> bool {
+        self.recompute != Recompute::Off || !self.freeze.is_empty()
+    }
+
     /// Whether steps go through a GradScaler (f16 autocast).
     pub fn uses_scaler(&self) -> bool {
         self.amp == Some(DType::F16)
     }
-}
-
-/// The loss of one micro-batch and how many tokens (or samples) it covered.
-pub struct MicroBatch {
-    pub loss: Tensor,
-    pub tokens: usize,
 }
 
 /// What one step did, for logs and progress bars.
@@ -114,6 +126,8 @@ pub struct StepReport {
     pub stepped: bool,
     /// The loss scale after this step's update (f16 only).
     pub scale: Option<f64>,
+    /// Which step in backward ran (None: the optimizer stepped after backward).
+    pub in_backward: Option<InBackwardPath>,
     pub tokens: usize,
     pub seconds: f64,
     pub memory_allocated: u64,
@@ -170,11 +184,46 @@ pub struct Trainer<O: Optimizer + Send + 'static> {
 
 impl<O: Optimizer + Send + 'static> Trainer<O> {
     /// A trainer for the parameters of `optimizer`, whose memory is reported for `device`.
+    /// A config with a recomputation policy or freeze patterns needs the model: use
+    /// `Trainer::for_model`.
     pub fn new(optimizer: O, config: TrainerConfig, device: Device) -> Result<Trainer<O>> {
+        if config.touches_the_model() {
+            return Err(Error::invalid(
+                "Trainer",
+                "recompute and freeze act on the model: build the trainer with Trainer::for_model",
+            ));
+        }
+        Self::build(optimizer, config, device)
+    }
+
+    /// Composes every strategy of `config` around `model`: sets its recomputation policy,
+    /// freezes the parameters matching `config.freeze`, builds the optimizer over the
+    /// parameters that still train (`optimizer_for`), and installs the step in backward.
+    pub fn for_model(
+        model: &mut dyn Module,
+        config: TrainerConfig,
+        device: Device,
+        optimizer_for: impl FnOnce(Vec<Tensor>) -> Result<O>,
+    ) -> Result<Trainer<O>> {
+        config.validate()?;
+        model.set_recompute_policy(config.recompute)?;
+        for pattern in &config.freeze {
+            freeze(&*model, pattern)?;
+        }
+        let trainable: Vec<Tensor> = model
+            .parameters()
+            .into_iter()
+            .filter(Tensor::requires_grad)
+            .collect();
+        Self::build(optimizer_for(trainable)?, config, device)
+    }
+
+    fn build(optimizer: O, config: TrainerConfig, device: Device) -> Result<Trainer<O>> {
         config.validate()?;
         let scaler = config.uses_scaler().then(GradScaler::new);
         let stepper = if config.step_in_backward {
-            Stepper::InBackward(StepInBackward::install(optimizer)?)
+            // The gradient-free path where the optimizer allows it, else per-parameter hooks.
+            Stepper::InBackward(StepInBackward::install_fused(optimizer)?)
         } else {
             Stepper::AfterBackward(optimizer)
         };
@@ -189,6 +238,14 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
 
     pub fn config(&self) -> &TrainerConfig {
         &self.config
+    }
+
+    /// Which step in backward runs (None: the optimizer steps after backward).
+    pub fn in_backward_path(&self) -> Option<&InBackwardPath> {
+        match &self.stepper {
+            Stepper::AfterBackward(_) => None,
+            Stepper::InBackward(s) => Some(s.path()),
+        }
     }
 
     /// The index of the next step.
@@ -219,41 +276,27 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
 
     /// One optimizer step over `config.accum` micro-batches: `loss_of(i)` runs the forward of
     /// micro-batch i (under autocast when configured) and returns its loss.
-    pub fn step(
-        &mut self,
-        mut loss_of: impl FnMut(usize) -> Result<MicroBatch>,
-    ) -> Result<StepReport> {
+    pub fn step(&mut self, loss_of: impl FnMut(usize) -> Result<MicroBatch>) -> Result<StepReport> {
         let start = Instant::now();
         let lr = self.set_scheduled_lr()?;
-        let n = self.config.accum;
-        let (mut loss_sum, mut tokens) = (0.0, 0usize);
-        for i in 0..n {
-            let micro = {
-                let _amp = self.config.amp.map(try_autocast).transpose()?;
-                loss_of(i)?
-            };
-            check_scalar(&micro.loss)?;
-            loss_sum += micro.loss.item()?;
-            tokens += micro.tokens;
-            let loss = micro.loss.mul_scalar(1.0 / n as f64)?;
-            let loss = match &self.scaler {
-                Some(s) => s.scale(&loss)?,
-                None => loss,
-            };
-            // Frees micro-batch i's graph and activations before micro-batch i+1 runs.
-            loss.backward()?;
-        }
+        let how = Accumulation {
+            micro_batches: self.config.accum,
+            amp: self.config.amp,
+            scaler: self.scaler.as_ref(),
+        };
+        let done = accumulate(&how, loss_of)?;
         // Gradients would be all-reduced across data-parallel ranks here.
         let (grad_norm, stepped) = self.finish_step()?;
         crate::backend::synchronize(self.device)?;
         let report = StepReport {
             step: self.step,
-            loss: loss_sum / n as f64,
+            loss: done.mean_loss,
             lr,
             grad_norm,
             stepped,
             scale: self.scaler.as_ref().map(GradScaler::get_scale),
-            tokens,
+            in_backward: self.in_backward_path().cloned(),
+            tokens: done.tokens,
             seconds: start.elapsed().as_secs_f64(),
             memory_allocated: memory::memory_allocated(self.device)?,
             max_memory_allocated: memory::max_memory_allocated(self.device)?,
@@ -306,17 +349,4 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
     pub fn by_category_at_peak(&self) -> Result<CategoryBytes> {
         Ok(memory::allocator(self.device)?.by_category_at_peak())
     }
-}
-
-fn check_scalar(loss: &Tensor) -> Result<()> {
-    if loss.numel() != 1 {
-        return Err(Error::shape(
-            "Trainer",
-            format!(
-                "the micro-batch loss must be a scalar, got shape {:?}",
-                loss.shape()
-            ),
-        ));
-    }
-    Ok(())
 }

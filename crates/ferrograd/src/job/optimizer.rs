@@ -1,0 +1,169 @@
+//! The main job's optimizer: AdamW (the default) or SGD with momentum, chosen by
+//! `--optimizer`, behind one type so the `Trainer`, the step in backward and the saved state
+//! handle both.
+
+use std::str::FromStr;
+
+use crate::autograd::GradProduct;
+use crate::base::{Error, Result};
+use crate::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
+use crate::tensor::Tensor;
+
+/// Which optimizer a run uses.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OptimizerChoice {
+    /// AdamW with betas (0.9, 0.99).
+    #[default]
+    AdamW,
+    /// SGD with momentum (plain momentum: its step in backward is gradient-free).
+    Sgd,
+}
+
+impl OptimizerChoice {
+    /// The weight decay when none is given: AdamW's decoupled 0.1; none for SGD (its L2 term
+    /// would make the step in backward fall back to per-parameter hooks).
+    pub fn default_weight_decay(self) -> f64 {
+        match self {
+            OptimizerChoice::AdamW => 0.1,
+            OptimizerChoice::Sgd => 0.0,
+        }
+    }
+}
+
+impl FromStr for OptimizerChoice {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<OptimizerChoice> {
+        match s {
+            "adamw" => Ok(OptimizerChoice::AdamW),
+            "sgd" => Ok(OptimizerChoice::Sgd),
+            _ => Err(Error::invalid(
+                "optimizer",
+                format!("unknown optimizer '{s}': use 'adamw' or 'sgd'"),
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for OptimizerChoice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            OptimizerChoice::AdamW => write!(f, "adamw"),
+            OptimizerChoice::Sgd => write!(f, "sgd"),
+        }
+    }
+}
+
+/// The optimizer of a run: every `Optimizer` call goes to the chosen one.
+pub enum JobOptimizer {
+    AdamW(Adam),
+    Sgd(Sgd),
+}
+
+/// The settings a run's optimizer is built from.
+#[derive(Clone, Copy, Debug)]
+pub struct OptimizerSettings {
+    pub choice: OptimizerChoice,
+    pub lr: f64,
+    pub weight_decay: f64,
+    /// SGD's momentum (AdamW ignores it).
+    pub momentum: f64,
+}
+
+impl JobOptimizer {
+    /// The chosen optimizer over `params`.
+    pub fn new(params: Vec<Tensor>, s: &OptimizerSettings) -> Result<JobOptimizer> {
+        Ok(match s.choice {
+            OptimizerChoice::AdamW => {
+                let cfg = AdamConfig {
+                    lr: s.lr,
+                    betas: (0.9, 0.99),
+                    weight_decay: s.weight_decay,
+                    ..AdamConfig::default()
+                };
+                JobOptimizer::AdamW(Adam::adamw(params, cfg)?)
+            }
+            OptimizerChoice::Sgd => {
+                let cfg = SgdConfig {
+                    lr: s.lr,
+                    momentum: s.momentum,
+                    weight_decay: s.weight_decay,
+                    ..SgdConfig::default()
+                };
+                JobOptimizer::Sgd(Sgd::new(params, cfg)?)
+            }
+        })
+    }
+
+    pub fn choice(&self) -> OptimizerChoice {
+        match self {
+            JobOptimizer::AdamW(_) => OptimizerChoice::AdamW,
+            JobOptimizer::Sgd(_) => OptimizerChoice::Sgd,
+        }
+    }
+
+    fn inner(&self) -> &dyn Optimizer {
+        match self {
+            JobOptimizer::AdamW(o) => o,
+            JobOptimizer::Sgd(o) => o,
+        }
+    }
+
+    fn inner_mut(&mut self) -> &mut dyn Optimizer {
+        match self {
+            JobOptimizer::AdamW(o) => o,
+            JobOptimizer::Sgd(o) => o,
+        }
+    }
+}
+
+impl Optimizer for JobOptimizer {
+    fn step(&mut self) -> Result<()> {
+        self.inner_mut().step()
+    }
+
+    fn step_param(&mut self, index: usize) -> Result<()> {
+        self.inner_mut().step_param(index)
+    }
+
+    fn params(&self) -> &[Tensor] {
+        self.inner().params()
+    }
+
+    fn name(&self) -> &'static str {
+        self.inner().name()
+    }
+
+    fn lr(&self) -> f64 {
+        self.inner().lr()
+    }
+
+    fn set_lr(&mut self, lr: f64) -> Result<()> {
+        self.inner_mut().set_lr(lr)
+    }
+
+    fn zero_grad_with(&mut self, set_to_none: bool) -> Result<()> {
+        self.inner_mut().zero_grad_with(set_to_none)
+    }
+
+    fn gradient_free(&self) -> Option<&'static str> {
+        self.inner().gradient_free()
+    }
+
+    fn accumulate_product(
+        &mut self,
+        index: usize,
+        product: &GradProduct<'_>,
+        first: bool,
+    ) -> Result<bool> {
+        self.inner_mut().accumulate_product(index, product, first)
+    }
+
+    fn accumulate_gradient(&mut self, index: usize, grad: &Tensor) -> Result<()> {
+        self.inner_mut().accumulate_gradient(index, grad)
+    }
+
+    fn apply_accumulated(&mut self, index: usize) -> Result<()> {
+        self.inner_mut().apply_accumulated(index)
+    }
+}
