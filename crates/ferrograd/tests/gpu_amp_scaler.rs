@@ -8,7 +8,7 @@
 
 mod common;
 
-use common::assert_close;
+use common::{assert_close, on};
 use ferrograd::backend::Storage;
 use ferrograd::backend::optim::{UnscaleCheck, unscale_check};
 use ferrograd::optim::{Optimizer, Sgd, SgdConfig};
@@ -25,12 +25,6 @@ fn randn(shape: &[usize], dtype: DType, seed: u64) -> Tensor {
         .unwrap()
         .to_dtype(dtype)
         .unwrap()
-}
-
-fn on(t: &Tensor, device: Device) -> Tensor {
-    t.to_device(device)
-        .unwrap_or_else(|e| panic!("these tests need a CUDA device (cuda:0): {e}"))
-        .detach()
 }
 
 /// Gradient sizes: one element, exactly one 4096-element chunk, one past it, several chunks

@@ -11,9 +11,9 @@ mod common;
 
 use std::sync::RwLock;
 
-use common::assert_close;
+use common::{assert_close, regression_steps};
 use ferrograd::backend::cuda::set_allow_tf32;
-use ferrograd::optim::{Optimizer, Sgd, SgdConfig};
+use ferrograd::optim::{Sgd, SgdConfig};
 use ferrograd::{Category, DType, Device, Error, Generator, Result, Tensor, memory};
 
 const GPU: Device = Device::Cuda(0);
@@ -519,16 +519,7 @@ fn sgd_run(device: Device, cfg: &SgdConfig) -> Vec<Tensor> {
         randn(&[32, 8], 63).to_device(device).unwrap(),
     );
     let mut opt = Sgd::new(params.clone(), cfg.clone()).unwrap();
-    for _ in 0..3 {
-        opt.zero_grad().unwrap();
-        let loss = x
-            .linear(&params[0], Some(&params[1]))
-            .unwrap()
-            .mse_loss(&y)
-            .unwrap();
-        loss.backward().unwrap();
-        opt.step().unwrap();
-    }
+    regression_steps(&params, &x, &y, &mut opt);
     let mut out: Vec<Tensor> = params.iter().map(|p| on_cpu(&p.detach())).collect();
     out.extend((0..2).filter_map(|i| opt.momentum_buffer(i)).map(on_cpu));
     out

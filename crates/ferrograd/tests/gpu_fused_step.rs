@@ -8,10 +8,10 @@
 use std::sync::Mutex;
 
 mod fused_nets;
-use fused_nets::{Net, loss_of};
+use fused_nets::{Net, data_as, loss_of, momentum_cfg};
 
 use ferrograd::nn::{Linear, Module};
-use ferrograd::optim::{Optimizer, Sgd, SgdConfig};
+use ferrograd::optim::{Optimizer, Sgd};
 use ferrograd::train::StepInBackward;
 use ferrograd::{DType, Device, Generator, Tensor, memory};
 
@@ -38,25 +38,6 @@ fn layers(d: usize, device: Device) -> Vec<Tensor> {
         .collect()
 }
 
-fn data(b: usize, d: usize, device: Device) -> (Tensor, Tensor) {
-    let mut g = Generator::new(1);
-    let mut t = || {
-        Tensor::randn_with(&[b, d], DType::F32, CPU, &mut g)
-            .unwrap()
-            .to_device(device)
-            .unwrap()
-    };
-    (t(), t())
-}
-
-fn cfg() -> SgdConfig {
-    SgdConfig {
-        lr: 0.05,
-        momentum: 0.9,
-        ..Default::default()
-    }
-}
-
 fn host(ps: &[Tensor]) -> Vec<Vec<f32>> {
     ps.iter().map(|p| p.to_vec::<f32>().unwrap()).collect()
 }
@@ -67,16 +48,17 @@ fn fused_sgd_on_cuda_matches_the_ordinary_cpu_step() {
     let (d, b) = (96, 24);
     for net in [Net::Mlp, Net::SharedWeight, Net::MixedUse] {
         let ps = layers(d, CPU);
-        let (x, y) = data(b, d, CPU);
-        let mut opt = Sgd::new(ps.clone(), cfg()).unwrap();
+        let (x, y) = data_as(b, d, DType::F32, CPU);
+        let mut opt = Sgd::new(ps.clone(), momentum_cfg()).unwrap();
         for _ in 0..3 {
             loss_of(net, &ps, &x, &y).backward().unwrap();
             opt.step().unwrap();
             opt.zero_grad().unwrap();
         }
         let qs = layers(d, GPU);
-        let (gx, gy) = data(b, d, GPU);
-        let sib = StepInBackward::install_fused(Sgd::new(qs.clone(), cfg()).unwrap()).unwrap();
+        let (gx, gy) = data_as(b, d, DType::F32, GPU);
+        let sib =
+            StepInBackward::install_fused(Sgd::new(qs.clone(), momentum_cfg()).unwrap()).unwrap();
         for _ in 0..3 {
             loss_of(net, &qs, &gx, &gy).backward().unwrap();
             assert!(qs.iter().all(|p| p.grad().is_none()), "{net:?}");
@@ -108,8 +90,8 @@ fn fused_sgd_on_cuda_matches_the_ordinary_cpu_step() {
 /// The backward peak of the 3rd step under `install` or `install_fused`, on the GPU.
 fn gpu_peak(fused: bool, d: usize, b: usize) -> u64 {
     let ps = layers(d, GPU);
-    let (x, y) = data(b, d, GPU);
-    let opt = Sgd::new(ps.clone(), cfg()).unwrap();
+    let (x, y) = data_as(b, d, DType::F32, GPU);
+    let opt = Sgd::new(ps.clone(), momentum_cfg()).unwrap();
     let _sib = if fused {
         StepInBackward::install_fused(opt).unwrap()
     } else {

@@ -7,7 +7,7 @@
 
 mod common;
 
-use common::assert_close;
+use common::{assert_close, on, regression_steps};
 use ferrograd::optim::{Adam, AdamConfig, Optimizer, clip_grad_norm, clip_grad_value};
 use ferrograd::{Category, DType, Device, Generator, Tensor};
 
@@ -19,12 +19,6 @@ fn randn(shape: &[usize], dtype: DType, seed: u64) -> Tensor {
         .unwrap()
         .to_dtype(dtype)
         .unwrap()
-}
-
-fn on(t: &Tensor, device: Device) -> Tensor {
-    t.to_device(device)
-        .unwrap_or_else(|e| panic!("these tests need a CUDA device (cuda:0): {e}"))
-        .detach()
 }
 
 /// Parameter shapes: several chunks (4096 elements each in the kernel), exactly one chunk, a
@@ -177,16 +171,7 @@ fn train(device: Device) -> Vec<Tensor> {
         on(&randn(&[32, 8], DType::F32, 63), device),
     );
     let mut opt = Adam::adamw(params.clone(), AdamConfig::adamw_default()).unwrap();
-    for _ in 0..3 {
-        opt.zero_grad().unwrap();
-        let loss = x
-            .linear(&params[0], Some(&params[1]))
-            .unwrap()
-            .mse_loss(&y)
-            .unwrap();
-        loss.backward().unwrap();
-        opt.step().unwrap();
-    }
+    regression_steps(&params, &x, &y, &mut opt);
     params.iter().map(|p| on(p, CPU)).collect()
 }
 

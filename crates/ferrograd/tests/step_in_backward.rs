@@ -6,7 +6,7 @@
 use std::sync::Mutex;
 
 mod fused_nets;
-use fused_nets::{Net, loss_of};
+use fused_nets::{Net, data_as, loss_of, momentum_cfg};
 
 use ferrograd::nn::{Linear, Module, Relu, Sequential};
 use ferrograd::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
@@ -22,14 +22,6 @@ fn model(d: usize) -> Sequential {
         .push(Linear::new(d, d, true, CPU, &mut g).unwrap())
         .push(Relu)
         .push(Linear::new(d, d, true, CPU, &mut g).unwrap())
-}
-
-fn data(b: usize, d: usize) -> (Tensor, Tensor) {
-    let mut g = Generator::new(1);
-    (
-        Tensor::randn_with(&[b, d], DType::F32, CPU, &mut g).unwrap(),
-        Tensor::randn_with(&[b, d], DType::F32, CPU, &mut g).unwrap(),
-    )
 }
 
 fn values(m: &Sequential) -> Vec<Vec<f32>> {
@@ -83,7 +75,7 @@ fn in_backward<O: Optimizer + Send + 'static>(
 fn sgd_momentum_matches_the_ordinary_step_and_lowers_the_peak() {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let (d, b) = (128, 16);
-    let (x, y) = data(b, d);
+    let (x, y) = data_as(b, d, DType::F32, CPU);
     let cfg = SgdConfig {
         lr: 0.05,
         momentum: 0.9,
@@ -109,7 +101,7 @@ fn sgd_momentum_matches_the_ordinary_step_and_lowers_the_peak() {
 fn adamw_matches_the_ordinary_step() {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let (d, b) = (64, 8);
-    let (x, y) = data(b, d);
+    let (x, y) = data_as(b, d, DType::F32, CPU);
     let cfg = AdamConfig::adamw_default();
     let (m1, m2) = (model(d), model(d));
     let (want, _) = ordinary(
@@ -129,7 +121,7 @@ fn accumulation_matches_one_large_batch_with_a_smaller_peak() {
     use ferrograd::train::accumulate_gradients;
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let (d, b, n) = (32, 256, 4);
-    let (x, y) = data(b, d);
+    let (x, y) = data_as(b, d, DType::F32, CPU);
     let grads = |m: &Sequential| -> Vec<Vec<f32>> {
         m.parameters()
             .iter()
@@ -195,22 +187,6 @@ fn layers(d: usize, dtype: DType, device: Device) -> Vec<Tensor> {
         ps.extend(l.parameters());
     }
     ps
-}
-
-fn data_as(b: usize, d: usize, dtype: DType, device: Device) -> (Tensor, Tensor) {
-    let mut g = Generator::new(1);
-    (
-        Tensor::randn_with(&[b, d], dtype, device, &mut g).unwrap(),
-        Tensor::randn_with(&[b, d], dtype, device, &mut g).unwrap(),
-    )
-}
-
-fn momentum_cfg() -> SgdConfig {
-    SgdConfig {
-        lr: 0.05,
-        momentum: 0.9,
-        ..Default::default()
-    }
 }
 
 fn values_f64(ps: &[Tensor]) -> Vec<Vec<f64>> {
@@ -340,7 +316,7 @@ fn fused_sgd_falls_back_to_the_plain_strategy_when_not_linear() {
     ];
     for cfg in cfgs {
         assert!(!Sgd::new(Vec::new(), cfg.clone()).unwrap().fusable());
-        let (x, y) = data(b, d);
+        let (x, y) = data_as(b, d, DType::F32, CPU);
         let (m1, m2) = (model(d), model(d));
         let (want, _) = ordinary(Sgd::new(m1.parameters(), cfg.clone()).unwrap(), &m1, &x, &y);
         let _sib =
@@ -366,7 +342,7 @@ fn fused_sgd_falls_back_to_the_plain_strategy_when_not_linear() {
 fn fused_sgd_lowers_the_peak_by_the_weight_gradient() {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let (d, b) = (128, 16);
-    let (x, y) = data(b, d);
+    let (x, y) = data_as(b, d, DType::F32, CPU);
     let (m1, m2) = (model(d), model(d));
     let (want, peak_sib) = in_backward(
         Sgd::new(m1.parameters(), momentum_cfg()).unwrap(),

@@ -4,6 +4,7 @@
 //! gradient check (`gradcheck`). Not a test by itself.
 #![allow(dead_code)]
 
+use ferrograd::optim::Optimizer;
 use ferrograd::{DType, Device, Generator, Result, Tensor, no_grad};
 
 pub mod fixture_file;
@@ -264,4 +265,26 @@ macro_rules! per_device {
             }
         }
     };
+}
+
+/// `t` on `device`, without history. A GPU test that cannot reach its device says so.
+pub fn on(t: &Tensor, device: Device) -> Tensor {
+    t.to_device(device)
+        .unwrap_or_else(|e| panic!("cannot move a tensor to {device} (GPU tests need cuda:0): {e}"))
+        .detach()
+}
+
+/// Three optimizer steps of a small linear regression, `mse(x @ wᵀ + b, y)` with params
+/// [w, b], on whatever device they live on (the optimizer tests run it on each device).
+pub fn regression_steps(params: &[Tensor], x: &Tensor, y: &Tensor, opt: &mut impl Optimizer) {
+    for _ in 0..3 {
+        opt.zero_grad().unwrap();
+        let loss = x
+            .linear(&params[0], Some(&params[1]))
+            .unwrap()
+            .mse_loss(y)
+            .unwrap();
+        loss.backward().unwrap();
+        opt.step().unwrap();
+    }
 }
