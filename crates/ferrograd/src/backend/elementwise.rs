@@ -5,8 +5,8 @@
 //! in-place write. Not here: the kernels (backend/cpu/elementwise.rs,
 //! backend/cuda/elementwise.rs + kernels/elementwise.cu).
 
-use super::{Storage, View, backend};
-use crate::base::Result;
+use super::{Storage, View, backend, check};
+use crate::base::{Error, Result};
 
 /// Elementwise ops of one input. Scalar parameters travel inside the variant.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -81,6 +81,17 @@ pub trait ElementwiseKernels {
 
 /// Copies `src` into `dst` (see `ElementwiseKernels::copy`); bumps `dst`'s version.
 pub fn copy(src: View, dst: View) -> Result<()> {
+    check::on_device("copy", dst.storage.device(), [src.storage])?;
+    if dst.layout.numel() != src.layout.numel() {
+        return Err(Error::shape(
+            "copy",
+            format!(
+                "source shape {:?} and destination shape {:?} hold different element counts",
+                src.layout.shape(),
+                dst.layout.shape()
+            ),
+        ));
+    }
     backend(dst.storage.device())?.copy(src, dst)?;
     dst.storage.bump_version();
     Ok(())
@@ -94,16 +105,61 @@ pub fn fill(dst: &Storage, value: f64) -> Result<()> {
 }
 
 pub fn unary(op: UnaryOp, x: View, out: &Storage) -> Result<()> {
+    check::on_device("unary", out.device(), [x.storage])?;
+    check::same_dtype("unary", x.storage.dtype(), out.dtype())?;
+    holds("unary", out, x.layout.numel())?;
     backend(out.device())?.unary(op, x, out)
 }
 
+/// `a` and `b` arrive broadcast to one shape; `out` holds that many elements.
 pub fn binary(op: BinaryOp, a: View, b: View, out: &Storage) -> Result<()> {
+    check::on_device("binary", out.device(), [a.storage, b.storage])?;
+    let dtype = a.storage.dtype();
+    check::same_dtype("binary", dtype, b.storage.dtype())?;
+    check::same_dtype("binary", dtype, out.dtype())?;
+    if a.layout.shape() != b.layout.shape() {
+        return Err(Error::shape(
+            "binary",
+            format!(
+                "operands must be broadcast to one shape first, got {:?} and {:?}",
+                a.layout.shape(),
+                b.layout.shape()
+            ),
+        ));
+    }
+    holds("binary", out, a.layout.numel())?;
     backend(out.device())?.binary(op, a, b, out)
 }
 
 /// `dst = op(dst, src)` (see `ElementwiseKernels::binary_inplace`); bumps `dst`'s version.
 pub fn binary_inplace(op: BinaryOp, dst: &Storage, src: View) -> Result<()> {
+    check::on_device("binary_inplace", dst.device(), [src.storage])?;
+    check::same_dtype("binary_inplace", dst.dtype(), src.storage.dtype())?;
+    if src.layout.numel() != dst.len() {
+        return Err(Error::shape(
+            "binary_inplace",
+            format!(
+                "source shape {:?} does not cover the destination's {} elements",
+                src.layout.shape(),
+                dst.len()
+            ),
+        ));
+    }
     backend(dst.device())?.binary_inplace(op, dst, src)?;
     dst.bump_version();
+    Ok(())
+}
+
+/// `out` has room for the `n` elements an op writes.
+fn holds(op: &'static str, out: &Storage, n: usize) -> Result<()> {
+    if out.len() < n {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "output storage holds {} elements, the result has {n}",
+                out.len()
+            ),
+        ));
+    }
     Ok(())
 }

@@ -3,8 +3,8 @@
 //! functions; `matmul_acc` with beta != 0 writes a live buffer in place and bumps its
 //! version. Not here: the kernels (backend/cpu/matmul.rs, backend/cuda/matmul.rs, cuBLAS).
 
-use super::{Storage, View, backend};
-use crate::base::Result;
+use super::{Storage, View, backend, check};
+use crate::base::{Error, Result};
 
 /// Shapes of a batched GEMM: `batch` matrices of (m, k) @ (k, n).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -41,6 +41,7 @@ pub fn matmul(spec: &MatmulSpec, a: View, b: View, out: &Storage) -> Result<()> 
         out,
         beta: 0.0,
     };
+    validate(&m)?;
     backend(out.device())?.matmul(&m)
 }
 
@@ -54,7 +55,44 @@ pub fn matmul_acc(spec: &MatmulSpec, a: View, b: View, out: &Storage, beta: f64)
         out,
         beta,
     };
+    validate(&m)?;
     backend(out.device())?.matmul(&m)?;
     out.bump_version();
+    Ok(())
+}
+
+/// The one check of a GEMM's operands: one device, one dtype, a (..., m, k) and b (..., k, n)
+/// with one batch shape of `batch` matrices, out holding batch·m·n elements.
+fn validate(g: &Matmul) -> Result<()> {
+    const OP: &str = "matmul";
+    let (s, la, lb) = (&g.spec, g.a.layout, g.b.layout);
+    check::on_device(OP, g.out.device(), [g.a.storage, g.b.storage])?;
+    let dtype = g.a.storage.dtype();
+    check::same_dtype(OP, dtype, g.b.storage.dtype())?;
+    check::same_dtype(OP, dtype, g.out.dtype())?;
+    let (ra, rb) = (la.rank(), lb.rank());
+    let ok = ra >= 2
+        && ra == rb
+        && la.shape()[ra - 2..] == [s.m, s.k]
+        && lb.shape()[rb - 2..] == [s.k, s.n]
+        && la.shape()[..ra - 2] == lb.shape()[..rb - 2]
+        && la.shape()[..ra - 2].iter().product::<usize>() == s.batch
+        && g.out.len() == s.batch * s.m * s.n;
+    if !ok {
+        return Err(Error::shape(
+            OP,
+            format!(
+                "operands {:?} @ {:?} into {} elements do not match ({} x {}x{} @ {}x{})",
+                la.shape(),
+                lb.shape(),
+                g.out.len(),
+                s.batch,
+                s.m,
+                s.k,
+                s.k,
+                s.n
+            ),
+        ));
+    }
     Ok(())
 }

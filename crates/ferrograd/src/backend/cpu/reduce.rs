@@ -8,7 +8,7 @@ use super::elementwise::PAR_MIN;
 use super::{CpuBackend, read, write};
 use crate::backend::{ReduceKernels, ReduceOp, Storage, View};
 use crate::base::Layout;
-use crate::base::{Error, Result};
+use crate::base::Result;
 
 /// Elements summed sequentially before partial sums are combined.
 const SUM_CHUNK: usize = 1 << 12;
@@ -113,9 +113,6 @@ pub(crate) fn reduce(
     out: &mut CpuData,
 ) -> Result<()> {
     let (bases, rel) = plan(xl, dims);
-    if op == ReduceOp::ArgMax && dims.len() != 1 {
-        return Err(Error::invalid("argmax", "argmax reduces exactly one dim"));
-    }
     with_float!(x, "reduce", xv => {
         let value = |i: usize| reduce_one(op, xv, bases[i], &rel);
         match out {

@@ -40,18 +40,10 @@ pub(crate) fn matmul_acc(
     out: &Storage,
     beta: f64,
 ) -> Result<()> {
+    // Dtypes and shapes were validated by the family (backend/matmul.rs).
     let dtype = a.storage.dtype();
-    for got in [b.storage.dtype(), out.dtype()] {
-        if got != dtype {
-            return Err(Error::DType {
-                op: "matmul",
-                expected: dtype,
-                got,
-            });
-        }
-    }
     let ty = GemmType::of(dtype)?;
-    check_shapes(spec, a.layout, b.layout, out)?;
+    check_cublas_sizes(spec)?;
     let MatmulSpec { batch, m, n, k } = *spec;
     if batch * m * n == 0 {
         return Ok(());
@@ -86,33 +78,8 @@ pub(crate) fn matmul_acc(
     run_batches(d, &call, &pa.view(a), &pb.view(b))
 }
 
-/// Shapes agree with the spec: a (..., m, k), b (..., k, n) with one batch shape, out
-/// holding batch·m·n elements.
-fn check_shapes(s: &MatmulSpec, la: &Layout, lb: &Layout, out: &Storage) -> Result<()> {
-    let (ra, rb) = (la.rank(), lb.rank());
-    let ok = ra >= 2
-        && ra == rb
-        && la.shape()[ra - 2..] == [s.m, s.k]
-        && lb.shape()[rb - 2..] == [s.k, s.n]
-        && la.shape()[..ra - 2] == lb.shape()[..rb - 2]
-        && la.shape()[..ra - 2].iter().product::<usize>() == s.batch
-        && out.len() == s.batch * s.m * s.n;
-    if !ok {
-        return Err(Error::shape(
-            "matmul",
-            format!(
-                "operands {:?} @ {:?} into {} elements do not match ({} x {}x{} @ {}x{})",
-                la.shape(),
-                lb.shape(),
-                out.len(),
-                s.batch,
-                s.m,
-                s.k,
-                s.k,
-                s.n
-            ),
-        ));
-    }
+/// m, n and k fit cuBLAS's 32-bit sizes.
+fn check_cublas_sizes(s: &MatmulSpec) -> Result<()> {
     for v in [s.m, s.n, s.k] {
         i32::try_from(v).map_err(|_| {
             Error::invalid(
@@ -428,9 +395,9 @@ fn gemm_batched(d: &CudaDevice, g: &Gemm, bt: &Batch) -> Result<()> {
         let count = (bt.count - start).min(i32::MAX as usize);
         let at = |base: u64, step: i64| base + (start as i64 * step) as u64 * size;
         // SAFETY: the operand addresses, leading dimensions and steps come from layouts that
-        // address live device blocks (validated by the tensor layer and check_shapes); the
+        // address live device blocks (validated by the matmul family); the
         // output is a contiguous block of batch·m·n elements; alpha/beta are host scalars of
-        // the compute type, alive for the call. m, n, k fit in i32 (check_shapes).
+        // the compute type, alive for the call. m, n, k fit in i32 (check_cublas_sizes).
         unsafe {
             blas::gemm_strided_batched_ex(
                 *d.blas().handle(),

@@ -1,0 +1,158 @@
+//! The op families' entry functions validate once for every device: operands that one
+//! device refuses, every device refuses with the same typed error (checked on the CPU and on
+//! the shape-only meta device, whose kernels do nothing), and in-place entry points bump the
+//! version of what they write.
+
+use ferrograd::backend::matmul::{matmul, matmul_acc};
+use ferrograd::backend::reduce::reduce;
+use ferrograd::backend::rows::{LayerNorm, layer_norm};
+use ferrograd::backend::{MatmulSpec, ReduceOp, View};
+use ferrograd::{DType, Device, Error, Tensor};
+
+const DEVICES: [Device; 2] = [Device::Cpu, Device::Meta];
+
+fn view(t: &Tensor) -> View<'_> {
+    View {
+        storage: t.storage(),
+        layout: t.layout(),
+    }
+}
+
+fn zeros(shape: &[usize], dtype: DType, device: Device) -> Tensor {
+    Tensor::zeros(shape, dtype, device).unwrap()
+}
+
+#[test]
+fn reduce_refuses_bad_dims_and_outputs_on_every_device() {
+    for dev in DEVICES {
+        let x = zeros(&[2, 3, 4], DType::F32, dev);
+        let out = zeros(&[2, 1, 1], DType::F32, dev);
+        let unsorted = reduce(ReduceOp::Sum, view(&x), &[2, 1], out.storage());
+        assert!(
+            matches!(unsorted, Err(Error::InvalidArgument { .. })),
+            "{dev}: {unsorted:?}"
+        );
+        let beyond = reduce(ReduceOp::Sum, view(&x), &[3], out.storage());
+        assert!(
+            matches!(beyond, Err(Error::InvalidArgument { .. })),
+            "{dev}"
+        );
+        let two = reduce(ReduceOp::ArgMax, view(&x), &[1, 2], out.storage());
+        assert!(matches!(two, Err(Error::InvalidArgument { .. })), "{dev}");
+        let float_indices = reduce(ReduceOp::ArgMax, view(&x), &[2], out.storage());
+        assert!(
+            matches!(float_indices, Err(Error::DType { .. })),
+            "{dev}: argmax writes i64"
+        );
+        let short = zeros(&[3], DType::F32, dev);
+        let wrong_len = reduce(ReduceOp::Sum, view(&x), &[1, 2], short.storage());
+        assert!(matches!(wrong_len, Err(Error::Shape { .. })), "{dev}");
+        reduce(ReduceOp::Sum, view(&x), &[1, 2], out.storage()).unwrap();
+    }
+}
+
+#[test]
+fn matmul_refuses_mismatched_operands_on_every_device() {
+    let spec = MatmulSpec {
+        batch: 1,
+        m: 2,
+        n: 4,
+        k: 3,
+    };
+    for dev in DEVICES {
+        let a = zeros(&[2, 3], DType::F32, dev);
+        let b = zeros(&[3, 4], DType::F32, dev);
+        let out = zeros(&[2, 4], DType::F32, dev);
+        let b64 = zeros(&[3, 4], DType::F64, dev);
+        let dtype = matmul(&spec, view(&a), view(&b64), out.storage());
+        assert!(
+            matches!(dtype, Err(Error::DType { .. })),
+            "{dev}: {dtype:?}"
+        );
+        let wrong_k = zeros(&[4, 4], DType::F32, dev);
+        let shape = matmul(&spec, view(&a), view(&wrong_k), out.storage());
+        assert!(
+            matches!(shape, Err(Error::Shape { .. })),
+            "{dev}: {shape:?}"
+        );
+        let v = out.storage().version();
+        matmul_acc(&spec, view(&a), view(&b), out.storage(), 1.0).unwrap();
+        assert_eq!(out.storage().version(), v + 1, "{dev}: matmul_acc bumps");
+    }
+}
+
+#[test]
+fn layer_norm_refuses_integer_rows_on_every_device() {
+    for dev in DEVICES {
+        let x = zeros(&[2, 3], DType::I64, dev);
+        let y = zeros(&[2, 3], DType::I64, dev);
+        let stat = zeros(&[2], DType::F32, dev);
+        let r = layer_norm(&LayerNorm {
+            x: view(&x),
+            weight: None,
+            bias: None,
+            y: y.storage(),
+            mean: stat.storage(),
+            rstd: stat.storage(),
+            eps: 1e-5,
+        });
+        assert!(
+            matches!(r, Err(Error::UnsupportedDType { .. })),
+            "{dev}: {r:?}"
+        );
+    }
+}
+
+#[test]
+fn a_device_mismatch_is_refused_before_any_kernel() {
+    let spec = MatmulSpec {
+        batch: 1,
+        m: 1,
+        n: 1,
+        k: 1,
+    };
+    let a = zeros(&[1, 1], DType::F32, Device::Cpu);
+    let b = zeros(&[1, 1], DType::F32, Device::Meta);
+    let out = zeros(&[1, 1], DType::F32, Device::Cpu);
+    let r = matmul(&spec, view(&a), view(&b), out.storage());
+    assert!(matches!(r, Err(Error::DeviceMismatch { .. })), "{r:?}");
+}
+
+#[test]
+fn elementwise_refuses_mismatched_operands_on_every_device() {
+    use ferrograd::backend::elementwise::{binary, binary_inplace, copy, fill, unary};
+    use ferrograd::backend::{BinaryOp, UnaryOp};
+    for dev in DEVICES {
+        let a = zeros(&[2, 3], DType::F32, dev);
+        let b = zeros(&[3, 2], DType::F32, dev);
+        let c = zeros(&[2, 3], DType::F64, dev);
+        let out = zeros(&[2, 3], DType::F32, dev);
+        let shape = binary(BinaryOp::Add, view(&a), view(&b), out.storage());
+        assert!(
+            matches!(shape, Err(Error::Shape { .. })),
+            "{dev}: {shape:?}"
+        );
+        let dtype = binary(BinaryOp::Add, view(&a), view(&c), out.storage());
+        assert!(
+            matches!(dtype, Err(Error::DType { .. })),
+            "{dev}: {dtype:?}"
+        );
+        let unary_dtype = unary(UnaryOp::Exp, view(&c), out.storage());
+        assert!(matches!(unary_dtype, Err(Error::DType { .. })), "{dev}");
+        let small = zeros(&[4], DType::F32, dev);
+        let count = copy(view(&a), view(&small));
+        assert!(
+            matches!(count, Err(Error::Shape { .. })),
+            "{dev}: {count:?}"
+        );
+        let cover = binary_inplace(BinaryOp::Add, small.storage(), view(&a));
+        assert!(matches!(cover, Err(Error::Shape { .. })), "{dev}");
+
+        // In-place writes bump the version autograd checks saved tensors against.
+        let v = out.storage().version();
+        binary_inplace(BinaryOp::Add, out.storage(), view(&a)).unwrap();
+        fill(out.storage(), 1.0).unwrap();
+        copy(view(&a), view(&out)).unwrap();
+        assert_eq!(out.storage().version(), v + 3, "{dev}");
+    }
+}
