@@ -129,6 +129,9 @@ impl TrainArgs {
 
     fn to_job(&self) -> anyhow::Result<TrainJob> {
         let base = TrainJob::default();
+        if let Some(path) = &self.save {
+            ferrograd::io::check_output_path(path)?;
+        }
         let text = match &self.text {
             Some(p) => ferrograd::data::load_text(p)?,
             None => base.text.clone(),

@@ -238,3 +238,81 @@ fn resuming_with_another_optimizer_is_refused() {
     output_of(&[SMALL, &["--optimizer", "sgd", "--resume", state]].concat());
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A fresh, empty folder for one test, removed when dropped.
+struct TestDir(std::path::PathBuf);
+
+impl TestDir {
+    fn new(name: &str) -> TestDir {
+        let dir = std::env::temp_dir().join(format!("ferrograd-cli-{}-{name}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        TestDir(dir)
+    }
+    fn path(&self, file: &str) -> String {
+        self.0.join(file).to_str().unwrap().to_string()
+    }
+    fn files(&self) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(&self.0)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+}
+
+impl Drop for TestDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A long run (it would take minutes) refused at once: the check comes before any work, and
+/// nothing is left behind.
+fn refused_at_once(args: &[&str]) -> String {
+    let long = small_with(&[("--max-steps", "100000")]);
+    let started = std::time::Instant::now();
+    let err = stderr_of(&[&long, args].concat());
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(20),
+        "refused only after {:?}: {err}",
+        started.elapsed()
+    );
+    assert!(!err.contains("panicked"), "{err}");
+    err
+}
+
+#[test]
+fn unwritable_save_paths_are_refused_before_training() {
+    let err = refused_at_once(&["--save", "/proc/x"]);
+    assert!(
+        err.contains("cannot save to /proc/x") && err.contains("folder you can write to"),
+        "{err}"
+    );
+    let dir = TestDir::new("save-paths");
+    let folder = dir.path("");
+    let err = refused_at_once(&["--save", &folder]);
+    assert!(
+        err.contains("it is a folder; name a file inside it"),
+        "{err}"
+    );
+    let missing = dir.path("no/such/state.safetensors");
+    let err = refused_at_once(&["--save", &missing]);
+    assert!(
+        err.contains("does not exist; create it first (mkdir -p"),
+        "{err}"
+    );
+    assert!(dir.files().is_empty(), "{:?}", dir.files());
+}
+
+#[test]
+fn saving_over_a_device_is_refused() {
+    let err = refused_at_once(&["--save", "/dev/null"]);
+    assert!(
+        err.contains("cannot save to /dev/null: it is not a regular file"),
+        "{err}"
+    );
+    let meta = std::fs::metadata("/dev/null").unwrap();
+    assert!(!meta.is_file(), "/dev/null was replaced by a regular file");
+}

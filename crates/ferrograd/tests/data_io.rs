@@ -451,11 +451,15 @@ fn a_failed_save_leaves_the_existing_file_intact() {
     ));
     assert_eq!(std::fs::read(&path).unwrap(), before);
 
-    // A directory that does not exist: an i/o error naming the target, and nothing created.
+    // A directory that does not exist: refused naming the target and what to do, and nothing
+    // created.
     let missing = dir.path("no-such-dir").join("state.safetensors");
     match save_state(&missing, &sample_state(), BTreeMap::new()) {
-        Err(Error::Io { path, .. }) => assert!(path.contains("no-such-dir"), "{path}"),
-        other => panic!("expected Io, got {other:?}"),
+        Err(Error::OutputPath { path, detail }) => {
+            assert!(path.contains("no-such-dir"), "{path}");
+            assert!(detail.contains("create it first"), "{detail}");
+        }
+        other => panic!("expected OutputPath, got {other:?}"),
     }
     assert_eq!(dir.files(), vec!["state.safetensors"]);
 

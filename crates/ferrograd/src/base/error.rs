@@ -75,6 +75,10 @@ pub enum Error {
     #[error("bad file {path}: {detail}")]
     BadFile { path: String, detail: String },
 
+    /// A path the run cannot write its output to, found before any work starts.
+    #[error("cannot save to {path}: {detail}")]
+    OutputPath { path: String, detail: String },
+
     #[error(
         "{path} was saved by a run with --optimizer {saved}, and this run uses --optimizer {requested}: resume with --optimizer {saved}, or start without --resume"
     )]

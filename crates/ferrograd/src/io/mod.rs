@@ -1,6 +1,9 @@
 //! Files: training state (parameters, optimizer state, counters) saved and restored in the
-//! safetensors format, written atomically so a crash mid-save never costs the last good file.
+//! safetensors format, written atomically so a crash mid-save never costs the last good file,
+//! and output paths checked before a run starts.
 
+mod path;
 mod state;
 
+pub use path::check_output_path;
 pub use state::{load_state, save_state};

@@ -39,6 +39,7 @@ pub fn save_state(
     metadata: BTreeMap<String, String>,
 ) -> Result<()> {
     let path = path.as_ref();
+    super::check_output_path(path)?;
     check_names(tensors)?;
     let order = file_order(tensors);
     let header = header_bytes(tensors, &order, metadata)?;

@@ -165,6 +165,9 @@ pub struct JobSummary {
 
 /// Builds the model, runs the steps and returns the summary.
 pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummary> {
+    if let Some(path) = &job.save {
+        crate::io::check_output_path(path)?;
+    }
     let data = TextDataset::new(&job.text)?;
     check_fits(job, data.vocab_size())?;
     let mut cfg = job.model.clone();
