@@ -473,3 +473,33 @@ fn a_failed_save_leaves_the_existing_file_intact() {
     assert_eq!(loaded.keys().collect::<Vec<_>>(), vec!["only"]);
     assert_eq!(dir.files(), vec!["state.safetensors"]);
 }
+
+#[test]
+fn temporaries_of_dead_processes_are_removed_at_the_next_save() {
+    let dir = TestDir::new("stale-tmp");
+    let path = dir.path("state.safetensors");
+    // No process has this id (Linux caps ids far below it); process 1 always lives.
+    let dead = ".state.safetensors.999999999.3.tmp";
+    let alive = ".state.safetensors.1.0.tmp";
+    let other = ".other.safetensors.999999999.0.tmp";
+    for f in [dead, alive, other] {
+        std::fs::write(dir.path(f), b"partial").unwrap();
+    }
+    save_state(&path, &sample_state(), sample_metadata()).unwrap();
+    let mut expect = vec![alive, other, "state.safetensors"];
+    if !cfg!(target_os = "linux") {
+        expect.push(dead);
+    }
+    expect.sort();
+    assert_eq!(dir.files(), expect);
+}
+
+#[test]
+fn save_state_refuses_folders_and_devices() {
+    let dir = TestDir::new("refuse-targets");
+    let err = save_state(dir.path(""), &sample_state(), sample_metadata()).unwrap_err();
+    assert!(matches!(err, Error::OutputPath { .. }), "{err}");
+    let err = save_state("/dev/null", &sample_state(), sample_metadata()).unwrap_err();
+    assert!(err.to_string().contains("not a regular file"), "{err}");
+    assert!(!std::fs::metadata("/dev/null").unwrap().is_file());
+}

@@ -3,8 +3,9 @@
 //!
 //! Saving streams one tensor at a time into a temporary file beside the target, so staging
 //! costs one tensor's bytes of host memory, not the whole state's. The file is fsynced and then
-//! renamed over the target; any failure removes the temporary file. The target is therefore
-//! either the old file or the complete new one, never a partial one.
+//! renamed over the target; any failure removes the temporary file, and temporaries of the same
+//! target left by a process that died mid-save are removed at the next save. The target is
+//! therefore either the old file or the complete new one, never a partial one.
 //!
 //! Loading checks the whole header (offsets, sizes, file length) before building any tensor,
 //! so a truncated or corrupt file is `Error::BadFile`, never a panic.
@@ -343,6 +344,7 @@ fn write_atomic(
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
     };
+    remove_stale_temporaries(dir, name);
     let tmp = TempFile::create(dir, name, path)?;
     {
         let mut w = BufWriter::with_capacity(1 << 20, tmp.file()?);
@@ -352,6 +354,39 @@ fn write_atomic(
     tmp.persist(path)?;
     sync_dir(dir);
     Ok(())
+}
+
+/// Removes the temporary files `.NAME.PID.N.tmp` of this target left by processes that are
+/// gone (killed mid-save). Linux only, where `/proc/PID` says whether a process lives; files
+/// of living processes, and anything else in the folder, are left alone. Best effort.
+fn remove_stale_temporaries(dir: &Path, name: &std::ffi::OsStr) {
+    if !cfg!(target_os = "linux") || !Path::new("/proc/self").exists() {
+        return;
+    }
+    let Some(name) = name.to_str() else {
+        return;
+    };
+    let prefix = format!(".{name}.");
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let file = entry.file_name();
+        let Some(pid) = file
+            .to_str()
+            .and_then(|f| f.strip_prefix(&prefix))
+            .and_then(|rest| rest.strip_suffix(".tmp"))
+            .and_then(|rest| rest.split_once('.'))
+            .filter(|(_, n)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            .and_then(|(pid, _)| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let alive = pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists();
+        if !alive {
+            let _ = fs::remove_file(entry.path());
+        }
+    }
 }
 
 /// A temporary file that deletes itself unless `persist` renamed it into place (also when a
