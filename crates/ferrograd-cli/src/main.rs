@@ -15,7 +15,7 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
-            ExitCode::FAILURE
+            train::interrupted_exit_code().map_or(ExitCode::FAILURE, ExitCode::from)
         }
     }
 }

@@ -2,6 +2,8 @@
 //! report (losses, speed, peak memory by category, a text sample) or one JSON object.
 
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use clap::Parser;
 use ferrograd::job::{self, Event, JobSummary, OptimizerChoice, TrainJob};
@@ -79,6 +81,7 @@ pub struct TrainArgs {
     /// Evaluate every N steps (also at the start and the end).
     #[arg(long, default_value_t = 200)]
     eval_every: u64,
+    /// Batches per evaluation (at least 1).
     #[arg(long, default_value_t = 8)]
     eval_batches: usize,
     /// Print the step log (loss, lr, tokens/s, memory) every N steps; 0: progress bar only.
@@ -89,7 +92,9 @@ pub struct TrainArgs {
     sample_chars: usize,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Save the training state here (safetensors) at the end, and every --save-every steps.
+    /// Save the training state here (safetensors) at the end, every --save-every steps, and when
+    /// interrupted (SIGINT, SIGTERM). Checked before training: its folder must exist and be
+    /// writable, and the file be absent or a regular file.
     #[arg(long)]
     save: Option<PathBuf>,
     #[arg(long, default_value_t = 0)]
@@ -97,7 +102,8 @@ pub struct TrainArgs {
     /// Continue from a saved training state.
     #[arg(long)]
     resume: Option<PathBuf>,
-    /// Train on this UTF-8 text file instead of the shipped corpus.
+    /// Train on this UTF-8 text file instead of the shipped corpus (a regular file of at most
+    /// 256 MiB).
     #[arg(long)]
     text: Option<PathBuf>,
     /// End with one JSON object (initial_loss, final_loss, steps, tokens_per_s, peak_bytes,
@@ -173,19 +179,85 @@ impl TrainArgs {
             save: self.save.clone(),
             save_every: self.save_every,
             resume: self.resume.clone(),
+            interrupt: Some(signals()?.stop.clone()),
         })
+    }
+}
+
+/// Flags raised by SIGINT and SIGTERM. The first signal asks the run to stop at the next step
+/// boundary (saving its state if --save is given); a second one exits at once.
+struct Signals {
+    stop: Arc<AtomicBool>,
+    int: Arc<AtomicBool>,
+    term: Arc<AtomicBool>,
+}
+
+static SIGNALS: OnceLock<Signals> = OnceLock::new();
+
+fn signals() -> anyhow::Result<&'static Signals> {
+    if let Some(s) = SIGNALS.get() {
+        return Ok(s);
+    }
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    use signal_hook::flag;
+    let s = Signals {
+        stop: Arc::new(AtomicBool::new(false)),
+        int: Arc::new(AtomicBool::new(false)),
+        term: Arc::new(AtomicBool::new(false)),
+    };
+    for (signal, code, own) in [(SIGINT, 130, &s.int), (SIGTERM, 143, &s.term)] {
+        // Registered first, so it sees the flag as the previous signal left it.
+        flag::register_conditional_shutdown(signal, code, s.stop.clone())?;
+        flag::register(signal, s.stop.clone())?;
+        flag::register(signal, own.clone())?;
+    }
+    Ok(SIGNALS.get_or_init(|| s))
+}
+
+/// The conventional exit status of a run stopped by a signal: 128 + its number.
+pub fn interrupted_exit_code() -> Option<u8> {
+    let s = SIGNALS.get()?;
+    if s.term.load(Ordering::SeqCst) {
+        Some(143)
+    } else if s.int.load(Ordering::SeqCst) {
+        Some(130)
+    } else {
+        None
     }
 }
 
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     let job = args.to_job()?;
+    match train(&args, &job) {
+        Err(e) => match e.downcast_ref::<ferrograd::Error>() {
+            // Not a failure: the run the state belongs to is complete.
+            Some(done @ ferrograd::Error::AlreadyFinished { step, .. }) => {
+                if args.json {
+                    let v = serde_json::json!({
+                        "already_finished": true,
+                        "step_reached": step,
+                        "max_steps": job.max_steps,
+                    });
+                    println!("{v}");
+                } else {
+                    println!("{done}");
+                }
+                Ok(())
+            }
+            _ => Err(e),
+        },
+        ok => ok,
+    }
+}
+
+fn train(args: &TrainArgs, job: &TrainJob) -> anyhow::Result<()> {
     let bar = ProgressBar::new(job.max_steps);
     bar.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed} < {eta}]")?
             .progress_chars("=> "),
     );
     let mut log = Vec::new();
-    let summary = job::run(&job, &mut |e| match e {
+    let summary = job::run(job, &mut |e| match e {
         Event::Started {
             params,
             start_step,

@@ -268,12 +268,22 @@ impl Drop for TestDir {
     }
 }
 
-/// A long run (it would take minutes) refused at once: the check comes before any work, and
-/// nothing is left behind.
+/// A long run (it would take minutes) refused at once: the check comes before any work.
+/// `args` are flag-value pairs, replacing SMALL's values of the same flags.
 fn refused_at_once(args: &[&str]) -> String {
-    let long = small_with(&[("--max-steps", "100000")]);
+    let mut long: Vec<String> = small_with(&[("--max-steps", "100000")])
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    for pair in args.chunks(2) {
+        match long.iter().position(|a| a == pair[0]) {
+            Some(at) => long[at + 1] = pair[1].to_string(),
+            None => long.extend(pair.iter().map(|s| s.to_string())),
+        }
+    }
+    let long: Vec<&str> = long.iter().map(String::as_str).collect();
     let started = std::time::Instant::now();
-    let err = stderr_of(&[&long, args].concat());
+    let err = stderr_of(&long);
     assert!(
         started.elapsed() < std::time::Duration::from_secs(20),
         "refused only after {:?}: {err}",
@@ -315,4 +325,149 @@ fn saving_over_a_device_is_refused() {
     );
     let meta = std::fs::metadata("/dev/null").unwrap();
     assert!(!meta.is_file(), "/dev/null was replaced by a regular file");
+}
+
+#[test]
+fn text_must_be_a_regular_file_of_bounded_size() {
+    let err = refused_at_once(&["--text", "/dev/zero"]);
+    assert!(
+        err.contains("bad file /dev/zero: not a regular file"),
+        "{err}"
+    );
+    let dir = TestDir::new("big-text");
+    let big = dir.path("big.txt");
+    std::fs::File::create(&big)
+        .unwrap()
+        .set_len((256 << 20) + 1)
+        .unwrap();
+    let err = refused_at_once(&["--text", &big]);
+    assert!(
+        err.contains("is larger than the 256.00 MiB a text may be"),
+        "{err}"
+    );
+    let help = output_of(&["train", "--help"]);
+    assert!(help.contains("at most 256 MiB"), "{help}");
+}
+
+#[test]
+fn settings_that_leave_nothing_to_do_are_refused_up_front() {
+    for (args, says) in [
+        (
+            &["--freeze", "*"][..],
+            "match every parameter: nothing is left to train",
+        ),
+        (
+            &["--device", "meta"],
+            "the meta device holds shapes but no data, so it cannot train",
+        ),
+        (
+            &["--eval-batches", "0"],
+            "--eval-batches 0 cannot measure a loss",
+        ),
+        (
+            &["--max-steps", "0"],
+            "--max-steps 0 leaves nothing to train",
+        ),
+        (
+            &["--stop-after", "0"],
+            "--stop-after 0 leaves nothing to train",
+        ),
+    ] {
+        let err = refused_at_once(args);
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+}
+
+#[test]
+fn a_text_too_short_says_so() {
+    let dir = TestDir::new("short-text");
+    let one = dir.path("one.txt");
+    std::fs::write(&one, "a").unwrap();
+    let err = refused_at_once(&["--text", &one]);
+    assert!(
+        err.contains("the text is too short for any block size")
+            && err.contains("at least 16 characters"),
+        "{err}"
+    );
+    // Sixteen characters is enough for a block size of one, and the advice says that.
+    let short = dir.path("short.txt");
+    std::fs::write(&short, "abcdefghijklmnop").unwrap();
+    let err = refused_at_once(&["--text", &short]);
+    assert!(err.contains("use --block-size 1 or less"), "{err}");
+    output_of(
+        &[
+            &small_with(&[("--block-size", "1")]),
+            &["--text", &short][..],
+        ]
+        .concat(),
+    );
+}
+
+#[test]
+fn resuming_a_finished_state_says_it_is_finished() {
+    let dir = TestDir::new("finished");
+    let state = dir.path("state.safetensors");
+    output_of(&[SMALL, &["--save", &state]].concat());
+    let out = output_of(&[SMALL, &["--resume", &state]].concat());
+    assert!(
+        out.contains("is already finished: it reached step 3 of --max-steps 3")
+            && !out.contains("NaN"),
+        "{out}"
+    );
+    let out = output_of(&[SMALL, &["--resume", &state, "--json"]].concat());
+    assert!(out.contains("\"already_finished\":true"), "{out}");
+}
+
+/// Sends `signal` to a run once it has started training, and returns its exit status and
+/// stderr.
+fn interrupt(signal: &str, args: &[&str]) -> (Option<i32>, String) {
+    use std::io::{BufRead, BufReader};
+    let long = small_with(&[("--max-steps", "100000"), ("--eval-batches", "1")]);
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ferrograd"))
+        .args([&long, args].concat())
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut err = String::new();
+    // The first evaluation's line: training is under way.
+    for line in lines.by_ref() {
+        let line = line.unwrap();
+        err += &line;
+        err += "\n";
+        if line.contains("train loss") {
+            break;
+        }
+    }
+    let status = Command::new("kill")
+        .args([signal, &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(status.success());
+    for line in lines {
+        err += &line.unwrap();
+        err += "\n";
+    }
+    (child.wait().unwrap().code(), err)
+}
+
+#[test]
+fn a_signal_stops_the_run_saves_and_exits_with_the_conventional_code() {
+    let dir = TestDir::new("signals");
+    let state = dir.path("state.safetensors");
+    let (code, err) = interrupt("-INT", &["--save", &state]);
+    assert_eq!(code, Some(130), "{err}");
+    assert!(
+        err.contains("error: interrupted at step")
+            && err.contains(&format!("continue with --resume {state}")),
+        "{err}"
+    );
+    assert_eq!(dir.files(), ["state.safetensors"]);
+    let (code, err) = interrupt("-TERM", &[]);
+    assert_eq!(code, Some(143), "{err}");
+    assert!(
+        err.contains("nothing was saved (no --save was given)"),
+        "{err}"
+    );
 }

@@ -75,6 +75,20 @@ pub enum Error {
     #[error("bad file {path}: {detail}")]
     BadFile { path: String, detail: String },
 
+    /// The run was stopped (by a signal) at a step boundary; `detail` says what was kept.
+    #[error("interrupted at step {step}: {detail}")]
+    Interrupted { step: u64, detail: String },
+
+    /// A resumed state has already reached the run's last step: nothing is left to train.
+    #[error(
+        "{path} is already finished: it reached step {step} of --max-steps {max_steps}, so nothing is left to train; raise --max-steps to train further"
+    )]
+    AlreadyFinished {
+        path: String,
+        step: u64,
+        max_steps: u64,
+    },
+
     /// A path the run cannot write its output to, found before any work starts.
     #[error("cannot save to {path}: {detail}")]
     OutputPath { path: String, detail: String },

@@ -11,6 +11,8 @@ mod sample;
 mod state;
 
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Instant;
 
 use serde::Serialize;
@@ -67,6 +69,9 @@ pub struct TrainJob {
     pub save_every: u64,
     /// Continue from this saved state.
     pub resume: Option<PathBuf>,
+    /// When this flag is raised (by a signal handler, say), the run stops at the next step
+    /// boundary, saves its state to `save` if given, and returns `Error::Interrupted`.
+    pub interrupt: Option<Arc<AtomicBool>>,
 }
 
 impl Default for TrainJob {
@@ -101,6 +106,7 @@ impl Default for TrainJob {
             save: None,
             save_every: 0,
             resume: None,
+            interrupt: None,
         }
     }
 }
@@ -165,10 +171,12 @@ pub struct JobSummary {
 
 /// Builds the model, runs the steps and returns the summary.
 pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummary> {
+    check_settings(job)?;
     if let Some(path) = &job.save {
         crate::io::check_output_path(path)?;
     }
     let data = TextDataset::new(&job.text)?;
+    check_text_length(&data, job.model.block_size)?;
     check_fits(job, data.vocab_size())?;
     let mut cfg = job.model.clone();
     cfg.vocab_size = data.vocab_size();
@@ -178,9 +186,25 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
     let mut trainer = Trainer::for_model(&mut model, trainer_config(job)?, job.device, |p| {
         JobOptimizer::new(p, &settings)
     })?;
+    if !model.parameters().iter().any(|p| p.requires_grad()) {
+        return Err(Error::invalid(
+            "train",
+            format!(
+                "the --freeze patterns {:?} match every parameter: nothing is left to train; freeze fewer parameters",
+                job.trainer.freeze
+            ),
+        ));
+    }
     let mut data_rng = Generator::new(job.seed ^ 0xDA7A);
     if let Some(path) = &job.resume {
         load_training_state(path, &model, &mut trainer, &mut data_rng, data.tokenizer())?;
+        if trainer.step_index() >= job.max_steps {
+            return Err(Error::AlreadyFinished {
+                path: path.display().to_string(),
+                step: trainer.step_index(),
+                max_steps: job.max_steps,
+            });
+        }
     }
     let start_step = trainer.step_index();
     let params = model.config.num_params();
@@ -201,6 +225,29 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
     let started = Instant::now();
     let (mut first, mut last, mut tokens) = (None, None, 0usize);
     while trainer.step_index() < end {
+        if job
+            .interrupt
+            .as_ref()
+            .is_some_and(|f| f.load(Ordering::SeqCst))
+        {
+            let step = trainer.step_index();
+            let detail = match &job.save {
+                Some(path) => {
+                    save_training_state(path, &model, &mut trainer, &data_rng, data.tokenizer())?;
+                    on_event(&Event::Saved {
+                        step,
+                        path: path.clone(),
+                    });
+                    format!(
+                        "the state is saved in {}; continue with --resume {}",
+                        path.display(),
+                        path.display()
+                    )
+                }
+                None => "nothing was saved (no --save was given)".to_string(),
+            };
+            return Err(Error::Interrupted { step, detail });
+        }
         let report = trainer.step(|_| {
             let (x, y) = data.batch(
                 Split::Train,
@@ -278,6 +325,69 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
     })
 }
 
+/// Settings that leave nothing to do, or that the run cannot do, refused before any work.
+fn check_settings(job: &TrainJob) -> Result<()> {
+    let refuse = |detail: &str| Err(Error::invalid("train", detail));
+    if job.max_steps == 0 {
+        return refuse("--max-steps 0 leaves nothing to train; give at least 1");
+    }
+    if job.stop_after == Some(0) {
+        return refuse(
+            "--stop-after 0 leaves nothing to train; give at least 1, or leave it out to train to --max-steps",
+        );
+    }
+    if job.eval_batches == 0 {
+        return refuse("--eval-batches 0 cannot measure a loss; give at least 1");
+    }
+    if job.device == Device::Meta {
+        return refuse(
+            "the meta device holds shapes but no data, so it cannot train; use --device cpu or cuda",
+        );
+    }
+    Ok(())
+}
+
+/// The shortest text whose train and validation splits both hold a window of one token plus
+/// its target.
+fn min_text_len() -> usize {
+    (2..)
+        .find(|&n: &usize| {
+            let n_train = ((n as f64) * (1.0 - crate::data::VAL_FRACTION)).round() as usize;
+            n_train >= 2 && n - n_train.min(n) >= 2
+        })
+        .unwrap_or(2)
+}
+
+/// Both splits must hold at least one window of `block_size` tokens plus a target.
+fn check_text_length(data: &TextDataset, block_size: usize) -> Result<()> {
+    let shortest = [Split::Train, Split::Val]
+        .into_iter()
+        .map(|s| (s, data.tokens(s).len()))
+        .min_by_key(|&(_, n)| n);
+    let Some((split, len)) = shortest else {
+        return Ok(());
+    };
+    if len < 2 {
+        return Err(Error::invalid(
+            "train",
+            format!(
+                "the text is too short for any block size: its {split} split has {len} tokens; give a text of at least {} characters",
+                min_text_len()
+            ),
+        ));
+    }
+    if len <= block_size {
+        return Err(Error::invalid(
+            "train",
+            format!(
+                "the text's {split} split has {len} tokens, too few for --block-size {block_size}; use --block-size {} or less, or a longer text",
+                len - 1
+            ),
+        ));
+    }
+    Ok(())
+}
+
 fn optimizer_settings(job: &TrainJob) -> OptimizerSettings {
     OptimizerSettings {
         choice: job.optimizer,
@@ -310,7 +420,7 @@ fn evaluate(model: &mut Gpt, data: &TextDataset, job: &TrainJob, step: u64) -> R
     let mut losses = [0.0; 2];
     for (split, mean) in [Split::Train, Split::Val].into_iter().zip(&mut losses) {
         let mut g = Generator::new(job.seed ^ 0xE7A1 ^ step.rotate_left(17));
-        for _ in 0..job.eval_batches.max(1) {
+        for _ in 0..job.eval_batches {
             let (x, y) = data.batch(
                 split,
                 job.batch_size,
@@ -320,7 +430,7 @@ fn evaluate(model: &mut Gpt, data: &TextDataset, job: &TrainJob, step: u64) -> R
             )?;
             let (_, loss) = model.forward_loss(&x, Some(&y))?;
             if let Some(l) = loss {
-                *mean += l.item()? / job.eval_batches.max(1) as f64;
+                *mean += l.item()? / job.eval_batches as f64;
             }
         }
     }
