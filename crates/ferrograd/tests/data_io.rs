@@ -296,7 +296,8 @@ fn state_round_trips_every_dtype_and_metadata() {
     let path = dir.path("state.safetensors");
     let state = sample_state();
     save_state(&path, &state, sample_metadata()).unwrap();
-    let (loaded, meta) = load_state(&path).unwrap();
+    let (loaded, mut meta) = load_state(&path).unwrap();
+    assert!(meta.remove(ferrograd::io::CHECKSUM_KEY).is_some());
     assert_eq!(meta, sample_metadata());
     assert_eq!(loaded.len(), state.len());
     for (name, t) in &state {
@@ -351,7 +352,11 @@ fn tensors_with_autograd_state_save_their_values() {
     )
     .unwrap();
     let (loaded, meta) = load_state(&path).unwrap();
-    assert!(meta.is_empty());
+    assert_eq!(
+        meta.keys().collect::<Vec<_>>(),
+        [ferrograd::io::CHECKSUM_KEY],
+        "only the checksums"
+    );
     assert_eq!(loaded["y"].to_vec::<f32>().unwrap(), vec![1.0, 4.0]);
     assert!(!loaded["p"].requires_grad());
 }
@@ -502,4 +507,28 @@ fn save_state_refuses_folders_and_devices() {
     let err = save_state("/dev/null", &sample_state(), sample_metadata()).unwrap_err();
     assert!(err.to_string().contains("not a regular file"), "{err}");
     assert!(!std::fs::metadata("/dev/null").unwrap().is_file());
+}
+
+#[test]
+fn a_flipped_bit_fails_the_checksum() {
+    let dir = TestDir::new("bit-flip");
+    let path = dir.path("state.safetensors");
+    save_state(&path, &sample_state(), sample_metadata()).unwrap();
+    let good = std::fs::read(&path).unwrap();
+    // The last byte is tensor data; flipping one of its bits keeps the file well-formed.
+    let mut bytes = good.clone();
+    *bytes.last_mut().unwrap() ^= 1;
+    std::fs::write(&path, &bytes).unwrap();
+    let err = load_state(&path).unwrap_err().to_string();
+    assert!(err.contains("does not match its checksum"), "{err}");
+    // The metadata is covered too.
+    let mut bytes = good.clone();
+    let at = bytes.windows(4).position(|w| w == b"1200").unwrap();
+    bytes[at + 3] = b'1';
+    std::fs::write(&path, &bytes).unwrap();
+    let err = load_state(&path).unwrap_err().to_string();
+    assert!(
+        err.contains("metadata does not match its checksum"),
+        "{err}"
+    );
 }

@@ -6,4 +6,4 @@ mod path;
 mod state;
 
 pub use path::check_output_path;
-pub use state::{load_state, save_state};
+pub use state::{CHECKSUM_KEY, load_state, save_state};

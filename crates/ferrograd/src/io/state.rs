@@ -7,8 +7,12 @@
 //! target left by a process that died mid-save are removed at the next save. The target is
 //! therefore either the old file or the complete new one, never a partial one.
 //!
+//! Every file carries a checksum of each tensor's data (64-bit FNV-1a of its bytes as stored)
+//! in the metadata entry `CHECKSUM_KEY`, a JSON object from tensor name to 16 hex digits.
+//!
 //! Loading checks the whole header (offsets, sizes, file length) before building any tensor,
-//! so a truncated or corrupt file is `Error::BadFile`, never a panic.
+//! and, when the file has checksums, every tensor's data against its checksum, so a truncated,
+//! corrupt or bit-flipped file is `Error::BadFile`, never a panic or silently wrong values.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::OsString;
@@ -31,6 +35,16 @@ use crate::tensor::{DType, Device, Layout, Tensor};
 /// The header key safetensors reserves for string metadata.
 const METADATA_KEY: &str = "__metadata__";
 
+/// The metadata entry holding every tensor's checksum.
+pub const CHECKSUM_KEY: &str = "checksum.fnv1a64";
+
+/// 64-bit FNV-1a of `bytes`.
+fn fnv1a64(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |h, &b| {
+        (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
 /// Writes `tensors` and `metadata` to `path` as a safetensors file, atomically: on error the
 /// file that was at `path` (if any) is left untouched and no partial file remains.
 /// Tensors may live on any device with data (CPU or CUDA); views are saved as their values.
@@ -43,6 +57,16 @@ pub fn save_state(
     super::check_output_path(path)?;
     check_names(tensors)?;
     let order = file_order(tensors);
+    let mut metadata = metadata;
+    metadata.remove(CHECKSUM_KEY);
+    let mut sums = BTreeMap::new();
+    sums.insert(METADATA_KEY.to_string(), metadata_sum(&metadata)?);
+    for (name, t) in tensors {
+        sums.insert(name.clone(), format!("{:016x}", fnv1a64(&tensor_bytes(t)?)));
+    }
+    let sums = serde_json::to_string(&sums)
+        .map_err(|e| Error::invalid("save_state", format!("cannot write the checksums: {e}")))?;
+    metadata.insert(CHECKSUM_KEY.to_string(), sums);
     let header = header_bytes(tensors, &order, metadata)?;
     write_atomic(path, |w| {
         let io = io_err(path);
@@ -76,18 +100,88 @@ pub fn load_state(
     let data = bytes
         .get(8 + header_len..)
         .ok_or_else(|| bad_file(path, "the file ends inside its header"))?;
-    let mut tensors = HashMap::new();
-    for (name, info) in header.tensors() {
-        let t = decode(path, &name, info, data)?;
-        tensors.insert(name, t);
-    }
-    let metadata = header
+    let metadata: BTreeMap<String, String> = header
         .metadata()
         .clone()
         .unwrap_or_default()
         .into_iter()
         .collect();
+    if metadata.contains_key(CHECKSUM_KEY) {
+        check_sums(path, &metadata, &header.tensors(), data)?;
+    }
+    let mut tensors = HashMap::new();
+    for (name, info) in header.tensors() {
+        let t = decode(path, &name, info, data)?;
+        tensors.insert(name, t);
+    }
     Ok((tensors, metadata))
+}
+
+/// The checksum of the metadata (without the checksums), as its sorted JSON.
+fn metadata_sum(metadata: &BTreeMap<String, String>) -> Result<String> {
+    let json = serde_json::to_string(metadata)
+        .map_err(|e| Error::invalid("save_state", format!("cannot write the metadata: {e}")))?;
+    Ok(format!("{:016x}", fnv1a64(json.as_bytes())))
+}
+
+/// The metadata and every tensor's data against their recorded checksums, and no checksum
+/// without its tensor.
+fn check_sums(
+    path: &Path,
+    metadata: &BTreeMap<String, String>,
+    infos: &HashMap<String, &TensorInfo>,
+    data: &[u8],
+) -> Result<()> {
+    let sums = metadata.get(CHECKSUM_KEY).map_or("", String::as_str);
+    let mut sums: BTreeMap<String, String> = serde_json::from_str(sums).map_err(|e| {
+        bad_file(
+            path,
+            format!("its checksums are unreadable ({e}); the file is corrupt: use another file"),
+        )
+    })?;
+    if let Some(want) = sums.remove(METADATA_KEY) {
+        let mut rest = metadata.clone();
+        rest.remove(CHECKSUM_KEY);
+        if metadata_sum(&rest)? != want {
+            return Err(bad_file(
+                path,
+                "its metadata does not match its checksum: the file is corrupt or was altered; use another file",
+            ));
+        }
+    }
+    // In name order, so the first difference named is the same every time.
+    let mut names: Vec<&String> = infos.keys().collect();
+    names.sort();
+    for name in names {
+        let (start, end) = infos[name].data_offsets;
+        let raw = data
+            .get(start..end)
+            .ok_or_else(|| bad_file(path, format!("tensor '{name}' lies outside the file")))?;
+        let Some(want) = sums.get(name) else {
+            return Err(bad_file(
+                path,
+                format!("tensor '{name}' has no checksum: the file was altered; use another file"),
+            ));
+        };
+        let got = format!("{:016x}", fnv1a64(raw));
+        if &got != want {
+            return Err(bad_file(
+                path,
+                format!(
+                    "tensor '{name}' does not match its checksum (stored {want}, data {got}): the file is corrupt or was altered; use another file"
+                ),
+            ));
+        }
+    }
+    if let Some(name) = sums.keys().find(|n| !infos.contains_key(*n)) {
+        return Err(bad_file(
+            path,
+            format!(
+                "tensor '{name}' has a checksum but is missing: the file was altered; use another file"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
