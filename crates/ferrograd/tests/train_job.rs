@@ -347,3 +347,157 @@ fn a_batch_that_cannot_fit_is_refused_before_allocating() {
         before
     );
 }
+
+/// `saved` rewritten by `change` (with fresh checksums, as a tool that edits files would), and
+/// the error a run resuming it gives.
+fn resume_altered(
+    dir: &TestDir,
+    saved: &Path,
+    trainer: TrainerConfig,
+    change: impl FnOnce(&mut HashMap<String, Tensor>, &mut std::collections::BTreeMap<String, String>),
+) -> String {
+    let (mut tensors, mut meta) = load_state(saved).unwrap();
+    change(&mut tensors, &mut meta);
+    let altered = dir.path("altered.safetensors");
+    let pairs: Vec<(String, Tensor)> = tensors.into_iter().collect();
+    ferrograd::io::save_state(&altered, &pairs, meta).unwrap();
+    let err = run(&TrainJob {
+        resume: Some(altered),
+        ..small_job(trainer)
+    })
+    .unwrap_err();
+    assert!(matches!(err, Error::BadFile { .. }), "{err}");
+    err.to_string()
+}
+
+#[test]
+fn an_incomplete_state_is_refused_naming_the_first_difference() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = TestDir::new("manifest");
+    let saved = state_after_one_step(&dir);
+    let cfg = TrainerConfig::default;
+    let err = resume_altered(&dir, &saved, cfg(), |t, _| {
+        t.retain(|k, _| !k.starts_with("optim."))
+    });
+    assert!(err.contains("lacks the tensor 'optim.0.exp_avg'"), "{err}");
+    let err = resume_altered(&dir, &saved, cfg(), |t, _| {
+        t.remove("optim.3.exp_avg_sq");
+    });
+    assert!(
+        err.contains("lacks the tensor 'optim.3.exp_avg_sq'"),
+        "{err}"
+    );
+    // All optimizer state gone, and the manifest edited to match: AdamW after a step has state.
+    let err = resume_altered(&dir, &saved, cfg(), |t, m| {
+        t.retain(|k, _| !k.starts_with("optim."));
+        m.insert("optimizer_state".into(), "none".into());
+    });
+    assert!(err.contains("records step 1 but no AdamW state"), "{err}");
+    let err = resume_altered(&dir, &saved, cfg(), |t, _| {
+        let w = t.remove("model.transformer.wte.weight").unwrap();
+        t.insert("model.transformer.wte.weights".into(), w);
+    });
+    assert!(
+        err.contains("lacks the tensor 'model.transformer.wte.weight'"),
+        "{err}"
+    );
+    let err = resume_altered(&dir, &saved, cfg(), |t, _| {
+        let w = t.remove("model.transformer.wte.weight").unwrap();
+        t.insert(
+            "model.transformer.wte.weight".into(),
+            w.to_dtype(DType::U8).unwrap(),
+        );
+    });
+    assert!(
+        err.contains("'model.transformer.wte.weight' is u8") && err.contains("this run needs f32"),
+        "{err}"
+    );
+    let err = resume_altered(&dir, &saved, cfg(), |t, _| {
+        let extra = Tensor::zeros(&[1], DType::F32, ferrograd::Device::Cpu).unwrap();
+        t.insert("optim.0.extra".into(), extra);
+    });
+    assert!(err.contains("holds a tensor 'optim.0.extra'"), "{err}");
+}
+
+#[test]
+fn impossible_values_and_old_formats_are_refused() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = TestDir::new("values");
+    let saved = state_after_one_step(&dir);
+    let cfg = TrainerConfig::default;
+    let set_first = |t: &mut HashMap<String, Tensor>, name: &str, value: f32| {
+        let old = &t[name];
+        let mut v = old.to_vec::<f32>().unwrap();
+        v[0] = value;
+        let new = Tensor::from_vec(v, old.shape(), ferrograd::Device::Cpu).unwrap();
+        t.insert(name.into(), new);
+    };
+    let err = resume_altered(&dir, &saved, cfg(), |t, _| {
+        set_first(t, "optim.0.exp_avg_sq", -1.0)
+    });
+    assert!(
+        err.contains("'optim.0.exp_avg_sq' holds negative, NaN or infinite values"),
+        "{err}"
+    );
+    let err = resume_altered(&dir, &saved, cfg(), |t, _| {
+        set_first(t, "model.transformer.wte.weight", f32::NAN)
+    });
+    assert!(
+        err.contains("'model.transformer.wte.weight' holds NaN or infinite values"),
+        "{err}"
+    );
+    let err = resume_altered(&dir, &saved, cfg(), |_, m| {
+        m.insert("step".into(), u64::MAX.to_string());
+    });
+    assert!(err.contains("more than any run takes"), "{err}");
+    let err = resume_altered(&dir, &saved, cfg(), |t, _| {
+        let s = Tensor::from_vec(vec![7i64], &[], ferrograd::Device::Cpu).unwrap();
+        t.insert("optim.2.step".into(), s);
+    });
+    assert!(err.contains("'optim.2.step' is 7, outside 1..=1"), "{err}");
+    let err = resume_altered(&dir, &saved, cfg(), |_, m| {
+        m.insert("format".into(), "ferrograd-train-state-1".into());
+    });
+    assert!(
+        err.contains("another format version, 'ferrograd-train-state-1'")
+            && err.contains("reads 'ferrograd-train-state-2' only"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_mixed_precision_state_resumes_only_in_its_mode() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = TestDir::new("amp-mode");
+    let f16 = TrainerConfig {
+        amp: Some(DType::F16),
+        ..TrainerConfig::default()
+    };
+    let saved = dir.path("f16.safetensors");
+    run(&TrainJob {
+        save: Some(saved.clone()),
+        stop_after: Some(1),
+        ..small_job(f16.clone())
+    })
+    .unwrap();
+    let err = run(&TrainJob {
+        resume: Some(saved.clone()),
+        ..small_job(TrainerConfig::default())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("saved with --amp f16 and this run uses --amp off: resume with --amp f16"),
+        "{err}"
+    );
+    // The scaler's state is part of the manifest.
+    let err = resume_altered(&dir, &saved, f16.clone(), |t, _| {
+        t.retain(|k, _| !k.starts_with("scaler."))
+    });
+    assert!(err.contains("lacks the tensor 'scaler."), "{err}");
+    run(&TrainJob {
+        resume: Some(saved),
+        ..small_job(f16)
+    })
+    .unwrap();
+}

@@ -6,23 +6,37 @@
 //! exactly as if it had never stopped. A file without an `optimizer` entry is AdamW's (the
 //! only optimizer before SGD was offered).
 //!
-//! Writing is atomic (see `io::save_state`). Reading checks everything — format, model shape,
-//! vocabulary, trainable set, every tensor's shape — before changing anything.
+//! The metadata also records the mixed-precision mode (`amp`) and which parameters have
+//! optimizer state (`optimizer_state`: `none` before the first step, `all`, or their indices),
+//! so the file's tensors form a manifest that reading checks completely.
+//!
+//! Writing is atomic and checksummed (see `io::save_state`). Reading checks everything before
+//! changing anything: the format version, every tensor's checksum, the optimizer, the model's
+//! shape, the vocabulary, the trainable set, the mixed-precision mode, that every expected
+//! tensor is present with its dtype and shape and nothing else is, and the values themselves
+//! (finite weights and moments, non-negative second moments, step counts within the run's).
+//! The first difference is a `BadFile` error that names it and says what to do.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
 use super::{JobOptimizer, OptimizerChoice};
+use crate::backend::HostValues;
 use crate::base::{Error, Result};
 use crate::data::CharTokenizer;
-use crate::io::{load_state, save_state};
+use crate::io::{CHECKSUM_KEY, load_state, save_state};
 use crate::nn::{Gpt, GptConfig, Module, load_named};
 use crate::optim::{Adam, AdamState, Optimizer, Sgd};
-use crate::tensor::{Device, Generator, Tensor, get_rng_state, set_rng_state};
+use crate::tensor::{DType, Device, Generator, Tensor, get_rng_state, set_rng_state};
 use crate::train::Trainer;
 
-/// The `format` metadata value of files this version writes.
-pub const STATE_FORMAT: &str = "ferrograd-train-state-1";
+/// The `format` metadata value of files this version writes (and the only one it reads).
+/// Version 2 added checksums, the `amp` mode and the `optimizer_state` manifest.
+pub const STATE_FORMAT: &str = "ferrograd-train-state-2";
+
+/// The most steps a state may record: past 2^53 a step count no longer fits the schedule's
+/// f64 arithmetic, and no run takes that many.
+const MAX_STEP: u64 = 1 << 53;
 
 /// Writes the state of a run after `trainer.step_index()` steps to `path`, atomically.
 pub fn save_training_state(
@@ -47,7 +61,19 @@ pub fn save_training_state(
         .map(|d| rng_string(&d.generator_state()))
         .collect();
     let choice = trainer.with_optimizer(|o| o.choice())?;
+    let with_state = trainer.with_optimizer(state_indices)?;
+    let n_params = trainer.with_optimizer(|o| o.params().len())?;
+    let optimizer_state = if with_state.is_empty() {
+        "none".to_string()
+    } else if with_state.len() == n_params {
+        "all".to_string()
+    } else {
+        let v: Vec<String> = with_state.iter().map(usize::to_string).collect();
+        v.join(",")
+    };
     let meta = BTreeMap::from([
+        ("amp".to_string(), amp_name(trainer.config().amp)),
+        ("optimizer_state".to_string(), optimizer_state),
         ("format".to_string(), STATE_FORMAT.to_string()),
         ("optimizer".to_string(), choice.to_string()),
         ("step".to_string(), trainer.step_index().to_string()),
@@ -82,11 +108,22 @@ pub fn load_training_state(
             ))
         })
     };
-    if get("format")? != STATE_FORMAT {
+    let format = get("format")?;
+    if format != STATE_FORMAT {
+        let what = if format.starts_with("ferrograd-train-state-") {
+            "another format version"
+        } else {
+            "an unknown format"
+        };
         return Err(bad(format!(
-            "format '{}' is not '{STATE_FORMAT}'",
-            get("format")?
+            "it is {what}, '{format}', and this ferrograd reads '{STATE_FORMAT}' only: resume it with the ferrograd that wrote it, or start without --resume"
         )));
+    }
+    if !meta.contains_key(CHECKSUM_KEY) {
+        return Err(bad(
+            "it has no checksums, so its data cannot be trusted: it was altered; use another file"
+                .into(),
+        ));
     }
     check_optimizer(path, &meta, trainer.with_optimizer(|o| o.choice())?)?;
     let saved: GptConfig = serde_json::from_str(get("model")?)
@@ -109,7 +146,33 @@ pub fn load_training_state(
             "it was saved with other frozen parameters; pass the same --freeze patterns".into(),
         ));
     }
+    let amp = amp_name(trainer.config().amp);
+    if get("amp")? != &amp {
+        return Err(bad(format!(
+            "it was saved with --amp {} and this run uses --amp {amp}: resume with --amp {} (the file holds that mode's state), or start without --resume",
+            get("amp")?,
+            get("amp")?
+        )));
+    }
     let step: u64 = parse(get("step")?, "step", &bad)?;
+    if step > MAX_STEP {
+        return Err(bad(format!(
+            "its step {step} is more than any run takes (at most 2^53): the file is corrupt; use another file"
+        )));
+    }
+    let with_state = parse_state_indices(get("optimizer_state")?, trainer, &bad)?;
+    let choice = trainer.with_optimizer(|o| o.choice())?;
+    if choice == OptimizerChoice::AdamW && step > 0 && with_state.is_empty() {
+        return Err(bad(format!(
+            "it records step {step} but no AdamW state (a state without it is one saved before the first step): the file is incomplete; use a complete state, or start without --resume"
+        )));
+    }
+    check_manifest(
+        &tensors,
+        &expected_tensors(model, trainer, &with_state)?,
+        &bad,
+    )?;
+    check_values(&tensors, step, &bad)?;
     let data = parse_rng(get("rng.data")?, &bad)?;
     let default_rng = parse_rng(get("rng.default")?, &bad)?;
     let dropouts = get("rng.dropout")?
@@ -321,4 +384,159 @@ fn parse_rng(s: &str, bad: &dyn Fn(String) -> Error) -> Result<Generator> {
 fn parse<T: std::str::FromStr>(s: &str, what: &str, bad: &dyn Fn(String) -> Error) -> Result<T> {
     s.parse()
         .map_err(|_| bad(format!("{what} '{s}' is not a number")))
+}
+
+fn amp_name(amp: Option<DType>) -> String {
+    match amp {
+        None => "off".into(),
+        Some(DType::F16) => "f16".into(),
+        Some(DType::BF16) => "bf16".into(),
+        Some(d) => d.to_string(),
+    }
+}
+
+/// The indices of the parameters that have optimizer state.
+fn state_indices(o: &mut JobOptimizer) -> Vec<usize> {
+    match o {
+        JobOptimizer::AdamW(a) => (0..a.params().len())
+            .filter(|&i| a.state(i).is_some())
+            .collect(),
+        JobOptimizer::Sgd(s) => (0..s.params().len())
+            .filter(|&i| s.momentum_buffer(i).is_some())
+            .collect(),
+    }
+}
+
+/// `optimizer_state` read back: `none`, `all` or indices below the optimizer's count.
+fn parse_state_indices(
+    s: &str,
+    trainer: &mut Trainer<JobOptimizer>,
+    bad: &dyn Fn(String) -> Error,
+) -> Result<Vec<usize>> {
+    let n = trainer.with_optimizer(|o| o.params().len())?;
+    match s {
+        "none" => Ok(Vec::new()),
+        "all" => Ok((0..n).collect()),
+        list => list
+            .split(',')
+            .map(|i| {
+                let i: usize = parse(i, "optimizer state index", bad)?;
+                if i >= n {
+                    return Err(bad(format!(
+                        "optimizer state index {i} is past the {n} parameters that train"
+                    )));
+                }
+                Ok(i)
+            })
+            .collect(),
+    }
+}
+
+/// Every tensor a state of this run holds: name, dtype and shape.
+fn expected_tensors(
+    model: &Gpt,
+    trainer: &mut Trainer<JobOptimizer>,
+    with_state: &[usize],
+) -> Result<Vec<(String, DType, Vec<usize>)>> {
+    let mut out: Vec<(String, DType, Vec<usize>)> = model
+        .named_parameters()
+        .into_iter()
+        .map(|(n, p)| (format!("model.{n}"), p.dtype(), p.shape().to_vec()))
+        .collect();
+    let (params, choice) = trainer.with_optimizer(|o| (o.params().to_vec(), o.choice()))?;
+    for &i in with_state {
+        let p = &params[i];
+        let like = |s: &str| (format!("optim.{i}.{s}"), p.dtype(), p.shape().to_vec());
+        match choice {
+            OptimizerChoice::AdamW => {
+                out.push(like("exp_avg"));
+                out.push(like("exp_avg_sq"));
+                out.push((format!("optim.{i}.step"), DType::I64, Vec::new()));
+            }
+            OptimizerChoice::Sgd => out.push(like("momentum_buffer")),
+        }
+    }
+    if let Some(s) = trainer.scaler() {
+        for (n, t) in s.state_tensors()? {
+            out.push((n, t.dtype(), t.shape().to_vec()));
+        }
+    }
+    Ok(out)
+}
+
+/// Every expected tensor present with its dtype and shape, and nothing else.
+fn check_manifest(
+    tensors: &HashMap<String, Tensor>,
+    expected: &[(String, DType, Vec<usize>)],
+    bad: &dyn Fn(String) -> Error,
+) -> Result<()> {
+    for (name, dtype, shape) in expected {
+        let Some(t) = tensors.get(name) else {
+            return Err(bad(format!(
+                "it lacks the tensor '{name}' ({dtype}, shape {shape:?}) this run needs: the file is incomplete; use a complete state, or start without --resume"
+            )));
+        };
+        if t.dtype() != *dtype || t.shape() != shape.as_slice() {
+            return Err(bad(format!(
+                "its tensor '{name}' is {} of shape {:?}, and this run needs {dtype} of shape {shape:?}; use a state saved by the same run, or start without --resume",
+                t.dtype(),
+                t.shape()
+            )));
+        }
+    }
+    let mut extra: Vec<&String> = tensors
+        .keys()
+        .filter(|k| !expected.iter().any(|(n, _, _)| n == *k))
+        .collect();
+    extra.sort();
+    if let Some(name) = extra.first() {
+        return Err(bad(format!(
+            "it holds a tensor '{name}' this run has no place for: the file was altered or belongs to another run; use a state saved by the same run"
+        )));
+    }
+    Ok(())
+}
+
+/// Values a run cannot have written: non-finite weights or moments, negative second moments,
+/// optimizer step counts outside 1..=step, and AdamW without state after the first step.
+fn check_values(
+    tensors: &HashMap<String, Tensor>,
+    step: u64,
+    bad: &dyn Fn(String) -> Error,
+) -> Result<()> {
+    let mut names: Vec<&String> = tensors.keys().collect();
+    names.sort();
+    for name in names {
+        let t = &tensors[name];
+        if name.ends_with(".step") && name.starts_with("optim.") {
+            let s = t.item()?;
+            if !(s >= 1.0 && s <= step as f64) {
+                return Err(bad(format!(
+                    "its optimizer step count '{name}' is {s}, outside 1..={step}: the file is corrupt; use another file"
+                )));
+            }
+            continue;
+        }
+        if !t.dtype().is_float() || name.starts_with("scaler.") {
+            continue;
+        }
+        let second_moment = name.ends_with(".exp_avg_sq");
+        let ok = |x: f64| x.is_finite() && !(second_moment && x < 0.0);
+        let fine = match t.to_host()? {
+            HostValues::F32(v) => v.iter().all(|&x| ok(x as f64)),
+            HostValues::F64(v) => v.iter().all(|&x| ok(x)),
+            HostValues::I64(_) => true,
+        };
+        if !fine {
+            let what = if second_moment {
+                "negative, NaN or infinite values"
+            } else {
+                "NaN or infinite values"
+            };
+            return Err(bad(format!(
+                "its tensor '{name}' holds {what}, which training cannot produce or continue from; resume from an earlier state, or start without --resume"
+            )));
+        }
+    }
+    Ok(())
 }
