@@ -532,3 +532,11 @@ fn a_flipped_bit_fails_the_checksum() {
         "{err}"
     );
 }
+
+#[test]
+fn load_state_reads_only_regular_files() {
+    for path in ["/dev/zero", "/"] {
+        let err = load_state(path).unwrap_err().to_string();
+        assert!(err.contains("not a regular file"), "{path}: {err}");
+    }
+}

@@ -87,6 +87,13 @@ pub fn load_state(
     path: impl AsRef<Path>,
 ) -> Result<(HashMap<String, Tensor>, BTreeMap<String, String>)> {
     let path = path.as_ref();
+    // A device or pipe (/dev/zero) would be read forever: only regular files are states.
+    if !fs::metadata(path).map_err(io_err(path))?.is_file() {
+        return Err(bad_file(
+            path,
+            "not a regular file (a folder, device or pipe); give a state file saved by --save",
+        ));
+    }
     let bytes = fs::read(path).map_err(io_err(path))?;
     let (header_len, header) = SafeTensors::read_metadata(&bytes).map_err(|e| {
         bad_file(
