@@ -485,6 +485,8 @@ fn temporaries_of_dead_processes_are_removed_at_the_next_save() {
     let path = dir.path("state.safetensors");
     // No process has this id (Linux caps ids far below it); process 1 always lives.
     let dead = ".state.safetensors.999999999.3.tmp";
+    let probe = ".state.safetensors.999999999.probe.tmp";
+    std::fs::write(dir.path(probe), b"").unwrap();
     let alive = ".state.safetensors.1.0.tmp";
     let other = ".other.safetensors.999999999.0.tmp";
     for f in [dead, alive, other] {
@@ -493,7 +495,7 @@ fn temporaries_of_dead_processes_are_removed_at_the_next_save() {
     save_state(&path, &sample_state(), sample_metadata()).unwrap();
     let mut expect = vec![alive, other, "state.safetensors"];
     if !cfg!(target_os = "linux") {
-        expect.push(dead);
+        expect.extend([dead, probe]);
     }
     expect.sort();
     assert_eq!(dir.files(), expect);

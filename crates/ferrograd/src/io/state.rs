@@ -457,7 +457,7 @@ fn write_atomic(
     Ok(())
 }
 
-/// Removes the temporary files `.NAME.PID.N.tmp` of this target left by processes that are
+/// Removes the temporary files `.NAME.PID.N.tmp` (and `.NAME.PID.probe.tmp`) of this target left by processes that are
 /// gone (killed mid-save). Linux only, where `/proc/PID` says whether a process lives; files
 /// of living processes, and anything else in the folder, are left alone. Best effort.
 fn remove_stale_temporaries(dir: &Path, name: &std::ffi::OsStr) {
@@ -478,7 +478,10 @@ fn remove_stale_temporaries(dir: &Path, name: &std::ffi::OsStr) {
             .and_then(|f| f.strip_prefix(&prefix))
             .and_then(|rest| rest.strip_suffix(".tmp"))
             .and_then(|rest| rest.split_once('.'))
-            .filter(|(_, n)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            // `N` of a save, or `probe` of `check_output_path`.
+            .filter(|(_, n)| {
+                *n == "probe" || (!n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
+            })
             .and_then(|(pid, _)| pid.parse::<u32>().ok())
         else {
             continue;
