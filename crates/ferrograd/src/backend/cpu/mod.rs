@@ -9,6 +9,7 @@ mod matmul;
 mod optim;
 mod reduce;
 mod rows;
+mod vmath;
 
 pub use data::{CpuData, Elem};
 #[allow(unused_imports)]
@@ -62,6 +63,10 @@ pub(crate) fn write<R>(s: &Storage, f: impl FnOnce(&mut CpuData) -> Result<R>) -
 impl Backend for CpuBackend {
     fn zeros(&self, dtype: DType, len: usize, _addr: u64) -> Result<BackendData> {
         Ok(BackendData::Cpu(CpuData::zeros(dtype, len)?))
+    }
+
+    fn empty(&self, dtype: DType, len: usize, _addr: u64) -> Result<BackendData> {
+        Ok(BackendData::Cpu(CpuData::uninit(dtype, len)?))
     }
 
     fn upload(&self, dtype: DType, values: HostValues, _addr: u64) -> Result<BackendData> {
