@@ -23,8 +23,8 @@ impl Tensor {
         let rows = check_args(self, targets)?;
         let x = self.detached_contiguous()?;
         let t = targets.detached_contiguous()?;
-        let loss = Tensor::output(&[], self.dtype(), self.device(), "cross_entropy")?;
-        let lse = Tensor::output(
+        let loss = Tensor::output_uninit(&[], self.dtype(), self.device(), "cross_entropy")?;
+        let lse = Tensor::output_uninit(
             &[rows],
             stats_dtype(self.dtype()),
             self.device(),
@@ -46,8 +46,12 @@ impl Tensor {
             move |g: &Tensor, _: &[bool]| {
                 let g = g.detached_contiguous()?;
                 let (x, t, lse) = (x.get(), t.get(), lse.get());
-                let gx =
-                    Tensor::output(x.shape(), x.dtype(), x.device(), "cross_entropy_backward")?;
+                let gx = Tensor::output_uninit(
+                    x.shape(),
+                    x.dtype(),
+                    x.device(),
+                    "cross_entropy_backward",
+                )?;
                 loss::cross_entropy_backward(&CrossEntropyBackward {
                     logits: x.view(),
                     targets: t.view(),

@@ -16,7 +16,7 @@ impl Tensor {
         let (v, d) = check_embedding(self, ids)?;
         let mut shape = ids.shape().to_vec();
         shape.push(d);
-        let out = Tensor::output(&shape, self.dtype(), self.device(), "embedding")?;
+        let out = Tensor::output_uninit(&shape, self.dtype(), self.device(), "embedding")?;
         index::index_select(&IndexSelect {
             weight: self.view(),
             ids: ids.view(),

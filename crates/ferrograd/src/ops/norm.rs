@@ -29,10 +29,10 @@ impl Tensor {
         let x = self.detached_contiguous()?.reshape(&[rows, n])?;
         let flat = |p: &Tensor| p.detached_contiguous()?.reshape(&[n]);
         let (w, b) = (weight.map(flat).transpose()?, bias.map(flat).transpose()?);
-        let y = Tensor::output(self.shape(), self.dtype(), self.device(), "layer_norm")?;
+        let y = Tensor::output_uninit(self.shape(), self.dtype(), self.device(), "layer_norm")?;
         let stats = stats_dtype(self.dtype());
-        let mean = Tensor::output(&[rows], stats, self.device(), "layer_norm")?;
-        let rstd = Tensor::output(&[rows], stats, self.device(), "layer_norm")?;
+        let mean = Tensor::output_uninit(&[rows], stats, self.device(), "layer_norm")?;
+        let rstd = Tensor::output_uninit(&[rows], stats, self.device(), "layer_norm")?;
         rows::layer_norm(&LayerNorm {
             x: x.view(),
             weight: w.as_ref().map(Tensor::view),
@@ -76,8 +76,9 @@ impl Saved {
         let (x, w) = (self.x.get(), self.weight.as_ref().map(SavedTensor::get));
         let g = g.detached_contiguous()?.reshape(x.shape())?;
         let n = x.shape()[1];
-        let grad =
-            |shape: &[usize]| Tensor::output(shape, x.dtype(), x.device(), "layer_norm_backward");
+        let grad = |shape: &[usize]| {
+            Tensor::output_uninit(shape, x.dtype(), x.device(), "layer_norm_backward")
+        };
         let gx = grad(x.shape())?;
         let gw = w.map(|_| grad(&[n])).transpose()?;
         let gb = self.bias.then(|| grad(&[n])).transpose()?;

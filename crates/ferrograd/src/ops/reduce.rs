@@ -45,7 +45,7 @@ impl Tensor {
         } else {
             self.dtype()
         };
-        let out = Tensor::output(&shape, dtype, self.device(), name)?;
+        let out = Tensor::output_uninit(&shape, dtype, self.device(), name)?;
         crate::backend::reduce::reduce(op, self.view(), dims, out.storage())?;
         Ok(out)
     }

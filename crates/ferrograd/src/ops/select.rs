@@ -37,7 +37,7 @@ pub(crate) fn where_forward(
         a.broadcast_layout(&shape)?,
         b.broadcast_layout(&shape)?,
     );
-    let out = Tensor::output(&shape, a.dtype(), a.device(), name)?;
+    let out = Tensor::output_uninit(&shape, a.dtype(), a.device(), name)?;
     index::select_where(&Where {
         cond: View {
             storage: cond.storage(),
@@ -123,7 +123,7 @@ impl Tensor {
         }
         let d = resolve_dim("cat", dim, first.dims())?;
         let (shape, lens) = cat_shape(tensors, d)?;
-        let out = Tensor::output(&shape, first.dtype(), first.device(), "cat")?;
+        let out = Tensor::output_uninit(&shape, first.dtype(), first.device(), "cat")?;
         let mut starts = Vec::with_capacity(lens.len());
         let mut start = 0;
         for (t, &len) in tensors.iter().zip(&lens) {

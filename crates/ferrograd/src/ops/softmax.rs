@@ -46,7 +46,7 @@ fn softmax_along(x: &Tensor, dim: isize, log: bool) -> Result<Tensor> {
 /// (contiguous) output, shaped like `a`.
 fn run_rows(log: bool, a: &Tensor, gy: Option<&Tensor>, name: &'static str) -> Result<Tensor> {
     let a = a.detached_contiguous()?;
-    let out = Tensor::output(a.shape(), a.dtype(), a.device(), name)?;
+    let out = Tensor::output_uninit(a.shape(), a.dtype(), a.device(), name)?;
     match gy {
         None => rows::softmax(&Softmax {
             x: a.view(),

@@ -130,7 +130,7 @@ impl Tensor {
     }
 
     /// An op output whose kernel writes every element: not zero-filled where the backend
-    /// can skip it (the GPU), so large outputs cost no memset.
+    /// can skip it (the GPU and the CPU), so large outputs cost no memset.
     pub(crate) fn output_uninit(
         shape: &[usize],
         dtype: DType,

@@ -21,11 +21,39 @@ pub enum CpuData {
 pub trait Elem: num_traits::Float + Send + Sync + Default + 'static {
     fn from_f64(v: f64) -> Self;
     fn to_f64(self) -> f64;
+    /// exp at this type's precision: f64 through libm, the narrower types through the
+    /// vector-friendly `exp_f32` (at most 1 ulp of f32).
+    #[inline(always)]
+    fn exp_v(self) -> Self {
+        Self::from_f64(Self::exp_of(self.to_f64()))
+    }
+    /// exp of an f64 intermediate whose result is stored at this type's precision.
+    fn exp_of(d: f64) -> f64;
 }
 
 macro_rules! impl_elem {
-    ($t:ty, $from:expr, $to:expr) => {
+    (@exp narrow) => {
+        #[inline(always)]
+        fn exp_of(d: f64) -> f64 {
+            super::vmath::exp_f32(d as f32) as f64
+        }
+    };
+    (@exp f32) => {
+        impl_elem!(@exp narrow);
+        #[inline(always)]
+        fn exp_v(self) -> Self {
+            super::vmath::exp_f32(self)
+        }
+    };
+    (@exp f64) => {
+        #[inline(always)]
+        fn exp_of(d: f64) -> f64 {
+            d.exp()
+        }
+    };
+    ($t:ty, $from:expr, $to:expr, $exp:tt) => {
         impl Elem for $t {
+            impl_elem!(@exp $exp);
             #[inline(always)]
             fn from_f64(v: f64) -> Self {
                 $from(v)
@@ -37,10 +65,10 @@ macro_rules! impl_elem {
         }
     };
 }
-impl_elem!(f32, |v| v as f32, |x: f32| x as f64);
-impl_elem!(f64, |v| v, |x: f64| x);
-impl_elem!(f16, f16::from_f64, |x: f16| x.to_f64());
-impl_elem!(bf16, bf16::from_f64, |x: bf16| x.to_f64());
+impl_elem!(f32, |v| v as f32, |x: f32| x as f64, f32);
+impl_elem!(f64, |v| v, |x: f64| x, f64);
+impl_elem!(f16, f16::from_f64, |x: f16| x.to_f64(), narrow);
+impl_elem!(bf16, bf16::from_f64, |x: bf16| x.to_f64(), narrow);
 
 /// Runs `$body` with `$v` bound to the typed float buffer; integer buffers are an error.
 macro_rules! with_float {
@@ -148,6 +176,19 @@ impl CpuData {
         })
     }
 
+    /// A buffer whose contents are unspecified, for a kernel that writes every element before
+    /// anything reads it (PyTorch's `empty`): no zero-fill pass.
+    pub fn uninit(dtype: DType, len: usize) -> Result<CpuData> {
+        Ok(match dtype {
+            DType::F32 => CpuData::F32(try_vec_uninit(len)?),
+            DType::F64 => CpuData::F64(try_vec_uninit(len)?),
+            DType::F16 => CpuData::F16(try_vec_uninit(len)?),
+            DType::BF16 => CpuData::BF16(try_vec_uninit(len)?),
+            DType::I64 => CpuData::I64(try_vec_uninit(len)?),
+            DType::U8 => CpuData::U8(try_vec_uninit(len)?),
+        })
+    }
+
     pub fn from_host(dtype: DType, values: HostValues) -> Result<CpuData> {
         fn conv<T: Elem>(v: &[f64]) -> Vec<T> {
             v.iter().map(|&x| T::from_f64(x)).collect()
@@ -193,6 +234,35 @@ impl CpuData {
             CpuData::U8(v) => v[i] as i64,
             other => other.get_f64(i) as i64,
         }
+    }
+}
+
+fn alloc_failed(len: usize) -> Error {
+    Error::invalid(
+        "allocate",
+        format!(
+            "the host could not allocate {len} elements; use smaller sizes or free other tensors"
+        ),
+    )
+}
+
+/// A buffer of `len` elements straight from the allocator, not filled. Only plain-data
+/// element types (every bit pattern a valid value: the `Pod` bound) reach it, and its callers
+/// (`Backend::empty`) hand it to a kernel that writes every element before any is read.
+fn try_vec_uninit<T: bytemuck::Pod>(len: usize) -> Result<Vec<T>> {
+    if len == 0 || std::mem::size_of::<T>() == 0 {
+        return Ok(Vec::new());
+    }
+    let layout = std::alloc::Layout::array::<T>(len).map_err(|_| alloc_failed(len))?;
+    // SAFETY: the layout is non-zero-sized; the pointer comes from the global allocator with
+    // exactly this layout (capacity = len), which Vec::from_raw_parts requires. T is Pod, so
+    // any bytes are a valid T, and the contract above has every element written before read.
+    unsafe {
+        let ptr = std::alloc::alloc(layout) as *mut T;
+        if ptr.is_null() {
+            return Err(alloc_failed(len));
+        }
+        Ok(Vec::from_raw_parts(ptr, len, len))
     }
 }
 

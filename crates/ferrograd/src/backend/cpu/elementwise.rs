@@ -5,6 +5,7 @@
 use rayon::prelude::*;
 
 use super::data::{CpuData, Elem, with_float, with_float_pair};
+use super::vmath::simd_fn;
 use super::{CpuBackend, read, write};
 use crate::backend::{BinaryOp, ElementwiseKernels, Storage, UnaryOp, View};
 use crate::base::Layout;
@@ -83,11 +84,11 @@ pub(crate) fn unary_scalar<T: Elem>(op: UnaryOp, x: T) -> T {
     let one = T::one();
     match op {
         UnaryOp::Neg => -x,
-        UnaryOp::Exp => x.exp(),
+        UnaryOp::Exp => x.exp_v(),
         UnaryOp::Log => x.ln(),
         UnaryOp::Sqrt => x.sqrt(),
         UnaryOp::Tanh => x.tanh(),
-        UnaryOp::Sigmoid => one / (one + (-x).exp()),
+        UnaryOp::Sigmoid => one / (one + (-x).exp_v()),
         UnaryOp::Relu => {
             if x > T::zero() {
                 x
@@ -99,7 +100,7 @@ pub(crate) fn unary_scalar<T: Elem>(op: UnaryOp, x: T) -> T {
             // 0.5·x·(1 + tanh(u)) = x·sigmoid(2u): one exp instead of tanh (which costs an
             // expm1 and more), and no cancellation in 1 + tanh(u) for very negative u.
             let u = T::from_f64(GELU_C) * (x + T::from_f64(GELU_A) * x * x * x);
-            x / (one + (-(u + u)).exp())
+            x / (one + (-(u + u)).exp_v())
         }
         UnaryOp::GeluErf => {
             T::from_f64(0.5 * x.to_f64() * (1.0 + libm::erf(x.to_f64() * FRAC_1_SQRT_2)))
@@ -154,7 +155,7 @@ pub(crate) fn binary_scalar<T: Elem>(op: BinaryOp, a: T, b: T) -> T {
             // d/dx = s + x·2s(1 − s)·u'.
             let (c, k) = (T::from_f64(GELU_C), T::from_f64(GELU_A));
             let u = c * (b + k * b * b * b);
-            let s = one / (one + (-(u + u)).exp());
+            let s = one / (one + (-(u + u)).exp_v());
             let du = c * (one + T::from_f64(3.0) * k * b * b);
             let d = s + (b + b) * s * (one - s) * du;
             a * d
@@ -283,6 +284,10 @@ fn update<T: Elem>(out: &mut [T], b: Seg<T>, f: &impl Fn(T, T) -> T) {
     }
 }
 
+simd_fn!(fn map1_v[T: Elem](out: &mut [T], x: Seg<T>, f: &impl Fn(T) -> T) = map1;);
+simd_fn!(fn map2_v[T: Elem](out: &mut [T], a: Seg<T>, b: Seg<T>, f: &impl Fn(T, T) -> T) = map2;);
+simd_fn!(fn update_v[T: Elem](out: &mut [T], b: Seg<T>, f: &impl Fn(T, T) -> T) = update;);
+
 #[inline(always)]
 fn get<T: Copy>(s: Seg<T>, j: usize) -> T {
     match s {
@@ -299,7 +304,7 @@ fn unary_typed<T: Elem>(op: UnaryOp, x: &[T], xl: &Layout, out: &mut [T]) {
 fn unary_run<T: Elem>(x: &[T], xl: &Layout, out: &mut [T], f: impl Fn(T) -> T + Sync) {
     let r = rows(xl, xl.is_contiguous());
     for_each_out(out, &r, |ch, row, off| {
-        map1(ch, seg(x, r.bases[row], r.stride, off, ch.len()), &f)
+        map1_v(ch, seg(x, r.bases[row], r.stride, off, ch.len()), &f)
     })
 }
 
@@ -356,7 +361,7 @@ fn binary_run<T: Elem>(
     for_each_out(out, &ra, |ch, row, off| {
         let n = ch.len();
         let sa = seg(a, ra.bases[row], ra.stride, off, n);
-        map2(ch, sa, seg(b, rb.bases[row], rb.stride, off, n), &f)
+        map2_v(ch, sa, seg(b, rb.bases[row], rb.stride, off, n), &f)
     })
 }
 
@@ -373,7 +378,7 @@ pub(crate) fn binary_inplace(
 fn inplace_run<T: Elem>(dst: &mut [T], src: &[T], sl: &Layout, f: impl Fn(T, T) -> T + Sync) {
     let r = rows(sl, sl.is_contiguous());
     for_each_out(dst, &r, |ch, row, off| {
-        update(ch, seg(src, r.bases[row], r.stride, off, ch.len()), &f)
+        update_v(ch, seg(src, r.bases[row], r.stride, off, ch.len()), &f)
     })
 }
 
@@ -403,17 +408,65 @@ pub(crate) fn copy(src: &CpuData, sl: &Layout, dst: &mut CpuData, dl: &Layout) -
     if dl.is_contiguous() && dl.offset() == 0 && dl.numel() == dst.len() {
         return copy_to_contiguous(src, sl, dst);
     }
-    // Strided destination (cat, narrow backward): element by element, on one thread.
-    let pairs: Vec<(usize, usize)> = sl.offsets().zip(dl.offsets()).collect();
+    // Strided destination (cat, narrow backward): row by row over the dims merged as far as
+    // both layouts allow, on one thread.
+    let (shape, ss, ds) = coalesce(sl.shape(), sl.strides(), dl.strides());
+    let r = shape.len() - 1;
+    let (n, si, di) = (shape[r], ss[r], ds[r]);
+    let outer =
+        |strides: &[isize], offset| Layout::new(shape[..r].to_vec(), strides[..r].to_vec(), offset);
+    let (so, dout) = (outer(&ss, sl.offset()), outer(&ds, dl.offset()));
     macro_rules! typed {
         ($s:ident, $d:ident, $conv:expr) => {{
-            for &(i, j) in &pairs {
-                $d[j] = $conv($s[i]);
+            for (sb, db) in so.offsets().zip(dout.offsets()) {
+                if si == 1 && di == 1 {
+                    let (sr, dr) = (&$s[sb..sb + n], &mut $d[db..db + n]);
+                    dr.iter_mut().zip(sr).for_each(|(o, &x)| *o = $conv(x));
+                } else {
+                    for j in 0..n {
+                        $d[(db as isize + di * j as isize) as usize] = $conv(at($s, sb, si, j));
+                    }
+                }
             }
         }};
     }
-    convert_dispatch!(src, dst, typed);
+    if sl.numel() > 0 {
+        convert_dispatch!(src, dst, typed);
+    }
     Ok(())
+}
+
+/// The shape and two layouts' strides with size-1 dims dropped and each dim merged into the
+/// next where both layouts step through them as one (so a narrowed or permuted view walks in
+/// the fewest, longest rows). Always at least one dim.
+pub(crate) fn coalesce(
+    shape: &[usize],
+    a: &[isize],
+    b: &[isize],
+) -> (Vec<usize>, Vec<isize>, Vec<isize>) {
+    let (mut sh, mut sa, mut sb) = (Vec::new(), Vec::new(), Vec::new());
+    for d in 0..shape.len() {
+        if shape[d] == 1 {
+            continue;
+        }
+        if let (Some(&n), Some(&pa), Some(&pb)) = (sh.last(), sa.last(), sb.last()) {
+            let n: usize = n;
+            if pa == a[d] * shape[d] as isize && pb == b[d] * shape[d] as isize {
+                let k = sh.len() - 1;
+                sh[k] = n * shape[d];
+                sa[k] = a[d];
+                sb[k] = b[d];
+                continue;
+            }
+        }
+        sh.push(shape[d]);
+        sa.push(a[d]);
+        sb.push(b[d]);
+    }
+    if sh.is_empty() {
+        return (vec![1], vec![1], vec![1]);
+    }
+    (sh, sa, sb)
 }
 
 fn copy_to_contiguous(src: &CpuData, sl: &Layout, dst: &mut CpuData) -> Result<()> {
@@ -484,5 +537,62 @@ impl ElementwiseKernels for CpuBackend {
         }
         let s = read(src.storage)?;
         write(dst, |d| binary_inplace(op, d, &s, src.layout))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every strided-destination copy equals the element-by-element walk of both layouts.
+    #[test]
+    fn strided_copy_matches_the_offset_walk() {
+        let base = Layout::contiguous(&[3, 4, 5, 2]);
+        let dsts = [
+            base.narrow(1, 1, 2).unwrap(),
+            base.permute(&[2, 0, 3, 1])
+                .unwrap()
+                .narrow(3, 1, 3)
+                .unwrap(),
+            base.narrow(0, 2, 1).unwrap().narrow(3, 1, 1).unwrap(),
+            base.narrow(2, 0, 0).unwrap(),
+        ];
+        for dl in dsts {
+            let shape = dl.shape().to_vec();
+            let n = dl.numel();
+            // The source: a transposed view of a contiguous buffer where rank allows.
+            let sl = if shape.len() >= 2 {
+                let mut s = shape.clone();
+                let r = s.len();
+                s.swap(r - 2, r - 1);
+                let mut perm: Vec<usize> = (0..r).collect();
+                perm.swap(r - 2, r - 1);
+                Layout::contiguous(&s).permute(&perm).unwrap()
+            } else {
+                Layout::contiguous(&shape)
+            };
+            let src = CpuData::F32((0..n.max(1)).map(|i| i as f32).collect());
+            let mut got = CpuData::F64(vec![-1.0; base.numel()]);
+            copy(&src, &sl, &mut got, &dl).unwrap();
+            let mut want = vec![-1.0f64; base.numel()];
+            for (i, j) in sl.offsets().zip(dl.offsets()) {
+                want[j] = i as f64;
+            }
+            let CpuData::F64(got) = got else {
+                unreachable!()
+            };
+            assert_eq!(got, want, "dst {dl:?}");
+        }
+    }
+
+    #[test]
+    fn coalesce_merges_what_both_layouts_walk_as_one() {
+        let (s, a, b) = coalesce(&[2, 3, 4], &[12, 4, 1], &[32, 8, 1]);
+        assert_eq!((s, a, b), (vec![2, 3, 4], vec![12, 4, 1], vec![32, 8, 1]));
+        let (s, a, b) = coalesce(&[2, 3, 4], &[12, 4, 1], &[24, 8, 1]);
+        assert_eq!((s, a, b), (vec![6, 4], vec![4, 1], vec![8, 1]));
+        let (s, a, b) = coalesce(&[2, 1, 3, 4], &[12, 99, 4, 1], &[24, 7, 4, 1]);
+        assert_eq!((s, a, b), (vec![2, 12], vec![12, 1], vec![24, 1]));
+        assert_eq!(coalesce(&[1, 1], &[5, 5], &[3, 3]).0, vec![1]);
     }
 }

@@ -112,7 +112,7 @@ fn cross_entropy_backward<T: Elem>(a: &CrossEntropyBackward) -> Result<()> {
                 return;
             }
             for (j, (o, &v)) in gr.iter_mut().zip(row(x, r, c)).enumerate() {
-                let p = (v.to_f64() - lse[r]).exp();
+                let p = T::exp_of(v.to_f64() - lse[r]);
                 let hot = if j as i64 == t[r] { 1.0 } else { 0.0 };
                 *o = T::from_f64((p - hot) * scale);
             }

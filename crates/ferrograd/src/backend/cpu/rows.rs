@@ -15,6 +15,7 @@ use rayon::prelude::*;
 use super::CpuBackend;
 use super::data::{CpuData, Elem, with_float};
 use super::elementwise::PAR_MIN;
+use super::vmath::simd_fn;
 use super::{CpuRead, read, write};
 use crate::backend::rows::{LayerNorm, LayerNormBackward, RowKernels, Softmax, SoftmaxBackward};
 use crate::backend::{Storage, View, rows_cols};
@@ -255,14 +256,20 @@ pub(super) fn row<T>(v: &[T], r: usize, n: usize) -> &[T] {
 
 /// (max, log Σ exp(x - max)) of a row; the log-sum-exp is their sum. All -inf (or NaN) rows
 /// give NaN, as PyTorch's.
+#[inline(always)]
 pub(super) fn max_and_log_sum<T: Elem>(x: &[T]) -> (f64, f64) {
     let max = x
         .iter()
         .map(|&v| v.to_f64())
         .fold(f64::NEG_INFINITY, f64::max);
-    let sum: f64 = x.iter().map(|&v| (v.to_f64() - max).exp()).sum();
+    let sum: f64 = x.iter().map(|&v| T::exp_of(v.to_f64() - max)).sum();
     (max, sum.ln())
 }
+
+simd_fn!(fn softmax_row_v[T: Elem](log: bool, x: &[T], y: &mut [T], buf: &mut Vec<f64>) = softmax_row;);
+simd_fn!(fn softmax_backward_row_v[T: Elem](log: bool, y: &[T], gy: &[T], gx: &mut [T]) = softmax_backward_row;);
+simd_fn!(fn layer_norm_row_v[T: Elem](x: &[T], w: Option<&[T]>, b: Option<&[T]>, eps: f64, y: &mut [T]) -> (f64, f64) = layer_norm_row;);
+simd_fn!(fn layer_norm_backward_row_v[T: Elem](x: &[T], gy: &[T], w: Option<&[T]>, s: RowStats, gx: &mut [T], gh: &mut Vec<f64>) = layer_norm_backward_row;);
 
 // ---- softmax --------------------------------------------------------------------------------
 
@@ -276,12 +283,13 @@ fn softmax<T: Elem>(a: &Softmax) -> Result<()> {
     write(a.y, |d| {
         let y = typed_mut::<T>(OP, d, rows * n)?;
         map_rows(y, rows, n, |r, yr, buf| {
-            softmax_row(log, row(x, r, n), yr, buf)
+            softmax_row_v(log, row(x, r, n), yr, buf)
         });
         Ok(())
     })
 }
 
+#[inline(always)]
 fn softmax_row<T: Elem>(log: bool, x: &[T], y: &mut [T], buf: &mut Vec<f64>) {
     let max = x
         .iter()
@@ -290,12 +298,12 @@ fn softmax_row<T: Elem>(log: bool, x: &[T], y: &mut [T], buf: &mut Vec<f64>) {
     buf.clear();
     buf.extend(x.iter().map(|&v| v.to_f64() - max));
     if log {
-        let log_sum = buf.iter().map(|d| d.exp()).sum::<f64>().ln();
+        let log_sum = buf.iter().map(|&d| T::exp_of(d)).sum::<f64>().ln();
         y.iter_mut()
             .zip(buf.iter())
             .for_each(|(o, d)| *o = T::from_f64(d - log_sum));
     } else {
-        buf.iter_mut().for_each(|d| *d = d.exp());
+        buf.iter_mut().for_each(|d| *d = T::exp_of(*d));
         let inv = 1.0 / buf.iter().sum::<f64>();
         y.iter_mut()
             .zip(buf.iter())
@@ -316,19 +324,20 @@ fn softmax_backward<T: Elem>(a: &SoftmaxBackward) -> Result<()> {
     write(a.gx, |d| {
         let gx = typed_mut::<T>(OP, d, rows * n)?;
         map_rows(gx, rows, n, |r, gr, _| {
-            softmax_backward_row(log, row(y, r, n), row(gy, r, n), gr)
+            softmax_backward_row_v(log, row(y, r, n), row(gy, r, n), gr)
         });
         Ok(())
     })
 }
 
+#[inline(always)]
 fn softmax_backward_row<T: Elem>(log: bool, y: &[T], gy: &[T], gx: &mut [T]) {
     let pairs = || y.iter().zip(gy).map(|(&a, &b)| (a.to_f64(), b.to_f64()));
     if log {
         let s: f64 = gy.iter().map(|&g| g.to_f64()).sum();
         gx.iter_mut()
             .zip(pairs())
-            .for_each(|(o, (y, g))| *o = T::from_f64(g - y.exp() * s));
+            .for_each(|(o, (y, g))| *o = T::from_f64(g - T::exp_of(y) * s));
     } else {
         let s: f64 = pairs().map(|(y, g)| y * g).sum();
         gx.iter_mut()
@@ -356,7 +365,7 @@ fn layer_norm<T: Elem>(a: &LayerNorm) -> Result<()> {
     let stats = write(a.y, |d| {
         let y = typed_mut::<T>(OP, d, rows * n)?;
         Ok(map_rows(y, rows, n, |r, yr, _| {
-            layer_norm_row(row(x, r, n), w, b, eps, yr)
+            layer_norm_row_v(row(x, r, n), w, b, eps, yr)
         }))
     })?;
     let (mean, rstd): (Vec<f64>, Vec<f64>) = stats.into_iter().unzip();
@@ -366,6 +375,7 @@ fn layer_norm<T: Elem>(a: &LayerNorm) -> Result<()> {
 
 /// Normalises one row into `y`; returns (mean, rstd). Two passes: the variance of the
 /// centred values, not E[x²] - E[x]², which cancels badly when |mean| >> std.
+#[inline(always)]
 fn layer_norm_row<T: Elem>(
     x: &[T],
     w: Option<&[T]>,
@@ -412,7 +422,7 @@ fn layer_norm_backward<T: Elem>(a: &LayerNormBackward) -> Result<()> {
                 mean: mean[r],
                 rstd: rstd[r],
             };
-            layer_norm_backward_row(row(x, r, n), row(gy, r, n), w, rs, gr, buf)
+            layer_norm_backward_row_v(row(x, r, n), row(gy, r, n), w, rs, gr, buf)
         });
         Ok(())
     })?;
@@ -435,6 +445,7 @@ struct RowStats {
 }
 
 /// gx = rstd (ĝ - mean(ĝ) - x̂ mean(ĝ x̂)) with x̂ = (x - mean) rstd and ĝ = gy · weight.
+#[inline(always)]
 fn layer_norm_backward_row<T: Elem>(
     x: &[T],
     gy: &[T],
