@@ -7,6 +7,11 @@
 
 use std::process::{Command, Output};
 
+#[path = "../../ferrograd/tests/common/test_dir.rs"]
+mod test_dir;
+
+use test_dir::TestDir;
+
 fn ferrograd(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_ferrograd"))
         .args(args)
@@ -241,35 +246,6 @@ fn resuming_with_another_optimizer_is_refused() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
-/// A fresh, empty folder for one test, removed when dropped.
-struct TestDir(std::path::PathBuf);
-
-impl TestDir {
-    fn new(name: &str) -> TestDir {
-        let dir = std::env::temp_dir().join(format!("ferrograd-cli-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        TestDir(dir)
-    }
-    fn path(&self, file: &str) -> String {
-        self.0.join(file).to_str().unwrap().to_string()
-    }
-    fn files(&self) -> Vec<String> {
-        let mut names: Vec<String> = std::fs::read_dir(&self.0)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        names
-    }
-}
-
-impl Drop for TestDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// A long run (it would take minutes) refused at once: the check comes before any work.
 /// `args` are flag-value pairs, replacing SMALL's values of the same flags.
 fn refused_at_once(args: &[&str]) -> String {
@@ -302,14 +278,14 @@ fn unwritable_save_paths_are_refused_before_training() {
         err.contains("cannot save to /proc/x") && err.contains("folder you can write to"),
         "{err}"
     );
-    let dir = TestDir::new("save-paths");
-    let folder = dir.path("");
+    let dir = TestDir::new("cli-save-paths");
+    let folder = dir.arg("");
     let err = refused_at_once(&["--save", &folder]);
     assert!(
         err.contains("it is a folder; name a file inside it"),
         "{err}"
     );
-    let missing = dir.path("no/such/state.safetensors");
+    let missing = dir.arg("no/such/state.safetensors");
     let err = refused_at_once(&["--save", &missing]);
     assert!(
         err.contains("does not exist; create it first (mkdir -p"),
@@ -336,8 +312,8 @@ fn text_must_be_a_regular_file_of_bounded_size() {
         err.contains("bad file /dev/zero: not a regular file"),
         "{err}"
     );
-    let dir = TestDir::new("big-text");
-    let big = dir.path("big.txt");
+    let dir = TestDir::new("cli-big-text");
+    let big = dir.arg("big.txt");
     std::fs::File::create(&big)
         .unwrap()
         .set_len((256 << 20) + 1)
@@ -382,8 +358,8 @@ fn settings_that_leave_nothing_to_do_are_refused_up_front() {
 
 #[test]
 fn a_text_too_short_says_so() {
-    let dir = TestDir::new("short-text");
-    let one = dir.path("one.txt");
+    let dir = TestDir::new("cli-short-text");
+    let one = dir.arg("one.txt");
     std::fs::write(&one, "a").unwrap();
     let err = refused_at_once(&["--text", &one]);
     assert!(
@@ -392,7 +368,7 @@ fn a_text_too_short_says_so() {
         "{err}"
     );
     // Sixteen characters is enough for a block size of one, and the advice says that.
-    let short = dir.path("short.txt");
+    let short = dir.arg("short.txt");
     std::fs::write(&short, "abcdefghijklmnop").unwrap();
     let err = refused_at_once(&["--text", &short]);
     assert!(err.contains("use --block-size 1 or less"), "{err}");
@@ -407,8 +383,8 @@ fn a_text_too_short_says_so() {
 
 #[test]
 fn resuming_a_finished_state_says_it_is_finished() {
-    let dir = TestDir::new("finished");
-    let state = dir.path("state.safetensors");
+    let dir = TestDir::new("cli-finished");
+    let state = dir.arg("state.safetensors");
     output_of(&[SMALL, &["--save", &state]].concat());
     let out = output_of(&[SMALL, &["--resume", &state]].concat());
     assert!(
@@ -456,8 +432,8 @@ fn interrupt(signal: &str, args: &[&str]) -> (Option<i32>, String) {
 
 #[test]
 fn a_signal_stops_the_run_saves_and_exits_with_the_conventional_code() {
-    let dir = TestDir::new("signals");
-    let state = dir.path("state.safetensors");
+    let dir = TestDir::new("cli-signals");
+    let state = dir.arg("state.safetensors");
     let (code, err) = interrupt("-INT", &["--save", &state]);
     assert_eq!(code, Some(130), "{err}");
     assert!(

@@ -2,43 +2,17 @@
 //! and safetensors save/load (round trips, bad files, atomic writes).
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use ferrograd::data::{self, CharTokenizer, Split, TextDataset};
 use ferrograd::io::{load_state, save_state};
 use ferrograd::{DType, Device, Error, Generator, Tensor};
 use half::{bf16, f16};
 
-/// A fresh, empty directory for one test, removed when dropped.
-struct TestDir(PathBuf);
+#[path = "common/test_dir.rs"]
+mod test_dir;
 
-impl TestDir {
-    fn new(name: &str) -> TestDir {
-        let dir =
-            std::env::temp_dir().join(format!("ferrograd-data-io-{}-{name}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        TestDir(dir)
-    }
-    fn path(&self, file: &str) -> PathBuf {
-        self.0.join(file)
-    }
-    /// Names of the files in the directory, sorted.
-    fn files(&self) -> Vec<String> {
-        let mut names: Vec<String> = std::fs::read_dir(&self.0)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        names
-    }
-}
-
-impl Drop for TestDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
+use test_dir::TestDir;
 
 /// A text of `n` distinct characters in increasing order: token id == position, so a window
 /// tells exactly where it was cut from.
@@ -197,7 +171,7 @@ fn batch_sizes_must_fit_the_split() {
 
 #[test]
 fn load_text_reads_utf8_and_reports_bad_files() {
-    let dir = TestDir::new("load_text");
+    let dir = TestDir::new("data-io-load_text");
     let ok = dir.path("ok.txt");
     std::fs::write(&ok, "to be, or not to be\n").unwrap();
     assert_eq!(data::load_text(&ok).unwrap(), "to be, or not to be\n");
@@ -292,7 +266,7 @@ fn assert_same(name: &str, a: &Tensor, b: &Tensor) {
 
 #[test]
 fn state_round_trips_every_dtype_and_metadata() {
-    let dir = TestDir::new("round_trip");
+    let dir = TestDir::new("data-io-round_trip");
     let path = dir.path("state.safetensors");
     let state = sample_state();
     save_state(&path, &state, sample_metadata()).unwrap();
@@ -311,7 +285,7 @@ fn state_round_trips_every_dtype_and_metadata() {
 
 #[test]
 fn state_files_are_standard_safetensors() {
-    let dir = TestDir::new("standard");
+    let dir = TestDir::new("data-io-standard");
     let path = dir.path("state.safetensors");
     save_state(&path, &sample_state(), sample_metadata()).unwrap();
     let bytes = std::fs::read(&path).unwrap();
@@ -338,7 +312,7 @@ fn state_files_are_standard_safetensors() {
 
 #[test]
 fn tensors_with_autograd_state_save_their_values() {
-    let dir = TestDir::new("autograd");
+    let dir = TestDir::new("data-io-autograd");
     let path = dir.path("p.safetensors");
     let p = Tensor::from_vec(vec![1.0f32, 2.0], &[2], Device::Cpu)
         .unwrap()
@@ -374,7 +348,7 @@ fn expect_bad_file(path: &Path) {
 
 #[test]
 fn truncated_and_corrupt_files_are_bad_files() {
-    let dir = TestDir::new("bad_files");
+    let dir = TestDir::new("data-io-bad_files");
     let good = dir.path("state.safetensors");
     save_state(&good, &sample_state(), sample_metadata()).unwrap();
     let bytes = std::fs::read(&good).unwrap();
@@ -422,7 +396,7 @@ fn truncated_and_corrupt_files_are_bad_files() {
 
 #[test]
 fn a_failed_save_leaves_the_existing_file_intact() {
-    let dir = TestDir::new("atomic");
+    let dir = TestDir::new("data-io-atomic");
     let path = dir.path("state.safetensors");
     save_state(&path, &sample_state(), sample_metadata()).unwrap();
     let before = std::fs::read(&path).unwrap();
@@ -481,7 +455,7 @@ fn a_failed_save_leaves_the_existing_file_intact() {
 
 #[test]
 fn temporaries_of_dead_processes_are_removed_at_the_next_save() {
-    let dir = TestDir::new("stale-tmp");
+    let dir = TestDir::new("data-io-stale-tmp");
     let path = dir.path("state.safetensors");
     // No process has this id (Linux caps ids far below it); process 1 always lives.
     let dead = ".state.safetensors.999999999.3.tmp";
@@ -503,7 +477,7 @@ fn temporaries_of_dead_processes_are_removed_at_the_next_save() {
 
 #[test]
 fn save_state_refuses_folders_and_devices() {
-    let dir = TestDir::new("refuse-targets");
+    let dir = TestDir::new("data-io-refuse-targets");
     let err = save_state(dir.path(""), &sample_state(), sample_metadata()).unwrap_err();
     assert!(matches!(err, Error::OutputPath { .. }), "{err}");
     let err = save_state("/dev/null", &sample_state(), sample_metadata()).unwrap_err();
@@ -513,7 +487,7 @@ fn save_state_refuses_folders_and_devices() {
 
 #[test]
 fn a_flipped_bit_fails_the_checksum() {
-    let dir = TestDir::new("bit-flip");
+    let dir = TestDir::new("data-io-bit-flip");
     let path = dir.path("state.safetensors");
     save_state(&path, &sample_state(), sample_metadata()).unwrap();
     let good = std::fs::read(&path).unwrap();
