@@ -49,9 +49,11 @@ __device__ __forceinline__ double o_mul(double a, double b) { return __dmul_rn(a
 __device__ __forceinline__ double o_div(double a, double b) { return __ddiv_rn(a, b); }
 __device__ __forceinline__ double o_sqrt(double a) { return __dsqrt_rn(a); }
 
-// The entry holding global chunk c: the last one whose first_chunk <= c (empty tensors are
-// left out of the table by the host, so it is the one that covers c).
-__device__ __forceinline__ int adam_entry_of(const AdamEntry* tab, int count, i64 c) {
+// The entry holding global chunk c in a multi-tensor table (Adam's or unscale's): the last
+// one whose first_chunk <= c (empty tensors are left out of the table by the host, so it is
+// the one that covers c).
+template <typename Entry>
+__device__ __forceinline__ int entry_of(const Entry* tab, int count, i64 c) {
     int lo = 0, hi = count - 1;
     while (lo < hi) {
         const int mid = lo + (hi - lo + 1) / 2;
@@ -72,7 +74,7 @@ __device__ void adam_multi(const AdamEntry* tab, int count, i64 chunks, const Ad
     // torch's lerp switches formula at |weight| = 0.5.
     const bool w1_small = w1 < (C)0.5 && w1 > (C)-0.5;
     for (i64 c = blockIdx.x; c < chunks; c += gridDim.x) {
-        const AdamEntry e = tab[adam_entry_of(tab, count, c)];
+        const AdamEntry e = tab[entry_of(tab, count, c)];
         const i64 start = (c - e.first_chunk) * (i64)ADAM_CHUNK;
         const i64 end = e.n < start + ADAM_CHUNK ? e.n : start + ADAM_CHUNK;
         S* pp = (S*)e.p;
@@ -173,18 +175,6 @@ __device__ __forceinline__ bool amp_finite(double v) {
 __device__ __forceinline__ float amp_mul(float a, float b) { return __fmul_rn(a, b); }
 __device__ __forceinline__ double amp_mul(double a, double b) { return __dmul_rn(a, b); }
 
-// The entry holding global chunk c: the last one whose first_chunk <= c (empty gradients are
-// left out of the table by the host, so it is the one that covers c).
-__device__ __forceinline__ int amp_entry_of(const UnscaleEntry* tab, int count, i64 c) {
-    int lo = 0, hi = count - 1;
-    while (lo < hi) {
-        const int mid = lo + (hi - lo + 1) / 2;
-        if (tab[mid].first_chunk <= c) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
-}
-
 template <typename T>
 __device__ void unscale_check(const UnscaleEntry* tab, int count, i64 chunks, float inv_scale,
                               float* found_inf) {
@@ -194,7 +184,7 @@ __device__ void unscale_check(const UnscaleEntry* tab, int count, i64 chunks, fl
     const bool identity = inv_scale == 1.0f;
     bool bad = false;
     for (i64 c = blockIdx.x; c < chunks; c += gridDim.x) {
-        const UnscaleEntry e = tab[amp_entry_of(tab, count, c)];
+        const UnscaleEntry e = tab[entry_of(tab, count, c)];
         const i64 start = (c - e.first_chunk) * (i64)AMP_CHUNK;
         const i64 end = e.n < start + AMP_CHUNK ? e.n : start + AMP_CHUNK;
         S* gp = (S*)e.g;
