@@ -3,6 +3,7 @@
 //! versions, so a training step can run on it to predict memory — and fail where a real
 //! device would reject its arguments — without touching any data. Reading values is an error.
 
+use super::attention::{Attention, AttentionBackward, AttentionKernels};
 use super::elementwise::ElementwiseKernels;
 use super::index::{IndexAdd, IndexKernels, IndexSelect, Where};
 use super::loss::{CrossEntropy, CrossEntropyBackward, LossKernels, MseLoss, MseLossBackward};
@@ -72,6 +73,20 @@ impl RowKernels for MetaBackend {
         Ok(())
     }
     fn layer_norm_backward(&self, _: &LayerNormBackward) -> Result<()> {
+        Ok(())
+    }
+}
+
+impl AttentionKernels for MetaBackend {
+    /// The meta device plans the fused path wherever a real device would run it; the
+    /// planner asks the target device, not this one.
+    fn supports_attention(&self, _: DType, _: usize) -> bool {
+        true
+    }
+    fn attention(&self, _: &Attention) -> Result<()> {
+        Ok(())
+    }
+    fn attention_backward(&self, _: &AttentionBackward) -> Result<()> {
         Ok(())
     }
 }

@@ -2,12 +2,13 @@
 //! autograd: they receive storages with layouts and typed arguments, and write into output
 //! storages that the caller has already allocated through the device's allocator.
 //!
-//! Ops come in families, one module each (elementwise, reduce, matmul, rows, loss, index,
-//! optim): the family module holds the typed arguments, their one validator, the family trait
+//! Ops come in families, one module each (elementwise, reduce, matmul, rows, attention,
+//! loss, index, optim): the family module holds the typed arguments, their one validator, the family trait
 //! that every backend implements, and entry functions that validate once, dispatch to the
 //! device's backend and bump the version of every storage written in place. `cpu` is the
 //! reference implementation; `cuda` mirrors it file for file; `meta` runs the validation only.
 
+pub mod attention;
 mod check;
 pub mod cpu;
 pub mod cuda;
@@ -21,6 +22,7 @@ pub mod reduce;
 pub mod rows;
 mod storage;
 
+pub use attention::AttentionKernels;
 pub use check::rows_cols;
 pub use elementwise::{BinaryOp, ElementwiseKernels, UnaryOp};
 pub use index::IndexKernels;
@@ -45,7 +47,8 @@ pub struct View<'a> {
 /// through the families' entry functions (`rows::layer_norm`...), which validate the
 /// arguments and record in-place writes; the trait methods trust their arguments.
 pub trait Backend:
-    ElementwiseKernels
+    AttentionKernels
+    + ElementwiseKernels
     + ReduceKernels
     + MatmulKernels
     + RowKernels

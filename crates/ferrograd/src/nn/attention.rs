@@ -1,12 +1,15 @@
 //! Multi-head causal self-attention, as in GPT-2: one projection to q, k, v (c_attn), scaled
 //! dot-product attention per head with future positions masked out, and an output projection
-//! (c_proj). Built only from tensor ops, so every device with those ops runs it and autograd
-//! comes for free. The heads are views of the c_attn output (reshape and permute), never
-//! copies.
+//! (c_proj). Two paths with the same results: the fused kernel (`Tensor::causal_attention`,
+//! which never stores the (B, nh, T, T) probabilities) wherever the device has it and no
+//! dropout acts on the probabilities, else the composition of matmul, masked fill, softmax,
+//! dropout and matmul, which runs on every device. In both, the heads are views of the
+//! c_attn output, never copies.
 
 use super::state::prefixed;
 use super::{Dropout, Linear, Module};
 use crate::base::{Error, Result};
+use crate::ops::causal_attention_supported;
 use crate::tensor::{Device, Tensor};
 
 #[derive(Clone)]
@@ -20,6 +23,8 @@ pub struct CausalSelfAttention {
     pub attn_dropout: Dropout,
     /// On the output (B, T, C).
     pub resid_dropout: Dropout,
+    /// Use the fused kernel where it runs (on by default; off forces the composed path).
+    pub fused: bool,
 }
 
 /// (T, T) U8, 1 strictly above the diagonal: the positions a query may not look at.
@@ -29,8 +34,20 @@ pub fn causal_mask(t: usize, device: Device) -> Result<Tensor> {
 }
 
 impl CausalSelfAttention {
-    /// x: (B, T, C) → (B, T, C), with `mask` (T', T') for some T' ≥ T: masked where non-zero.
-    /// Only its top-left (T, T) corner is read, so one mask serves every length up to T'.
+    /// Whether a forward on `device` in `dtype` runs the fused kernel (else the composed path).
+    pub fn runs_fused(&self, device: Device, dtype: crate::base::DType) -> bool {
+        let dropout_acts = self.attn_dropout.training && self.attn_dropout.p > 0.0;
+        let c = self.c_attn.weight.shape().first().copied().unwrap_or(0) / 3;
+        self.fused
+            && !dropout_acts
+            && self.n_head > 0
+            && c.is_multiple_of(self.n_head)
+            && causal_attention_supported(device, dtype, c / self.n_head)
+    }
+
+    /// x: (B, T, C) → (B, T, C), with `mask` (T', T') for some T' ≥ T: the causal mask (1
+    /// strictly above the diagonal, from `causal_mask`). Only its top-left (T, T) corner is
+    /// read, and only by the composed path: the fused kernel applies causality itself.
     pub fn forward_masked(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
         let &[b, t, c] = x.shape() else {
             return Err(Error::shape(
@@ -46,10 +63,13 @@ impl CausalSelfAttention {
             ));
         }
         let hs = c / nh;
+        let qkv = self.c_attn.forward(x)?;
+        if self.runs_fused(qkv.device(), qkv.dtype()) {
+            let y = qkv.causal_attention(nh)?;
+            return self.resid_dropout.forward(&self.c_proj.forward(&y)?);
+        }
         // (B, T, 3C) → (B, T, 3, nh, hs) → (3, B, nh, T, hs): views.
-        let qkv = self
-            .c_attn
-            .forward(x)?
+        let qkv = qkv
             .reshape(&[b, t, 3, nh, hs])?
             .permute(&[2, 0, 3, 1, 4])?;
         let head = |i: usize| qkv.narrow(0, i, 1)?.squeeze(0);

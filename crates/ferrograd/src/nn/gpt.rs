@@ -181,6 +181,7 @@ impl Init {
                 n_head: cfg.n_head,
                 attn_dropout: self.dropout(cfg.dropout)?,
                 resid_dropout: self.dropout(cfg.dropout)?,
+                fused: true,
             },
             ln_2: self.layer_norm(c, bias)?,
             mlp: Mlp {
@@ -281,6 +282,21 @@ impl Gpt {
     }
 
     /// Chooses which blocks recompute their activations in backward (see `Recompute`).
+    /// Fused attention kernels where the device has them (the default), or the composed
+    /// matmul–softmax–matmul path everywhere.
+    pub fn set_fused_attention(&mut self, on: bool) {
+        for block in &mut self.blocks {
+            block.attn.fused = on;
+        }
+    }
+
+    /// Whether a forward in `dtype` runs the fused attention kernel (the same in every block).
+    pub fn attention_fused(&self, dtype: DType) -> bool {
+        self.blocks
+            .first()
+            .is_some_and(|b| b.attn.runs_fused(b.attn.c_attn.weight.device(), dtype))
+    }
+
     pub fn set_recompute(&mut self, policy: Recompute) {
         self.recompute = policy;
     }

@@ -2,6 +2,7 @@
 //! allocate outputs through the device allocator and call the backend; `autograd::record`
 //! attaches the backward closure with what it saved.
 
+mod attention;
 mod autocast;
 mod binary;
 mod cross_entropy;
@@ -19,6 +20,7 @@ mod softmax;
 mod unary;
 
 pub(crate) use matmul::matmul_acc_into;
+pub use attention::causal_attention_supported;
 pub use unary::GeluApprox;
 
 use crate::backend;

@@ -3,6 +3,7 @@
 //! AVX-512 or AVX2 + FMA when the machine has them (`vmath::simd_fn!`, the same bits on every
 //! path), and exp at f32 precision is a vectorisable polynomial (`vmath::exp_f32`, 1 ulp).
 
+mod attention;
 mod data;
 mod elementwise;
 mod index;

@@ -92,7 +92,7 @@ impl<'a> Inputs<'a> {
         })
     }
 
-    fn data(&self, i: usize) -> &CpuData {
+    pub(super) fn data(&self, i: usize) -> &CpuData {
         &self.guards[self.slot[i]]
     }
 

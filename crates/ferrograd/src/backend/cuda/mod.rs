@@ -4,6 +4,7 @@
 //! a storage's data is just the address of its block. Kernels are `.cu` sources compiled by
 //! NVRTC once per device for its compute capability; GEMMs go through cuBLAS.
 
+mod attention;
 mod codes;
 mod device;
 mod elementwise;
