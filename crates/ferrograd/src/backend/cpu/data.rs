@@ -249,7 +249,7 @@ fn alloc_failed(len: usize) -> Error {
 /// A buffer of `len` elements straight from the allocator, not filled. Only plain-data
 /// element types (every bit pattern a valid value: the `Pod` bound) reach it, and its callers
 /// (`Backend::empty`) hand it to a kernel that writes every element before any is read.
-fn try_vec_uninit<T: bytemuck::Pod>(len: usize) -> Result<Vec<T>> {
+pub(crate) fn try_vec_uninit<T: bytemuck::Pod>(len: usize) -> Result<Vec<T>> {
     if len == 0 || std::mem::size_of::<T>() == 0 {
         return Ok(Vec::new());
     }
