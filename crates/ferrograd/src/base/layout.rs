@@ -173,10 +173,17 @@ impl Layout {
         }
         let mut shape = self.shape.clone();
         shape[dim] = len;
+        // A view with no elements keeps the offset: start may point past the storage (the
+        // end of an empty dim), and kernels slice from the offset.
+        let offset = if shape.contains(&0) {
+            self.offset
+        } else {
+            (self.offset as isize + start as isize * self.strides[dim]) as usize
+        };
         Ok(Layout {
             shape,
             strides: self.strides.clone(),
-            offset: (self.offset as isize + start as isize * self.strides[dim]) as usize,
+            offset,
         })
     }
 

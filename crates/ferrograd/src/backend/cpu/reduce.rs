@@ -226,7 +226,9 @@ pub(crate) fn reduce(
 ) -> Result<()> {
     let lead = dims.len();
     if op == ReduceOp::Sum
+        && x.dtype() == out.dtype()
         && xl.is_contiguous()
+        && 0 < lead
         && lead < xl.rank()
         && dims.iter().enumerate().all(|(i, &d)| i == d)
     {
