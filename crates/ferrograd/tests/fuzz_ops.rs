@@ -24,7 +24,7 @@ use ferrograd::memory::memory_allocated;
 use ferrograd::{DType, Device, Error, Generator, Tensor};
 use half::{bf16, f16};
 use proptest::prelude::*;
-use reference::{Nd, broadcast};
+use reference::Nd;
 
 const CPU: Device = Device::Cpu;
 

@@ -27,7 +27,7 @@ fn ravel(idx: &[usize], shape: &[usize]) -> usize {
 }
 
 /// The shape two shapes broadcast to, or None.
-pub fn broadcast(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
+fn broadcast(a: &[usize], b: &[usize]) -> Option<Vec<usize>> {
     let rank = a.len().max(b.len());
     let at = |s: &[usize], i: usize| {
         if i + s.len() >= rank {
