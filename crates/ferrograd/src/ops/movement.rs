@@ -59,11 +59,7 @@ impl Tensor {
             .collect();
         let known = crate::base::checked_numel("reshape", &given)?;
         let numel = self.numel();
-        let inferred = if known == 0 {
-            None
-        } else {
-            Some(numel / known)
-        };
+        let inferred = numel.checked_div(known);
         let dims: Vec<usize> = match (shape.contains(&-1), inferred) {
             (false, _) => given,
             (true, Some(n)) if n * known == numel => shape
