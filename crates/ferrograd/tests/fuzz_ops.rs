@@ -48,9 +48,11 @@ enum Op {
         dims: Vec<i8>,
         keepdim: bool,
     },
+    /// max_dim, or min_dim when `min`.
     Max {
         dim: i8,
         keepdim: bool,
+        min: bool,
     },
     Transpose(i8, i8),
     Narrow {
@@ -94,7 +96,11 @@ fn op_strategy() -> impl Strategy<Value = Op> {
             }),
         (dims.clone(), any::<bool>()).prop_map(|(dims, keepdim)| Op::Sum { dims, keepdim }),
         (dims, any::<bool>()).prop_map(|(dims, keepdim)| Op::Mean { dims, keepdim }),
-        (-4i8..4, any::<bool>()).prop_map(|(dim, keepdim)| Op::Max { dim, keepdim }),
+        (-4i8..4, any::<bool>(), any::<bool>()).prop_map(|(dim, keepdim, min)| Op::Max {
+            dim,
+            keepdim,
+            min
+        }),
         (-4i8..4, -4i8..4).prop_map(|(a, b)| Op::Transpose(a, b)),
         (-4i8..4, 0u8..6, 0u8..6).prop_map(|(dim, start, len)| Op::Narrow { dim, start, len }),
         (0u8..3).prop_map(|lead| Op::Expand { lead }),
@@ -268,16 +274,21 @@ fn apply(op: &Op, x: &Tensor, r: &Nd, operands: &mut Vec<Nd>) -> Result<Step, Te
                 });
             (t, want)
         }
-        Op::Max { dim, keepdim } => {
-            let t = x.max_dim(*dim as isize, *keepdim).map(|(v, _)| v);
+        Op::Max { dim, keepdim, min } => {
+            let t = if *min {
+                x.min_dim(*dim as isize, *keepdim)
+            } else {
+                x.max_dim(*dim as isize, *keepdim)
+            };
             let want = dim_of(*dim, rank)
                 .filter(|_| float)
                 .and_then(|d| match rank {
                     0 => Some(r.clone()),
                     _ if r.shape[d] == 0 => None,
+                    _ if *min => Some(r.map(|v| -v).max(d, *keepdim).map(|v| -v)),
                     _ => Some(r.max(d, *keepdim)),
                 });
-            (t, want)
+            (t.map(|(v, _)| v), want)
         }
         Op::Transpose(a, b) => {
             let t = x.transpose(*a as isize, *b as isize);

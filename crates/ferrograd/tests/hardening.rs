@@ -145,6 +145,23 @@ fn max_propagates_nan_and_argmax_points_at_the_first() {
     let v = values(&v);
     assert!(v[0].is_nan() && v[1] == 7.0, "{v:?}");
     assert_eq!(i.to_vec::<i64>().unwrap(), [2, 1]);
+    let (v, i) = rows.min_dim(1, true).unwrap();
+    let v = values(&v);
+    assert!(v[0].is_nan() && v[1] == 2.0, "{v:?}");
+    assert_eq!(i.to_vec::<i64>().unwrap(), [2, 0]);
+    let empty = Tensor::zeros(&[2, 0], DType::F32, CPU).unwrap();
+    assert!(is_shape(empty.min_dim(1, false)));
+}
+
+#[test]
+fn min_dim_backward_routes_the_gradient_to_the_first_minimum() {
+    let x = f32s(&[3.0, 1.0, 1.0, 2.0], &[2, 2])
+        .requires_grad_(true)
+        .unwrap();
+    let (v, _) = x.min_dim(1, false).unwrap();
+    assert_eq!(values(&v), [1.0, 1.0]);
+    v.sum_all().unwrap().backward().unwrap();
+    assert_eq!(values(&x.grad().unwrap()), [0.0, 1.0, 1.0, 0.0]);
 }
 
 #[test]

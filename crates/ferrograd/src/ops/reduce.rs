@@ -154,6 +154,18 @@ impl Tensor {
         });
         Ok((out, idx_out))
     }
+
+    /// Minimum over one dim: (values, indices), NaN propagating and the index of the first
+    /// minimum (or first NaN), as `torch.min(dim)`. It is the max of the negation, so its
+    /// backward routes the gradient to the arg min.
+    pub fn min_dim(&self, dim: isize, keepdim: bool) -> Result<(Tensor, Tensor)> {
+        let d = resolve_dim("min", dim, self.dims())?;
+        if self.dims() > 0 && self.shape()[d] == 0 {
+            return Err(Error::shape("min", "cannot take the min of an empty dim"));
+        }
+        let (values, indices) = self.neg()?.max_dim(dim, keepdim)?;
+        Ok((values.neg()?, indices))
+    }
 }
 
 /// 1.0 at `idx` along `dim` (idx has `dim` kept as 1), 0.0 elsewhere, shape `shape`.
