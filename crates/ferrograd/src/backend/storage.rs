@@ -38,7 +38,12 @@ impl Storage {
         origin: &'static str,
         make: impl FnOnce(u64) -> Result<BackendData>,
     ) -> Result<Storage> {
-        let bytes = len * dtype.size_in_bytes();
+        let bytes = len.checked_mul(dtype.size_in_bytes()).ok_or_else(|| {
+            crate::base::Error::shape(
+                origin,
+                format!("{len} elements of {dtype} are more bytes than an address holds"),
+            )
+        })?;
         // Opening the device first registers a GPU's memory with its allocator.
         super::backend(device)?;
         let alloc = memory::allocator(device)?.malloc(bytes, category, origin)?;

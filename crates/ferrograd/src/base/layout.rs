@@ -11,15 +11,32 @@ pub struct Layout {
     offset: usize,
 }
 
-/// Row-major strides for a shape.
+/// Row-major strides for a shape. Shapes come from `checked_numel`-checked sizes, so the
+/// products fit; they saturate rather than wrap if one did not (a stride that large is never
+/// walked: the shape has no storage to walk).
 pub fn contiguous_strides(shape: &[usize]) -> Vec<isize> {
     let mut strides = vec![0isize; shape.len()];
     let mut acc = 1isize;
     for (s, &d) in strides.iter_mut().zip(shape).rev() {
         *s = acc;
-        acc *= d.max(1) as isize;
+        acc = acc.saturating_mul(isize::try_from(d.max(1)).unwrap_or(isize::MAX));
     }
     strides
+}
+
+/// The element count of `shape`, or an error naming `op` when it does not fit in memory's
+/// address space (no overflowed product ever reaches a kernel).
+pub fn checked_numel(op: &'static str, shape: &[usize]) -> Result<usize> {
+    shape
+        .iter()
+        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
+        .filter(|&n| n <= isize::MAX as usize)
+        .ok_or_else(|| {
+            Error::shape(
+                op,
+                format!("shape {shape:?} has more elements than fit in memory"),
+            )
+        })
 }
 
 /// Resolves a possibly negative dim (PyTorch style: -1 = last) against a rank.
@@ -101,8 +118,12 @@ impl Layout {
         self.shape.iter().product()
     }
 
-    /// Row-major contiguous (size-1 dims may have any stride).
+    /// Row-major contiguous (size-1 dims may have any stride; a tensor with no elements is
+    /// contiguous whatever its strides, as in PyTorch).
     pub fn is_contiguous(&self) -> bool {
+        if self.shape.contains(&0) {
+            return true;
+        }
         let mut expected = 1isize;
         for (&d, &s) in self.shape.iter().zip(&self.strides).rev() {
             if d != 1 && s != expected {
@@ -139,22 +160,30 @@ impl Layout {
 
     /// A view of `len` elements of `dim` starting at `start`.
     pub fn narrow(&self, dim: usize, start: usize, len: usize) -> Result<Layout> {
-        if dim >= self.rank() || start + len > self.shape[dim] {
+        let end = start.checked_add(len);
+        if dim >= self.rank() || end.is_none_or(|end| end > self.shape[dim]) {
             return Err(Error::Index {
                 op: "narrow",
                 detail: format!(
-                    "range {start}..{} of dim {dim} is outside shape {:?}",
-                    start + len,
+                    "{len} entries from {start} of dim {dim} do not fit in shape {:?}: \
+                     start + len must be at most the dim's size",
                     self.shape
                 ),
             });
         }
         let mut shape = self.shape.clone();
         shape[dim] = len;
+        // A view with no elements keeps the offset: start may point past the storage (the
+        // end of an empty dim), and kernels slice from the offset.
+        let offset = if shape.contains(&0) {
+            self.offset
+        } else {
+            (self.offset as isize + start as isize * self.strides[dim]) as usize
+        };
         Ok(Layout {
             shape,
             strides: self.strides.clone(),
-            offset: (self.offset as isize + start as isize * self.strides[dim]) as usize,
+            offset,
         })
     }
 
@@ -169,6 +198,7 @@ impl Layout {
                 ),
             ));
         }
+        checked_numel("expand", shape)?;
         let lead = shape.len() - self.rank();
         let mut strides = vec![0isize; shape.len()];
         for (i, &target) in shape.iter().enumerate().skip(lead) {

@@ -15,5 +15,5 @@ pub use device::Device;
 pub use dtype::DType;
 pub use error::{Error, Result};
 pub use format::format_size;
-pub use layout::{Layout, broadcast_shape, contiguous_strides, resolve_dim};
+pub use layout::{Layout, broadcast_shape, checked_numel, contiguous_strides, resolve_dim};
 pub use oom::{LiveBlockInfo, OomReport};

@@ -9,7 +9,7 @@ impl Tensor {
     /// Same elements in a new shape (see `reshape_infer` for -1). A view when the tensor is
     /// contiguous, else a copy.
     pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
-        let n: usize = shape.iter().product();
+        let n = crate::base::checked_numel("reshape", shape)?;
         if n != self.numel() {
             return Err(Error::shape(
                 "reshape",
@@ -36,30 +36,42 @@ impl Tensor {
         }))
     }
 
-    /// Reshape where one entry may be -1 (inferred).
+    /// Reshape where one entry may be -1 (inferred); any other negative size is refused.
     pub fn reshape_infer(&self, shape: &[isize]) -> Result<Tensor> {
-        let known: usize = shape
+        let refuse = |why: &str| {
+            Err(Error::shape(
+                "reshape",
+                format!("cannot reshape {:?} into {shape:?}: {why}", self.shape()),
+            ))
+        };
+        if let Some(&bad) = shape.iter().find(|&&d| d < -1) {
+            return refuse(&format!(
+                "{bad} is not a size; use -1 for the one inferred dim"
+            ));
+        }
+        if shape.iter().filter(|&&d| d == -1).count() > 1 {
+            return refuse("only one dim can be -1");
+        }
+        let given: Vec<usize> = shape
             .iter()
             .filter(|&&d| d >= 0)
             .map(|&d| d as usize)
-            .product();
-        let inferred = shape.iter().filter(|&&d| d < 0).count();
-        if inferred > 1 || (inferred == 1 && (known == 0 || !self.numel().is_multiple_of(known))) {
-            return Err(Error::shape(
-                "reshape",
-                format!("cannot infer {shape:?} for {:?}", self.shape()),
-            ));
-        }
-        let dims: Vec<usize> = shape
-            .iter()
-            .map(|&d| {
-                if d < 0 {
-                    self.numel() / known.max(1)
-                } else {
-                    d as usize
-                }
-            })
             .collect();
+        let known = crate::base::checked_numel("reshape", &given)?;
+        let numel = self.numel();
+        let inferred = numel.checked_div(known);
+        let dims: Vec<usize> = match (shape.contains(&-1), inferred) {
+            (false, _) => given,
+            (true, Some(n)) if n * known == numel => shape
+                .iter()
+                .map(|&d| if d == -1 { n } else { d as usize })
+                .collect(),
+            (true, _) => {
+                return refuse(&format!(
+                    "{numel} elements are not a whole multiple of the other dims' {known}"
+                ));
+            }
+        };
         self.reshape(&dims)
     }
 

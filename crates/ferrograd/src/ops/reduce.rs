@@ -6,15 +6,25 @@ use crate::backend::{BinaryOp, ReduceOp};
 use crate::base::{Error, Result};
 use crate::tensor::{DType, Tensor, resolve_dim};
 
+/// The dims to reduce, sorted; a dim named twice (`[0, -2]` of a 2-D tensor) is refused, as
+/// PyTorch refuses it.
 fn resolve_dims(op: &'static str, dims: &[isize], rank: usize) -> Result<Vec<usize>> {
     let mut out: Vec<usize> = dims
         .iter()
         .map(|&d| resolve_dim(op, d, rank))
         .collect::<Result<_>>()?;
+    out.sort_unstable();
+    if let Some(w) = out.windows(2).find(|w| w[0] == w[1]) {
+        return Err(Error::shape(
+            op,
+            format!(
+                "dim {} appears more than once in {dims:?}; name each dim once",
+                w[0]
+            ),
+        ));
+    }
     // A 0-dim tensor accepts dim 0 / -1 (as in PyTorch) and has nothing to reduce.
     out.retain(|&d| d < rank);
-    out.sort_unstable();
-    out.dedup();
     Ok(out)
 }
 
@@ -38,13 +48,24 @@ impl Tensor {
         dims: &[usize],
         name: &'static str,
     ) -> Result<Tensor> {
-        super::check_float(name, self)?;
-        let shape = kept_shape(self.shape(), dims, true);
         let dtype = if op == ReduceOp::ArgMax {
             DType::I64
         } else {
             self.dtype()
         };
+        self.reduce_dims_into(op, dims, name, dtype)
+    }
+
+    /// `reduce_dims` into an output of `dtype` (the kernels accumulate in f64 whatever it is).
+    fn reduce_dims_into(
+        &self,
+        op: ReduceOp,
+        dims: &[usize],
+        name: &'static str,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        super::check_float(name, self)?;
+        let shape = kept_shape(self.shape(), dims, true);
         let out = Tensor::output_uninit(&shape, dtype, self.device(), name)?;
         crate::backend::reduce::reduce(op, self.view(), dims, out.storage())?;
         Ok(out)
@@ -64,15 +85,24 @@ impl Tensor {
         self.sum_own_dtype(dims, keepdim)
     }
 
-    /// `sum` without the autocast policy: `mean` keeps its input's dtype, as in PyTorch.
-    fn sum_own_dtype(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+    /// `sum` without the autocast policy, written as `dtype`. Backward: the gradient back in
+    /// the input's dtype, broadcast back over the reduced dims.
+    fn sum_as(&self, dims: &[isize], keepdim: bool, dtype: DType) -> Result<Tensor> {
         let d = resolve_dims("sum", dims, self.dims())?;
-        let kept = self.reduce_dims(ReduceOp::Sum, &d, "sum")?;
+        let kept = self.reduce_dims_into(ReduceOp::Sum, &d, "sum", dtype)?;
         let out = kept.reshape(&kept_shape(self.shape(), &d, keepdim))?;
         let (shape, keep_shape) = (self.shape().to_vec(), kept.shape().to_vec());
+        let orig = self.dtype();
         Ok(record("sum", &[self], out, move |_, _| {
-            move |g: &Tensor, _: &[bool]| Ok(vec![Some(g.reshape(&keep_shape)?.expand(&shape)?)])
+            move |g: &Tensor, _: &[bool]| {
+                let g = g.to_dtype(orig)?.reshape(&keep_shape)?;
+                Ok(vec![Some(g.expand(&shape)?)])
+            }
         }))
+    }
+
+    fn sum_own_dtype(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+        self.sum_as(dims, keepdim, self.dtype())
     }
 
     /// Mean of all elements.
@@ -81,12 +111,20 @@ impl Tensor {
         self.mean(&dims, false)
     }
 
-    /// Mean over `dims` = sum / count.
+    /// Mean over `dims` = sum / count, in the input's dtype (as in PyTorch). The mean of no
+    /// elements is NaN (0 / 0). f16 and bf16 are summed and divided in f32 and rounded once,
+    /// as PyTorch does: 1,000 values of 100 have the mean 100, not the overflowed sum / 1,000.
     pub fn mean(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
         let d = resolve_dims("mean", dims, self.dims())?;
         let count: usize = d.iter().map(|&i| self.shape()[i]).product();
-        self.sum_own_dtype(dims, keepdim)?
-            .mul_scalar(1.0 / count.max(1) as f64)
+        let scale = 1.0 / count as f64;
+        match self.dtype() {
+            DType::F16 | DType::BF16 => self
+                .sum_as(dims, keepdim, DType::F32)?
+                .mul_scalar(scale)?
+                .to_dtype(self.dtype()),
+            _ => self.sum_own_dtype(dims, keepdim)?.mul_scalar(scale),
+        }
     }
 
     /// Maximum over one dim: (values, indices). Backward routes the gradient to the arg max.
@@ -115,6 +153,18 @@ impl Tensor {
             }
         });
         Ok((out, idx_out))
+    }
+
+    /// Minimum over one dim: (values, indices), NaN propagating and the index of the first
+    /// minimum (or first NaN), as `torch.min(dim)`. It is the max of the negation, so its
+    /// backward routes the gradient to the arg min.
+    pub fn min_dim(&self, dim: isize, keepdim: bool) -> Result<(Tensor, Tensor)> {
+        let d = resolve_dim("min", dim, self.dims())?;
+        if self.dims() > 0 && self.shape()[d] == 0 {
+            return Err(Error::shape("min", "cannot take the min of an empty dim"));
+        }
+        let (values, indices) = self.neg()?.max_dim(dim, keepdim)?;
+        Ok((values.neg()?, indices))
     }
 }
 

@@ -155,8 +155,9 @@ impl Tensor {
     /// Each piece is a view (narrow).
     pub fn split(&self, sizes: &[usize], dim: isize) -> Result<Vec<Tensor>> {
         let d = resolve_dim("split", dim, self.dims())?;
-        let total: usize = sizes.iter().sum();
-        if self.dims() == 0 || total != self.shape()[d] {
+        let total = sizes.iter().try_fold(0usize, |acc, &n| acc.checked_add(n));
+        if self.dims() == 0 || total != Some(self.shape()[d]) {
+            let total = sizes.iter().fold(0u128, |acc, &n| acc + n as u128);
             return Err(Error::shape(
                 "split",
                 format!(
@@ -189,7 +190,16 @@ impl Tensor {
         let len = self.shape()[d];
         let size = len.div_ceil(chunks);
         let sizes: Vec<usize> = if size == 0 {
-            vec![0; chunks]
+            // An empty dim gives `chunks` empty pieces, as in PyTorch: as many as memory holds.
+            let mut sizes = Vec::new();
+            sizes.try_reserve_exact(chunks).map_err(|_| {
+                Error::invalid(
+                    "chunk",
+                    format!("{chunks} chunks of an empty dim are more than memory holds"),
+                )
+            })?;
+            sizes.resize(chunks, 0);
+            sizes
         } else {
             (0..len).step_by(size).map(|s| size.min(len - s)).collect()
         };

@@ -5,6 +5,7 @@ use std::sync::Arc;
 
 use half::{bf16, f16};
 
+use super::generate::Draw;
 use super::random::{Generator, with_default};
 use super::{DType, Device, Layout, Tensor};
 use crate::backend::{self, HostValues, Storage};
@@ -73,15 +74,7 @@ host_int!(i64, DType::I64);
 host_int!(u8, DType::U8);
 
 fn numel_of(op: &'static str, shape: &[usize]) -> Result<usize> {
-    shape
-        .iter()
-        .try_fold(1usize, |acc, &d| acc.checked_mul(d))
-        .ok_or_else(|| {
-            Error::shape(
-                op,
-                format!("shape {shape:?} has more elements than fit in memory"),
-            )
-        })
+    crate::base::checked_numel(op, shape)
 }
 
 impl Tensor {
@@ -206,22 +199,19 @@ impl Tensor {
         Tensor::ones(self.shape(), self.dtype(), self.device())
     }
 
-    /// `start, start+step, ...` below `end` (like `torch.arange`).
+    /// `start, start+step, ...` below `end` (like `torch.arange`). Start and end must be
+    /// finite and the step finite, non-zero and pointing from start towards end.
     pub fn arange(start: f64, end: f64, step: f64, dtype: DType, device: Device) -> Result<Tensor> {
-        if step == 0.0 || (end - start) / step < 0.0 {
-            return Err(Error::invalid(
-                "arange",
-                format!("step {step} never reaches {end} from {start}"),
-            ));
-        }
-        let n = ((end - start) / step).ceil() as usize;
-        let values: Vec<f64> = (0..n).map(|i| start + step * i as f64).collect();
-        let host = if dtype.is_float() {
-            HostValues::F64(values)
-        } else {
-            HostValues::I64(values.into_iter().map(|v| v as i64).collect())
+        let n = arange_len(start, end, step)?;
+        let integer = !dtype.is_float();
+        let mut i = 0usize;
+        let mut next = || {
+            let v = start + step * i as f64;
+            i += 1;
+            // Integer dtypes take the value truncated, as an i64 upload would.
+            if integer { v as i64 as f64 } else { v }
         };
-        Tensor::from_host_values(host, &[n], dtype, device)
+        Tensor::generate(&[n], dtype, device, "arange", Draw::F64(&mut next))
     }
 
     /// Uniform in [0, 1) from the default generator.
@@ -251,13 +241,14 @@ impl Tensor {
         device: Device,
         g: &mut Generator,
     ) -> Result<Tensor> {
-        let n = numel_of("rand", shape)?;
-        let values = if dtype == DType::F32 {
-            HostValues::F32(g.uniform_f32(n, low as f32, high as f32))
+        if dtype == DType::F32 {
+            let (low, high) = (low as f32, high as f32);
+            let mut next = || g.next_uniform_f32(low, high);
+            Tensor::generate(shape, dtype, device, "rand", Draw::F32(&mut next))
         } else {
-            HostValues::F64(g.uniform(n, low, high))
-        };
-        Tensor::from_host_values(values, shape, dtype, device)
+            let mut next = || g.next_uniform(low, high);
+            Tensor::generate(shape, dtype, device, "rand", Draw::F64(&mut next))
+        }
     }
 
     pub fn randn_with(
@@ -277,17 +268,34 @@ impl Tensor {
         device: Device,
         g: &mut Generator,
     ) -> Result<Tensor> {
-        let n = numel_of("randn", shape)?;
-        let values = if dtype == DType::F32 {
-            HostValues::F32(
-                g.normal(n, mean, std)
-                    .into_iter()
-                    .map(|x| x as f32)
-                    .collect(),
-            )
-        } else {
-            HostValues::F64(g.normal(n, mean, std))
-        };
-        Tensor::from_host_values(values, shape, dtype, device)
+        let mut next = || g.next_normal(mean, std);
+        Tensor::generate(shape, dtype, device, "randn", Draw::F64(&mut next))
     }
+}
+
+/// How many values `arange(start, end, step)` holds; a range that never ends, or ends past
+/// what memory can index, is refused.
+fn arange_len(start: f64, end: f64, step: f64) -> Result<usize> {
+    let refuse = |why: String| Err(Error::invalid("arange", why));
+    if !start.is_finite() || !end.is_finite() {
+        return refuse(format!(
+            "unsupported range {start} -> {end}: start and end must be finite numbers"
+        ));
+    }
+    if !step.is_finite() || step == 0.0 {
+        return refuse(format!("step {step} must be a finite, non-zero number"));
+    }
+    let n = ((end - start) / step).ceil();
+    if n < 0.0 {
+        return refuse(format!(
+            "step {step} never reaches {end} from {start}: its sign must point towards the end"
+        ));
+    }
+    if n.is_nan() || n > isize::MAX as f64 {
+        return Err(Error::shape(
+            "arange",
+            format!("{start} to {end} by {step} is more elements than fit in memory"),
+        ));
+    }
+    Ok(n as usize)
 }

@@ -3,6 +3,7 @@
 
 mod checks;
 mod create;
+mod generate;
 mod meta;
 mod node;
 mod random;

@@ -28,23 +28,32 @@ impl Generator {
 
     /// Uniform samples in [low, high).
     pub fn uniform(&mut self, n: usize, low: f64, high: f64) -> Vec<f64> {
-        (0..n)
-            .map(|_| low + (high - low) * self.rng.random::<f64>())
-            .collect()
+        (0..n).map(|_| self.next_uniform(low, high)).collect()
     }
 
     /// Uniform f32 samples in [low, high), drawn without an f64 buffer.
     pub fn uniform_f32(&mut self, n: usize, low: f32, high: f32) -> Vec<f32> {
-        (0..n)
-            .map(|_| low + (high - low) * self.rng.random::<f32>())
-            .collect()
+        (0..n).map(|_| self.next_uniform_f32(low, high)).collect()
     }
 
     /// Normal samples with the given mean and standard deviation.
     pub fn normal(&mut self, n: usize, mean: f64, std: f64) -> Vec<f64> {
-        (0..n)
-            .map(|_| mean + std * self.rng.sample::<f64, _>(StandardNormal))
-            .collect()
+        (0..n).map(|_| self.next_normal(mean, std)).collect()
+    }
+
+    /// The next uniform sample in [low, high).
+    pub fn next_uniform(&mut self, low: f64, high: f64) -> f64 {
+        low + (high - low) * self.rng.random::<f64>()
+    }
+
+    /// The next uniform f32 sample in [low, high).
+    pub fn next_uniform_f32(&mut self, low: f32, high: f32) -> f32 {
+        low + (high - low) * self.rng.random::<f32>()
+    }
+
+    /// The next normal sample.
+    pub fn next_normal(&mut self, mean: f64, std: f64) -> f64 {
+        mean + std * self.rng.sample::<f64, _>(StandardNormal)
     }
 
     /// The stream position, so a saved state can resume the same sequence.

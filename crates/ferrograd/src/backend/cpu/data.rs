@@ -189,29 +189,40 @@ impl CpuData {
         })
     }
 
+    /// Host values stored as `dtype`. A conversion's new buffer comes from a fallible
+    /// allocation: a host that cannot hold it is an error, never an abort.
     pub fn from_host(dtype: DType, values: HostValues) -> Result<CpuData> {
-        fn conv<T: Elem>(v: &[f64]) -> Vec<T> {
-            v.iter().map(|&x| T::from_f64(x)).collect()
+        fn conv<A: Copy, B: bytemuck::Pod>(v: &[A], f: impl Fn(A) -> B) -> Result<Vec<B>> {
+            let mut out = try_vec_uninit::<B>(v.len())?;
+            out.iter_mut().zip(v).for_each(|(o, &x)| *o = f(x));
+            Ok(out)
         }
         Ok(match (dtype, values) {
             (DType::F32, HostValues::F32(v)) => CpuData::F32(v),
-            (d, HostValues::F32(v)) => {
-                CpuData::from_host(d, HostValues::F64(v.iter().map(|&x| x as f64).collect()))?
-            }
             (DType::F64, HostValues::F64(v)) => CpuData::F64(v),
-            (DType::F32, HostValues::F64(v)) => CpuData::F32(conv(&v)),
-            (DType::F16, HostValues::F64(v)) => CpuData::F16(conv(&v)),
-            (DType::BF16, HostValues::F64(v)) => CpuData::BF16(conv(&v)),
             (DType::I64, HostValues::I64(v)) => CpuData::I64(v),
-            (DType::U8, HostValues::I64(v)) => {
-                CpuData::U8(v.iter().map(|&x| (x != 0) as u8).collect())
+            (DType::F64, HostValues::F32(v)) => CpuData::F64(conv(&v, |x| x as f64)?),
+            (DType::F16, HostValues::F32(v)) => {
+                CpuData::F16(conv(&v, |x| f16::from_f64(x as f64))?)
             }
-            (DType::I64, HostValues::F64(v)) => CpuData::I64(v.iter().map(|&x| x as i64).collect()),
-            (DType::U8, HostValues::F64(v)) => {
-                CpuData::U8(v.iter().map(|&x| (x != 0.0) as u8).collect())
+            (DType::BF16, HostValues::F32(v)) => {
+                CpuData::BF16(conv(&v, |x| bf16::from_f64(x as f64))?)
             }
-            (d, HostValues::I64(v)) => {
-                CpuData::from_host(d, HostValues::F64(v.iter().map(|&x| x as f64).collect()))?
+            (DType::I64, HostValues::F32(v)) => CpuData::I64(conv(&v, |x| x as f64 as i64)?),
+            (DType::U8, HostValues::F32(v)) => CpuData::U8(conv(&v, |x| (x as f64 != 0.0) as u8)?),
+            (DType::F32, HostValues::F64(v)) => CpuData::F32(conv(&v, |x| x as f32)?),
+            (DType::F16, HostValues::F64(v)) => CpuData::F16(conv(&v, f16::from_f64)?),
+            (DType::BF16, HostValues::F64(v)) => CpuData::BF16(conv(&v, bf16::from_f64)?),
+            (DType::I64, HostValues::F64(v)) => CpuData::I64(conv(&v, |x| x as i64)?),
+            (DType::U8, HostValues::F64(v)) => CpuData::U8(conv(&v, |x| (x != 0.0) as u8)?),
+            (DType::U8, HostValues::I64(v)) => CpuData::U8(conv(&v, |x| (x != 0) as u8)?),
+            (DType::F32, HostValues::I64(v)) => CpuData::F32(conv(&v, |x| x as f64 as f32)?),
+            (DType::F64, HostValues::I64(v)) => CpuData::F64(conv(&v, |x| x as f64)?),
+            (DType::F16, HostValues::I64(v)) => {
+                CpuData::F16(conv(&v, |x| f16::from_f64(x as f64))?)
+            }
+            (DType::BF16, HostValues::I64(v)) => {
+                CpuData::BF16(conv(&v, |x| bf16::from_f64(x as f64))?)
             }
         })
     }
@@ -249,7 +260,7 @@ fn alloc_failed(len: usize) -> Error {
 /// A buffer of `len` elements straight from the allocator, not filled. Only plain-data
 /// element types (every bit pattern a valid value: the `Pod` bound) reach it, and its callers
 /// (`Backend::empty`) hand it to a kernel that writes every element before any is read.
-fn try_vec_uninit<T: bytemuck::Pod>(len: usize) -> Result<Vec<T>> {
+pub(crate) fn try_vec_uninit<T: bytemuck::Pod>(len: usize) -> Result<Vec<T>> {
     if len == 0 || std::mem::size_of::<T>() == 0 {
         return Ok(Vec::new());
     }

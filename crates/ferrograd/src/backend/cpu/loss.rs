@@ -143,7 +143,8 @@ fn span<'a, T>(v: &'a [T], view: &View) -> &'a [T] {
 
 fn mse(x: &View, y: &View, out: &crate::backend::Storage) -> Result<()> {
     let (xd, yd) = (read(x.storage)?, read(y.storage)?);
-    let n = x.layout.numel().max(1) as f64;
+    // No elements: 0 / 0 = NaN, as PyTorch's mean reduction gives.
+    let n = x.layout.numel() as f64;
     macro_rules! go {
         ($v:ident) => {{
             let (CpuData::$v(a), CpuData::$v(b)) = (&*xd, &*yd) else {

@@ -8,7 +8,7 @@ use half::bf16;
 use rayon::prelude::*;
 
 use super::data::CpuData;
-use super::{CpuBackend, read, write};
+use super::{CpuBackend, Scratch, read, write};
 use crate::backend::MatmulSpec;
 use crate::backend::matmul::{Matmul, MatmulKernels};
 use crate::base::Layout;
@@ -145,6 +145,9 @@ fn product(
         (CpuData::F64(x), CpuData::F64(y), CpuData::F64(o)) => {
             gemm_typed(s, operand(x, al), operand(y, bl), o, beta)
         }
+        (CpuData::F16(x), CpuData::F16(y), CpuData::F16(o)) if s.k <= 2 => {
+            small_k_f16(s, operand(x, al), operand(y, bl), o, beta)
+        }
         (CpuData::F16(x), CpuData::F16(y), CpuData::F16(o)) => gemm_typed(
             s,
             operand(x, al),
@@ -153,13 +156,15 @@ fn product(
             beta.map(half::f16::from_f64),
         ),
         (CpuData::BF16(x), CpuData::BF16(y), CpuData::BF16(o)) => {
-            let widen = |v: &[bf16]| v.iter().map(|h| h.to_f32()).collect::<Vec<f32>>();
-            let (xw, yw) = (widen(x), widen(y));
-            // Accumulating reads the output: widen it too.
-            let mut ow = match beta {
-                Some(_) => widen(o),
-                None => vec![0f32; o.len()],
+            // The widened copies are workspace the allocator counts while the product runs.
+            let widen = |v: &[bf16]| -> Result<Scratch<f32>> {
+                let mut w = Scratch::uninit(v.len(), "matmul_bf16_widen")?;
+                w.iter_mut().zip(v).for_each(|(w, h)| *w = h.to_f32());
+                Ok(w)
             };
+            let (xw, yw) = (widen(x)?, widen(y)?);
+            // Accumulating reads the output: widen it too (else gemm does not read it).
+            let mut ow = widen(o)?;
             gemm_typed(
                 s,
                 operand(&xw, al),
@@ -168,8 +173,8 @@ fn product(
                 beta.map(|v| v as f32),
             );
             o.iter_mut()
-                .zip(ow)
-                .for_each(|(d, v)| *d = bf16::from_f32(v));
+                .zip(ow.iter())
+                .for_each(|(d, &v)| *d = bf16::from_f32(v));
         }
         (x, y, _) => {
             return Err(Error::DType {
@@ -180,6 +185,34 @@ fn product(
         }
     }
     Ok(())
+}
+
+/// `out = a @ b (+ beta·out)` for k ≤ 2 in f16. The gemm crate's f16 kernel for such k rounds
+/// every multiply-add to f16 (300·300 overflows before -300·300 cancels it); here products
+/// accumulate in f32 and round once, as PyTorch does. Needs no scratch.
+fn small_k_f16(
+    s: &MatmulSpec,
+    a: Operand<half::f16>,
+    b: Operand<half::f16>,
+    out: &mut [half::f16],
+    beta: Option<f64>,
+) {
+    let (m, n, k) = (s.m, s.n, s.k);
+    let at = |base: usize, rs: isize, cs: isize, r: usize, c: usize| {
+        (base as isize + r as isize * rs + c as isize * cs) as usize
+    };
+    for (i, dst) in out.chunks_mut((m * n).max(1)).enumerate().take(s.batch) {
+        for (j, d) in dst.iter_mut().enumerate() {
+            let (r, c) = (j / n, j % n);
+            let mut acc = beta.map_or(0.0, |bt| bt as f32 * d.to_f32());
+            for p in 0..k {
+                let x = a.data[at(a.bases[i], a.rs, a.cs, r, p)];
+                let y = b.data[at(b.bases[i], b.rs, b.cs, p, c)];
+                acc += x.to_f32() * y.to_f32();
+            }
+            *d = half::f16::from_f32(acc);
+        }
+    }
 }
 
 impl MatmulKernels for CpuBackend {

@@ -26,6 +26,42 @@ use crate::base::{Error, Result};
 
 pub struct CpuBackend;
 
+/// Kernel scratch on the host, counted by the CPU allocator as `workspace` while it lives, so
+/// every byte a kernel takes is attributed (and an impossible size is a typed OOM error).
+pub(crate) struct Scratch<T> {
+    values: Vec<T>,
+    _counted: crate::memory::Allocation,
+}
+
+impl<T: bytemuck::Pod> Scratch<T> {
+    /// `len` elements whose contents are unspecified until written.
+    pub(crate) fn uninit(len: usize, origin: &'static str) -> Result<Scratch<T>> {
+        let bytes = len.saturating_mul(std::mem::size_of::<T>());
+        let counted = crate::memory::allocator(crate::base::Device::Cpu)?.malloc(
+            bytes,
+            crate::memory::Category::Workspace,
+            origin,
+        )?;
+        Ok(Scratch {
+            values: data::try_vec_uninit(len)?,
+            _counted: counted,
+        })
+    }
+}
+
+impl<T> std::ops::Deref for Scratch<T> {
+    type Target = [T];
+    fn deref(&self) -> &[T] {
+        &self.values
+    }
+}
+
+impl<T> std::ops::DerefMut for Scratch<T> {
+    fn deref_mut(&mut self) -> &mut [T] {
+        &mut self.values
+    }
+}
+
 /// Read access to a storage's host buffer.
 pub(crate) struct CpuRead<'a>(std::sync::RwLockReadGuard<'a, BackendData>);
 
@@ -63,6 +99,20 @@ pub(crate) fn write<R>(s: &Storage, f: impl FnOnce(&mut CpuData) -> Result<R>) -
     }
 }
 
+/// The `n` values of `values` in a host vector; a size the host cannot hold (a read of a
+/// huge expanded view) is an error, never an abort.
+fn host_vec<T>(n: usize, values: impl Iterator<Item = T>) -> Result<Vec<T>> {
+    let mut v = Vec::new();
+    v.try_reserve_exact(n).map_err(|_| {
+        Error::invalid(
+            "to_host",
+            format!("the host could not hold {n} values; read a smaller part (narrow) first"),
+        )
+    })?;
+    v.extend(values);
+    Ok(v)
+}
+
 impl Backend for CpuBackend {
     fn zeros(&self, dtype: DType, len: usize, _addr: u64) -> Result<BackendData> {
         Ok(BackendData::Cpu(CpuData::zeros(dtype, len)?))
@@ -81,9 +131,9 @@ impl Backend for CpuBackend {
         let offs = src.layout.offsets();
         Ok(match &*d {
             CpuData::I64(_) | CpuData::U8(_) => {
-                HostValues::I64(offs.map(|i| d.get_i64(i)).collect())
+                HostValues::I64(host_vec(src.layout.numel(), offs.map(|i| d.get_i64(i)))?)
             }
-            _ => HostValues::F64(offs.map(|i| d.get_f64(i)).collect()),
+            _ => HostValues::F64(host_vec(src.layout.numel(), offs.map(|i| d.get_f64(i)))?),
         })
     }
 }

@@ -1,5 +1,7 @@
 //! Reductions over any set of dims of a strided input: the kept dims index the output, the
-//! reduced dims are walked as a list of relative offsets. Sums accumulate in f64.
+//! reduced dims are walked in row-major order. Sums accumulate in f64. Nothing is allocated
+//! beyond the output: offsets are computed as the walk goes (a list of them would be memory
+//! the allocator never sees, as large as the input for an expanded view).
 
 use rayon::prelude::*;
 
@@ -13,97 +15,206 @@ use crate::base::Result;
 
 /// Elements summed sequentially before partial sums are combined.
 const SUM_CHUNK: usize = 1 << 12;
+/// Partial sums computed in parallel at once (kept on the stack), then added in order.
+const SUM_GROUP: usize = 256;
 
-/// The elements reduced into one output, relative to its base offset.
-enum Inner {
-    /// `n` consecutive elements (reduced dims trailing and contiguous): read as a slice.
-    Contiguous(usize),
-    Offsets(Vec<isize>),
+/// A set of dims walked in row-major order: (size, stride) pairs, outermost first.
+#[derive(Clone, Debug)]
+struct Walk {
+    dims: Vec<(usize, isize)>,
 }
 
-/// Base offsets of each output element and the elements reduced into it.
-fn plan(xl: &Layout, dims: &[usize]) -> (Vec<usize>, Inner) {
-    let (shape, strides) = (xl.shape(), xl.strides());
-    let kept: Vec<usize> = (0..shape.len()).filter(|d| !dims.contains(d)).collect();
-    let outer = Layout::new(
-        kept.iter().map(|&d| shape[d]).collect(),
-        kept.iter().map(|&d| strides[d]).collect(),
-        xl.offset(),
-    );
-    let inner = Layout::new(
-        dims.iter().map(|&d| shape[d]).collect(),
-        dims.iter().map(|&d| strides[d]).collect(),
-        0,
-    );
-    let rel = if inner.is_contiguous() {
-        Inner::Contiguous(inner.numel())
-    } else {
-        Inner::Offsets(relative_offsets(&inner))
-    };
-    (outer.offsets().collect(), rel)
-}
-
-/// Offsets (possibly negative strides) relative to the layout's offset 0.
-fn relative_offsets(l: &Layout) -> Vec<isize> {
-    let mut out = Vec::with_capacity(l.numel());
-    let mut idx = vec![0usize; l.rank()];
-    for _ in 0..l.numel() {
-        out.push(
-            idx.iter()
-                .zip(l.strides())
-                .map(|(&i, &s)| i as isize * s)
-                .sum(),
-        );
-        for d in (0..l.rank()).rev() {
-            idx[d] += 1;
-            if idx[d] < l.shape()[d] {
-                break;
-            }
-            idx[d] = 0;
-        }
+impl Walk {
+    fn new(l: &Layout, which: &[usize]) -> Walk {
+        let dims = which
+            .iter()
+            .map(|&d| (l.shape()[d], l.strides()[d]))
+            .collect();
+        Walk { dims }
     }
-    out
-}
 
-fn reduce_one<T: Elem>(op: ReduceOp, x: &[T], base: usize, inner: &Inner) -> f64 {
-    match inner {
-        // An empty reduced dim has no elements to read (its base may point past the buffer).
-        Inner::Contiguous(0) => reduce_values(op, &x[..0], |v: &T| Elem::to_f64(*v)),
-        Inner::Contiguous(n) => reduce_values(op, &x[base..base + n], |v: &T| Elem::to_f64(*v)),
-        Inner::Offsets(rel) => reduce_values(op, rel, |r: &isize| {
-            x[(base as isize + r) as usize].to_f64()
-        }),
+    fn len(&self) -> usize {
+        self.dims.iter().map(|&(n, _)| n).product()
     }
-}
 
-/// Reduces the values `get` reads from `items` (a slice of elements or of offsets).
-fn reduce_values<I: Sync>(op: ReduceOp, items: &[I], get: impl Fn(&I) -> f64 + Sync) -> f64 {
-    match op {
-        ReduceOp::Sum => {
-            // Fixed chunks added in order: the same bits on every run and thread count
-            // (rayon's `sum` splits adaptively, so its rounding changed from run to run).
-            // Starting from +0.0 as PyTorch does (`Iterator::sum` starts at -0.0).
-            let part = |c: &[I]| c.iter().map(&get).fold(0.0, |acc, v| acc + v);
-            let parts: Vec<f64> = if items.len() >= PAR_MIN {
-                items.par_chunks(SUM_CHUNK).map(part).collect()
-            } else {
-                items.chunks(SUM_CHUNK).map(part).collect()
-            };
-            parts.into_iter().fold(0.0, |acc, v| acc + v)
+    /// Contiguous with unit stride: read as one slice.
+    fn is_contiguous(&self) -> bool {
+        let (shape, strides): (Vec<usize>, Vec<isize>) = self.dims.iter().copied().unzip();
+        Layout::new(shape, strides, 0).is_contiguous()
+    }
+
+    /// The relative offset of the `i`-th element.
+    fn offset_of(&self, mut i: usize) -> isize {
+        let mut off = 0isize;
+        for &(n, s) in self.dims.iter().rev() {
+            off += (i % n) as isize * s;
+            i /= n;
         }
-        ReduceOp::Max => items.iter().map(&get).fold(f64::NEG_INFINITY, f64::max),
-        ReduceOp::Min => items.iter().map(&get).fold(f64::INFINITY, f64::min),
-        ReduceOp::ArgMax => {
-            let mut best = (0usize, f64::NEG_INFINITY);
-            for (j, it) in items.iter().enumerate() {
-                let v = get(it);
-                if v > best.1 || v.is_nan() {
-                    best = (j, v);
+        off
+    }
+
+    /// Calls `f` with the relative offsets of elements `start..start + count`, in order.
+    fn for_each(&self, start: usize, count: usize, mut f: impl FnMut(isize)) {
+        if count == 0 {
+            return;
+        }
+        let rank = self.dims.len();
+        let mut index: Vec<usize> = Vec::with_capacity(rank);
+        let mut rest = start;
+        for &(n, _) in self.dims.iter().rev() {
+            index.push(rest % n);
+            rest /= n;
+        }
+        index.reverse();
+        let mut off = self.offset_of(start);
+        for _ in 0..count {
+            f(off);
+            for d in (0..rank).rev() {
+                let (n, s) = self.dims[d];
+                index[d] += 1;
+                off += s;
+                if index[d] < n {
+                    break;
                 }
+                off -= s * n as isize;
+                index[d] = 0;
             }
-            best.0 as f64
         }
     }
+}
+
+/// The outputs (kept dims) and the elements reduced into each (reduced dims). Reduced dims of
+/// stride 0 (an expanded view) repeat the same elements: they are not walked but counted in
+/// `repeat` (a sum multiplies by it; max, min and argmax are unchanged by repeats), so the
+/// sum of a broadcast over 10^15 elements costs what its distinct elements cost.
+struct Plan {
+    base: usize,
+    outer: Walk,
+    inner: Walk,
+    inner_contiguous: bool,
+    repeat: usize,
+}
+
+fn plan(xl: &Layout, dims: &[usize]) -> Plan {
+    let kept: Vec<usize> = (0..xl.rank()).filter(|d| !dims.contains(d)).collect();
+    let (repeated, walked): (Vec<usize>, Vec<usize>) =
+        dims.iter().partition(|&&d| xl.strides()[d] == 0);
+    let inner = Walk::new(xl, &walked);
+    Plan {
+        base: xl.offset(),
+        outer: Walk::new(xl, &kept),
+        inner_contiguous: inner.is_contiguous(),
+        inner,
+        repeat: repeated.iter().map(|&d| xl.shape()[d]).product(),
+    }
+}
+
+impl Plan {
+    /// Output `i`'s reduction.
+    fn value<T: Elem>(&self, op: ReduceOp, x: &[T], i: usize) -> f64 {
+        let n = self.inner.len();
+        if n == 0 || self.repeat == 0 {
+            return reduce_values(op, 0, |_, _, _: &mut dyn FnMut(f64)| {});
+        }
+        let base = (self.base as isize + self.outer.offset_of(i)) as usize;
+        let value =
+            if self.inner_contiguous {
+                let items = &x[base..base + n];
+                reduce_values(op, n, |start, count, f: &mut dyn FnMut(f64)| {
+                    items[start..start + count]
+                        .iter()
+                        .for_each(|v| f(Elem::to_f64(*v)))
+                })
+            } else {
+                reduce_values(op, n, |start, count, f: &mut dyn FnMut(f64)| {
+                    self.inner.for_each(start, count, |r| {
+                        f(x[(base as isize + r) as usize].to_f64())
+                    })
+                })
+            };
+        match op {
+            ReduceOp::Sum if self.repeat > 1 => value * self.repeat as f64,
+            _ => value,
+        }
+    }
+}
+
+/// Reduces `n` values; `visit(start, count, f)` calls `f` with values `start..start + count`
+/// in order.
+fn reduce_values<V>(op: ReduceOp, n: usize, visit: V) -> f64
+where
+    V: Fn(usize, usize, &mut dyn FnMut(f64)) + Sync,
+{
+    match op {
+        ReduceOp::Sum => sum_in_chunks(n, &visit),
+        ReduceOp::Max | ReduceOp::Min => {
+            // NaN wins, as in PyTorch (f64::max would skip it).
+            let pick = if op == ReduceOp::Max {
+                f64::max
+            } else {
+                f64::min
+            };
+            let mut acc = if op == ReduceOp::Max {
+                f64::NEG_INFINITY
+            } else {
+                f64::INFINITY
+            };
+            visit(0, n, &mut |v| {
+                acc = if v.is_nan() || acc.is_nan() {
+                    f64::NAN
+                } else {
+                    pick(acc, v)
+                }
+            });
+            acc
+        }
+        ReduceOp::ArgMax => {
+            // The first maximum, or the first NaN if there is one (PyTorch's argmax).
+            let (mut best, mut best_v, mut j) = (0usize, f64::NEG_INFINITY, 0usize);
+            visit(0, n, &mut |v| {
+                if !best_v.is_nan() && (v > best_v || v.is_nan()) {
+                    (best, best_v) = (j, v);
+                }
+                j += 1;
+            });
+            best as f64
+        }
+    }
+}
+
+/// Fixed chunks of SUM_CHUNK added in order: the same bits on every run and thread count
+/// (rayon's `sum` splits adaptively, so its rounding changed from run to run). Starting from
+/// +0.0 as PyTorch does (`Iterator::sum` starts at -0.0). Chunk sums are computed
+/// SUM_GROUP at a time into a stack array, so no scratch grows with the input.
+fn sum_in_chunks<V>(n: usize, visit: &V) -> f64
+where
+    V: Fn(usize, usize, &mut dyn FnMut(f64)) + Sync,
+{
+    let chunk_sum = |c: usize| {
+        let start = c * SUM_CHUNK;
+        let mut acc = 0.0;
+        visit(start, SUM_CHUNK.min(n - start), &mut |v| acc += v);
+        acc
+    };
+    let chunks = n.div_ceil(SUM_CHUNK);
+    let mut total = 0.0;
+    let mut parts = [0.0f64; SUM_GROUP];
+    for first in (0..chunks).step_by(SUM_GROUP) {
+        let group = &mut parts[..SUM_GROUP.min(chunks - first)];
+        if n >= PAR_MIN {
+            group
+                .par_iter_mut()
+                .enumerate()
+                .for_each(|(k, p)| *p = chunk_sum(first + k));
+        } else {
+            group
+                .iter_mut()
+                .enumerate()
+                .for_each(|(k, p)| *p = chunk_sum(first + k));
+        }
+        total = group.iter().fold(total, |acc, v| acc + v);
+    }
+    total
 }
 
 pub(crate) fn reduce(
@@ -115,7 +226,9 @@ pub(crate) fn reduce(
 ) -> Result<()> {
     let lead = dims.len();
     if op == ReduceOp::Sum
+        && x.dtype() == out.dtype()
         && xl.is_contiguous()
+        && 0 < lead
         && lead < xl.rank()
         && dims.iter().enumerate().all(|(i, &d)| i == d)
     {
@@ -129,9 +242,9 @@ pub(crate) fn reduce(
         });
         return Ok(());
     }
-    let (bases, rel) = plan(xl, dims);
+    let plan = plan(xl, dims);
     with_float!(x, "reduce", xv => {
-        let value = |i: usize| reduce_one(op, xv, bases[i], &rel);
+        let value = |i: usize| plan.value(op, xv, i);
         match out {
             CpuData::I64(o) => fill_out(o, &value, |v| v as i64),
             other => with_float!(other, "reduce", o => fill_out(o, &value, Elem::from_f64)),
@@ -223,9 +336,9 @@ mod tests {
                 let cols: usize = shape[lead..].iter().product();
                 let mut got = CpuData::F32(vec![f32::NAN; cols]);
                 reduce(ReduceOp::Sum, &x, &l, &dims, &mut got).unwrap();
-                let (bases, rel) = plan(&l, &dims);
+                let plan = plan(&l, &dims);
                 let want: Vec<f32> = (0..cols)
-                    .map(|i| reduce_one(ReduceOp::Sum, &xs, bases[i], &rel) as f32)
+                    .map(|i| plan.value(ReduceOp::Sum, &xs, i) as f32)
                     .collect();
                 let CpuData::F32(got) = got else {
                     unreachable!()

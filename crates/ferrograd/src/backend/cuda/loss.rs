@@ -169,7 +169,8 @@ fn mse(d: &CudaDevice, a: &MseLoss) -> Result<()> {
     let args = [Arg::Ptr(x), Arg::Ptr(y), i64_of(n), Arg::Ptr(part.addr())];
     launch(d, &KERNELS, &format!("mse_partial_{s}"), cfg, &args)?;
     let k = float_code(OP, dtype)?;
-    sum_to_scalar(d, part.addr(), blocks, n.max(1) as f64, loss, k)
+    // No elements: 0 / 0 = NaN, as PyTorch's mean reduction gives (and the CPU backend).
+    sum_to_scalar(d, part.addr(), blocks, n as f64, loss, k)
 }
 
 fn mse_backward(d: &CudaDevice, a: &MseLossBackward) -> Result<()> {

@@ -33,18 +33,18 @@ __device__ __forceinline__ Acc acc_identity(int op) {
 }
 
 // Associative and commutative, so any combination order gives the CPU's answer (up to the
-// rounding of sums). Max/min ignore NaN as Rust's f64::max/min do. Argmax follows the CPU's
-// sequential rule `v > best || v.is_nan()`: the first maximum, unless there is a NaN, in
-// which case the last NaN.
+// rounding of sums). Max/min propagate NaN, as PyTorch (and the CPU backend) do. Argmax
+// gives the first maximum, unless there is a NaN, in which case the first NaN (PyTorch's
+// rule, the CPU's too).
 __device__ __forceinline__ Acc acc_combine(int op, Acc a, Acc b) {
     switch (op) {
         case R_SUM: a.v = a.v + b.v; return a;
-        case R_MAX: a.v = fmax(a.v, b.v); return a;
-        case R_MIN: a.v = fmin(a.v, b.v); return a;
+        case R_MAX: a.v = (a.v != a.v || b.v != b.v) ? a.v + b.v : fmax(a.v, b.v); return a;
+        case R_MIN: a.v = (a.v != a.v || b.v != b.v) ? a.v + b.v : fmin(a.v, b.v); return a;
         default: {
             bool an = a.v != a.v, bn = b.v != b.v;
             if (an || bn) {
-                if (an && bn) return a.i > b.i ? a : b;
+                if (an && bn) return a.i < b.i ? a : b;
                 return an ? a : b;
             }
             if (a.v > b.v) return a;
