@@ -4,7 +4,8 @@
 # alternately RUNS times, medians and ratios printed with the CPU's flags, the thread counts
 # and the load average (the figures mean little on a loaded machine).
 #
-# Usage: scripts/bench_cpu.sh [--runs N] [--steps N] [--avx2] [--full]
+# Usage: scripts/bench_cpu.sh [--runs N] [--steps N] [--threads N] [--avx2] [--full]
+#   --threads N  both engines use N threads (RAYON_NUM_THREADS, OMP_NUM_THREADS); default: all
 #   --avx2  both engines use AVX2 kernels only (FERROGRAD_CPU_CAPABILITY=avx2,
 #           ATEN_CPU_CAPABILITY=avx2), as on a CPU without AVX-512
 #   --full  also time `ferrograd` with no arguments (800 steps, evaluation, sampling) once
@@ -18,6 +19,7 @@ while [ $# -gt 0 ]; do
   case "$1" in
     --runs) RUNS="$2"; shift 2 ;;
     --steps) STEPS="$2"; shift 2 ;;
+    --threads) export RAYON_NUM_THREADS="$2" OMP_NUM_THREADS="$2"; shift 2 ;;
     --avx2) export FERROGRAD_CPU_CAPABILITY=avx2 ATEN_CPU_CAPABILITY=avx2; shift ;;
     --full) FULL=1; shift ;;
     *) echo "unknown argument $1 (see the usage at the top of $0)" >&2; exit 2 ;;

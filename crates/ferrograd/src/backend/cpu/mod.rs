@@ -5,6 +5,7 @@
 
 mod data;
 mod elementwise;
+mod flash;
 mod index;
 mod loss;
 mod matmul;
