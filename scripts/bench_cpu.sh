@@ -39,13 +39,13 @@ if ! "$PY" -c 'import torch' 2>/dev/null; then
   echo "PyTorch side skipped: '$PY' cannot import torch (set PYTHON to an interpreter that can)."
 fi
 
-echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//'), $(nproc) cores"
+echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | sed 's/^ *//'), $(getconf _NPROCESSORS_ONLN) cores"
 flags=$(grep -m1 '^flags' /proc/cpuinfo)
 for f in avx2 fma avx512f; do
   case " $flags " in *" $f "*) printf '%s=yes ' "$f" ;; *) printf '%s=no ' "$f" ;; esac
 done
 echo "| kernels: ${FERROGRAD_CPU_CAPABILITY:-widest available} (ferrograd), ${ATEN_CPU_CAPABILITY:-default} (pytorch)"
-echo "threads: ferrograd rayon ${RAYON_NUM_THREADS:-$(nproc) (all cores)}$(
+echo "threads: ferrograd rayon ${RAYON_NUM_THREADS:-$(getconf _NPROCESSORS_ONLN) (all cores)}$(
   [ "$TORCH" = 1 ] && "$PY" -c 'import torch; print(f", pytorch {torch.get_num_threads()} (torch {torch.__version__}, {torch.backends.cpu.get_cpu_capability()})")')"
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 

@@ -142,7 +142,7 @@ fn backward_loops<A: Elem>(
     g.dk.fill(A::zero());
     g.dv.fill(A::zero());
     let (mut p_tile, mut ds_tile) = ([A::zero(); TILE], [A::zero(); TILE]);
-    for i in 0..t {
+    for (i, &lse_i) in lse.iter().enumerate().take(t) {
         let row = i * d..(i + 1) * d;
         let (qi, goi) = (&h.q[row.clone()], &go[row.clone()]);
         let delta = goi
@@ -154,7 +154,7 @@ fn backward_loops<A: Elem>(
             let n = TILE.min(n_keys - j0);
             let (p, ds) = (&mut p_tile[..n], &mut ds_tile[..n]);
             dots(qi, &h.kt, t, j0, scale, p);
-            p.iter_mut().for_each(|x| *x = (*x - lse[i]).exp_v());
+            p.iter_mut().for_each(|x| *x = (*x - lse_i).exp_v());
             // ds first holds dp = go_i · v_j.
             dots(goi, &h.vt, t, j0, A::one(), ds);
             ds.iter_mut()

@@ -55,10 +55,10 @@ pub(crate) fn tanh_f32(x: f32) -> f32 {
     let big = 1.0 - 2.0 / (e + 1.0);
     let s = x * x;
     let p = -5.704_988_7e-3_f32;
-    let p = p * s + 2.063_908_9e-2;
+    let p = p * s + 2.063_909e-2;
     let p = p * s - 5.373_971_6e-2;
     let p = p * s + 1.333_144_2e-1;
-    let p = p * s - 3.333_328_2e-1;
+    let p = p * s - 3.333_328e-1;
     let small = p * s * x + x;
     // Both are ≥ 0 for x ≥ 0 and ≤ 0 below; the sign of x also keeps tanh(−0) = −0.
     let r = if z >= 0.625 { big } else { small };
@@ -91,7 +91,7 @@ pub(crate) fn ln_f32(x: f32) -> f32 {
     let p = p * r - 1.666_805_8e-1;
     let p = p * r + 2.000_071_4e-1;
     let p = p * r - 2.499_999_4e-1;
-    let p = p * r + 3.333_333_1e-1;
+    let p = p * r + 3.333_333e-1;
     let ef = e as f32;
     let y = p * r * z + ef * -2.121_944_4e-4 - 0.5 * z;
     let y = r + y + ef * 0.693_359_4;
