@@ -29,6 +29,16 @@ pub trait Elem: num_traits::Float + Send + Sync + Default + 'static {
     }
     /// exp of an f64 intermediate whose result is stored at this type's precision.
     fn exp_of(d: f64) -> f64;
+    /// ln and tanh at this type's precision: f64 through std, the narrower types through
+    /// the vector-friendly `ln_f32` and `tanh_f32` (at most 1 ulp of f32 each).
+    #[inline(always)]
+    fn ln_v(self) -> Self {
+        Self::from_f64(super::vmath::ln_f32(self.to_f64() as f32) as f64)
+    }
+    #[inline(always)]
+    fn tanh_v(self) -> Self {
+        Self::from_f64(super::vmath::tanh_f32(self.to_f64() as f32) as f64)
+    }
 }
 
 macro_rules! impl_elem {
@@ -44,11 +54,27 @@ macro_rules! impl_elem {
         fn exp_v(self) -> Self {
             super::vmath::exp_f32(self)
         }
+        #[inline(always)]
+        fn ln_v(self) -> Self {
+            super::vmath::ln_f32(self)
+        }
+        #[inline(always)]
+        fn tanh_v(self) -> Self {
+            super::vmath::tanh_f32(self)
+        }
     };
     (@exp f64) => {
         #[inline(always)]
         fn exp_of(d: f64) -> f64 {
             d.exp()
+        }
+        #[inline(always)]
+        fn ln_v(self) -> Self {
+            self.ln()
+        }
+        #[inline(always)]
+        fn tanh_v(self) -> Self {
+            self.tanh()
         }
     };
     ($t:ty, $from:expr, $to:expr, $exp:tt) => {

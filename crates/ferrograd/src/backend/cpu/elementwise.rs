@@ -85,9 +85,9 @@ pub(crate) fn unary_scalar<T: Elem>(op: UnaryOp, x: T) -> T {
     match op {
         UnaryOp::Neg => -x,
         UnaryOp::Exp => x.exp_v(),
-        UnaryOp::Log => x.ln(),
+        UnaryOp::Log => x.ln_v(),
         UnaryOp::Sqrt => x.sqrt(),
-        UnaryOp::Tanh => x.tanh(),
+        UnaryOp::Tanh => x.tanh_v(),
         UnaryOp::Sigmoid => one / (one + (-x).exp_v()),
         UnaryOp::Relu => {
             if x > T::zero() {
