@@ -416,6 +416,7 @@ fn trainer_config(job: &TrainJob) -> Result<TrainerConfig> {
 /// from a generator seeded by the step, so evaluation never shifts the training batches.
 fn evaluate(model: &mut Gpt, data: &TextDataset, job: &TrainJob, step: u64) -> Result<EvalReport> {
     let _g = no_grad();
+    let _phase = memory::recorder::phase_scope(memory::recorder::Phase::Evaluation);
     model.eval();
     let mut losses = [0.0; 2];
     for (split, mean) in [Split::Train, Split::Val].into_iter().zip(&mut losses) {

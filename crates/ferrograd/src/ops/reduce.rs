@@ -51,13 +51,17 @@ impl Tensor {
     }
 
     /// Sum of all elements (a 0-dim tensor).
+    #[track_caller]
     pub fn sum_all(&self) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         let dims: Vec<isize> = (0..self.dims() as isize).collect();
         self.sum(&dims, false)
     }
 
     /// Sum over `dims`. Backward: the gradient broadcast back over the reduced dims.
+    #[track_caller]
     pub fn sum(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         if let Some([x]) = super::autocast::cast_f32([self])? {
             return x.sum(dims, keepdim);
         }
@@ -76,13 +80,17 @@ impl Tensor {
     }
 
     /// Mean of all elements.
+    #[track_caller]
     pub fn mean_all(&self) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         let dims: Vec<isize> = (0..self.dims() as isize).collect();
         self.mean(&dims, false)
     }
 
     /// Mean over `dims` = sum / count.
+    #[track_caller]
     pub fn mean(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         let d = resolve_dims("mean", dims, self.dims())?;
         let count: usize = d.iter().map(|&i| self.shape()[i]).product();
         self.sum_own_dtype(dims, keepdim)?
@@ -90,7 +98,9 @@ impl Tensor {
     }
 
     /// Maximum over one dim: (values, indices). Backward routes the gradient to the arg max.
+    #[track_caller]
     pub fn max_dim(&self, dim: isize, keepdim: bool) -> Result<(Tensor, Tensor)> {
+        let _site = crate::memory::recorder::CallSite::enter();
         let d = resolve_dim("max", dim, self.dims())?;
         if self.dims() == 0 {
             // PyTorch: the value itself and index 0, both 0-dim whatever keepdim says.
