@@ -168,6 +168,20 @@ fn phase_bands(t: &Timeline, sc: &Scale) -> String {
     svg + "</g>\n"
 }
 
+/// The outline of `value` over `samples` as steps: memory holds its level until the next
+/// event, so each sample's value starts at its own time.
+fn steps(samples: &[Sample], sc: &Scale, value: impl Fn(usize) -> u64) -> Vec<String> {
+    let mut pts = Vec::with_capacity(2 * samples.len());
+    for (i, s) in samples.iter().enumerate() {
+        let x = sc.x(s.time_ns);
+        if i > 0 {
+            pts.push(format!("{x:.2},{:.2}", sc.y(value(i - 1))));
+        }
+        pts.push(format!("{x:.2},{:.2}", sc.y(value(i))));
+    }
+    pts
+}
+
 fn stacked_areas(samples: &[Sample], sc: &Scale) -> String {
     let mut svg = String::from("<g class=\"areas\">\n");
     let mut below = vec![0u64; samples.len()];
@@ -178,18 +192,10 @@ fn stacked_areas(samples: &[Sample], sc: &Scale) -> String {
             .map(|(s, b)| b + s.by_category.get(c))
             .collect();
         if above != below {
-            let mut pts: Vec<String> = samples
-                .iter()
-                .zip(&above)
-                .map(|(s, &v)| format!("{:.2},{:.2}", sc.x(s.time_ns), sc.y(v)))
-                .collect();
-            pts.extend(
-                samples
-                    .iter()
-                    .zip(&below)
-                    .rev()
-                    .map(|(s, &v)| format!("{:.2},{:.2}", sc.x(s.time_ns), sc.y(v))),
-            );
+            let mut pts = steps(samples, sc, |i| above[i]);
+            let mut under = steps(samples, sc, |i| below[i]);
+            under.reverse();
+            pts.extend(under);
             let _ = write!(
                 svg,
                 "<polygon class=\"area\" data-category=\"{}\" fill=\"{}\" points=\"{}\"/>\n",
@@ -204,10 +210,7 @@ fn stacked_areas(samples: &[Sample], sc: &Scale) -> String {
 }
 
 fn reserved_line(samples: &[Sample], sc: &Scale) -> String {
-    let pts: Vec<String> = samples
-        .iter()
-        .map(|s| format!("{:.2},{:.2}", sc.x(s.time_ns), sc.y(s.reserved)))
-        .collect();
+    let pts = steps(samples, sc, |i| samples[i].reserved);
     format!(
         "<polyline class=\"reserved\" fill=\"none\" stroke=\"#222\" stroke-dasharray=\"4 3\" points=\"{}\"/>\n",
         pts.join(" ")
@@ -232,9 +235,11 @@ fn axes(sc: &Scale, end: u64) -> String {
         let ns = sc.t0 + ((end - sc.t0) as f64 * i as f64 / 4.0) as u64;
         let _ = write!(
             svg,
-            "<text x=\"{:.2}\" y=\"{}\" text-anchor=\"middle\">{:.1} ms</text>\n",
+            "<text x=\"{:.2}\" y=\"{}\" text-anchor=\"{}\">{:.1} ms</text>\n",
             sc.x(ns),
             TOP + PLOT_H + 16.0,
+            // The last label ends at the axis' end rather than running off the picture.
+            if i == 4 { "end" } else { "middle" },
             (ns - sc.t0) as f64 / 1e6
         );
     }
