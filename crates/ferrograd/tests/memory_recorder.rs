@@ -325,11 +325,7 @@ fn the_chrome_trace_has_category_counters_and_phase_slices() {
         totals,
         [(0, 0), (0, 2 * MIB), (1024, 2 * MIB), (1024, 2 * MIB)]
     );
-    let last = events
-        .iter()
-        .filter(|e| e["name"] == "memory")
-        .last()
-        .unwrap();
+    let last = events.iter().rfind(|e| e["name"] == "memory").unwrap();
     assert_eq!(last["args"]["gradient"], 1024);
     assert_eq!(last["args"]["temporary"], 0);
     let slices: Vec<(&str, u64)> = events

@@ -77,9 +77,9 @@ impl Scale {
 /// The report page for `t`, with `rec`'s summary line.
 pub fn html_report(rec: &Recording, t: &Timeline) -> String {
     let mut page = String::new();
-    let _ = write!(
+    let _ = writeln!(
         page,
-        "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>ferrograd memory: {dev}</title>\n<style>{CSS}</style></head><body>\n<h1>Memory over time on {dev}</h1>\n<p class=\"summary\">{summary}</p>\n",
+        "<!DOCTYPE html>\n<html><head><meta charset=\"utf-8\"><title>ferrograd memory: {dev}</title>\n<style>{CSS}</style></head><body>\n<h1>Memory over time on {dev}</h1>\n<p class=\"summary\">{summary}</p>",
         dev = t.device,
         summary = esc(&rec.summary())
     );
@@ -114,9 +114,9 @@ fn chart(rec: &Recording, t: &Timeline) -> String {
         top: top as f64 * 1.05,
     };
     let mut svg = String::new();
-    let _ = write!(
+    let _ = writeln!(
         svg,
-        "<svg id=\"chart\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{H}\" viewBox=\"0 0 {W} {H}\">\n"
+        "<svg id=\"chart\" xmlns=\"http://www.w3.org/2000/svg\" width=\"{W}\" height=\"{H}\" viewBox=\"0 0 {W} {H}\">"
     );
     svg += &phase_bands(t, &sc);
     svg += &stacked_areas(&samples, &sc);
@@ -134,9 +134,9 @@ fn chart(rec: &Recording, t: &Timeline) -> String {
         data.join(","),
         sc.span
     );
-    let _ = write!(
+    let _ = writeln!(
         out,
-        "<p class=\"note\">Time runs from the first kept event ({:.3} ms recorded). Bands: phases of the step. Dashed line: reserved memory.</p>\n",
+        "<p class=\"note\">Time runs from the first kept event ({:.3} ms recorded). Bands: phases of the step. Dashed line: reserved memory.</p>",
         rec.duration_ns as f64 / 1e6
     );
     out
@@ -146,18 +146,18 @@ fn phase_bands(t: &Timeline, sc: &Scale) -> String {
     let mut svg = String::from("<g class=\"phases\">\n");
     for p in t.phases.iter().filter(|p| p.phase != Phase::Other) {
         let (x0, x1) = (sc.x(p.start_ns), sc.x(p.end_ns));
-        let _ = write!(
+        let _ = writeln!(
             svg,
-            "<rect class=\"phase\" data-phase=\"{name}\" x=\"{x0:.2}\" y=\"{TOP}\" width=\"{w:.2}\" height=\"{PLOT_H}\" fill=\"{fill}\"><title>{name}, step {step}</title></rect>\n",
+            "<rect class=\"phase\" data-phase=\"{name}\" x=\"{x0:.2}\" y=\"{TOP}\" width=\"{w:.2}\" height=\"{PLOT_H}\" fill=\"{fill}\"><title>{name}, step {step}</title></rect>",
             name = p.phase.name(),
             w = (x1 - x0).max(0.5),
             fill = phase_colour(p.phase),
             step = p.step
         );
         if x1 - x0 > 40.0 {
-            let _ = write!(
+            let _ = writeln!(
                 svg,
-                "<text x=\"{:.2}\" y=\"{}\" class=\"band\">{} {}</text>\n",
+                "<text x=\"{:.2}\" y=\"{}\" class=\"band\">{} {}</text>",
                 x0 + 3.0,
                 TOP + 12.0,
                 p.phase.name(),
@@ -196,9 +196,9 @@ fn stacked_areas(samples: &[Sample], sc: &Scale) -> String {
             let mut under = steps(samples, sc, |i| below[i]);
             under.reverse();
             pts.extend(under);
-            let _ = write!(
+            let _ = writeln!(
                 svg,
-                "<polygon class=\"area\" data-category=\"{}\" fill=\"{}\" points=\"{}\"/>\n",
+                "<polygon class=\"area\" data-category=\"{}\" fill=\"{}\" points=\"{}\"/>",
                 c.name(),
                 colour(c),
                 pts.join(" ")
@@ -225,17 +225,17 @@ fn axes(sc: &Scale, end: u64) -> String {
     );
     for i in 0..=4 {
         let bytes = (sc.top * i as f64 / 4.0) as u64;
-        let _ = write!(
+        let _ = writeln!(
             svg,
-            "<text x=\"{}\" y=\"{:.2}\" text-anchor=\"end\">{}</text>\n",
+            "<text x=\"{}\" y=\"{:.2}\" text-anchor=\"end\">{}</text>",
             LEFT - 4.0,
             sc.y(bytes) + 4.0,
             format_size(bytes)
         );
         let ns = sc.t0 + ((end - sc.t0) as f64 * i as f64 / 4.0) as u64;
-        let _ = write!(
+        let _ = writeln!(
             svg,
-            "<text x=\"{:.2}\" y=\"{}\" text-anchor=\"{}\">{:.1} ms</text>\n",
+            "<text x=\"{:.2}\" y=\"{}\" text-anchor=\"{}\">{:.1} ms</text>",
             sc.x(ns),
             TOP + PLOT_H + 16.0,
             // The last label ends at the axis' end rather than running off the picture.
@@ -279,9 +279,9 @@ fn peak_tables(rec: &Recording, t: &Timeline) -> String {
         format_size(p.reserved)
     );
     for (c, bytes) in p.by_category.iter().filter(|(_, b)| *b > 0) {
-        let _ = write!(
+        let _ = writeln!(
             s,
-            "<tr><td>{}</td><td>{}</td><td>{:.1}%</td></tr>\n",
+            "<tr><td>{}</td><td>{}</td><td>{:.1}%</td></tr>",
             c.name(),
             format_size(bytes),
             100.0 * bytes as f64 / p.allocated().max(1) as f64
