@@ -59,6 +59,8 @@ fn simulated() {
 #[test]
 fn off_by_default_and_records_nothing_while_off() {
     let _g = lock();
+    // The size the capacity's memory bound is stated in (`recorder::DEFAULT_CAPACITY`).
+    assert_eq!(std::mem::size_of::<Event>(), 120);
     assert!(!recorder::is_recording());
     let _x = Tensor::zeros(&[16], DType::F32, CPU).unwrap();
     start(16);
@@ -114,6 +116,11 @@ fn host_events_have_exact_sizes_op_and_call_site() {
         .collect();
     assert_eq!(segs.len(), 1);
     assert_eq!(segs[0].blocks[0].owner.map(|o| o.1.op), Some("mul_scalar"));
+    // Host addresses exceed 2^31: the pickle must hold them as 8-byte LONG1 (opcode 0x8a,
+    // length 8), since the memory_viz page refuses longer ones.
+    let bytes = snapshot_pickle(&rec, CPU).unwrap();
+    assert!(bytes.windows(2).any(|w| w == [0x8a, 8]));
+    assert!(!bytes.windows(2).any(|w| w == [0x8a, 9]));
 }
 
 #[test]

@@ -7,6 +7,8 @@
 //! the phase and step, at the op's call site, and a `category` so the page colours by it.
 //! The page throws when categories are present but none is `unknown` (a typo in its code,
 //! `snapshot.categores`), so the trace opens with a `snapshot` entry of category `unknown`.
+//! Integers are written as i64: serde-pickle writes a u64 of 2^31 or more as a 9-byte LONG1,
+//! which the viewer's unpickler refuses ("bigger than 8 bytes"); an i64 takes 8.
 
 use std::collections::HashMap;
 
@@ -24,15 +26,15 @@ struct Snapshot {
 
 #[derive(Serialize)]
 struct Segment {
-    device: u64,
-    address: u64,
-    total_size: u64,
-    allocated_size: u64,
-    active_size: u64,
-    requested_size: u64,
-    stream: u64,
+    device: i64,
+    address: i64,
+    total_size: i64,
+    allocated_size: i64,
+    active_size: i64,
+    requested_size: i64,
+    stream: i64,
     segment_type: &'static str,
-    segment_pool_id: (u64, u64),
+    segment_pool_id: (i64, i64),
     is_expandable: bool,
     frames: Vec<Frame>,
     blocks: Vec<Block>,
@@ -40,9 +42,9 @@ struct Segment {
 
 #[derive(Serialize)]
 struct Block {
-    address: u64,
-    size: u64,
-    requested_size: u64,
+    address: i64,
+    size: i64,
+    requested_size: i64,
     state: &'static str,
     frames: Vec<Frame>,
 }
@@ -58,23 +60,28 @@ struct Frame {
 struct TraceEntry {
     action: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
-    addr: Option<u64>,
+    addr: Option<i64>,
     /// The CUDA free bytes of an `oom` entry (which has no `addr`).
     #[serde(skip_serializing_if = "Option::is_none")]
-    device_free: Option<u64>,
-    size: u64,
-    stream: u64,
-    time_us: u64,
+    device_free: Option<i64>,
+    size: i64,
+    stream: i64,
+    time_us: i64,
     frames: Vec<Frame>,
     category: &'static str,
 }
 
 /// The device index PyTorch would give `device` (the host is shown as device 0).
-fn device_index(device: Device) -> u64 {
+fn device_index(device: Device) -> i64 {
     match device {
-        Device::Cuda(i) => i as u64,
+        Device::Cuda(i) => int(i as u64),
         Device::Cpu | Device::Meta => 0,
     }
+}
+
+/// A byte count or address as the pickle's integer (no real one reaches 2^63).
+fn int(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
 }
 
 /// The pickle of `device`'s part of `rec` (a valid snapshot with no segments and an empty
@@ -119,19 +126,19 @@ fn frame(rec: &Recording, origin: &Origin, label: &str) -> Vec<Frame> {
     }]
 }
 
-fn segments(rec: &Recording, device: Device, index: u64) -> Vec<Segment> {
+fn segments(rec: &Recording, device: Device, index: i64) -> Vec<Segment> {
     rec.segments_of(device)
         .map(|s| {
             let allocated = || s.blocks.iter().filter(|b| b.owner.is_some());
-            let allocated_size = allocated().map(|b| b.size).sum();
+            let allocated_size = int(allocated().map(|b| b.size).sum());
             Segment {
                 device: index,
-                address: s.addr,
-                total_size: s.size,
+                address: int(s.addr),
+                total_size: int(s.size),
                 allocated_size,
                 active_size: allocated_size,
-                requested_size: allocated().map(|b| b.requested).sum(),
-                stream: s.stream,
+                requested_size: int(allocated().map(|b| b.requested).sum()),
+                stream: int(s.stream),
                 segment_type: match s.pool {
                     Pool::Small => "small",
                     Pool::Large => "large",
@@ -147,9 +154,9 @@ fn segments(rec: &Recording, device: Device, index: u64) -> Vec<Segment> {
 
 fn block(rec: &Recording, b: &SnapshotBlock) -> Block {
     Block {
-        address: b.addr,
-        size: b.size,
-        requested_size: b.requested,
+        address: int(b.addr),
+        size: int(b.size),
+        requested_size: int(b.requested),
         state: if b.owner.is_some() {
             "active_allocated"
         } else {
@@ -195,14 +202,14 @@ fn trace(rec: &Recording, device: Device) -> Vec<TraceEntry> {
         return Vec::new();
     }
     let categories = final_categories(rec, &events, device);
-    let time_us = |e: &Event| rec.started_unix_us + e.time_ns / 1000;
+    let time_us = |e: &Event| int(rec.started_unix_us + e.time_ns / 1000);
     let mut out = vec![TraceEntry {
         action: "snapshot",
         addr: Some(0),
         device_free: None,
         size: 0,
         stream: 0,
-        time_us: rec.started_unix_us,
+        time_us: int(rec.started_unix_us),
         frames: Vec::new(),
         category: "unknown",
     }];
@@ -216,12 +223,12 @@ fn trace(rec: &Recording, device: Device) -> Vec<TraceEntry> {
         } else {
             (format!("{}, {when}", category.name()), category.name())
         };
-        let entry = |action, size| TraceEntry {
+        let entry = |action, size: u64| TraceEntry {
             action,
-            addr: Some(e.addr),
+            addr: Some(int(e.addr)),
             device_free: None,
-            size,
-            stream: e.stream,
+            size: int(size),
+            stream: int(e.stream),
             time_us: time_us(e),
             frames: frame(rec, &e.origin, &label),
             category,
@@ -236,7 +243,7 @@ fn trace(rec: &Recording, device: Device) -> Vec<TraceEntry> {
             Action::SegmentFree => out.push(entry("segment_free", e.size)),
             Action::Oom { device_free } => out.push(TraceEntry {
                 addr: None,
-                device_free: Some(device_free),
+                device_free: Some(int(device_free)),
                 ..entry("oom", e.size)
             }),
             Action::Relabel { .. } | Action::Phase(_) => {}

@@ -5,8 +5,8 @@
 //! Off by default. While off, the allocation path pays one relaxed atomic load
 //! (`is_recording`). While on, each allocation, free, segment reserve/release, OOM and
 //! category change appends an `Event` to a ring buffer of `RecorderConfig::capacity` events
-//! (default `DEFAULT_CAPACITY`, about 24 MiB); when it is full the oldest events are
-//! overwritten and counted, and the `Recording` says how many were dropped.
+//! (default `DEFAULT_CAPACITY`: 2^18 events of 120 bytes, 30 MiB); when it is full the oldest
+//! events are overwritten and counted, and the `Recording` says how many were dropped.
 //!
 //! Events carry the context the layers above push down (`set_step`, `phase_scope`,
 //! `module_scope`, `CallSite::enter`): this layer imports nothing above `base`.
@@ -28,7 +28,7 @@ use super::stats::Pool;
 use crate::base::{Category, Device, Error, Result};
 use ring::Ring;
 
-/// Events kept by default: 2^18, each `size_of::<Event>()` (96) bytes.
+/// Events kept by default: 2^18, each `size_of::<Event>()` (120) bytes: 30 MiB when full.
 pub const DEFAULT_CAPACITY: usize = 1 << 18;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
