@@ -124,6 +124,41 @@ fn host_events_have_exact_sizes_op_and_call_site() {
 }
 
 #[test]
+fn a_saved_activation_keeps_its_role_in_the_pickle() {
+    let _g = lock();
+    let w = Tensor::ones(&[8], DType::F32, CPU)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    start(256);
+    let loss = w.exp().unwrap().sum_all().unwrap();
+    loss.backward().unwrap();
+    let rec = recorder::stop().unwrap();
+    drop((w, loss));
+    // exp saves its output for backward; backward releases it (a temporary again) and frees it.
+    let ev = moves(&rec, CPU);
+    let exp_out = ev
+        .iter()
+        .find(|e| e.action == Action::Alloc && e.origin.op == "exp")
+        .unwrap();
+    assert!(ev.iter().any(|e| e.addr == exp_out.addr
+        && e.action
+            == (Action::Relabel {
+                from: Category::Temporary
+            })
+        && e.category == Category::SavedActivation));
+    let v: Value =
+        serde_pickle::value_from_slice(&snapshot_pickle(&rec, CPU).unwrap(), DeOptions::new())
+            .unwrap();
+    let trace = list(&list(get(&v, "device_traces"))[0]);
+    let entry = trace
+        .iter()
+        .find(|e| string(get(e, "action")) == "alloc" && int(get(e, "addr")) as u64 == exp_out.addr)
+        .unwrap();
+    assert_eq!(string(get(entry, "category")), "saved_activation");
+}
+
+#[test]
 fn events_carry_module_path_phase_and_step() {
     let _g = lock();
     start(64);

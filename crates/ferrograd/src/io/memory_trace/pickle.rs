@@ -169,26 +169,29 @@ fn block(rec: &Recording, b: &SnapshotBlock) -> Block {
     }
 }
 
-/// The category each block ends with (a temporary the graph saved counts as a saved
-/// activation for its whole life), by the index of its `Alloc` event.
-fn final_categories(
-    rec: &Recording,
-    events: &[&Event],
-    device: Device,
-) -> HashMap<usize, Category> {
-    let mut by_addr: HashMap<u64, Category> = rec
+/// The role each block played, by the index of its `Alloc` event: its last category other
+/// than temporary (an activation the graph saved counts as a saved activation for its whole
+/// life, although backward hands it back as a temporary before it is freed), else temporary.
+fn block_roles(rec: &Recording, events: &[&Event], device: Device) -> HashMap<usize, Category> {
+    let role = |c: Category| (c != Category::Temporary).then_some(c);
+    let mut by_addr: HashMap<u64, Option<Category>> = rec
         .segments_of(device)
         .flat_map(|s| s.blocks.iter())
-        .filter_map(|b| b.owner.map(|(c, _)| (b.addr, c)))
+        .filter_map(|b| b.owner.map(|(c, _)| (b.addr, role(c))))
         .collect();
     let mut out = HashMap::new();
     for (i, e) in events.iter().enumerate().rev() {
         match e.action {
             Action::Free => {
-                by_addr.insert(e.addr, e.category);
+                by_addr.insert(e.addr, role(e.category));
+            }
+            Action::Relabel { from } => {
+                let r = by_addr.entry(e.addr).or_insert(None);
+                *r = r.or(role(e.category)).or(role(from));
             }
             Action::Alloc => {
-                out.insert(i, by_addr.remove(&e.addr).unwrap_or(e.category));
+                let r = by_addr.remove(&e.addr).flatten();
+                out.insert(i, r.or(role(e.category)).unwrap_or(e.category));
             }
             _ => {}
         }
@@ -201,7 +204,7 @@ fn trace(rec: &Recording, device: Device) -> Vec<TraceEntry> {
     if events.iter().all(|e| matches!(e.action, Action::Phase(_))) {
         return Vec::new();
     }
-    let categories = final_categories(rec, &events, device);
+    let categories = block_roles(rec, &events, device);
     let time_us = |e: &Event| int(rec.started_unix_us + e.time_ns / 1000);
     let mut out = vec![TraceEntry {
         action: "snapshot",
