@@ -43,6 +43,10 @@ struct DemoArgs {
     /// Seed for the weights and the input.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Record every allocation and write memory_snapshot.pickle (pytorch.org/memory_viz),
+    /// memory_trace.json (Perfetto, chrome://tracing) and memory_report.html into DIR.
+    #[arg(long, value_name = "DIR")]
+    memory_trace: Option<std::path::PathBuf>,
 }
 
 pub fn run(cli: Cli) -> anyhow::Result<()> {
@@ -61,6 +65,7 @@ fn run_demo(a: DemoArgs) -> anyhow::Result<()> {
         batch: a.batch,
         device,
         seed: a.seed,
+        memory_trace: a.memory_trace,
     };
     let report = demo::run(&cfg)?;
     if a.json {

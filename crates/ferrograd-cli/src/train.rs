@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
 use clap::Parser;
-use ferrograd::job::{self, Event, JobSummary, OptimizerChoice, TrainJob};
+use ferrograd::job::{self, Event, JobSummary, MemoryTraceSettings, OptimizerChoice, TrainJob};
 use ferrograd::memory::format_size;
 use ferrograd::nn::Recompute;
 use ferrograd::train::TrainerConfig;
@@ -106,6 +106,18 @@ pub struct TrainArgs {
     /// 256 MiB).
     #[arg(long)]
     text: Option<PathBuf>,
+    /// Record the first --memory-trace-steps steps and write memory_snapshot.pickle
+    /// (pytorch.org/memory_viz), memory_trace.json (Perfetto, chrome://tracing) and
+    /// memory_report.html into DIR. Checked before training: DIR must be a writable folder, or
+    /// not exist yet inside one.
+    #[arg(long, value_name = "DIR")]
+    memory_trace: Option<PathBuf>,
+    /// Steps recorded by --memory-trace, from the run's first.
+    #[arg(long, default_value_t = 2, value_name = "N")]
+    memory_trace_steps: u64,
+    /// Events the recorder keeps (a ring: older ones are dropped, and the summary says how many).
+    #[arg(long, default_value_t = ferrograd::memory::recorder::DEFAULT_CAPACITY, value_name = "N")]
+    memory_trace_events: usize,
     /// End with one JSON object (initial_loss, final_loss, steps, tokens_per_s, peak_bytes,
     /// by_category_at_peak, ...) instead of the report.
     #[arg(long)]
@@ -137,6 +149,14 @@ impl TrainArgs {
         let base = TrainJob::default();
         if let Some(path) = &self.save {
             ferrograd::io::check_output_path(path)?;
+        }
+        let memory_trace = self.memory_trace.as_ref().map(|dir| MemoryTraceSettings {
+            dir: dir.clone(),
+            steps: self.memory_trace_steps,
+            capacity: self.memory_trace_events,
+        });
+        if let Some(t) = &memory_trace {
+            t.check()?;
         }
         let text = match &self.text {
             Some(p) => ferrograd::data::load_text(p)?,
@@ -180,6 +200,7 @@ impl TrainArgs {
             save_every: self.save_every,
             resume: self.resume.clone(),
             interrupt: Some(signals()?.stop.clone()),
+            memory_trace,
         })
     }
 }
@@ -292,6 +313,12 @@ fn train(args: &TrainArgs, job: &TrainJob) -> anyhow::Result<()> {
                 "step {:>5}: train loss {:.4}, val loss {:.4}",
                 e.step, e.train_loss, e.val_loss
             );
+            say(&bar, &line);
+            log.push(line);
+        }
+        Event::MemoryTraced(t) => {
+            let files: Vec<String> = t.files.iter().map(|f| f.display().to_string()).collect();
+            let line = format!("memory trace: {} ({})", files.join(", "), t.summary);
             say(&bar, &line);
             log.push(line);
         }

@@ -449,3 +449,98 @@ fn a_signal_stops_the_run_saves_and_exits_with_the_conventional_code() {
         "{err}"
     );
 }
+
+/// The three files a trace folder receives.
+const TRACE_FILES: [&str; 3] = [
+    "memory_report.html",
+    "memory_snapshot.pickle",
+    "memory_trace.json",
+];
+
+fn names_in(dir: &std::path::Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn train_and_demo_write_a_memory_trace() {
+    let dir = TestDir::new("cli-memory-trace");
+    let train_dir = dir.arg("train");
+    let args = [
+        SMALL,
+        &["--memory-trace", &train_dir, "--memory-trace-steps", "1"],
+    ]
+    .concat();
+    let out = output_of(&args);
+    assert!(
+        out.contains("memory trace: ") && out.contains("nothing was dropped"),
+        "{out}"
+    );
+    assert_eq!(names_in(&dir.path("train")), TRACE_FILES);
+    let trace: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.path("train/memory_trace.json")).unwrap())
+            .unwrap();
+    let slices: Vec<&str> = trace["traceEvents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|e| e["ph"] == "X")
+        .filter_map(|e| e["name"].as_str())
+        .collect();
+    // One step: forward, backward, optimizer, each once.
+    for phase in ["forward", "backward", "optimizer"] {
+        assert_eq!(
+            slices.iter().filter(|s| **s == phase).count(),
+            1,
+            "{slices:?}"
+        );
+    }
+    let html = std::fs::read_to_string(dir.path("train/memory_report.html")).unwrap();
+    assert!(
+        html.contains("transformer.h.0"),
+        "the blocks name their module"
+    );
+    let demo_dir = dir.arg("demo");
+    let out = output_of(&[
+        "demo",
+        "--dim",
+        "32",
+        "--batch",
+        "4",
+        "--json",
+        "--memory-trace",
+        &demo_dir,
+    ]);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["memory_trace"].as_array().unwrap().len(), 4, "{v}");
+    assert_eq!(names_in(&dir.path("demo")), TRACE_FILES);
+}
+
+#[test]
+fn unusable_memory_trace_folders_are_refused_before_training() {
+    let dir = TestDir::new("cli-memory-trace-bad");
+    let missing = dir.arg("no/such/trace");
+    let err = refused_at_once(&["--memory-trace", &missing]);
+    assert!(err.contains("does not exist; create it first"), "{err}");
+    std::fs::write(dir.path("file"), b"x").unwrap();
+    let err = refused_at_once(&["--memory-trace", &dir.arg("file")]);
+    assert!(err.contains("is a file, not a folder"), "{err}");
+    let err = refused_at_once(&["--memory-trace", &dir.arg("t"), "--memory-trace-steps", "0"]);
+    assert!(
+        err.contains("--memory-trace-steps 0 records nothing"),
+        "{err}"
+    );
+    let err = stderr_of(&["train", "--memory-trace-steps", "many"]);
+    assert!(err.contains("invalid value 'many'"), "{err}");
+    let err = stderr_of(&["demo", "--dim", "8", "--memory-trace", &missing]);
+    assert!(err.contains("does not exist; create it first"), "{err}");
+    assert_eq!(
+        names_in(&dir.path("")),
+        ["file"],
+        "nothing half-written is left"
+    );
+}

@@ -8,9 +8,13 @@
 //! (the ReLU-input gradient is still alive while the first layer's weight gradient is made,
 //! and so is the 4-byte scalar loss that backward started from).
 
+use std::path::PathBuf;
+
 use serde::Serialize;
 
 use crate::base::{Error, Result};
+use crate::io::memory_trace::{check_trace_dir, write_memory_trace};
+use crate::memory::recorder::{self, Phase, RecorderConfig};
 use crate::memory::{self, Category, format_size};
 use crate::nn::{Linear, Module, Relu, Sequential};
 use crate::tensor::{DType, Device, Generator, Tensor};
@@ -21,6 +25,8 @@ pub struct DemoConfig {
     pub batch: usize,
     pub device: Device,
     pub seed: u64,
+    /// Record the demo with the memory recorder and write the trace files into this folder.
+    pub memory_trace: Option<PathBuf>,
 }
 
 impl Default for DemoConfig {
@@ -30,6 +36,7 @@ impl Default for DemoConfig {
             batch: 1_000,
             device: Device::Cpu,
             seed: 0,
+            memory_trace: None,
         }
     }
 }
@@ -48,6 +55,9 @@ pub struct DemoReport {
     pub reserved_bytes: u64,
     pub by_category_before: std::collections::BTreeMap<String, u64>,
     pub by_category: std::collections::BTreeMap<String, u64>,
+    /// The memory trace written (with `memory_trace`): the files, then the recorder's summary.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub memory_trace: Option<Vec<String>>,
 }
 
 impl DemoReport {
@@ -107,6 +117,27 @@ pub fn run(cfg: &DemoConfig) -> Result<DemoReport> {
     }
     let (p, a) = sizes(cfg)?;
     check_fits(cfg, p, a)?;
+    if let Some(dir) = &cfg.memory_trace {
+        check_trace_dir(dir)?;
+        recorder::start(RecorderConfig::default())?;
+    }
+    let measured = measure(cfg, p, a);
+    let Some(dir) = &cfg.memory_trace else {
+        return measured;
+    };
+    let rec = recorder::stop()?;
+    let mut report = measured?;
+    let mut lines: Vec<String> = write_memory_trace(dir, &rec, cfg.device)?
+        .iter()
+        .map(|f| f.display().to_string())
+        .collect();
+    lines.push(rec.summary());
+    report.memory_trace = Some(lines);
+    Ok(report)
+}
+
+/// Builds the model, runs forward and backward, and reads the allocator.
+fn measure(cfg: &DemoConfig, p: u64, a: u64) -> Result<DemoReport> {
     let alloc = memory::allocator(cfg.device)?;
     let base = alloc.memory_allocated();
     alloc.reset_peak_memory_stats();
@@ -116,10 +147,16 @@ pub fn run(cfg: &DemoConfig) -> Result<DemoReport> {
         .push(Relu)
         .push(Linear::new(cfg.dim, cfg.dim, true, cfg.device, &mut g)?);
     let x = Tensor::randn_with(&[cfg.batch, cfg.dim], DType::F32, cfg.device, &mut g)?;
-    let out = model.forward(&x)?;
+    let out = {
+        let _phase = recorder::phase_scope(Phase::Forward);
+        model.forward(&x)?
+    };
     let before = alloc.memory_allocated() - base;
     let by_category_before = alloc.by_category().to_map();
-    out.sum_all()?.backward()?;
+    {
+        let _phase = recorder::phase_scope(Phase::Backward);
+        out.sum_all()?.backward()?;
+    }
     let report = DemoReport {
         dim: cfg.dim,
         batch: cfg.batch,
@@ -132,6 +169,7 @@ pub fn run(cfg: &DemoConfig) -> Result<DemoReport> {
         reserved_bytes: alloc.memory_reserved(),
         by_category_before,
         by_category: alloc.by_category().to_map(),
+        memory_trace: None,
     };
     drop((model, x, out));
     Ok(report)
@@ -198,6 +236,12 @@ pub fn render(r: &DemoReport) -> String {
             get(&r.by_category)
         );
     }
+    if let Some(lines) = &r.memory_trace {
+        s += "\nmemory trace:\n";
+        for l in lines {
+            s += &format!("  {l}\n");
+        }
+    }
     s
 }
 
@@ -224,5 +268,6 @@ pub fn to_json(r: &DemoReport) -> serde_json::Value {
         "dim": r.dim,
         "batch": r.batch,
         "device": r.device,
+        "memory_trace": r.memory_trace,
     })
 }

@@ -8,7 +8,9 @@
 //! 2. `memory` — one allocator per device, the only source of byte counts: PyTorch-style
 //!    statistics (`memory_allocated`, `max_memory_allocated`, `memory_reserved`, ...), a
 //!    category for every live block that always sums to `memory_allocated`, and the caching
-//!    policy for GPUs. It knows no backend: a GPU backend registers its driver memory.
+//!    policy for GPUs. It knows no backend: a GPU backend registers its driver memory. Its
+//!    recorder keeps a bounded history of allocator events, labelled with the op, module,
+//!    phase, step and call site that the layers above push down.
 //! 3. `backend` — the narrow contract with devices: storages, and op families passed as
 //!    typed data (elementwise, reduce, matmul, rows, loss, index, optim) with `cpu` (the
 //!    reference), `cuda` (cuBLAS and NVRTC kernels) and `meta` (shapes and bytes only).
@@ -27,7 +29,8 @@
 //!     backward, the `GradScaler`), composed by the `Trainer` with the model's recomputation
 //!     policy.
 //! 11. `data` — the shipped corpus and a character tokenizer.
-//! 12. `io` — training state in safetensors, written atomically.
+//! 12. `io` — training state in safetensors, written atomically; memory recordings exported
+//!     for PyTorch's memory_viz, Chrome/Perfetto and the browser.
 //! 13. `job` — the main job: a character-level GPT trained (AdamW or SGD), evaluated, sampled
 //!     and saved.
 //! 14. `demo` — the memory demo: an MLP step with its bytes explained.

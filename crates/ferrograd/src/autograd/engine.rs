@@ -57,11 +57,15 @@ const RELEASED: &str = "Trying to backward through the graph a second time (or t
 
 impl Tensor {
     /// `loss.backward()`: the root must hold a single element.
+    #[track_caller]
     pub fn backward(&self) -> Result<()> {
+        let _site = crate::memory::recorder::CallSite::enter();
         self.backward_with(BackwardOptions::default())
     }
 
+    #[track_caller]
     pub fn backward_with(&self, opts: BackwardOptions) -> Result<()> {
+        let _site = crate::memory::recorder::CallSite::enter();
         let root = edge_of(self).ok_or_else(|| {
             Error::autograd(
                 "this tensor does not require grad and has no grad_fn: nothing to differentiate. Did you create it under no_grad, or forget requires_grad_(true) on a parameter?",

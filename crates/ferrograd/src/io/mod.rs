@@ -1,7 +1,9 @@
 //! Files: training state (parameters, optimizer state, counters) saved and restored in the
 //! safetensors format, written atomically so a crash mid-save never costs the last good file,
-//! and output paths checked before a run starts.
+//! output paths checked before a run starts, and memory recordings exported for PyTorch's
+//! memory_viz, Chrome/Perfetto and the browser.
 
+pub mod memory_trace;
 mod path;
 mod state;
 

@@ -9,6 +9,7 @@ mod fit;
 mod optimizer;
 mod sample;
 mod state;
+mod trace;
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -21,6 +22,7 @@ pub use fit::{check_fits, predicted_peak_bytes};
 pub use optimizer::{JobOptimizer, OptimizerChoice, OptimizerSettings};
 pub use sample::sample_text;
 pub use state::{STATE_FORMAT, load_training_state, save_training_state};
+pub use trace::{MemoryTraceSettings, TraceRun, TraceWritten};
 
 use crate::autograd::no_grad;
 use crate::base::{Error, Result};
@@ -72,6 +74,8 @@ pub struct TrainJob {
     /// When this flag is raised (by a signal handler, say), the run stops at the next step
     /// boundary, saves its state to `save` if given, and returns `Error::Interrupted`.
     pub interrupt: Option<Arc<AtomicBool>>,
+    /// Record the first steps with the memory recorder and write the trace files.
+    pub memory_trace: Option<MemoryTraceSettings>,
 }
 
 impl Default for TrainJob {
@@ -107,6 +111,7 @@ impl Default for TrainJob {
             save_every: 0,
             resume: None,
             interrupt: None,
+            memory_trace: None,
         }
     }
 }
@@ -129,6 +134,8 @@ pub enum Event {
         step: u64,
         path: PathBuf,
     },
+    /// The memory trace of the first steps is written.
+    MemoryTraced(TraceWritten),
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -174,6 +181,9 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
     check_settings(job)?;
     if let Some(path) = &job.save {
         crate::io::check_output_path(path)?;
+    }
+    if let Some(t) = &job.memory_trace {
+        t.check()?;
     }
     let data = TextDataset::new(&job.text)?;
     check_text_length(&data, job.model.block_size)?;
@@ -224,6 +234,11 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
         .map_or(job.max_steps, |n| (start_step + n).min(job.max_steps));
     let started = Instant::now();
     let (mut first, mut last, mut tokens) = (None, None, 0usize);
+    let mut tracing = job
+        .memory_trace
+        .as_ref()
+        .map(|t| TraceRun::start(t, start_step))
+        .transpose()?;
     while trainer.step_index() < end {
         if job
             .interrupt
@@ -268,6 +283,11 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
         last = Some(report.loss);
         on_event(&Event::Step(report));
         let step = trainer.step_index();
+        if tracing.as_ref().is_some_and(|t| step >= t.until)
+            && let Some(t) = tracing.take()
+        {
+            on_event(&Event::MemoryTraced(t.finish(job.device)?));
+        }
         if job.eval_every > 0 && step % job.eval_every == 0 && step < end {
             let e = evaluate(&mut model, &data, job, step)?;
             on_event(&Event::Eval(e));
@@ -285,6 +305,9 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
         }
     }
     let seconds = started.elapsed().as_secs_f64();
+    if let Some(t) = tracing.take() {
+        on_event(&Event::MemoryTraced(t.finish(job.device)?));
+    }
     let alloc = memory::allocator(job.device)?;
     let (peak_bytes, at_peak) = (alloc.max_memory_allocated(), alloc.by_category_at_peak());
     let peak_reserved_bytes = alloc.max_memory_reserved();
@@ -416,6 +439,7 @@ fn trainer_config(job: &TrainJob) -> Result<TrainerConfig> {
 /// from a generator seeded by the step, so evaluation never shifts the training batches.
 fn evaluate(model: &mut Gpt, data: &TextDataset, job: &TrainJob, step: u64) -> Result<EvalReport> {
     let _g = no_grad();
+    let _phase = memory::recorder::phase_scope(memory::recorder::Phase::Evaluation);
     model.eval();
     let mut losses = [0.0; 2];
     for (split, mean) in [Split::Train, Split::Val].into_iter().zip(&mut losses) {

@@ -8,6 +8,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use super::caching::SegmentInfo;
+use super::recorder::{self, Action, Origin, Record, SnapshotBlock, SnapshotSegment};
 use super::stats::{DeviceStats, Pool};
 use crate::base::Device;
 use crate::base::{Category, CategoryBytes};
@@ -22,6 +24,16 @@ pub struct PolicyBlock {
     /// Size after rounding: what `allocated_bytes` counts.
     pub size: usize,
     pub pool: Pool,
+}
+
+/// A segment the policy reserved from (or gave back to) the device, reported to the front
+/// for the recorder.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SegmentEvent {
+    /// True for a reserve, false for a release.
+    pub reserved: bool,
+    pub addr: u64,
+    pub size: usize,
 }
 
 /// Total and free bytes of the device, as its driver reports them.
@@ -45,6 +57,22 @@ pub trait Policy: Send {
     fn is_unopened(&self) -> bool {
         false
     }
+    /// The stream new blocks are served on.
+    fn stream(&self) -> u64 {
+        0
+    }
+    /// Whether every block is a segment of its own (a policy that caches nothing).
+    fn segment_per_block(&self) -> bool {
+        false
+    }
+    /// The segments and the blocks tiling them (None when `segment_per_block`, or there are
+    /// no segments).
+    fn segments(&self) -> Option<Vec<SegmentInfo>> {
+        None
+    }
+    /// Hands over the segment reserves and releases made since the last call, in order
+    /// (buffered only while a recording runs). A policy without segments has none.
+    fn drain_segment_events(&mut self, _out: &mut dyn FnMut(SegmentEvent)) {}
 }
 
 struct LiveBlock {
@@ -52,7 +80,8 @@ struct LiveBlock {
     requested: usize,
     base: Category,
     saved_refs: u32,
-    origin: &'static str,
+    /// The op that asked, and (while recording) the module and call site.
+    origin: Origin,
 }
 
 impl LiveBlock {
@@ -120,13 +149,25 @@ impl Allocator {
         category: Category,
         origin: &'static str,
     ) -> Result<Allocation> {
+        let recording = recorder::is_recording();
         let mut st = self.lock();
         let st = &mut *st;
         let Some(block) = st.policy.malloc(requested, &mut st.stats) else {
             st.stats.num_ooms += 1;
+            if recording {
+                self.record_oom(st, requested, origin);
+            }
             return Err(Error::OutOfMemory(Box::new(
                 self.oom_report(st, requested, origin),
             )));
+        };
+        let origin = if recording {
+            recorder::current_origin(origin)
+        } else {
+            Origin {
+                op: origin,
+                ..Origin::NONE
+            }
         };
         let id = st.next_id;
         st.next_id += 1;
@@ -135,16 +176,17 @@ impl Allocator {
             st.categories_at_peak = st.categories;
         }
         let (size, addr) = (block.size, block.addr);
-        st.live.insert(
-            id,
-            LiveBlock {
-                block,
-                requested,
-                base: category,
-                saved_refs: 0,
-                origin,
-            },
-        );
+        let live = LiveBlock {
+            block,
+            requested,
+            base: category,
+            saved_refs: 0,
+            origin,
+        };
+        if recording {
+            self.record_block(st, Action::Alloc, &live, category);
+        }
+        st.live.insert(id, live);
         Ok(Allocation {
             id,
             size,
@@ -154,16 +196,150 @@ impl Allocator {
     }
 
     fn free(&self, id: u64) {
+        let recording = recorder::is_recording();
         let mut st = self.lock();
         let st = &mut *st;
         if let Some(b) = st.live.remove(&id) {
             st.categories.sub(b.category(), b.block.size as u64);
+            if recording {
+                self.record_block(st, Action::Free, &b, b.category());
+            }
             st.policy.free(&b.block, b.requested, &mut st.stats);
+            if recording {
+                self.record_segments(st, Some((&b, false)));
+            }
         }
+    }
+
+    /// Records an allocation (after the segment it needed) or a free (before the segment it
+    /// releases, which `free` records after the policy ran).
+    fn record_block(&self, st: &mut State, action: Action, b: &LiveBlock, category: Category) {
+        if b.block.size == 0 {
+            return;
+        }
+        if action == Action::Alloc {
+            self.record_segments(st, Some((b, true)));
+        }
+        recorder::record(Record {
+            action,
+            device: self.device,
+            addr: b.block.addr,
+            size: b.block.size as u64,
+            requested: b.requested as u64,
+            stream: st.policy.stream(),
+            category,
+            origin: b.origin,
+        });
+    }
+
+    /// Records the segments the policy reserved or released; for a policy with one segment
+    /// per block, the front records the reserve (true) or release of `around`'s segment.
+    fn record_segments(&self, st: &mut State, around: Option<(&LiveBlock, bool)>) {
+        let (device, stream) = (self.device, st.policy.stream());
+        let origin = around.map_or(Origin::NONE, |(b, _)| b.origin);
+        let mut emit = |e: SegmentEvent| {
+            recorder::record(Record {
+                action: if e.reserved {
+                    Action::SegmentAlloc
+                } else {
+                    Action::SegmentFree
+                },
+                device,
+                addr: e.addr,
+                size: e.size as u64,
+                requested: 0,
+                stream,
+                category: Category::Temporary,
+                origin,
+            })
+        };
+        st.policy.drain_segment_events(&mut emit);
+        if let Some((b, reserved)) = around
+            && b.block.size > 0
+            && st.policy.segment_per_block()
+        {
+            emit(SegmentEvent {
+                reserved,
+                addr: b.block.addr,
+                size: b.block.size,
+            });
+        }
+    }
+
+    fn record_oom(&self, st: &mut State, requested: usize, op: &'static str) {
+        self.record_segments(st, None);
+        let device_free = st.policy.mem_info().free;
+        recorder::record(Record {
+            action: Action::Oom { device_free },
+            device: self.device,
+            addr: 0,
+            size: requested as u64,
+            requested: requested as u64,
+            stream: st.policy.stream(),
+            category: Category::Temporary,
+            origin: recorder::current_origin(op),
+        });
+    }
+
+    /// The segments and blocks as they are now, with each live block's category and origin.
+    pub(super) fn snapshot(&self) -> Vec<SnapshotSegment> {
+        let st = self.lock();
+        let owner = |b: &LiveBlock| Some((b.category(), b.origin));
+        let live: HashMap<u64, &LiveBlock> = st
+            .live
+            .values()
+            .filter(|b| b.block.size > 0)
+            .map(|b| (b.block.addr, b))
+            .collect();
+        let stream = st.policy.stream();
+        let Some(segments) = st.policy.segments() else {
+            let mut own: Vec<_> = live.values().collect();
+            own.sort_by_key(|b| b.block.addr);
+            return own
+                .into_iter()
+                .map(|b| SnapshotSegment {
+                    device: self.device,
+                    addr: b.block.addr,
+                    size: b.block.size as u64,
+                    stream,
+                    pool: b.block.pool,
+                    blocks: vec![SnapshotBlock {
+                        addr: b.block.addr,
+                        size: b.block.size as u64,
+                        requested: b.requested as u64,
+                        owner: owner(b),
+                    }],
+                })
+                .collect();
+        };
+        segments
+            .into_iter()
+            .map(|s| SnapshotSegment {
+                device: self.device,
+                addr: s.addr,
+                size: s.size as u64,
+                stream: s.stream,
+                pool: s.pool,
+                blocks: s
+                    .blocks
+                    .iter()
+                    .map(|b| SnapshotBlock {
+                        addr: b.addr,
+                        size: b.size as u64,
+                        requested: b.requested as u64,
+                        owner: b
+                            .allocated
+                            .then(|| live.get(&b.addr).and_then(|l| owner(l)))
+                            .flatten(),
+                    })
+                    .collect(),
+            })
+            .collect()
     }
 
     /// Applies `f` to a live block's category state, moving its bytes between sums.
     fn relabel(&self, id: u64, f: impl FnOnce(&mut LiveBlock)) {
+        let recording = recorder::is_recording();
         let mut st = self.lock();
         let st = &mut *st;
         if let Some(b) = st.live.get_mut(&id) {
@@ -173,6 +349,18 @@ impl Allocator {
             if before != after {
                 st.categories.sub(before, b.block.size as u64);
                 st.categories.add(after, b.block.size as u64);
+                if recording && b.block.size > 0 {
+                    recorder::record(Record {
+                        action: Action::Relabel { from: before },
+                        device: self.device,
+                        addr: b.block.addr,
+                        size: b.block.size as u64,
+                        requested: b.requested as u64,
+                        stream: st.policy.stream(),
+                        category: after,
+                        origin: b.origin,
+                    });
+                }
             }
         }
     }
@@ -184,7 +372,7 @@ impl Allocator {
             .map(|b| LiveBlockInfo {
                 bytes: b.block.size as u64,
                 category: b.category(),
-                origin: b.origin,
+                origin: b.origin.op,
             })
             .collect();
         largest.sort_by_key(|b| std::cmp::Reverse(b.bytes));
@@ -234,9 +422,13 @@ impl Allocator {
         self.lock().stats.reset_accumulated();
     }
     pub fn empty_cache(&self) {
+        let recording = recorder::is_recording();
         let mut st = self.lock();
         let st = &mut *st;
         st.policy.empty_cache(&mut st.stats);
+        if recording {
+            self.record_segments(st, None);
+        }
     }
     /// Whether this is a GPU's placeholder, waiting for its backend to register memory.
     pub(crate) fn is_unopened(&self) -> bool {

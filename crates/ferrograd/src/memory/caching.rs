@@ -41,7 +41,7 @@ mod sizes;
 
 pub use pool::{BlockInfo, DEFAULT_STREAM, SegmentInfo, StreamId};
 
-use super::allocator::{MemInfo, Policy, PolicyBlock};
+use super::allocator::{MemInfo, Policy, PolicyBlock, SegmentEvent};
 use super::device_memory::DeviceMemory;
 use super::stats::{DeviceStats, Pool, StatArray};
 use pool::{Blocks, Released, Taken};
@@ -53,6 +53,8 @@ pub struct CachingPolicy<D: DeviceMemory> {
     blocks: Blocks,
     /// Stream that new requests are served on; only `DEFAULT_STREAM` exists so far.
     stream: StreamId,
+    /// Segment reserves and releases not yet handed to the recorder (only while recording).
+    segment_events: Vec<SegmentEvent>,
 }
 
 impl<D: DeviceMemory> CachingPolicy<D> {
@@ -61,6 +63,7 @@ impl<D: DeviceMemory> CachingPolicy<D> {
             device,
             blocks: Blocks::default(),
             stream: DEFAULT_STREAM,
+            segment_events: Vec::new(),
         }
     }
 
@@ -95,16 +98,28 @@ impl<D: DeviceMemory> CachingPolicy<D> {
     fn alloc_segment(&mut self, size: usize, pool: Pool, stats: &mut DeviceStats) -> Option<u64> {
         let addr = self.device.alloc(size)?;
         self.blocks.add_segment(addr, size, self.stream, pool);
+        self.note_segment(true, addr, size);
         stats.segment.increase(pool, 1);
         stats.reserved_bytes.increase(pool, size as i64);
         stats.num_device_alloc += 1;
         Some(addr)
     }
 
+    fn note_segment(&mut self, reserved: bool, addr: u64, size: usize) {
+        if super::recorder::is_recording() {
+            self.segment_events.push(SegmentEvent {
+                reserved,
+                addr,
+                size,
+            });
+        }
+    }
+
     /// `release_cached_blocks`: gives every entirely free segment back to the device.
     fn release_cached(&mut self, stats: &mut DeviceStats) {
         for (addr, size, pool) in self.blocks.drain_free_segments() {
             self.device.free(addr, size);
+            self.note_segment(false, addr, size);
             stats.segment.decrease(pool, 1);
             stats.reserved_bytes.decrease(pool, size as i64);
             stats.num_device_free += 1;
@@ -201,6 +216,20 @@ impl<D: DeviceMemory> Policy for CachingPolicy<D> {
 
     fn mem_info(&self) -> MemInfo {
         self.device.mem_info()
+    }
+
+    fn stream(&self) -> u64 {
+        self.stream
+    }
+
+    fn segments(&self) -> Option<Vec<SegmentInfo>> {
+        Some(self.blocks.segments())
+    }
+
+    fn drain_segment_events(&mut self, out: &mut dyn FnMut(SegmentEvent)) {
+        for e in self.segment_events.drain(..) {
+            out(e);
+        }
     }
 }
 

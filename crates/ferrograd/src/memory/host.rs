@@ -8,11 +8,23 @@ use super::stats::{DeviceStats, Pool};
 
 pub struct HostPolicy {
     limit: u64,
+    /// The next block's address. Host buffers are owned by their storages, so a block's
+    /// address is a name, not a location: unique over the process (never reused), so that a
+    /// recording can tell blocks apart.
+    next_addr: u64,
 }
+
+/// Where host block names start (any non-zero value; this one reads well in hex).
+const FIRST_HOST_ADDR: u64 = 0x1000_0000_0000;
+/// Host block names advance in steps of this many bytes, as device blocks are aligned.
+const HOST_ADDR_ALIGN: u64 = 512;
 
 impl HostPolicy {
     pub fn new(limit: u64) -> Self {
-        HostPolicy { limit }
+        HostPolicy {
+            limit,
+            next_addr: FIRST_HOST_ADDR,
+        }
     }
 
     /// Physical memory of this machine from /proc/meminfo (MemTotal), or u64::MAX if unknown.
@@ -49,8 +61,10 @@ impl Policy for HostPolicy {
         stats.requested_bytes.increase(pool, n);
         stats.reserved_bytes.increase(pool, n);
         stats.num_device_alloc += 1;
+        let addr = if requested == 0 { 0 } else { self.next_addr };
+        self.next_addr += (requested as u64).div_ceil(HOST_ADDR_ALIGN) * HOST_ADDR_ALIGN;
         Some(PolicyBlock {
-            addr: 0,
+            addr,
             size: requested,
             pool,
         })
@@ -69,6 +83,10 @@ impl Policy for HostPolicy {
     }
 
     fn empty_cache(&mut self, _stats: &mut DeviceStats) {}
+
+    fn segment_per_block(&self) -> bool {
+        true
+    }
 
     fn mem_info(&self) -> MemInfo {
         let total = self.limit;

@@ -6,6 +6,7 @@ mod allocator;
 mod caching;
 mod device_memory;
 mod host;
+pub mod recorder;
 mod stats;
 mod summary;
 
@@ -13,7 +14,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 pub use crate::base::{Category, CategoryBytes, LiveBlockInfo, OomReport, format_size};
-pub use allocator::{Allocation, Allocator, MemInfo, Policy, PolicyBlock};
+pub use allocator::{Allocation, Allocator, MemInfo, Policy, PolicyBlock, SegmentEvent};
 pub use caching::{BlockInfo, CachingPolicy, SegmentInfo, StreamId};
 pub use device_memory::{DeviceMemory, SimulatedDevice, Unopened};
 pub use host::HostPolicy;
@@ -78,6 +79,19 @@ pub fn install_policy(device: Device, policy: Box<dyn Policy>) -> Result<()> {
     }
     reg.insert(device, Allocator::new(device, policy));
     Ok(())
+}
+
+/// Every device's segments and blocks, for a recording's final state.
+fn all_segments() -> Vec<recorder::SnapshotSegment> {
+    let allocators: Vec<Arc<Allocator>> = registry()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .values()
+        .cloned()
+        .collect();
+    let mut segments: Vec<_> = allocators.iter().flat_map(|a| a.snapshot()).collect();
+    segments.sort_by_key(|s| (format!("{}", s.device), s.addr));
+    segments
 }
 
 /// Bytes occupied by tensors on `device` (`torch.cuda.memory_allocated`).

@@ -17,7 +17,7 @@ use super::recompute::Recompute;
 use super::state::prefixed;
 use super::{Dropout, Embedding, LayerNorm, Linear, Module};
 use crate::base::{Error, Result};
-use crate::memory::Category;
+use crate::memory::{Category, recorder};
 use crate::tensor::{DType, Device, Generator, Tensor};
 
 /// The cross-entropy targets equal to this are ignored (PyTorch's default).
@@ -205,8 +205,10 @@ pub struct Block {
 impl Block {
     /// x: (B, T, C) → (B, T, C) with a causal mask of at least (T, T).
     pub fn forward_masked(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
-        let x = x.add(&self.attn.forward_masked(&self.ln_1.forward(x)?, mask)?)?;
-        x.add(&self.mlp.forward(&self.ln_2.forward(&x)?)?)
+        let h = scoped("ln_1", || self.ln_1.forward(x))?;
+        let x = x.add(&scoped("attn", || self.attn.forward_masked(&h, mask))?)?;
+        let h = scoped("ln_2", || self.ln_2.forward(&x))?;
+        x.add(&scoped("mlp", || self.mlp.forward(&h))?)
     }
 }
 
@@ -330,18 +332,21 @@ impl Gpt {
         let t = self.check_ids(ids)?;
         let pos = Tensor::arange(0.0, t as f64, 1.0, DType::I64, ids.device())?;
         // (B, T, C) + (T, C)
-        let x = self.wte.forward(ids)?.add(&self.wpe.forward(&pos)?)?;
-        let mut x = self.drop.forward(&x)?;
+        let tok = scoped("transformer.wte", || self.wte.forward(ids))?;
+        let x = tok.add(&scoped("transformer.wpe", || self.wpe.forward(&pos))?)?;
+        let mut x = scoped("transformer.drop", || self.drop.forward(&x))?;
         // Without a graph there is nothing to save, so recomputation would only cost time.
         let recording = crate::autograd::is_grad_enabled();
         for (i, block) in self.blocks.iter().enumerate() {
+            let _scope = recorder::module_scope_indexed("transformer.h", i);
             x = if recording && self.recompute.applies_to(i) {
                 block.forward_recomputed(&x, &self.mask)?
             } else {
                 block.forward_masked(&x, &self.mask)?
             };
         }
-        let logits = self.ln_f.forward(&x)?.linear(&self.wte.weight, None)?;
+        let x = scoped("transformer.ln_f", || self.ln_f.forward(&x))?;
+        let logits = scoped("lm_head", || x.linear(&self.wte.weight, None))?;
         let loss = targets
             .map(|y| logits.cross_entropy(y, IGNORE_INDEX))
             .transpose()?;
@@ -399,4 +404,10 @@ impl Module for Gpt {
             block.train(mode);
         }
     }
+}
+
+/// Runs `f` as the child module `name`, so the memory recorder names what it allocates.
+fn scoped<T>(name: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let _scope = recorder::module_scope(name);
+    f()
 }

@@ -33,7 +33,8 @@ impl Sequential {
 impl Module for Sequential {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let mut h = x.clone();
-        for layer in &self.layers {
+        for (i, layer) in self.layers.iter().enumerate() {
+            let _scope = crate::memory::recorder::module_scope_indexed("", i);
             h = layer.forward(&h)?;
         }
         Ok(h)

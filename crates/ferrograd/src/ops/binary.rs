@@ -93,7 +93,9 @@ fn exponent_grad_factor(a: &Tensor, y: &Tensor) -> Result<Tensor> {
 
 impl Tensor {
     /// a + b. Backward: (g, g), each summed to its input's shape.
+    #[track_caller]
     pub fn add(&self, other: &Tensor) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         if let Some((a, b)) = promoted(self, other)? {
             return a.add(&b);
         }
@@ -110,7 +112,9 @@ impl Tensor {
     }
 
     /// a - b. Backward: (g, -g).
+    #[track_caller]
     pub fn sub(&self, other: &Tensor) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         if let Some((a, b)) = promoted(self, other)? {
             return a.sub(&b);
         }
@@ -127,7 +131,9 @@ impl Tensor {
     }
 
     /// a * b. Backward: (g * b, g * a); saves only the factor each gradient needs.
+    #[track_caller]
     pub fn mul(&self, other: &Tensor) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         if let Some((a, b)) = promoted(self, other)? {
             return a.mul(&b);
         }
@@ -145,7 +151,9 @@ impl Tensor {
     }
 
     /// a / b. Backward: (g / b, -g * a / b²).
+    #[track_caller]
     pub fn div(&self, other: &Tensor) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         if let Some((a, b)) = promoted(self, other)? {
             return a.div(&b);
         }
@@ -164,7 +172,9 @@ impl Tensor {
     }
 
     /// a ^ b elementwise. Backward: (g * b * a^(b-1), g * a^b * ln a).
+    #[track_caller]
     pub fn pow(&self, other: &Tensor) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         if let Some([a, b]) = super::autocast::cast_f32([self, other])? {
             return a.pow(&b);
         }
@@ -191,7 +201,9 @@ impl Tensor {
     }
 
     /// x + c. Backward: g.
+    #[track_caller]
     pub fn add_scalar(&self, c: f64) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         let out = unary_forward(UnaryOp::AddScalar(c), self, "add_scalar")?;
         Ok(record("add_scalar", &[self], out, |_, _| {
             |g: &Tensor, _: &[bool]| Ok(vec![Some(g.clone())])
@@ -199,12 +211,16 @@ impl Tensor {
     }
 
     /// x - c.
+    #[track_caller]
     pub fn sub_scalar(&self, c: f64) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         self.add_scalar(-c)
     }
 
     /// x * c. Backward: g * c.
+    #[track_caller]
     pub fn mul_scalar(&self, c: f64) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         let out = unary_forward(UnaryOp::MulScalar(c), self, "mul_scalar")?;
         Ok(record("mul_scalar", &[self], out, move |_, _| {
             move |g: &Tensor, _: &[bool]| Ok(vec![Some(g.mul_scalar(c)?)])
@@ -212,12 +228,16 @@ impl Tensor {
     }
 
     /// x / c.
+    #[track_caller]
     pub fn div_scalar(&self, c: f64) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         self.mul_scalar(1.0 / c)
     }
 
     /// x ^ c. Backward: g * c * x^(c-1).
+    #[track_caller]
     pub fn pow_scalar(&self, c: f64) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         if let Some([x]) = super::autocast::cast_f32([self])? {
             return x.pow_scalar(c);
         }
@@ -233,7 +253,9 @@ impl Tensor {
     }
 
     /// -x. Backward: -g.
+    #[track_caller]
     pub fn neg(&self) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         let out = unary_forward(UnaryOp::Neg, self, "neg")?;
         Ok(record("neg", &[self], out, |_, _| {
             |g: &Tensor, _: &[bool]| Ok(vec![Some(g.neg()?)])

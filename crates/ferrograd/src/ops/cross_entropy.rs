@@ -16,7 +16,9 @@ impl Tensor {
     /// (N, C, d1...)). Targets equal to `ignore_index` (PyTorch's default is -100) count
     /// neither in the sum nor in the mean; when all are ignored the loss is NaN, as PyTorch's.
     /// Returns a 0-dim tensor in the logits' dtype.
+    #[track_caller]
     pub fn cross_entropy(&self, targets: &Tensor, ignore_index: i64) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         if let Some([x]) = super::autocast::cast_f32([self])? {
             return x.cross_entropy(targets, ignore_index);
         }

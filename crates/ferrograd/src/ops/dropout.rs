@@ -13,7 +13,9 @@ use crate::tensor::{DType, Device, Generator, Tensor, with_default};
 impl Tensor {
     /// Zeroes each element with probability `p` and scales the rest by 1/(1-p) when `train`;
     /// returns self unchanged when `p == 0` or not training. Draws the mask from `rng`.
+    #[track_caller]
     pub fn dropout(&self, p: f64, train: bool, rng: &mut Generator) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         if !(0.0..=1.0).contains(&p) {
             return Err(Error::invalid(
                 "dropout",
@@ -40,7 +42,9 @@ impl Tensor {
     }
 
     /// `dropout` with the process-wide default generator (seeded by `manual_seed`).
+    #[track_caller]
     pub fn dropout_default(&self, p: f64, train: bool) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         with_default(|rng| self.dropout(p, train, rng))
     }
 }

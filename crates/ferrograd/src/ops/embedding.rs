@@ -12,7 +12,9 @@ use crate::tensor::{DType, Layout, Tensor};
 impl Tensor {
     /// Looks up rows of this weight. weight: (V, D), ids: I64 of any shape (...) → (..., D).
     /// Every id must be in 0..V.
+    #[track_caller]
     pub fn embedding(&self, ids: &Tensor) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         let (v, d) = check_embedding(self, ids)?;
         let mut shape = ids.shape().to_vec();
         shape.push(d);

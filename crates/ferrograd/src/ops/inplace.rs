@@ -43,39 +43,55 @@ impl Tensor {
     }
 
     /// self += other
+    #[track_caller]
     pub fn add_(&self, other: &Tensor) -> Result<()> {
+        let _site = crate::memory::recorder::CallSite::enter();
         self.inplace(BinaryOp::Add, other, "add_")
     }
     /// self += alpha * other
+    #[track_caller]
     pub fn add_scaled_(&self, other: &Tensor, alpha: f64) -> Result<()> {
+        let _site = crate::memory::recorder::CallSite::enter();
         self.inplace(BinaryOp::AddScaled(alpha), other, "add_scaled_")
     }
     /// self *= other
+    #[track_caller]
     pub fn mul_(&self, other: &Tensor) -> Result<()> {
+        let _site = crate::memory::recorder::CallSite::enter();
         self.inplace(BinaryOp::Mul, other, "mul_")
     }
     /// self = other (broadcast)
+    #[track_caller]
     pub fn copy_(&self, other: &Tensor) -> Result<()> {
+        let _site = crate::memory::recorder::CallSite::enter();
         self.inplace(BinaryOp::Assign, other, "copy_")
     }
     /// self *= c
+    #[track_caller]
     pub fn mul_scalar_(&self, c: f64) -> Result<()> {
+        let _site = crate::memory::recorder::CallSite::enter();
         self.check_inplace_target("mul_scalar_")?;
         let s = Tensor::scalar(c, self.dtype(), self.device())?;
         self.inplace(BinaryOp::Mul, &s, "mul_scalar_")
     }
     /// Every element = value
+    #[track_caller]
     pub fn fill_(&self, value: f64) -> Result<()> {
+        let _site = crate::memory::recorder::CallSite::enter();
         self.check_inplace_target("fill_")?;
         elementwise::fill(self.storage(), value)?;
         Ok(())
     }
     /// Every element = 0
+    #[track_caller]
     pub fn zero_(&self) -> Result<()> {
+        let _site = crate::memory::recorder::CallSite::enter();
         self.fill_(0.0)
     }
     /// A tensor that owns its whole contiguous storage (self if it already does).
+    #[track_caller]
     pub fn contiguous_owned(&self) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         if self.is_contiguous()
             && self.layout().offset() == 0
             && self.numel() == self.storage().len()

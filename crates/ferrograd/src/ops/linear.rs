@@ -11,7 +11,9 @@ use crate::tensor::Tensor;
 
 impl Tensor {
     /// x: (..., in), weight: (out, in), bias: (out) → (..., out)
+    #[track_caller]
     pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         if let Some([Some(x), Some(w), b]) =
             super::autocast::cast_lower_opt([Some(self), Some(weight), bias])?
         {

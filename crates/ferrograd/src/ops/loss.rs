@@ -9,7 +9,9 @@ use crate::tensor::Tensor;
 
 impl Tensor {
     /// mean((self - target)²), a 0-dim tensor. Both sides may require grad.
+    #[track_caller]
     pub fn mse_loss(&self, target: &Tensor) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         if let Some([x, y]) = super::autocast::cast_f32([self, target])? {
             return x.mse_loss(&y);
         }

@@ -98,7 +98,9 @@ pub(crate) fn matmul_acc_into(a: &Tensor, b: &Tensor, out: &Tensor, beta: f64) -
 
 impl Tensor {
     /// Matrix product with PyTorch's rules for 1-D and batched operands.
+    #[track_caller]
     pub fn matmul(&self, other: &Tensor) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         if let Some([a, b]) = super::autocast::cast_lower([self, other])? {
             return a.matmul(&b);
         }

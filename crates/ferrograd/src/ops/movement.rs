@@ -8,7 +8,9 @@ use crate::tensor::{Layout, Tensor, resolve_dim};
 impl Tensor {
     /// Same elements in a new shape (see `reshape_infer` for -1). A view when the tensor is
     /// contiguous, else a copy.
+    #[track_caller]
     pub fn reshape(&self, shape: &[usize]) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         let n = crate::base::checked_numel("reshape", shape)?;
         if n != self.numel() {
             return Err(Error::shape(
@@ -37,7 +39,9 @@ impl Tensor {
     }
 
     /// Reshape where one entry may be -1 (inferred); any other negative size is refused.
+    #[track_caller]
     pub fn reshape_infer(&self, shape: &[isize]) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         let refuse = |why: &str| {
             Err(Error::shape(
                 "reshape",
@@ -144,7 +148,9 @@ impl Tensor {
     }
 
     /// A contiguous tensor with the same values (self when already contiguous).
+    #[track_caller]
     pub fn contiguous(&self) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         if self.is_contiguous() {
             return Ok(self.clone());
         }
@@ -200,7 +206,9 @@ impl Tensor {
     }
 
     /// Converts to `dtype`. Backward: the gradient converted back.
+    #[track_caller]
     pub fn to_dtype(&self, dtype: crate::tensor::DType) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         if dtype == self.dtype() {
             return Ok(self.clone());
         }
@@ -215,7 +223,9 @@ impl Tensor {
 impl Tensor {
     /// The same values on `device` (self when already there). Backward moves the gradient
     /// back. Host ↔ device copies go through host memory.
+    #[track_caller]
     pub fn to_device(&self, device: crate::tensor::Device) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         if device == self.device() {
             return Ok(self.clone());
         }

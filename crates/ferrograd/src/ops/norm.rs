@@ -13,6 +13,7 @@ impl Tensor {
     /// (x - mean) / √(var + eps) · weight + bias over the trailing dims `normalized_shape`
     /// (x: (..., *normalized_shape); weight, bias: normalized_shape, each optional).
     /// Gradients flow to x, weight and bias.
+    #[track_caller]
     pub fn layer_norm(
         &self,
         normalized_shape: &[usize],
@@ -20,6 +21,7 @@ impl Tensor {
         bias: Option<&Tensor>,
         eps: f64,
     ) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         if let Some([Some(x), w, b]) = super::autocast::cast_f32_opt([Some(self), weight, bias])? {
             return x.layer_norm(normalized_shape, w.as_ref(), b.as_ref(), eps);
         }

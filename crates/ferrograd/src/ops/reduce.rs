@@ -72,13 +72,17 @@ impl Tensor {
     }
 
     /// Sum of all elements (a 0-dim tensor).
+    #[track_caller]
     pub fn sum_all(&self) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         let dims: Vec<isize> = (0..self.dims() as isize).collect();
         self.sum(&dims, false)
     }
 
     /// Sum over `dims`. Backward: the gradient broadcast back over the reduced dims.
+    #[track_caller]
     pub fn sum(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         if let Some([x]) = super::autocast::cast_f32([self])? {
             return x.sum(dims, keepdim);
         }
@@ -106,7 +110,9 @@ impl Tensor {
     }
 
     /// Mean of all elements.
+    #[track_caller]
     pub fn mean_all(&self) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         let dims: Vec<isize> = (0..self.dims() as isize).collect();
         self.mean(&dims, false)
     }
@@ -114,7 +120,9 @@ impl Tensor {
     /// Mean over `dims` = sum / count, in the input's dtype (as in PyTorch). The mean of no
     /// elements is NaN (0 / 0). f16 and bf16 are summed and divided in f32 and rounded once,
     /// as PyTorch does: 1,000 values of 100 have the mean 100, not the overflowed sum / 1,000.
+    #[track_caller]
     pub fn mean(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         let d = resolve_dims("mean", dims, self.dims())?;
         let count: usize = d.iter().map(|&i| self.shape()[i]).product();
         let scale = 1.0 / count as f64;
@@ -128,7 +136,9 @@ impl Tensor {
     }
 
     /// Maximum over one dim: (values, indices). Backward routes the gradient to the arg max.
+    #[track_caller]
     pub fn max_dim(&self, dim: isize, keepdim: bool) -> Result<(Tensor, Tensor)> {
+        let _site = crate::memory::recorder::CallSite::enter();
         let d = resolve_dim("max", dim, self.dims())?;
         if self.dims() == 0 {
             // PyTorch: the value itself and index 0, both 0-dim whatever keepdim says.

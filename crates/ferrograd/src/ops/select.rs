@@ -111,7 +111,9 @@ fn cat_shape(tensors: &[Tensor], dim: usize) -> Result<(Vec<usize>, Vec<usize>)>
 impl Tensor {
     /// Concatenates along `dim` (negative counts from the end). All tensors share dtype,
     /// device and every other dim. Backward: each input gets its slice of the gradient.
+    #[track_caller]
     pub fn cat(tensors: &[Tensor], dim: isize) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         let first = tensors
             .first()
             .ok_or_else(|| Error::invalid("cat", "needs at least one tensor to concatenate"))?;
@@ -153,7 +155,9 @@ impl Tensor {
 
     /// Splits `dim` into pieces of the given sizes (which must add up to its length).
     /// Each piece is a view (narrow).
+    #[track_caller]
     pub fn split(&self, sizes: &[usize], dim: isize) -> Result<Vec<Tensor>> {
+        let _site = crate::memory::recorder::CallSite::enter();
         let d = resolve_dim("split", dim, self.dims())?;
         let total = sizes.iter().try_fold(0usize, |acc, &n| acc.checked_add(n));
         if self.dims() == 0 || total != Some(self.shape()[d]) {
@@ -179,7 +183,9 @@ impl Tensor {
 
     /// `chunks` views along `dim` of ceil(len / chunks) each, the last possibly smaller (and
     /// fewer than `chunks` pieces when they run out), as `torch.chunk`.
+    #[track_caller]
     pub fn chunk(&self, chunks: usize, dim: isize) -> Result<Vec<Tensor>> {
+        let _site = crate::memory::recorder::CallSite::enter();
         let d = resolve_dim("chunk", dim, self.dims())?;
         if chunks == 0 || self.dims() == 0 {
             return Err(Error::invalid(
@@ -209,7 +215,9 @@ impl Tensor {
     /// `cond ? a : b` elementwise, the three broadcast together (`torch.where`). `cond` is a
     /// U8 mask; float `a` and `b` of different dtypes are promoted as in `add`. Backward: a
     /// gets `cond ? g : 0`, b gets `cond ? 0 : g`, each summed to its shape.
+    #[track_caller]
     pub fn where_(cond: &Tensor, a: &Tensor, b: &Tensor) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         if let Some(d) = super::binary::promoted_dtype(a, b) {
             return Tensor::where_(cond, &a.to_dtype(d)?, &b.to_dtype(d)?);
         }
@@ -231,7 +239,9 @@ impl Tensor {
 
     /// `value` where `mask` is set, self elsewhere; the mask (U8) broadcasts with self.
     /// Backward: the gradient with the filled positions zeroed.
+    #[track_caller]
     pub fn masked_fill(&self, mask: &Tensor, value: f64) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         let fill = scalar_like(self, value, "masked_fill")?;
         let out = where_forward(mask, &fill, self, "masked_fill")?;
         let shape = self.shape().to_vec();

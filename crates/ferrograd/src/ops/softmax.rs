@@ -11,12 +11,16 @@ use crate::tensor::{Tensor, resolve_dim};
 
 impl Tensor {
     /// exp(x) / Σ exp(x) along `dim` (negative counts from the end).
+    #[track_caller]
     pub fn softmax(&self, dim: isize) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         softmax_along(self, dim, false)
     }
 
     /// x - log Σ exp(x) along `dim`: the log of `softmax`, computed without its underflow.
+    #[track_caller]
     pub fn log_softmax(&self, dim: isize) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         softmax_along(self, dim, true)
     }
 }

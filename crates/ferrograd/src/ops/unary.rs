@@ -45,7 +45,9 @@ impl Tensor {
     }
 
     /// e^x. Backward: g * y.
+    #[track_caller]
     pub fn exp(&self) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         if let Some([x]) = super::autocast::cast_f32([self])? {
             return x.exp();
         }
@@ -53,22 +55,30 @@ impl Tensor {
     }
 
     /// tanh x. Backward: g * (1 - y²).
+    #[track_caller]
     pub fn tanh(&self) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         self.unary_from_output(UnaryOp::Tanh, BinaryOp::TanhBackward, "tanh")
     }
 
     /// 1 / (1 + e^-x). Backward: g * y * (1 - y).
+    #[track_caller]
     pub fn sigmoid(&self) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         self.unary_from_output(UnaryOp::Sigmoid, BinaryOp::SigmoidBackward, "sigmoid")
     }
 
     /// max(x, 0). Backward: g where y > 0 (PyTorch saves the output too).
+    #[track_caller]
     pub fn relu(&self) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         self.unary_from_output(UnaryOp::Relu, BinaryOp::ReluBackward, "relu")
     }
 
     /// √x. Backward: g / (2 y).
+    #[track_caller]
     pub fn sqrt(&self) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         let out = unary_forward(UnaryOp::Sqrt, self, "sqrt")?;
         Ok(record("sqrt", &[self], out, |out, _| {
             let y = SavedTensor::new(out);
@@ -77,7 +87,9 @@ impl Tensor {
     }
 
     /// ln x. Backward: g / x.
+    #[track_caller]
     pub fn log(&self) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         if let Some([x]) = super::autocast::cast_f32([self])? {
             return x.log();
         }
@@ -89,7 +101,9 @@ impl Tensor {
     }
 
     /// GELU. Backward: g * gelu'(x) from the saved input.
+    #[track_caller]
     pub fn gelu(&self, approx: GeluApprox) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         let (op, back) = match approx {
             GeluApprox::None => (UnaryOp::GeluErf, BinaryOp::GeluErfBackward),
             GeluApprox::Tanh => (UnaryOp::GeluTanh, BinaryOp::GeluTanhBackward),

@@ -158,50 +158,68 @@ impl Tensor {
     }
 
     /// A tensor holding `data` with `shape`, on `device`; its dtype is `T`'s.
+    #[track_caller]
     pub fn from_vec<T: HostElem>(data: Vec<T>, shape: &[usize], device: Device) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         Tensor::from_host_values(T::to_host(data), shape, T::DTYPE, device)
     }
 
     /// Like `from_vec` but stored as `dtype` (values converted).
+    #[track_caller]
     pub fn from_vec_as<T: HostElem>(
         data: Vec<T>,
         shape: &[usize],
         dtype: DType,
         device: Device,
     ) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         Tensor::from_host_values(T::to_host(data), shape, dtype, device)
     }
 
     /// A 0-dim tensor.
+    #[track_caller]
     pub fn scalar(value: f64, dtype: DType, device: Device) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         Tensor::from_vec_as(vec![value], &[], dtype, device)
     }
 
+    #[track_caller]
     pub fn zeros(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         Tensor::alloc(shape, dtype, device, Category::Input, "zeros")
     }
 
+    #[track_caller]
     pub fn ones(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         Tensor::full(shape, 1.0, dtype, device)
     }
 
+    #[track_caller]
     pub fn full(shape: &[usize], value: f64, dtype: DType, device: Device) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         let t = Tensor::alloc(shape, dtype, device, Category::Input, "full")?;
         backend::elementwise::fill(t.storage(), value)?;
         Ok(t)
     }
 
+    #[track_caller]
     pub fn zeros_like(&self) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         Tensor::zeros(self.shape(), self.dtype(), self.device())
     }
 
+    #[track_caller]
     pub fn ones_like(&self) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         Tensor::ones(self.shape(), self.dtype(), self.device())
     }
 
     /// `start, start+step, ...` below `end` (like `torch.arange`). Start and end must be
     /// finite and the step finite, non-zero and pointing from start towards end.
+    #[track_caller]
     pub fn arange(start: f64, end: f64, step: f64, dtype: DType, device: Device) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         let n = arange_len(start, end, step)?;
         let integer = !dtype.is_float();
         let mut i = 0usize;
@@ -215,24 +233,31 @@ impl Tensor {
     }
 
     /// Uniform in [0, 1) from the default generator.
+    #[track_caller]
     pub fn rand(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         with_default(|g| Tensor::rand_with(shape, dtype, device, g))
     }
 
     /// Standard normal from the default generator.
+    #[track_caller]
     pub fn randn(shape: &[usize], dtype: DType, device: Device) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         with_default(|g| Tensor::randn_with(shape, dtype, device, g))
     }
 
+    #[track_caller]
     pub fn rand_with(
         shape: &[usize],
         dtype: DType,
         device: Device,
         g: &mut Generator,
     ) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         Tensor::uniform_with(shape, 0.0, 1.0, dtype, device, g)
     }
 
+    #[track_caller]
     pub fn uniform_with(
         shape: &[usize],
         low: f64,
@@ -241,6 +266,7 @@ impl Tensor {
         device: Device,
         g: &mut Generator,
     ) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         if dtype == DType::F32 {
             let (low, high) = (low as f32, high as f32);
             let mut next = || g.next_uniform_f32(low, high);
@@ -251,15 +277,18 @@ impl Tensor {
         }
     }
 
+    #[track_caller]
     pub fn randn_with(
         shape: &[usize],
         dtype: DType,
         device: Device,
         g: &mut Generator,
     ) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         Tensor::normal_with(shape, 0.0, 1.0, dtype, device, g)
     }
 
+    #[track_caller]
     pub fn normal_with(
         shape: &[usize],
         mean: f64,
@@ -268,6 +297,7 @@ impl Tensor {
         device: Device,
         g: &mut Generator,
     ) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
         let mut next = || g.next_normal(mean, std);
         Tensor::generate(shape, dtype, device, "randn", Draw::F64(&mut next))
     }

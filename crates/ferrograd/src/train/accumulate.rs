@@ -8,6 +8,7 @@
 use super::GradScaler;
 use crate::amp::try_autocast;
 use crate::base::{Error, Result};
+use crate::memory::recorder::{self, Phase};
 use crate::tensor::{DType, Tensor};
 
 /// The loss of one micro-batch and how many tokens (or samples) it covered.
@@ -52,6 +53,7 @@ pub fn accumulate(
     let (mut total, mut tokens) = (0.0, 0usize);
     for i in 0..n {
         let micro = {
+            let _phase = recorder::phase_scope(Phase::Forward);
             // The autocast region ends with the forward: backward runs in the forward's dtypes.
             let _amp = how.amp.map(try_autocast).transpose()?;
             forward(i)?
@@ -65,6 +67,7 @@ pub fn accumulate(
             None => loss,
         };
         // Frees micro-batch i's graph and activations before micro-batch i+1 runs.
+        let _phase = recorder::phase_scope(Phase::Backward);
         loss.backward()?;
     }
     Ok(Accumulated {

@@ -278,6 +278,7 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
     /// micro-batch i (under autocast when configured) and returns its loss.
     pub fn step(&mut self, loss_of: impl FnMut(usize) -> Result<MicroBatch>) -> Result<StepReport> {
         let start = Instant::now();
+        memory::recorder::set_step(self.step);
         let lr = self.set_scheduled_lr()?;
         let how = Accumulation {
             micro_batches: self.config.accum,
@@ -312,6 +313,7 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
             // Every parameter already stepped inside backward and dropped its gradient.
             return Ok((None, true));
         };
+        let _phase = memory::recorder::phase_scope(memory::recorder::Phase::Optimizer);
         if let Some(s) = &mut self.scaler {
             s.unscale_(opt)?;
         }
