@@ -6,9 +6,12 @@
 //!   each node's saved tensors right after its backward unless `retain_graph` is set.
 //! - Leaves that require grad accumulate into `.grad`: assigned on the first backward, added
 //!   in place after.
+//! - `create_graph` records the backward itself (higher-order gradients); `grad` returns the
+//!   gradients of chosen inputs instead of accumulating them.
 
 mod engine;
 mod function;
+mod functional;
 mod grad_mode;
 mod recompute;
 
@@ -19,6 +22,7 @@ pub use crate::tensor::{
 pub use engine::BackwardOptions;
 pub(crate) use engine::backward_id;
 pub use function::{CustomFunction, FunctionCtx, apply_custom};
+pub use functional::{GradOptions, grad};
 pub use grad_mode::{GradModeGuard, enable_grad, is_grad_enabled, no_grad};
 pub use recompute::{Segment, checkpoint_activations};
 

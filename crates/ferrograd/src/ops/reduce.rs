@@ -65,7 +65,7 @@ impl Tensor {
     }
 
     /// `sum` without the autocast policy: `mean` keeps its input's dtype, as in PyTorch.
-    fn sum_own_dtype(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+    pub(crate) fn sum_own_dtype(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
         let d = resolve_dims("sum", dims, self.dims())?;
         let kept = self.reduce_dims(ReduceOp::Sum, &d, "sum")?;
         let out = kept.reshape(&kept_shape(self.shape(), &d, keepdim))?;

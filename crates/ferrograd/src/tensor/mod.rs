@@ -18,7 +18,7 @@ pub use node::{BackwardFn, Edge, Node};
 pub(crate) use random::with_default;
 pub use random::{Generator, get_rng_state, manual_seed, set_rng_state};
 pub use saved::SavedTensor;
-pub(crate) use saved::take_pending as take_pending_saves;
+pub(crate) use saved::{RunningNode, take_pending as take_pending_saves};
 
 use std::fmt;
 use std::sync::Arc;
@@ -50,6 +50,16 @@ impl Tensor {
     /// A new view of this tensor's storage (no autograd history: callers record it).
     pub(crate) fn with_layout(&self, layout: Layout) -> Tensor {
         Tensor::from_storage(Arc::clone(&self.0.storage), layout)
+    }
+
+    /// The same data sharing `meta` (history, `.grad`): a saved tensor unpacked with the
+    /// autograd identity it was saved with.
+    pub(crate) fn with_meta(&self, meta: Arc<AutogradMeta>) -> Tensor {
+        Tensor(Arc::new(TensorImpl {
+            storage: Arc::clone(&self.0.storage),
+            layout: self.0.layout.clone(),
+            meta,
+        }))
     }
 
     /// The same data with `node` as its grad_fn.
