@@ -389,6 +389,9 @@ fn run_node(
     let mut slot = node.backward.lock().unwrap_or_else(|e| e.into_inner());
     // A node that saved nothing keeps its closure: running it again needs no freed state.
     let grads = if pass.retain_graph || !node.saves_tensors() {
+        if pass.retain_graph {
+            node.retained.store(true, Ordering::Relaxed);
+        }
         let f = slot.as_mut().ok_or_else(|| Error::autograd(RELEASED))?;
         f(&grad, needs)?
     } else {

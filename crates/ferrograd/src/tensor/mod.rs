@@ -15,6 +15,7 @@ pub(crate) use meta::run_hooks;
 pub use meta::{AutogradMeta, GradProduct, GradSink, PostAccumulateHook, ProductForm, TensorHook};
 pub(crate) use node::InputMeta;
 pub use node::{BackwardFn, Edge, Node};
+pub(crate) use node::{live_nodes, set_tracking_step, start_tracking, stop_tracking, track};
 pub(crate) use random::with_default;
 pub use random::{Generator, get_rng_state, manual_seed, set_rng_state};
 pub use saved::SavedTensor;
