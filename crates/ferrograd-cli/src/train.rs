@@ -106,6 +106,11 @@ pub struct TrainArgs {
     /// 256 MiB).
     #[arg(long)]
     text: Option<PathBuf>,
+    /// Watch memory at every step boundary and report what grows after warm-up, who holds
+    /// it and the fix (graphs kept alive, retained graphs, a .grad carrying a graph, tensors
+    /// kept outside any graph, a growing cache).
+    #[arg(long)]
+    detect_leaks: bool,
     /// End with one JSON object (initial_loss, final_loss, steps, tokens_per_s, peak_bytes,
     /// by_category_at_peak, ...) instead of the report.
     #[arg(long)]
@@ -179,6 +184,7 @@ impl TrainArgs {
             save: self.save.clone(),
             save_every: self.save_every,
             resume: self.resume.clone(),
+            detect_leaks: self.detect_leaks,
             interrupt: Some(signals()?.stop.clone()),
         })
     }
@@ -300,6 +306,7 @@ fn train(args: &TrainArgs, job: &TrainJob) -> anyhow::Result<()> {
             say(&bar, &line);
             log.push(line);
         }
+        Event::Leaks(report) => log.push(report.to_string()),
     })?;
     bar.finish_and_clear();
     if args.json {
