@@ -1,9 +1,10 @@
 //! The `ferrograd` command end to end: `train --json` prints the promised keys (and the
-//! leak check's verdict with `--detect-leaks`), `--optimizer sgd` learns and its step in backward says it is gradient-free, and every bad spelling or
-//! impossible combination (an unknown optimizer, resuming another optimizer's state) exits
-//! non-zero with a message that says what to do. Bad files and settings that leave nothing to
-//! do (an unwritable --save, a device as --save or --text, --max-steps 0, a text too short) are
-//! refused before any training, and a signal stops a run with its state saved and exit 130/143.
+//! leak check's verdict with `--detect-leaks`), `--optimizer sgd` learns and its step in
+//! backward says it is gradient-free, and every bad spelling or impossible combination (an
+//! unknown optimizer, resuming another optimizer's state) exits non-zero with a message that
+//! says what to do. Bad files and settings that leave nothing to do (an unwritable --save, a
+//! device as --save or --text, --max-steps 0, a text too short) are refused before any
+//! training, and a signal stops a run with its state saved and exit 130/143.
 
 use std::process::{Command, Output};
 
