@@ -20,7 +20,7 @@ use super::grad_mode::{enable_grad, no_grad};
 use crate::base::{Error, Result};
 use crate::memory::Category;
 use crate::tensor::{
-    AutogradMeta, Edge, InputMeta, Node, RunningNode, Tensor, broadcast_shape, run_hooks,
+    AutogradMeta, Edge, InputMeta, Node, RunningNode, SinksOff, Tensor, broadcast_shape, run_hooks,
 };
 
 /// Options of `Tensor::backward_with`.
@@ -224,6 +224,7 @@ pub(crate) fn run(roots: Vec<(Edge, Tensor)>, mut pass: Pass) -> Result<Pass> {
     // Backward ops run in the dtypes the forward chose, even when called in a region.
     let _amp = crate::amp::autocast_disabled();
     let _id = BackwardId::start();
+    let _sinks = (pass.create_graph || pass.capture.is_some()).then(SinksOff::start);
     walk(roots, &mut pass)?;
     Ok(pass)
 }

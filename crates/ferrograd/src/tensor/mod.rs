@@ -11,8 +11,8 @@ mod saved;
 pub use crate::base::{DType, Device, Layout, broadcast_shape, contiguous_strides, resolve_dim};
 pub(crate) use checks::{check_float, check_pair, check_same_device};
 pub use create::HostElem;
-pub(crate) use meta::run_hooks;
 pub use meta::{AutogradMeta, GradProduct, GradSink, PostAccumulateHook, ProductForm, TensorHook};
+pub(crate) use meta::{SinksOff, run_hooks};
 pub(crate) use node::InputMeta;
 pub use node::{BackwardFn, Edge, Node};
 pub(crate) use node::{live_nodes, set_tracking_step, start_tracking, stop_tracking, track};
@@ -244,10 +244,11 @@ impl Tensor {
         Ok(())
     }
     /// The sink that may take this tensor's gradient now: a leaf's, unless tensor hooks
-    /// must see the gradient or a `.grad` is already being accumulated into.
+    /// must see the gradient, a `.grad` is already being accumulated into, or the backward
+    /// running returns or records its gradients (`autograd::grad`, create_graph).
     pub(crate) fn usable_grad_sink(&self) -> Option<Arc<dyn GradSink>> {
         let meta = &self.0.meta;
-        if !self.is_leaf() || meta.has_hooks() || meta.grad_slot().is_some() {
+        if !self.is_leaf() || meta.has_hooks() || meta.grad_slot().is_some() || meta::sinks_off() {
             return None;
         }
         meta.grad_sink()
