@@ -16,6 +16,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::edge_of;
+use super::functional::Capture;
 use super::grad_mode::{enable_grad, no_grad};
 use crate::base::{Error, Result};
 use crate::memory::Category;
@@ -79,61 +80,6 @@ pub(crate) struct Pass {
     pub(crate) create_graph: bool,
     /// For `autograd::grad`: gradients are returned for these edges, not accumulated.
     pub(crate) capture: Option<Capture>,
-}
-
-/// The inputs of an `autograd::grad` call and what the pass collected for them.
-pub(crate) struct Capture {
-    /// Edge key → index in `grads`.
-    slots: HashMap<usize, usize>,
-    /// Nodes and leaves from which a captured edge can be reached: only these run.
-    needed: HashSet<usize>,
-    pub(crate) grads: Vec<Option<Tensor>>,
-}
-
-impl Capture {
-    pub(crate) fn new(edges: &[Edge]) -> Capture {
-        Capture {
-            slots: edges
-                .iter()
-                .enumerate()
-                .map(|(i, e)| (e.key(), i))
-                .collect(),
-            needed: HashSet::new(),
-            grads: vec![None; edges.len()],
-        }
-    }
-
-    fn keep(&mut self, key: usize, grad: &Tensor) -> Result<()> {
-        if let Some(&i) = self.slots.get(&key) {
-            self.grads[i] = Some(match self.grads[i].take() {
-                Some(prev) => prev.add(grad)?,
-                None => grad.clone(),
-            });
-        }
-        Ok(())
-    }
-
-    /// Marks every reachable node that leads to a captured edge. A node's inputs were made
-    /// before it, so in creation order each node's inputs are decided before the node.
-    fn mark_needed(&mut self, nodes: &[Arc<Node>]) {
-        let mut order: Vec<&Arc<Node>> = nodes.iter().collect();
-        order.sort_by_key(|n| n.seq);
-        self.needed = self.slots.keys().copied().collect();
-        for n in order {
-            let key = Arc::as_ptr(n) as usize;
-            if n.edges
-                .iter()
-                .flatten()
-                .any(|e| self.needed.contains(&e.key()))
-            {
-                self.needed.insert(key);
-            }
-        }
-    }
-
-    fn needs(&self, e: &Edge) -> bool {
-        self.needed.contains(&e.key())
-    }
 }
 
 /// Backward passes started in the process (ids are unique across threads).

@@ -8,10 +8,13 @@
 //! let penalty = gx.pow_scalar(2.0)?.sum_all()?;   // differentiable w.r.t. the weights
 //! ```
 
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+
 use super::edge_of;
-use super::engine::{Capture, Pass, run};
+use super::engine::{Pass, run};
 use crate::base::{Error, Result};
-use crate::tensor::Tensor;
+use crate::tensor::{Edge, Node, Tensor};
 
 /// Options of `grad`.
 #[derive(Clone, Debug, Default)]
@@ -112,4 +115,59 @@ fn root_gradients(
             Ok((edge, g))
         })
         .collect()
+}
+
+/// The inputs of an `autograd::grad` call and what the pass collected for them.
+pub(crate) struct Capture {
+    /// Edge key → index in `grads`.
+    slots: HashMap<usize, usize>,
+    /// Nodes and leaves from which a captured edge can be reached: only these run.
+    needed: HashSet<usize>,
+    pub(crate) grads: Vec<Option<Tensor>>,
+}
+
+impl Capture {
+    pub(crate) fn new(edges: &[Edge]) -> Capture {
+        Capture {
+            slots: edges
+                .iter()
+                .enumerate()
+                .map(|(i, e)| (e.key(), i))
+                .collect(),
+            needed: HashSet::new(),
+            grads: vec![None; edges.len()],
+        }
+    }
+
+    pub(super) fn keep(&mut self, key: usize, grad: &Tensor) -> Result<()> {
+        if let Some(&i) = self.slots.get(&key) {
+            self.grads[i] = Some(match self.grads[i].take() {
+                Some(prev) => prev.add(grad)?,
+                None => grad.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    /// Marks every reachable node that leads to a captured edge. A node's inputs were made
+    /// before it, so in creation order each node's inputs are decided before the node.
+    pub(super) fn mark_needed(&mut self, nodes: &[Arc<Node>]) {
+        let mut order: Vec<&Arc<Node>> = nodes.iter().collect();
+        order.sort_by_key(|n| n.seq);
+        self.needed = self.slots.keys().copied().collect();
+        for n in order {
+            let key = Arc::as_ptr(n) as usize;
+            if n.edges
+                .iter()
+                .flatten()
+                .any(|e| self.needed.contains(&e.key()))
+            {
+                self.needed.insert(key);
+            }
+        }
+    }
+
+    pub(super) fn needs(&self, e: &Edge) -> bool {
+        self.needed.contains(&e.key())
+    }
 }
