@@ -201,8 +201,8 @@ const EPS: f64 = 1e-6;
 
 /// d/dx of s(x) = Σ (∂/∂x Σ f(x)·w) · v, taken by autograd through a create_graph backward,
 /// against central differences of s computed with first-order gradients only.
+/// The caller holds `LOCK` (its inputs are allocated too).
 fn gradgradcheck(name: &str, f: impl Fn(&Tensor) -> Result<Tensor>, x0: &Tensor) {
-    let _l = lock();
     let w = {
         let _g = no_grad();
         let shape = f(x0).unwrap().shape().to_vec();
@@ -251,6 +251,7 @@ fn gradgradcheck(name: &str, f: impl Fn(&Tensor) -> Result<Tensor>, x0: &Tensor)
 
 #[test]
 fn second_derivatives_of_unary_ops() {
+    let _l = lock();
     let x = away64(&[3, 4], 1);
     gradgradcheck("tanh", |x| x.tanh(), &x);
     gradgradcheck("sigmoid", |x| x.sigmoid(), &x);
@@ -267,6 +268,7 @@ fn second_derivatives_of_unary_ops() {
 
 #[test]
 fn second_derivatives_of_binary_and_reduction_ops() {
+    let _l = lock();
     let x = randn64(&[3, 4], 3);
     let b = pos64(&[4], 4);
     gradgradcheck("x*x broadcast mul", |x| x.mul(x)?.mul(&b), &x);
@@ -284,6 +286,7 @@ fn second_derivatives_of_binary_and_reduction_ops() {
 
 #[test]
 fn second_derivatives_through_linear_and_matmul() {
+    let _l = lock();
     let x = randn64(&[5, 3], 7);
     let w = randn64(&[4, 3], 8);
     let bias = randn64(&[4], 9);

@@ -137,7 +137,11 @@ impl LeakCheck {
         let grows = |f: &dyn Fn(&Sample) -> u64| growing(window, f, self.config.min_growing_steps);
         let steps = (window.len() - 1) as u64;
         if grows(&|s| s.allocated) {
-            report.leaks.extend(self.graph_leaks());
+            // Graphs are a leak only while what they save keeps growing (one kept graph that
+            // stays the same size is not).
+            if grows(&|s| s.by_category.get(Category::SavedActivation)) {
+                report.leaks.extend(self.graph_leaks());
+            }
             let explained: HashSet<Category> =
                 report.leaks.iter().filter_map(|l| l.category).collect();
             // The tensors that hold the graphs are the graph holders' roots, not other leaks.
