@@ -118,6 +118,11 @@ pub struct TrainArgs {
     /// Events the recorder keeps (a ring: older ones are dropped, and the summary says how many).
     #[arg(long, default_value_t = ferrograd::memory::recorder::DEFAULT_CAPACITY, value_name = "N")]
     memory_trace_events: usize,
+    /// Watch memory at every step boundary and report what grows after warm-up, who holds
+    /// it and the fix (graphs kept alive, retained graphs, a .grad carrying a graph, tensors
+    /// kept outside any graph, a growing cache).
+    #[arg(long)]
+    detect_leaks: bool,
     /// End with one JSON object (initial_loss, final_loss, steps, tokens_per_s, peak_bytes,
     /// by_category_at_peak, ...) instead of the report.
     #[arg(long)]
@@ -199,6 +204,7 @@ impl TrainArgs {
             save: self.save.clone(),
             save_every: self.save_every,
             resume: self.resume.clone(),
+            detect_leaks: self.detect_leaks,
             interrupt: Some(signals()?.stop.clone()),
             memory_trace,
         })
@@ -327,6 +333,7 @@ fn train(args: &TrainArgs, job: &TrainJob) -> anyhow::Result<()> {
             say(&bar, &line);
             log.push(line);
         }
+        Event::Leaks(report) => log.push(report.to_string()),
     })?;
     bar.finish_and_clear();
     if args.json {

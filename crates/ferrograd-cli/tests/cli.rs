@@ -1,9 +1,10 @@
-//! The `ferrograd` command end to end: `train --json` prints the promised keys, `--optimizer
-//! sgd` learns and its step in backward says it is gradient-free, and every bad spelling or
-//! impossible combination (an unknown optimizer, resuming another optimizer's state) exits
-//! non-zero with a message that says what to do. Bad files and settings that leave nothing to
-//! do (an unwritable --save, a device as --save or --text, --max-steps 0, a text too short) are
-//! refused before any training, and a signal stops a run with its state saved and exit 130/143.
+//! The `ferrograd` command end to end: `train --json` prints the promised keys (and the
+//! leak check's verdict with `--detect-leaks`), `--optimizer sgd` learns and its step in
+//! backward says it is gradient-free, and every bad spelling or impossible combination (an
+//! unknown optimizer, resuming another optimizer's state) exits non-zero with a message that
+//! says what to do. Bad files and settings that leave nothing to do (an unwritable --save, a
+//! device as --save or --text, --max-steps 0, a text too short) are refused before any
+//! training, and a signal stops a run with its state saved and exit 130/143.
 
 use std::process::{Command, Output};
 
@@ -189,6 +190,39 @@ fn sgd_trains_and_learns() {
         serde_json::from_slice(&ferrograd(&[SMALL, &["--json"]].concat()).stdout).unwrap();
     assert_eq!(v["optimizer"], "AdamW");
     assert!(v.get("step_in_backward").is_none(), "{v}");
+}
+
+#[test]
+fn detect_leaks_watches_every_step_and_finds_nothing_in_the_main_job() {
+    let small = small_with(&[("--max-steps", "12")]);
+    let strategies = [
+        "--detect-leaks",
+        "--accum",
+        "2",
+        "--clip",
+        "1.0",
+        "--amp",
+        "f16",
+    ];
+    let out = ferrograd(&[&small, &strategies[..], &["--json"]].concat());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["leak_check"]["steps"], 12, "{v}");
+    assert_eq!(v["leak_check"]["clean"], true, "{v}");
+    assert_eq!(v["leak_check"]["leaks"].as_array().map(Vec::len), Some(0));
+    let text = output_of(&[&small, &["--detect-leaks"][..]].concat());
+    assert!(
+        text.contains("leak check: no memory grows after warm-up (12 steps)"),
+        "{text}"
+    );
+    // Without the flag the summary has no leak_check.
+    let v: serde_json::Value =
+        serde_json::from_slice(&ferrograd(&[SMALL, &["--json"]].concat()).stdout).unwrap();
+    assert!(v.get("leak_check").is_none(), "{v}");
 }
 
 #[test]

@@ -20,7 +20,9 @@
 //!    that carries it; the operand checks every op starts with too.
 //! 5. `amp` — autocast regions: per-thread state and the weight-cast cache.
 //! 6. `autograd` — recording ops into graphs, the iterative deterministic backward engine,
-//!    grad modes, custom functions, activation recomputation.
+//!    grad modes, custom functions, activation recomputation, higher-order gradients
+//!    (`create_graph`, `autograd::grad`), and the leak check (`LeakCheck`), which names who
+//!    holds memory that grows step over step.
 //! 7. `ops` — every op's forward and backward side by side, with autocast's op policy.
 //! 8. `optim` — SGD, Adam/AdamW, clipping, learning-rate schedules.
 //! 9. `nn` — modules: Linear, Embedding, LayerNorm, attention, MLP, GPT (with its
@@ -50,7 +52,7 @@ pub mod optim;
 pub mod tensor;
 pub mod train;
 
-pub use autograd::{BackwardOptions, enable_grad, is_grad_enabled, no_grad};
+pub use autograd::{BackwardOptions, LeakCheck, enable_grad, is_grad_enabled, no_grad};
 pub use base::{Error, Result};
 pub use memory::Category;
 pub use tensor::{DType, Device, Generator, Tensor, manual_seed};

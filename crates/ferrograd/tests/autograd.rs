@@ -200,7 +200,7 @@ fn backward_with_explicit_gradient() {
     let g = t(&[1.0, 0.5, -1.0], &[3]);
     y.backward_with(BackwardOptions {
         gradient: Some(g.clone()),
-        retain_graph: false,
+        ..Default::default()
     })
     .unwrap();
     assert_eq!(grad_of(&x), [2.0, 2.0, -6.0]);
@@ -208,7 +208,7 @@ fn backward_with_explicit_gradient() {
     let x2 = leaf(&[1.0, 1.0, 1.0], &[3]);
     x2.backward_with(BackwardOptions {
         gradient: Some(g.clone()),
-        retain_graph: false,
+        ..Default::default()
     })
     .unwrap();
     assert!(!x2.grad().unwrap().shares_storage(&g));
@@ -227,7 +227,7 @@ fn non_scalar_backward_needs_a_gradient() {
     let err = y
         .backward_with(BackwardOptions {
             gradient: Some(wrong),
-            retain_graph: false,
+            ..Default::default()
         })
         .unwrap_err();
     assert!(matches!(err, Error::Shape { .. }), "{err:?}");
@@ -239,7 +239,7 @@ fn gradients_must_match_dtype_and_device() {
     let g64 = Tensor::ones(&[2], DType::F64, CPU).unwrap();
     let explicit = |g: &Tensor| BackwardOptions {
         gradient: Some(g.clone()),
-        retain_graph: false,
+        ..Default::default()
     };
     let err = x
         .mul_scalar(2.0)

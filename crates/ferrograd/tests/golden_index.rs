@@ -295,7 +295,7 @@ fn embedding_backward_is_deterministic_when_parallel() {
         let out = w.embedding(&i).unwrap();
         out.backward_with(BackwardOptions {
             gradient: Some(gout.clone()),
-            retain_graph: false,
+            ..Default::default()
         })
         .unwrap();
         assert_eq!(w.grad().unwrap().to_vec::<f32>().unwrap(), want);
@@ -423,7 +423,7 @@ fn dropout_gradient_is_the_mask() {
     let gout = Tensor::randn_with(&[64], DType::F32, CPU, &mut rng).unwrap();
     out.backward_with(BackwardOptions {
         gradient: Some(gout.clone()),
-        retain_graph: false,
+        ..Default::default()
     })
     .unwrap();
     // x = 1, so out is the mask itself.

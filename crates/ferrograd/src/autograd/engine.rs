@@ -2,17 +2,27 @@
 //! deterministic (nodes run in reverse creation order; leaves accumulate as soon as all their
 //! incoming gradients are summed, as PyTorch's AccumulateGrad does). Each backward has an
 //! id, so a gradient sink can tell the first contribution of a backward from later ones.
+//!
+//! With `create_graph` the backward runs in grad mode, so the gradients it computes are
+//! themselves recorded (a gradient penalty can be backpropagated). Only nodes whose backward
+//! is written with differentiable ops can run then; any other is a clear error naming it.
+//! `autograd::grad` (in `functional`) runs the same engine but returns the gradients of
+//! chosen inputs instead of accumulating into `.grad`, running only the nodes that lead to
+//! them.
 
 use std::cell::Cell;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::edge_of;
-use super::grad_mode::no_grad;
+use super::functional::Capture;
+use super::grad_mode::{enable_grad, no_grad};
 use crate::base::{Error, Result};
 use crate::memory::Category;
-use crate::tensor::{AutogradMeta, Edge, InputMeta, Node, Tensor, broadcast_shape, run_hooks};
+use crate::tensor::{
+    AutogradMeta, Edge, InputMeta, Node, RunningNode, SinksOff, Tensor, broadcast_shape, run_hooks,
+};
 
 /// Options of `Tensor::backward_with`.
 #[derive(Clone, Debug, Default)]
@@ -21,6 +31,55 @@ pub struct BackwardOptions {
     pub gradient: Option<Tensor>,
     /// Keep saved tensors so the graph can be walked again.
     pub retain_graph: bool,
+    /// Record the backward itself, so the gradients (and `.grad`) carry a graph that can be
+    /// differentiated again. Implies `retain_graph` (PyTorch's default when create_graph is
+    /// set). The `.grad` it leaves refers to the graph and the graph to the parameter: call
+    /// `zero_grad` (or `set_grad(None)`) to free both.
+    pub create_graph: bool,
+}
+
+/// The ops whose backward is written with differentiable tensor ops (and unpacks what it
+/// saved with its history), so it can run under `create_graph`. Any other op's backward uses
+/// a fused kernel that is not differentiable.
+const DIFFERENTIABLE_BACKWARD: &[&str] = &[
+    "add",
+    "sub",
+    "mul",
+    "div",
+    "pow",
+    "add_scalar",
+    "mul_scalar",
+    "pow_scalar",
+    "neg",
+    "exp",
+    "log",
+    "sqrt",
+    "tanh",
+    "sigmoid",
+    "relu",
+    "gelu",
+    "gelu_derivative",
+    "linear",
+    "matmul",
+    "sum",
+    "mse_loss",
+    "reshape",
+    "view",
+    "permute",
+    "expand",
+    "contiguous",
+    "to_dtype",
+    "to_device",
+    "where",
+    "masked_fill",
+];
+
+/// How one backward pass runs.
+pub(crate) struct Pass {
+    pub(crate) retain_graph: bool,
+    pub(crate) create_graph: bool,
+    /// For `autograd::grad`: gradients are returned for these edges, not accumulated.
+    pub(crate) capture: Option<Capture>,
 }
 
 /// Backward passes started in the process (ids are unique across threads).
@@ -95,22 +154,40 @@ impl Tensor {
                 )));
             }
         };
-        let _guard = no_grad();
-        // Backward ops run in the dtypes the forward chose, even when called in a region.
-        let _amp = crate::amp::autocast_disabled();
-        let _id = BackwardId::start();
-        run(root, grad, opts.retain_graph)
+        let pass = Pass {
+            retain_graph: opts.retain_graph || opts.create_graph,
+            create_graph: opts.create_graph,
+            capture: None,
+        };
+        run(vec![(root, grad)], pass).map(drop)
     }
 }
 
-/// Number of incoming edges of every node reachable from `root`.
-fn dependencies(root: &Edge) -> HashMap<usize, usize> {
+/// Runs a backward pass from `roots` (each with its gradient) in the grad mode the pass asks
+/// for; returns the pass (with what it captured).
+pub(crate) fn run(roots: Vec<(Edge, Tensor)>, mut pass: Pass) -> Result<Pass> {
+    let _guard = if pass.create_graph {
+        enable_grad()
+    } else {
+        no_grad()
+    };
+    // Backward ops run in the dtypes the forward chose, even when called in a region.
+    let _amp = crate::amp::autocast_disabled();
+    let _id = BackwardId::start();
+    let _sinks = (pass.create_graph || pass.capture.is_some()).then(SinksOff::start);
+    walk(roots, &mut pass)?;
+    Ok(pass)
+}
+
+/// Number of incoming edges of every node reachable from `roots`, and those nodes.
+fn dependencies(roots: &[Edge]) -> (HashMap<usize, usize>, Vec<Arc<Node>>) {
     let mut deps: HashMap<usize, usize> = HashMap::new();
-    let mut stack = vec![root.clone()];
-    let mut seen = std::collections::HashSet::new();
-    seen.insert(root.key());
+    let mut nodes = Vec::new();
+    let mut stack = roots.to_vec();
+    let mut seen: HashSet<usize> = roots.iter().map(Edge::key).collect();
     while let Some(e) = stack.pop() {
         if let Edge::Node(n) = e {
+            nodes.push(Arc::clone(&n));
             for next in n.edges.iter().flatten() {
                 *deps.entry(next.key()).or_insert(0) += 1;
                 if seen.insert(next.key()) {
@@ -119,7 +196,7 @@ fn dependencies(root: &Edge) -> HashMap<usize, usize> {
             }
         }
     }
-    deps
+    (deps, nodes)
 }
 
 /// Ready work, highest priority first: leaves, then later-created nodes.
@@ -151,27 +228,53 @@ fn priority(e: &Edge) -> u64 {
     }
 }
 
-fn run(root: Edge, grad: Tensor, retain_graph: bool) -> Result<()> {
-    let mut deps = dependencies(&root);
+fn walk(roots: Vec<(Edge, Tensor)>, pass: &mut Pass) -> Result<()> {
+    let edges: Vec<Edge> = roots.iter().map(|(e, _)| e.clone()).collect();
+    let (mut deps, nodes) = dependencies(&edges);
+    if let Some(c) = &mut pass.capture {
+        c.mark_needed(&nodes);
+    }
+    drop(nodes);
     let mut buffers: HashMap<usize, Tensor> = HashMap::new();
-    buffers.insert(root.key(), grad);
     let mut heap = BinaryHeap::new();
-    heap.push(Ready {
-        priority: priority(&root),
-        edge: root,
-    });
+    for (edge, grad) in roots {
+        add_to_buffer(&mut buffers, edge.key(), grad)?;
+        // A root reachable from another root waits for the gradients flowing into it.
+        if !deps.contains_key(&edge.key())
+            && !heap.iter().any(|r: &Ready| r.edge.key() == edge.key())
+        {
+            heap.push(Ready {
+                priority: priority(&edge),
+                edge,
+            });
+        }
+    }
     while let Some(Ready { edge, .. }) = heap.pop() {
         let grad = buffers.remove(&edge.key());
+        if let (Some(c), Some(g)) = (&mut pass.capture, &grad) {
+            c.keep(edge.key(), g)?;
+        }
         match &edge {
+            // autograd::grad leaves every .grad alone.
+            Edge::Leaf(_) if pass.capture.is_some() => {}
             Edge::Leaf(meta) => {
                 if let Some(g) = grad {
-                    accumulate(meta, g)?;
+                    accumulate(meta, g, pass.create_graph)?;
                 }
                 finish_sink(meta)?;
             }
+            Edge::Node(_) if pass.capture.as_ref().is_some_and(|c| !c.needs(&edge)) => {}
             Edge::Node(node) => {
+                let needs: Vec<bool> = node
+                    .edges
+                    .iter()
+                    .map(|e| {
+                        e.as_ref()
+                            .is_some_and(|e| pass.capture.as_ref().is_none_or(|c| c.needs(e)))
+                    })
+                    .collect();
                 let grads = match grad {
-                    Some(g) => run_node(node, g, retain_graph)?,
+                    Some(g) => run_node(node, g, &needs, pass)?,
                     None => vec![None; node.edges.len()],
                 };
                 for (next, g) in node.edges.iter().zip(grads) {
@@ -206,7 +309,20 @@ fn add_to_buffer(buffers: &mut HashMap<usize, Tensor>, key: usize, g: Tensor) ->
 
 /// Runs one node: its output's hooks and retain_grad, then its backward. Without
 /// retain_graph the closure (and with it every saved tensor) is dropped right after.
-fn run_node(node: &Arc<Node>, grad: Tensor, retain_graph: bool) -> Result<Vec<Option<Tensor>>> {
+fn run_node(
+    node: &Arc<Node>,
+    grad: Tensor,
+    needs: &[bool],
+    pass: &Pass,
+) -> Result<Vec<Option<Tensor>>> {
+    if pass.create_graph && !DIFFERENTIABLE_BACKWARD.contains(&node.name) {
+        return Err(Error::autograd(format!(
+            "create_graph: the backward of {} is a fused kernel that is not differentiable, so its gradient cannot be recorded for a second derivative; write that part with differentiable ops (ops whose backward supports create_graph: {})",
+            node.name,
+            DIFFERENTIABLE_BACKWARD.join(", ")
+        )));
+    }
+    let _running = pass.create_graph.then(|| RunningNode::enter(node));
     let grad = run_hooks(&node.hooks, grad)?;
     let out_meta = node.output.lock().ok().and_then(|w| w.upgrade());
     if let Some(m) = &out_meta
@@ -215,20 +331,24 @@ fn run_node(node: &Arc<Node>, grad: Tensor, retain_graph: bool) -> Result<Vec<Op
         let mut slot = m.grad_slot();
         *slot = Some(match slot.take() {
             Some(prev) => prev.add(&grad)?,
+            // Under create_graph the retained gradient keeps its graph (nothing writes it).
+            None if pass.create_graph => grad.clone(),
             None => grad.contiguous_copy()?,
         });
     }
-    let needs: Vec<bool> = node.edges.iter().map(Option::is_some).collect();
     node.check_saved_versions()?;
     let mut slot = node.backward.lock().unwrap_or_else(|e| e.into_inner());
     // A node that saved nothing keeps its closure: running it again needs no freed state.
-    let grads = if retain_graph || !node.saves_tensors() {
+    let grads = if pass.retain_graph || !node.saves_tensors() {
+        if pass.retain_graph {
+            node.retained.store(true, Ordering::Relaxed);
+        }
         let f = slot.as_mut().ok_or_else(|| Error::autograd(RELEASED))?;
-        f(&grad, &needs)?
+        f(&grad, needs)?
     } else {
         let mut f = slot.take().ok_or_else(|| Error::autograd(RELEASED))?;
         drop(slot);
-        let grads = f(&grad, &needs)?;
+        let grads = f(&grad, needs)?;
         drop(f);
         grads
     };
@@ -281,24 +401,35 @@ fn finish_sink(meta: &Arc<AutogradMeta>) -> Result<()> {
 }
 
 /// AccumulateGrad: the first gradient is stored (stolen when nothing else holds it), later
-/// ones are added in place. Then the leaf's post-accumulate hooks run.
-fn accumulate(meta: &Arc<AutogradMeta>, grad: Tensor) -> Result<()> {
+/// ones are added in place. Under create_graph (or onto a `.grad` that carries a graph) both
+/// are recorded out of place instead, so `.grad` keeps the history of every contribution.
+/// Then the leaf's post-accumulate hooks run.
+fn accumulate(meta: &Arc<AutogradMeta>, grad: Tensor, create_graph: bool) -> Result<()> {
     let grad = meta.run_hooks(grad)?;
     {
         let mut slot = meta.grad_slot();
-        match slot.as_ref() {
-            Some(existing) => existing.add_(&grad)?,
-            None => {
-                let owned = if grad.is_exclusive() {
-                    grad
-                } else {
-                    grad.contiguous_copy()?
-                };
-                owned.set_category(Category::Gradient);
-                *slot = Some(owned);
-            }
+        let recorded = create_graph || slot.as_ref().is_some_and(|g| g.grad_fn().is_some());
+        if let Some(existing) = slot.as_ref()
+            && !recorded
+        {
+            existing.add_(&grad)?;
+            drop(slot);
+            return post_accumulate(meta);
         }
+        let new = match slot.as_ref() {
+            Some(existing) => existing.add(&grad)?,
+            None if grad.is_exclusive() => grad,
+            None if create_graph => grad.copy_recorded()?,
+            None => grad.contiguous_copy()?,
+        };
+        new.set_category(Category::Gradient);
+        *slot = Some(new);
     }
+    post_accumulate(meta)
+}
+
+/// Runs a leaf's post-accumulate hooks.
+fn post_accumulate(meta: &Arc<AutogradMeta>) -> Result<()> {
     let mut hooks = meta
         .post_accumulate_hooks
         .lock()

@@ -6,10 +6,16 @@
 //!   each node's saved tensors right after its backward unless `retain_graph` is set.
 //! - Leaves that require grad accumulate into `.grad`: assigned on the first backward, added
 //!   in place after.
+//! - `create_graph` records the backward itself (higher-order gradients); `grad` returns the
+//!   gradients of chosen inputs instead of accumulating them.
+//! - `LeakCheck` watches memory across training steps and names what keeps growing: the
+//!   graphs, saved tensors and `.grad`s it owns, with the fix.
 
 mod engine;
 mod function;
+mod functional;
 mod grad_mode;
+mod leak_check;
 mod recompute;
 
 pub use crate::tensor::{
@@ -19,7 +25,11 @@ pub use crate::tensor::{
 pub use engine::BackwardOptions;
 pub(crate) use engine::backward_id;
 pub use function::{CustomFunction, FunctionCtx, apply_custom};
+pub use functional::{GradOptions, grad};
 pub use grad_mode::{GradModeGuard, enable_grad, is_grad_enabled, no_grad};
+pub use leak_check::{
+    GradGraphHolder, GraphHolder, GraphKind, Holder, Leak, LeakCheck, LeakCheckConfig, LeakReport,
+};
 pub use recompute::{Segment, checkpoint_activations};
 
 use std::sync::Arc;
@@ -102,5 +112,6 @@ where
     let backward = make(&out, &needs);
     let saved = take_pending_saves();
     let node = Arc::new(Node::new(name, edges, metas, Box::new(backward), saved));
+    crate::tensor::track(&node);
     out.with_grad_fn(node)
 }

@@ -75,7 +75,7 @@ fn recompute_backward(
     if out.requires_grad() {
         out.backward_with(BackwardOptions {
             gradient: Some(g.clone()),
-            retain_graph: false,
+            ..Default::default()
         })?;
     }
     Ok(leaves

@@ -128,11 +128,21 @@ pub fn attention_backward(a: &AttentionBackward) -> Result<()> {
 fn heads(op: &'static str, h: &Heads) -> Result<(DType, [usize; 4])> {
     let dtype = h.storage.dtype();
     check::float(op, dtype)?;
-    let shape: [usize; 4] = h.q.shape().try_into().map_err(|_| {
-        Error::shape(op, format!("q must be (B, H, T, D), got {:?}", h.q.shape()))
-    })?;
+    let shape: [usize; 4] =
+        h.q.shape().try_into().map_err(|_| {
+            Error::shape(op, format!("q must be (B, H, T, D), got {:?}", h.q.shape()))
+        })?;
     for (what, l) in [("q", h.q), ("k", h.k), ("v", h.v)] {
-        head_view(op, what, &View { storage: h.storage, layout: l }, &shape, dtype)?;
+        head_view(
+            op,
+            what,
+            &View {
+                storage: h.storage,
+                layout: l,
+            },
+            &shape,
+            dtype,
+        )?;
     }
     if shape[3] == 0 {
         return Err(Error::shape(op, "the head dim D must be at least 1"));
@@ -152,7 +162,10 @@ fn head_view(
     if v.layout.shape() != shape {
         return Err(Error::shape(
             op,
-            format!("{what} is {:?}, expected (B, H, T, D) = {shape:?}", v.layout.shape()),
+            format!(
+                "{what} is {:?}, expected (B, H, T, D) = {shape:?}",
+                v.layout.shape()
+            ),
         ));
     }
     if shape[3] > 1 && v.layout.strides()[3] != 1 {
@@ -172,7 +185,11 @@ fn stats(op: &'static str, s: &Storage, shape: &[usize; 4], dtype: DType) -> Res
 
 /// The dtype of lse and delta: F64 for F64 heads, else F32.
 pub fn stats_dtype(dtype: DType) -> DType {
-    if dtype == DType::F64 { DType::F64 } else { DType::F32 }
+    if dtype == DType::F64 {
+        DType::F64
+    } else {
+        DType::F32
+    }
 }
 
 /// Whether `device`'s backend has fused attention for this dtype and head dim.

@@ -24,7 +24,7 @@ pub use sample::sample_text;
 pub use state::{STATE_FORMAT, load_training_state, save_training_state};
 pub use trace::{MemoryTraceSettings, TraceRun, TraceWritten};
 
-use crate::autograd::no_grad;
+use crate::autograd::{LeakCheck, LeakReport, no_grad};
 use crate::base::{Error, Result};
 use crate::data::{Split, TextDataset};
 use crate::memory;
@@ -71,6 +71,8 @@ pub struct TrainJob {
     pub save_every: u64,
     /// Continue from this saved state.
     pub resume: Option<PathBuf>,
+    /// Watch memory across steps with a `LeakCheck` and report what grows (`--detect-leaks`).
+    pub detect_leaks: bool,
     /// When this flag is raised (by a signal handler, say), the run stops at the next step
     /// boundary, saves its state to `save` if given, and returns `Error::Interrupted`.
     pub interrupt: Option<Arc<AtomicBool>>,
@@ -110,6 +112,7 @@ impl Default for TrainJob {
             save: None,
             save_every: 0,
             resume: None,
+            detect_leaks: false,
             interrupt: None,
             memory_trace: None,
         }
@@ -136,6 +139,8 @@ pub enum Event {
     },
     /// The memory trace of the first steps is written.
     MemoryTraced(TraceWritten),
+    /// The leak check's verdict after the last step (with `detect_leaks`).
+    Leaks(LeakReport),
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -172,8 +177,47 @@ pub struct JobSummary {
     pub predicted_peak_bytes: u64,
     pub by_category_at_peak: std::collections::BTreeMap<String, u64>,
     pub peak_reserved_bytes: u64,
+    /// What the leak check found (absent without `detect_leaks`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub leak_check: Option<LeakSummary>,
     pub device: String,
     pub sample: String,
+}
+
+/// The leak check's verdict in the summary: each leak as its category, rate, holder and fix.
+#[derive(Clone, Debug, Serialize)]
+pub struct LeakSummary {
+    pub steps: usize,
+    pub clean: bool,
+    pub leaks: Vec<LeakLine>,
+}
+
+#[derive(Clone, Debug, Serialize)]
+pub struct LeakLine {
+    /// The growing category ("reserved" for the allocator's cache).
+    pub category: String,
+    pub bytes_per_step: u64,
+    pub holder: String,
+    pub fix: String,
+}
+
+impl From<&LeakReport> for LeakSummary {
+    fn from(r: &LeakReport) -> LeakSummary {
+        LeakSummary {
+            steps: r.steps,
+            clean: r.is_clean(),
+            leaks: r
+                .leaks
+                .iter()
+                .map(|l| LeakLine {
+                    category: l.category.map_or("reserved".into(), |c| c.to_string()),
+                    bytes_per_step: l.bytes_per_step,
+                    holder: l.holder.to_string(),
+                    fix: l.fix().to_string(),
+                })
+                .collect(),
+        }
+    }
 }
 
 /// Builds the model, runs the steps and returns the summary.
@@ -232,6 +276,10 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
     let end = job
         .stop_after
         .map_or(job.max_steps, |n| (start_step + n).min(job.max_steps));
+    let mut leak_check = job
+        .detect_leaks
+        .then(|| LeakCheck::new(job.device))
+        .transpose()?;
     let started = Instant::now();
     let (mut first, mut last, mut tokens) = (None, None, 0usize);
     let mut tracing = job
@@ -278,6 +326,9 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
                 tokens: x.numel(),
             })
         })?;
+        if let Some(check) = &mut leak_check {
+            check.mark_step();
+        }
         tokens += report.tokens;
         first.get_or_insert(report.loss);
         last = Some(report.loss);
@@ -307,6 +358,10 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
     let seconds = started.elapsed().as_secs_f64();
     if let Some(t) = tracing.take() {
         on_event(&Event::MemoryTraced(t.finish(job.device)?));
+    }
+    let leak_report = leak_check.map(|c| c.report());
+    if let Some(r) = &leak_report {
+        on_event(&Event::Leaks(r.clone()));
     }
     let alloc = memory::allocator(job.device)?;
     let (peak_bytes, at_peak) = (alloc.max_memory_allocated(), alloc.by_category_at_peak());
@@ -343,6 +398,7 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
         predicted_peak_bytes: predicted_peak_bytes(job, data.vocab_size()),
         by_category_at_peak: at_peak.to_map(),
         peak_reserved_bytes,
+        leak_check: leak_report.as_ref().map(LeakSummary::from),
         device: job.device.to_string(),
         sample,
     })

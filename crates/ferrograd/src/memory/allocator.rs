@@ -391,6 +391,19 @@ impl Allocator {
         }
     }
 
+    /// Every live block: its size, category and the op that allocated it.
+    pub fn live_block_infos(&self) -> Vec<LiveBlockInfo> {
+        self.lock()
+            .live
+            .values()
+            .map(|b| LiveBlockInfo {
+                bytes: b.block.size as u64,
+                category: b.category(),
+                origin: b.origin.op,
+            })
+            .collect()
+    }
+
     pub fn stats(&self) -> DeviceStats {
         self.lock().stats.clone()
     }

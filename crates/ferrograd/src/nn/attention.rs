@@ -69,9 +69,7 @@ impl CausalSelfAttention {
             return self.resid_dropout.forward(&self.c_proj.forward(&y)?);
         }
         // (B, T, 3C) → (B, T, 3, nh, hs) → (3, B, nh, T, hs): views.
-        let qkv = qkv
-            .reshape(&[b, t, 3, nh, hs])?
-            .permute(&[2, 0, 3, 1, 4])?;
+        let qkv = qkv.reshape(&[b, t, 3, nh, hs])?.permute(&[2, 0, 3, 1, 4])?;
         let head = |i: usize| qkv.narrow(0, i, 1)?.squeeze(0);
         let (q, k, v) = (head(0)?, head(1)?, head(2)?);
         // (B, nh, T, hs) @ (B, nh, hs, T) → (B, nh, T, T)

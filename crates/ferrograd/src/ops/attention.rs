@@ -136,7 +136,9 @@ fn geometry(shape: &[usize], n_head: usize) -> Result<Geometry> {
     if n_head == 0 || !c3.is_multiple_of(3 * n_head) || c3 == 0 {
         return Err(Error::invalid(
             OP,
-            format!("the last dim 3C = {c3} must be a positive multiple of 3 · n_head = 3 · {n_head}"),
+            format!(
+                "the last dim 3C = {c3} must be a positive multiple of 3 · n_head = 3 · {n_head}"
+            ),
         ));
     }
     Ok(Geometry {

@@ -76,11 +76,9 @@ fn saved_if(need: bool, t: &Tensor) -> Option<SavedTensor> {
     need.then(|| SavedTensor::new(t))
 }
 
-fn get(s: &Option<SavedTensor>) -> &Tensor {
+fn get(s: &Option<SavedTensor>) -> Tensor {
     // The closure saved exactly what the requested gradients read.
-    s.as_ref()
-        .map(SavedTensor::get)
-        .expect("saved tensor for a requested gradient")
+    super::unpack(s.as_ref().expect("saved tensor for a requested gradient"))
 }
 
 /// d(a^b)/db = a^b · ln a, taken as 0 where a == 0 (PyTorch's convention: the limit for
@@ -143,8 +141,8 @@ impl Tensor {
             let (a, b) = (saved_if(needs[1], self), saved_if(needs[0], other));
             move |g: &Tensor, n: &[bool]| {
                 Ok(vec![
-                    grad_if(n[0], || g.mul(get(&b))?.sum_to(&sa))?,
-                    grad_if(n[1], || g.mul(get(&a))?.sum_to(&sb))?,
+                    grad_if(n[0], || g.mul(&get(&b))?.sum_to(&sa))?,
+                    grad_if(n[1], || g.mul(&get(&a))?.sum_to(&sb))?,
                 ])
             }
         }))
@@ -162,10 +160,12 @@ impl Tensor {
         Ok(record("div", &[self, other], out, |_, needs| {
             let (a, b) = (saved_if(needs[1], self), SavedTensor::new(other));
             move |g: &Tensor, n: &[bool]| {
-                let b = b.get();
+                let b = &super::unpack(&b);
                 Ok(vec![
                     grad_if(n[0], || g.div(b)?.sum_to(&sa))?,
-                    grad_if(n[1], || g.mul(get(&a))?.div(&b.mul(b)?)?.neg()?.sum_to(&sb))?,
+                    grad_if(n[1], || {
+                        g.mul(&get(&a))?.div(&b.mul(b)?)?.neg()?.sum_to(&sb)
+                    })?,
                 ])
             }
         }))
@@ -185,15 +185,15 @@ impl Tensor {
         let (sa, sb) = (self.shape().to_vec(), other.shape().to_vec());
         Ok(record("pow", &[self, other], out, |out, needs| {
             let (a, b) = (SavedTensor::new(self), SavedTensor::new(other));
-            let y = saved_if(needs[1], out);
+            let y = needs[1].then(|| SavedTensor::output(out));
             move |g: &Tensor, n: &[bool]| {
-                let (a, b) = (a.get(), b.get());
+                let (a, b) = (&super::unpack(&a), &super::unpack(&b));
                 Ok(vec![
                     grad_if(n[0], || {
                         g.mul(&b.mul(&a.pow(&b.add_scalar(-1.0)?)?)?)?.sum_to(&sa)
                     })?,
                     grad_if(n[1], || {
-                        g.mul(&exponent_grad_factor(a, get(&y))?)?.sum_to(&sb)
+                        g.mul(&exponent_grad_factor(a, &get(&y))?)?.sum_to(&sb)
                     })?,
                 ])
             }
@@ -245,9 +245,8 @@ impl Tensor {
         Ok(record("pow_scalar", &[self], out, |_, _| {
             let x = SavedTensor::new(self);
             move |g: &Tensor, _: &[bool]| {
-                Ok(vec![Some(
-                    g.mul(&x.get().pow_scalar(c - 1.0)?.mul_scalar(c)?)?,
-                )])
+                let x = super::unpack(&x);
+                Ok(vec![Some(g.mul(&x.pow_scalar(c - 1.0)?.mul_scalar(c)?)?)])
             }
         }))
     }

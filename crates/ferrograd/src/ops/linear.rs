@@ -2,9 +2,11 @@
 //! the GEMM's output in place, so the forward allocates one (N, out) tensor, not two.
 //! Backward: dx = g @ w, dw = gᵀ @ x, db = Σ_rows g. A leaf weight with a gradient sink
 //! (the fused SGD step) is offered dw as the product gᵀ·x instead, and then gets no dw at all.
+//! Under create_graph the same three products are recorded ops on the saved values with their
+//! history (`recorded_grads`), and no sink is offered anything.
 
 use super::matmul::matmul_forward;
-use crate::autograd::{GradProduct, ProductForm, SavedTensor, record};
+use crate::autograd::{GradProduct, ProductForm, SavedTensor, is_grad_enabled, record};
 use crate::backend::{BinaryOp, ReduceOp, elementwise};
 use crate::base::{Error, Result};
 use crate::tensor::Tensor;
@@ -44,11 +46,9 @@ impl Tensor {
         }
         let k = weight.shape()[1];
         let rows = self.numel() / k.max(1);
-        let x2 = if self.is_contiguous() {
-            self.detach().reshape(&[rows, k])?
-        } else {
-            self.contiguous_copy()?.reshape(&[rows, k])?
-        };
+        // A copy only when strided; recorded then, so the saved input keeps its history.
+        let x_in = self.contiguous()?;
+        let x2 = x_in.detach().reshape(&[rows, k])?;
         let out = matmul_forward(&x2, &weight.t_view()?)?;
         if let Some(b) = bias {
             super::check_pair("linear", self, b)?;
@@ -71,19 +71,33 @@ impl Tensor {
         };
         let x_shape = self.shape().to_vec();
         Ok(record("linear", &inputs, out, |_, needs| {
-            let x = needs[1].then(|| SavedTensor::new(&x2));
+            let x = needs[1].then(|| SavedTensor::new(&x_in));
             let w = needs[0].then(|| SavedTensor::new(weight));
             // The parameter itself (not saved: the sink reads no values of it here).
             let leaf = (needs[1] && weight.is_leaf()).then(|| weight.clone());
             move |g: &Tensor, n: &[bool]| {
                 let n_out = g.shape()[g.dims() - 1];
                 let g2 = g.reshape(&[rows, n_out])?;
+                if is_grad_enabled() {
+                    let x = x
+                        .as_ref()
+                        .map(|x| x.unpack().reshape(&[rows, k]))
+                        .transpose()?;
+                    let w = w.as_ref().map(SavedTensor::unpack);
+                    let mut grads = recorded_grads(&g2, x.as_ref(), w.as_ref(), n)?;
+                    if let Some(gx) = grads[0].take() {
+                        grads[0] = Some(gx.reshape(&x_shape)?);
+                    }
+                    return Ok(grads);
+                }
                 let gx = match (&w, n[0]) {
                     (Some(w), true) => Some(matmul_forward(&g2, w.get())?.reshape(&x_shape)?),
                     _ => None,
                 };
                 let gw = match (&x, n[1]) {
-                    (Some(x), true) => weight_grad(leaf.as_ref(), &g2, x.get())?,
+                    (Some(x), true) => {
+                        weight_grad(leaf.as_ref(), &g2, &x.get().reshape(&[rows, k])?)?
+                    }
                     _ => None,
                 };
                 let mut grads = vec![gx, gw];
@@ -106,6 +120,33 @@ impl Tensor {
     pub(crate) fn t_view(&self) -> Result<Tensor> {
         Ok(self.with_layout(self.layout().permute(&[1, 0])?))
     }
+}
+
+/// (dx, dw, db) as recorded ops for a create_graph backward. g: (N, out), x: (N, in),
+/// w: (out, in); `n` says which are wanted (a third entry when there is a bias).
+fn recorded_grads(
+    g: &Tensor,
+    x: Option<&Tensor>,
+    w: Option<&Tensor>,
+    n: &[bool],
+) -> Result<Vec<Option<Tensor>>> {
+    let gx = match w {
+        Some(w) if n[0] => Some(g.matmul(w)?),
+        _ => None,
+    };
+    let gw = match x {
+        Some(x) if n[1] => Some(g.t()?.matmul(x)?),
+        _ => None,
+    };
+    let mut grads = vec![gx, gw];
+    if n.len() == 3 {
+        grads.push(if n[2] {
+            Some(g.sum(&[0], false)?)
+        } else {
+            None
+        });
+    }
+    Ok(grads)
 }
 
 /// dW = gᵀ·x (g: (N, out), x: (N, in)), unless the weight's gradient sink consumes it.

@@ -1,8 +1,9 @@
 //! Matrix products. `matmul` follows `torch.matmul`: 1-D operands are promoted, batch dims
 //! broadcast. Transposed operands are strided views handed to the GEMM, never copies.
-//! Backward: dA = dC @ Bᵀ, dB = Aᵀ @ dC, each summed over broadcast batch dims.
+//! Backward: dA = dC @ Bᵀ, dB = Aᵀ @ dC, each summed over broadcast batch dims (recorded
+//! `matmul`s on the saved operands with their history under create_graph).
 
-use crate::autograd::{SavedTensor, record};
+use crate::autograd::{SavedTensor, is_grad_enabled, record};
 use crate::backend::View;
 use crate::backend::matmul::{self, MatmulSpec};
 use crate::base::{Error, Result};
@@ -138,15 +139,24 @@ impl Tensor {
             let a = needs[1].then(|| SavedTensor::new(self));
             let b = needs[0].then(|| SavedTensor::new(other));
             move |g: &Tensor, n: &[bool]| {
+                let mm = |x: &Tensor, y: &Tensor| {
+                    if is_grad_enabled() {
+                        x.matmul(y)
+                    } else {
+                        matmul_forward(x, y)
+                    }
+                };
                 let ga = match (&b, n[0]) {
                     (Some(b), true) => {
-                        Some(matmul_forward(g, &b.get().transpose(-1, -2)?)?.sum_to(&sa)?)
+                        let bt = super::unpack(b).transpose(-1, -2)?;
+                        Some(mm(g, &bt)?.sum_to(&sa)?)
                     }
                     _ => None,
                 };
                 let gb = match (&a, n[1]) {
                     (Some(a), true) => {
-                        Some(matmul_forward(&a.get().transpose(-1, -2)?, g)?.sum_to(&sb)?)
+                        let at = super::unpack(a).transpose(-1, -2)?;
+                        Some(mm(&at, g)?.sum_to(&sb)?)
                     }
                     _ => None,
                 };

@@ -19,13 +19,24 @@ mod select;
 mod softmax;
 mod unary;
 
-pub(crate) use matmul::matmul_acc_into;
 pub use attention::causal_attention_supported;
+pub(crate) use matmul::matmul_acc_into;
 pub use unary::GeluApprox;
 
+use crate::autograd::{SavedTensor, is_grad_enabled};
 use crate::backend;
 use crate::base::Result;
 use crate::tensor::{DType, Layout, Tensor};
+
+/// A saved tensor as a backward reads it: with its history when the backward is itself
+/// recorded (`create_graph` runs backward in grad mode), else the plain saved value.
+pub(crate) fn unpack(s: &SavedTensor) -> Tensor {
+    if is_grad_enabled() {
+        s.unpack()
+    } else {
+        s.get().clone()
+    }
+}
 
 pub(crate) use crate::tensor::{check_float, check_pair, check_same_device};
 
@@ -73,17 +84,18 @@ impl Tensor {
             && self.numel() == self.storage().len()
     }
 
-    /// Sums a broadcast gradient back to `shape` (the inverse of broadcasting).
+    /// Sums a broadcast gradient back to `shape` (the inverse of broadcasting). Recorded
+    /// like `sum` when grad mode is on, so a backward under create_graph stays differentiable.
     pub(crate) fn sum_to(&self, shape: &[usize]) -> Result<Tensor> {
         if self.shape() == shape {
             return Ok(self.clone());
         }
         let lead = self.dims() - shape.len();
-        let dims: Vec<usize> = (0..self.dims())
+        let dims: Vec<isize> = (0..self.dims())
             .filter(|&d| d < lead || (shape[d - lead] == 1 && self.shape()[d] != 1))
+            .map(|d| d as isize)
             .collect();
-        let summed = self.reduce_dims(crate::backend::ReduceOp::Sum, &dims, "sum_to")?;
-        summed.reshape(shape)
+        self.sum_own_dtype(&dims, true)?.reshape(shape)
     }
 
     /// Layout of this tensor broadcast to `shape`.

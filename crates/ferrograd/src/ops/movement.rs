@@ -160,6 +160,15 @@ impl Tensor {
         }))
     }
 
+    /// A fresh contiguous copy that keeps the history (recorded as `contiguous`): a backward
+    /// under create_graph stores such a copy as `.grad` without cutting its graph.
+    pub(crate) fn copy_recorded(&self) -> Result<Tensor> {
+        let out = self.contiguous_copy()?;
+        Ok(record("contiguous", &[self], out, |_, _| {
+            |g: &Tensor, _: &[bool]| Ok(vec![Some(g.clone())])
+        }))
+    }
+
     /// Inserts a dim of size 1 at `dim`.
     pub fn unsqueeze(&self, dim: isize) -> Result<Tensor> {
         let d = resolve_dim("unsqueeze", dim, self.dims() + 1)?;

@@ -105,7 +105,7 @@ impl Tensor {
         }))
     }
 
-    fn sum_own_dtype(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
+    pub(crate) fn sum_own_dtype(&self, dims: &[isize], keepdim: bool) -> Result<Tensor> {
         self.sum_as(dims, keepdim, self.dtype())
     }
 

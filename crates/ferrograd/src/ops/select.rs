@@ -70,10 +70,11 @@ fn scalar_like(like: &Tensor, value: f64, origin: &'static str) -> Result<Tensor
 /// `cond ? 0 : g`, summed back to an input's `shape`.
 fn routed_grad(cond: &Tensor, g: &Tensor, g_when_true: bool, shape: &[usize]) -> Result<Tensor> {
     let zero = scalar_like(g, 0.0, "where_backward")?;
+    // Recorded (where) when a backward runs under create_graph.
     let routed = if g_when_true {
-        where_forward(cond, g, &zero, "where_backward")?
+        Tensor::where_(cond, g, &zero)?
     } else {
-        where_forward(cond, &zero, g, "where_backward")?
+        Tensor::where_(cond, &zero, g)?
     };
     routed.sum_to(shape)
 }

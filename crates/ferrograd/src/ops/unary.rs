@@ -1,8 +1,10 @@
 //! Unary elementwise ops. Each backward reads the saved output where the derivative is a
-//! function of it (exp, sqrt, tanh, sigmoid, relu), else the saved input.
+//! function of it (exp, sqrt, tanh, sigmoid, relu), else the saved input. The fused backward
+//! kernels are not differentiable, so a backward recorded under create_graph takes the same
+//! derivative written with tensor ops instead (`recorded_backward`).
 
 use super::binary::{binary_forward, unary_forward};
-use crate::autograd::{SavedTensor, record};
+use crate::autograd::{SavedTensor, is_grad_enabled, record};
 use crate::backend::{BinaryOp, UnaryOp, elementwise};
 use crate::base::Result;
 use crate::tensor::Tensor;
@@ -37,8 +39,11 @@ impl Tensor {
     fn unary_from_output(&self, op: UnaryOp, back: BinaryOp, name: &'static str) -> Result<Tensor> {
         let out = unary_forward(op, self, name)?;
         Ok(record(name, &[self], out, |out, _| {
-            let y = SavedTensor::new(out);
+            let y = SavedTensor::output(out);
             move |g: &Tensor, _: &[bool]| {
+                if is_grad_enabled() {
+                    return Ok(vec![Some(recorded_backward(back, g, &y.unpack())?)]);
+                }
                 Ok(vec![Some(backward_into_grad(back, g, y.get(), name)?)])
             }
         }))
@@ -81,8 +86,10 @@ impl Tensor {
         let _site = crate::memory::recorder::CallSite::enter();
         let out = unary_forward(UnaryOp::Sqrt, self, "sqrt")?;
         Ok(record("sqrt", &[self], out, |out, _| {
-            let y = SavedTensor::new(out);
-            move |g: &Tensor, _: &[bool]| Ok(vec![Some(g.div(&y.get().mul_scalar(2.0)?)?)])
+            let y = SavedTensor::output(out);
+            move |g: &Tensor, _: &[bool]| {
+                Ok(vec![Some(g.div(&super::unpack(&y).mul_scalar(2.0)?)?)])
+            }
         }))
     }
 
@@ -96,7 +103,7 @@ impl Tensor {
         let out = unary_forward(UnaryOp::Log, self, "log")?;
         Ok(record("log", &[self], out, |_, _| {
             let x = SavedTensor::new(self);
-            move |g: &Tensor, _: &[bool]| Ok(vec![Some(g.div(x.get())?)])
+            move |g: &Tensor, _: &[bool]| Ok(vec![Some(g.div(&super::unpack(&x))?)])
         }))
     }
 
@@ -112,6 +119,9 @@ impl Tensor {
         Ok(record("gelu", &[self], out, |_, _| {
             let x = SavedTensor::new(self);
             move |g: &Tensor, _: &[bool]| {
+                if is_grad_enabled() {
+                    return Ok(vec![Some(g.mul(&x.unpack().gelu_derivative(approx)?)?)]);
+                }
                 Ok(vec![Some(backward_into_grad(
                     back,
                     g,
@@ -120,5 +130,75 @@ impl Tensor {
                 )?)])
             }
         }))
+    }
+
+    /// gelu'(x), recorded: the fused kernel's value (its gradient input set to ones), with a
+    /// backward of gg · gelu''(x) written with tensor ops. Only a create_graph backward uses it.
+    fn gelu_derivative(&self, approx: GeluApprox) -> Result<Tensor> {
+        let back = match approx {
+            GeluApprox::None => BinaryOp::GeluErfBackward,
+            GeluApprox::Tanh => BinaryOp::GeluTanhBackward,
+        };
+        let ones = Tensor::ones(self.shape(), self.dtype(), self.device())?;
+        let out = binary_forward(back, &ones, self, "gelu_derivative")?;
+        Ok(record("gelu_derivative", &[self], out, |_, _| {
+            let x = SavedTensor::new(self);
+            move |gg: &Tensor, _: &[bool]| {
+                let x = super::unpack(&x);
+                Ok(vec![Some(gg.mul(&gelu_second_derivative(&x, approx)?)?)])
+            }
+        }))
+    }
+}
+
+/// g ∘ f'(y) for the ops whose derivative is a function of their output y, with tensor ops
+/// (recorded under create_graph; y carries the op's node as history).
+fn recorded_backward(back: BinaryOp, g: &Tensor, y: &Tensor) -> Result<Tensor> {
+    let one_minus = |t: &Tensor| t.neg()?.add_scalar(1.0);
+    match back {
+        // exp: g · y
+        BinaryOp::Mul => g.mul(y),
+        // tanh: g · (1 - y²)
+        BinaryOp::TanhBackward => g.mul(&one_minus(&y.mul(y)?)?),
+        // sigmoid: g · y · (1 - y)
+        BinaryOp::SigmoidBackward => g.mul(&y.mul(&one_minus(y)?)?),
+        // relu: g · [y > 0], a constant mask (the second derivative is zero almost everywhere)
+        BinaryOp::ReluBackward => {
+            let ones = Tensor::ones(y.shape(), y.dtype(), y.device())?;
+            g.mul(&binary_forward(
+                BinaryOp::ReluBackward,
+                &ones,
+                &y.detach(),
+                "relu_mask",
+            )?)
+        }
+        other => Err(crate::base::Error::autograd(format!(
+            "create_graph: no recorded backward for {other:?}"
+        ))),
+    }
+}
+
+/// gelu''(x). Exact: φ(x)(2 - x²), φ the standard normal density. Tanh form, with
+/// u = k(x + c x³), t = tanh u: (1 - t²)(u' - x t u'² + x u''/2), u' = k(1 + 3c x²), u'' = 6kc x.
+fn gelu_second_derivative(x: &Tensor, approx: GeluApprox) -> Result<Tensor> {
+    let x2 = x.mul(x)?;
+    match approx {
+        GeluApprox::None => {
+            let phi = x2
+                .mul_scalar(-0.5)?
+                .exp()?
+                .mul_scalar(1.0 / (2.0 * std::f64::consts::PI).sqrt())?;
+            phi.mul(&x2.neg()?.add_scalar(2.0)?)
+        }
+        GeluApprox::Tanh => {
+            let (k, c) = ((2.0 / std::f64::consts::PI).sqrt(), 0.044715);
+            let t = x.add(&x2.mul(x)?.mul_scalar(c)?)?.mul_scalar(k)?.tanh()?;
+            let du = x2.mul_scalar(3.0 * c)?.add_scalar(1.0)?.mul_scalar(k)?;
+            let ddu_half = x.mul_scalar(3.0 * k * c)?;
+            let inner = du
+                .sub(&x.mul(&t)?.mul(&du.mul(&du)?)?)?
+                .add(&x.mul(&ddu_half)?)?;
+            t.mul(&t)?.neg()?.add_scalar(1.0)?.mul(&inner)
+        }
     }
 }

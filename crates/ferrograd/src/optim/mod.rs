@@ -16,6 +16,19 @@ use crate::autograd::GradProduct;
 use crate::base::{Error, Result};
 use crate::tensor::Tensor;
 
+/// Clears one parameter's `.grad`: frees it, or zeroes it in place detached from any graph.
+pub fn zero_grad_of(p: &Tensor, set_to_none: bool) -> Result<()> {
+    match p.grad() {
+        None => Ok(()),
+        Some(_) if set_to_none => p.set_grad(None),
+        Some(g) => {
+            let plain = if g.grad_fn().is_some() { g.detach() } else { g };
+            plain.zero_()?;
+            p.set_grad(Some(plain))
+        }
+    }
+}
+
 pub trait Optimizer {
     fn step(&mut self) -> Result<()>;
     /// Updates parameter `index` alone from its `.grad` (the step-in-backward strategy calls
@@ -34,14 +47,12 @@ pub trait Optimizer {
     /// negative or NaN rate is an error.
     fn set_lr(&mut self, lr: f64) -> Result<()>;
 
-    /// set_to_none = true frees the gradient bytes; false zeroes them in place.
+    /// set_to_none = true frees the gradient bytes; false zeroes them in place. Either way a
+    /// `.grad` left by a create_graph backward loses its graph (the graph refers back to the
+    /// parameter, so keeping both would hold them alive forever), as PyTorch's detach_().
     fn zero_grad_with(&mut self, set_to_none: bool) -> Result<()> {
         for p in self.params() {
-            if set_to_none {
-                p.set_grad(None)?;
-            } else if let Some(g) = p.grad() {
-                g.zero_()?;
-            }
+            zero_grad_of(p, set_to_none)?;
         }
         Ok(())
     }

@@ -87,6 +87,31 @@ pub trait GradSink: Send + Sync {
     fn finish(&self, param: &Tensor) -> Result<()>;
 }
 
+thread_local! {
+    /// Set while a backward runs whose gradients must not be consumed by sinks (one that
+    /// returns gradients, or records them for a second derivative).
+    static SINKS_OFF: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Turns gradient sinks off on this thread until the guard drops.
+pub(crate) struct SinksOff(bool);
+
+impl SinksOff {
+    pub(crate) fn start() -> SinksOff {
+        SinksOff(SINKS_OFF.with(|s| s.replace(true)))
+    }
+}
+
+impl Drop for SinksOff {
+    fn drop(&mut self) {
+        SINKS_OFF.with(|s| s.set(self.0));
+    }
+}
+
+pub(crate) fn sinks_off() -> bool {
+    SINKS_OFF.with(std::cell::Cell::get)
+}
+
 #[derive(Default)]
 pub struct AutogradMeta {
     pub(crate) grad_fn: Option<Arc<Node>>,

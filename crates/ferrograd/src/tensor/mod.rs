@@ -12,14 +12,15 @@ mod saved;
 pub use crate::base::{DType, Device, Layout, broadcast_shape, contiguous_strides, resolve_dim};
 pub(crate) use checks::{check_float, check_pair, check_same_device};
 pub use create::HostElem;
-pub(crate) use meta::run_hooks;
 pub use meta::{AutogradMeta, GradProduct, GradSink, PostAccumulateHook, ProductForm, TensorHook};
+pub(crate) use meta::{SinksOff, run_hooks};
 pub(crate) use node::InputMeta;
 pub use node::{BackwardFn, Edge, Node};
+pub(crate) use node::{live_nodes, set_tracking_step, start_tracking, stop_tracking, track};
 pub(crate) use random::with_default;
 pub use random::{Generator, get_rng_state, manual_seed, set_rng_state};
 pub use saved::SavedTensor;
-pub(crate) use saved::take_pending as take_pending_saves;
+pub(crate) use saved::{RunningNode, take_pending as take_pending_saves};
 
 use std::fmt;
 use std::sync::Arc;
@@ -51,6 +52,16 @@ impl Tensor {
     /// A new view of this tensor's storage (no autograd history: callers record it).
     pub(crate) fn with_layout(&self, layout: Layout) -> Tensor {
         Tensor::from_storage(Arc::clone(&self.0.storage), layout)
+    }
+
+    /// The same data sharing `meta` (history, `.grad`): a saved tensor unpacked with the
+    /// autograd identity it was saved with.
+    pub(crate) fn with_meta(&self, meta: Arc<AutogradMeta>) -> Tensor {
+        Tensor(Arc::new(TensorImpl {
+            storage: Arc::clone(&self.0.storage),
+            layout: self.0.layout.clone(),
+            meta,
+        }))
     }
 
     /// The same data with `node` as its grad_fn.
@@ -234,10 +245,11 @@ impl Tensor {
         Ok(())
     }
     /// The sink that may take this tensor's gradient now: a leaf's, unless tensor hooks
-    /// must see the gradient or a `.grad` is already being accumulated into.
+    /// must see the gradient, a `.grad` is already being accumulated into, or the backward
+    /// running returns or records its gradients (`autograd::grad`, create_graph).
     pub(crate) fn usable_grad_sink(&self) -> Option<Arc<dyn GradSink>> {
         let meta = &self.0.meta;
-        if !self.is_leaf() || meta.has_hooks() || meta.grad_slot().is_some() {
+        if !self.is_leaf() || meta.has_hooks() || meta.grad_slot().is_some() || meta::sinks_off() {
             return None;
         }
         meta.grad_sink()

@@ -2,7 +2,7 @@
 //! backward closure (with the saved tensors) and edges to the nodes or leaves of its inputs.
 //! The graph is therefore the tensors themselves: dropping the last output frees it.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use super::meta::{AutogradMeta, TensorHook};
@@ -51,9 +51,57 @@ pub struct Node {
     pub(crate) hooks: Mutex<Vec<TensorHook>>,
     /// Buffers the backward reads, with their versions when saved.
     pub(crate) saved: Vec<super::saved::SavedVersion>,
+    /// The training step it was recorded in, while a leak check counts steps (else 0).
+    pub(crate) step: u64,
+    /// Set when a backward ran through it with retain_graph (its saved tensors stay).
+    pub(crate) retained: AtomicBool,
+    /// The line of user code that called the op, while a leak check tracks nodes.
+    pub(crate) site: Option<&'static std::panic::Location<'static>>,
 }
 
 static NEXT_SEQ: AtomicU64 = AtomicU64::new(1);
+
+/// Live-node tracking for the leak check. Off unless a check is active: then one relaxed
+/// load per recorded node decides, and nothing else is paid.
+static TRACKERS: AtomicUsize = AtomicUsize::new(0);
+/// The step being recorded, as the active leak check counts them.
+static STEP: AtomicU64 = AtomicU64::new(0);
+static LIVE: Mutex<Vec<Weak<Node>>> = Mutex::new(Vec::new());
+
+/// Starts (or, nested, keeps) tracking the nodes recorded from now on.
+pub(crate) fn start_tracking() {
+    TRACKERS.fetch_add(1, Ordering::Relaxed);
+    crate::memory::recorder::watch_sites();
+}
+
+/// Stops tracking when the last check ends, forgetting the tracked nodes.
+pub(crate) fn stop_tracking() {
+    crate::memory::recorder::unwatch_sites();
+    if TRACKERS.fetch_sub(1, Ordering::Relaxed) == 1 {
+        LIVE.lock().unwrap_or_else(|e| e.into_inner()).clear();
+    }
+}
+
+/// Sets the step that nodes recorded from now on belong to.
+pub(crate) fn set_tracking_step(step: u64) {
+    STEP.store(step, Ordering::Relaxed);
+}
+
+/// Registers a newly recorded node when tracking is on.
+pub(crate) fn track(node: &Arc<Node>) {
+    if TRACKERS.load(Ordering::Relaxed) > 0 {
+        LIVE.lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(Arc::downgrade(node));
+    }
+}
+
+/// The tracked nodes still alive (dead entries are dropped from the table).
+pub(crate) fn live_nodes() -> Vec<Arc<Node>> {
+    let mut live = LIVE.lock().unwrap_or_else(|e| e.into_inner());
+    live.retain(|w| w.strong_count() > 0);
+    live.iter().filter_map(Weak::upgrade).collect()
+}
 
 pub(crate) fn next_seq() -> u64 {
     NEXT_SEQ.fetch_add(1, Ordering::Relaxed)
@@ -67,6 +115,7 @@ impl Node {
         backward: BackwardFn,
         saved: Vec<super::saved::SavedVersion>,
     ) -> Node {
+        let tracking = TRACKERS.load(Ordering::Relaxed) > 0;
         Node {
             seq: next_seq(),
             name,
@@ -76,7 +125,29 @@ impl Node {
             output: Mutex::new(Weak::new()),
             saved,
             hooks: Mutex::new(Vec::new()),
+            step: if tracking {
+                STEP.load(Ordering::Relaxed)
+            } else {
+                0
+            },
+            retained: AtomicBool::new(false),
+            site: if tracking {
+                crate::memory::recorder::current_site()
+            } else {
+                None
+            },
         }
+    }
+
+    /// Bytes of the distinct buffers it saved that are still alive.
+    pub(crate) fn saved_storages(&self) -> impl Iterator<Item = Arc<crate::backend::Storage>> + '_ {
+        self.saved.iter().filter_map(|(s, _)| s.upgrade())
+    }
+
+    /// Whether its backward never ran (its closure and saved tensors are all still there)
+    /// or ran with retain_graph.
+    pub(crate) fn holds_saved(&self) -> bool {
+        self.saves_tensors() && !self.is_released()
     }
 
     /// A node that saved nothing can run again without retain_graph (as in PyTorch).

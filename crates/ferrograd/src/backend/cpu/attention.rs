@@ -82,7 +82,10 @@ impl<T: Elem> Rows<'_, T> {
 }
 
 fn dot<T: Elem>(a: &[T], b: &[T]) -> f64 {
-    a.iter().zip(b).map(|(x, y)| Elem::to_f64(*x) * Elem::to_f64(*y)).sum()
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| Elem::to_f64(*x) * Elem::to_f64(*y))
+        .sum()
 }
 
 /// A whole storage as a slice of `T`.
@@ -168,7 +171,12 @@ fn forward<T: Elem>(a: &Attention) -> Result<()> {
 // ---- backward -------------------------------------------------------------------------------
 
 /// One (b, h) pair's gq, gk, gv rows (T, D) each and delta (T).
-fn head_backward<T: Elem>(ins: &Inputs, a: &AttentionBackward, g: Geometry, bh: usize) -> Result<Head> {
+fn head_backward<T: Elem>(
+    ins: &Inputs,
+    a: &AttentionBackward,
+    g: Geometry,
+    bh: usize,
+) -> Result<Head> {
     const OP: &str = "attention_backward";
     let (b, h) = (bh / g.heads, bh % g.heads);
     let rows = |i: usize, layout| -> Result<Rows<T>> {
@@ -260,6 +268,9 @@ fn scatter<T: Elem>(
 
 /// Writes each head's statistic into the (B, H, T) buffer `s`.
 fn store_stats(op: &'static str, s: &Storage, results: &[Head]) -> Result<()> {
-    let values: Vec<f64> = results.iter().flat_map(|h| h.stats.iter().copied()).collect();
+    let values: Vec<f64> = results
+        .iter()
+        .flat_map(|h| h.stats.iter().copied())
+        .collect();
     store_f64(op, s, &values)
 }

@@ -9,7 +9,7 @@
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::panic::Location;
-use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use super::event::Phase;
@@ -17,6 +17,9 @@ use super::{is_recording, mark_phase};
 
 static STEP: AtomicU64 = AtomicU64::new(0);
 static PHASE: AtomicU8 = AtomicU8::new(Phase::Other as u8);
+/// Watchers other than a recording that want call sites (the leak check names the line that
+/// built a leaked graph).
+static SITE_WATCHERS: AtomicUsize = AtomicUsize::new(0);
 
 thread_local! {
     /// Segments of the current module path (`transformer`, `h.3`, `attn`).
@@ -81,6 +84,25 @@ pub(super) fn module() -> u32 {
 
 pub(super) fn site() -> Option<&'static Location<'static>> {
     SITE.with(Cell::get)
+}
+
+/// The line of user code whose op is running, while a recording or a site watcher is on.
+pub fn current_site() -> Option<&'static Location<'static>> {
+    SITE.with(Cell::get)
+}
+
+/// Captures call sites even when no recording runs, until `unwatch_sites` (nested calls count).
+pub fn watch_sites() {
+    SITE_WATCHERS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Ends one `watch_sites`.
+pub fn unwatch_sites() {
+    SITE_WATCHERS.fetch_sub(1, Ordering::Relaxed);
+}
+
+fn sites_wanted() -> bool {
+    is_recording() || SITE_WATCHERS.load(Ordering::Relaxed) > 0
 }
 
 /// The phase until the guard drops, then the one before it. Kept even when no recording
@@ -169,7 +191,7 @@ impl CallSite {
     #[track_caller]
     #[inline]
     pub fn enter() -> CallSite {
-        if !is_recording() {
+        if !sites_wanted() {
             return CallSite { set: false };
         }
         let caller = Location::caller();

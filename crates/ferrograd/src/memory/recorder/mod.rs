@@ -16,7 +16,8 @@ mod event;
 mod ring;
 
 pub use context::{
-    CallSite, ModuleScope, PhaseScope, module_scope, module_scope_indexed, phase_scope, set_step,
+    CallSite, ModuleScope, PhaseScope, current_site, module_scope, module_scope_indexed,
+    phase_scope, set_step, unwatch_sites, watch_sites,
 };
 pub use event::{Action, Event, Origin, Phase};
 
