@@ -290,6 +290,7 @@ fn train(args: &TrainArgs, job: &TrainJob) -> anyhow::Result<()> {
             start_step,
             predicted_peak,
             in_backward,
+            fused_attention,
         } => {
             bar.set_position(*start_step);
             log.push(format!(
@@ -300,6 +301,11 @@ fn train(args: &TrainArgs, job: &TrainJob) -> anyhow::Result<()> {
             if let Some(path) = in_backward {
                 log.push(format!("step in backward: {path}"));
             }
+            log.push(if *fused_attention {
+                "attention: fused kernel (saves one log-sum-exp per query, not the scores)".into()
+            } else {
+                "attention: matmul, softmax, matmul (saves the (B, H, T, T) probabilities)".into()
+            });
         }
         Event::Step(r) => {
             bar.set_position(r.step + 1);

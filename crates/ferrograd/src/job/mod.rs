@@ -25,7 +25,7 @@ pub use state::{STATE_FORMAT, load_training_state, save_training_state};
 pub use trace::{MemoryTraceSettings, TraceRun, TraceWritten};
 
 use crate::autograd::{LeakCheck, LeakReport, no_grad};
-use crate::base::{Error, Result};
+use crate::base::{DType, Error, Result};
 use crate::data::{Split, TextDataset};
 use crate::memory;
 use crate::nn::{Gpt, GptConfig, Module};
@@ -130,6 +130,9 @@ pub enum Event {
         predicted_peak: u64,
         /// Which step in backward runs (None: the optimizer steps after backward).
         in_backward: Option<InBackwardPath>,
+        /// Whether attention runs the fused kernel (else matmul, softmax and matmul, which
+        /// keep the (B, H, T, T) probabilities for backward).
+        fused_attention: bool,
     },
     Step(StepReport),
     Eval(EvalReport),
@@ -264,11 +267,14 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
     let params = model.config.num_params();
     let predicted_peak = predicted_peak_bytes(job, data.vocab_size());
     let in_backward = trainer.in_backward_path().cloned();
+    let compute_dtype = job.trainer.amp.unwrap_or(DType::F32);
+    model.train(true);
     on_event(&Event::Started {
         params,
         start_step,
         predicted_peak,
         in_backward: in_backward.clone(),
+        fused_attention: model.attention_fused(compute_dtype),
     });
     memory::reset_peak_memory_stats(job.device)?;
     let initial_eval = evaluate(&mut model, &data, job, start_step)?;

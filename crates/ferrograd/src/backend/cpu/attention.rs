@@ -1,18 +1,20 @@
-//! CPU kernels of the attention family (backend/attention.rs): fused scaled-dot-product
-//! attention, one (batch, head) pair per task (rayon), scores kept one query row at a time
-//! and never stored. Forward saves only the per-row log-sum-exp; backward recomputes each
-//! probability from it: p = exp(s · scale - lse). Sums run in f64 whatever the element type.
+//! CPU kernels of the attention family (backend/attention.rs): each (batch, head) pair is one
+//! rayon task that copies its q, k, v into contiguous per-head buffers and runs the tiled
+//! online-softmax kernels of `flash.rs` on them. Forward keeps only each query's log-sum-exp;
+//! backward recomputes the probabilities from it. f16 and bf16 heads compute in f32, f64
+//! heads in f64.
 //!
-//! Shapes: q, k, v, out, gout (B, H, T, D) read by strides; lse, delta (B, H, T).
-
-use std::any::Any;
+//! Shapes: q, k, v, out, gout and the gradients (B, H, T, D) read and written by strides;
+//! lse (B, H, T) dense. The `delta` scratch of the backward is not used here: each task
+//! computes its rows' rowsum(gout · out) on the fly.
 
 use half::{bf16, f16};
 use rayon::prelude::*;
 
 use super::CpuBackend;
 use super::data::{CpuData, Elem};
-use super::rows::{Inputs, dispatch, store_f64, typed_mut};
+use super::flash::{self, Head, HeadDims, HeadGrads};
+use super::rows::{Inputs, store_f64, typed_mut};
 use super::write;
 use crate::backend::Storage;
 use crate::backend::attention::{Attention, AttentionBackward, AttentionKernels};
@@ -24,21 +26,36 @@ impl AttentionKernels for CpuBackend {
         dtype.is_float() && head_dim > 0
     }
     fn attention(&self, a: &Attention) -> Result<()> {
-        dispatch!(a.qkv.storage.dtype(), "attention", forward(a))
+        by_dtype!(a.qkv.storage.dtype(), "attention", forward(a))
     }
     fn attention_backward(&self, a: &AttentionBackward) -> Result<()> {
-        dispatch!(a.qkv.storage.dtype(), "attention_backward", backward(a))
+        by_dtype!(a.qkv.storage.dtype(), "attention_backward", backward(a))
     }
 }
 
-/// The geometry shared by every (batch, head) task.
+/// Calls `f::<T, A>` with the storage type T and the computing type A (f64 for f64, else f32).
+macro_rules! by_dtype {
+    ($dtype:expr, $op:expr, $f:ident($($arg:expr),*)) => {
+        match $dtype {
+            DType::F32 => $f::<f32, f32>($($arg),*),
+            DType::F64 => $f::<f64, f64>($($arg),*),
+            DType::F16 => $f::<f16, f32>($($arg),*),
+            DType::BF16 => $f::<bf16, f32>($($arg),*),
+            dtype => Err(Error::UnsupportedDType {
+                op: $op,
+                dtype,
+                hint: "attention needs a floating-point tensor; convert with .to_dtype(DType::F32)",
+            }),
+        }
+    };
+}
+use by_dtype;
+
+/// The per-head problem and where each (b, h) pair's rows lie.
 #[derive(Clone, Copy)]
 struct Geometry {
     heads: usize,
-    t: usize,
-    d: usize,
-    scale: f64,
-    causal: bool,
+    dims: HeadDims,
 }
 
 impl Geometry {
@@ -46,51 +63,29 @@ impl Geometry {
         let s = q.shape();
         Geometry {
             heads: s[1],
-            t: s[2],
-            d: s[3],
-            scale,
-            causal,
+            dims: HeadDims {
+                t: s[2],
+                d: s[3],
+                scale,
+                causal,
+            },
         }
     }
-    /// Keys query `i` may attend to: 0..keys(i).
-    fn keys(&self, i: usize) -> usize {
-        if self.causal { i + 1 } else { self.t }
+    fn pairs(&self, q: &Layout) -> usize {
+        q.shape()[0] * self.heads
     }
-}
-
-/// The element offset of row (b, h, t) of a (B, H, T, D) view.
-fn row(l: &Layout, b: usize, h: usize, t: usize) -> usize {
-    let s = l.strides();
-    let off = l.offset() as isize + b as isize * s[0] + h as isize * s[1] + t as isize * s[2];
-    off as usize
-}
-
-/// One (B, H, T, D) operand read as rows of D values.
-struct Rows<'a, T> {
-    data: &'a [T],
-    layout: &'a Layout,
-    b: usize,
-    h: usize,
-    d: usize,
-}
-
-impl<T: Elem> Rows<'_, T> {
-    fn get(&self, t: usize) -> &[T] {
-        let at = row(self.layout, self.b, self.h, t);
-        &self.data[at..at + self.d]
+    /// The element offset of row t of pair bh in a (B, H, T, D) layout.
+    fn row(&self, l: &Layout, bh: usize, t: usize) -> usize {
+        let (b, h) = (bh / self.heads, bh % self.heads);
+        let s = l.strides();
+        let off = l.offset() as isize + b as isize * s[0] + h as isize * s[1] + t as isize * s[2];
+        off as usize
     }
-}
-
-fn dot<T: Elem>(a: &[T], b: &[T]) -> f64 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| Elem::to_f64(*x) * Elem::to_f64(*y))
-        .sum()
 }
 
 /// A whole storage as a slice of `T`.
 fn typed<'d, T: Elem>(op: &'static str, d: &'d CpuData) -> Result<&'d [T]> {
-    let any: &dyn Any = match d {
+    let any: &dyn std::any::Any = match d {
         CpuData::F32(v) => v,
         CpuData::F64(v) => v,
         CpuData::F16(v) => v,
@@ -107,170 +102,126 @@ fn typed<'d, T: Elem>(op: &'static str, d: &'d CpuData) -> Result<&'d [T]> {
         .ok_or_else(|| Error::invalid(op, "the operands must share one dtype"))
 }
 
+/// One (T, D) operand of pair bh, copied out contiguous in the computing type.
+fn gather<T: Elem, A: Elem>(x: &[T], l: &Layout, g: Geometry, bh: usize) -> Vec<A> {
+    let (t, d) = (g.dims.t, g.dims.d);
+    let mut out = Vec::with_capacity(t * d);
+    for i in 0..t {
+        let at = g.row(l, bh, i);
+        out.extend(x[at..at + d].iter().map(|&v| A::from_f64(Elem::to_f64(v))));
+    }
+    out
+}
+
+/// Pair bh's q, k, v as `flash::Head`.
+fn load_head<T: Elem, A: Elem>(x: &[T], qkv: [&Layout; 3], g: Geometry, bh: usize) -> Head<A> {
+    let rows = qkv.map(|l| (0..g.dims.t).map(|i| g.row(l, bh, i)).collect::<Vec<_>>());
+    Head::load(g.dims, |i, c| {
+        [0, 1, 2].map(|w| A::from_f64(Elem::to_f64(x[rows[w][i] + c])))
+    })
+}
+
 // ---- forward --------------------------------------------------------------------------------
 
-/// One (b, h) pair's output rows (T, D) and log-sum-exps (T).
-fn head_forward<T: Elem>(x: &[T], a: &Attention, g: Geometry, b: usize, h: usize) -> Head {
-    let rows = |layout| Rows {
-        data: x,
-        layout,
-        b,
-        h,
-        d: g.d,
-    };
-    let (q, k, v) = (rows(a.qkv.q), rows(a.qkv.k), rows(a.qkv.v));
-    let mut out = vec![0.0; g.t * g.d];
-    let mut lse = vec![0.0; g.t];
-    let mut s = vec![0.0; g.t];
-    for i in 0..g.t {
-        let keys = g.keys(i);
-        let qi = q.get(i);
-        for (j, sj) in s[..keys].iter_mut().enumerate() {
-            *sj = dot(qi, k.get(j)) * g.scale;
-        }
-        let m = s[..keys].iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        let mut sum = 0.0;
-        for sj in &mut s[..keys] {
-            *sj = (*sj - m).exp();
-            sum += *sj;
-        }
-        lse[i] = m + sum.ln();
-        let oi = &mut out[i * g.d..(i + 1) * g.d];
-        for (j, &p) in s[..keys].iter().enumerate() {
-            for (o, vj) in oi.iter_mut().zip(v.get(j)) {
-                *o += p / sum * Elem::to_f64(*vj);
-            }
-        }
-    }
-    Head {
-        rows: vec![out],
-        stats: lse,
-    }
-}
+/// Each pair's output (T, D) and log-sum-exp (T).
+type Forward<A> = (Vec<A>, Vec<A>);
 
-/// A (b, h) pair's results: one or more (T, D) row blocks and a (T) statistic.
-struct Head {
-    rows: Vec<Vec<f64>>,
-    stats: Vec<f64>,
-}
-
-fn forward<T: Elem>(a: &Attention) -> Result<()> {
+fn forward<T: Elem, A: Elem>(a: &Attention) -> Result<()> {
     const OP: &str = "attention";
     let g = Geometry::of(a.qkv.q, a.scale, a.causal);
-    let [bs, heads, ..] = batch_heads(a.qkv.q);
+    let layouts = [a.qkv.q, a.qkv.k, a.qkv.v];
     let guard = super::read(a.qkv.storage)?;
     let x = typed::<T>(OP, &guard)?;
-    let results: Vec<Head> = (0..bs * heads)
+    let (t, d) = (g.dims.t, g.dims.d);
+    let results: Vec<Forward<A>> = (0..g.pairs(a.qkv.q))
         .into_par_iter()
-        .map(|bh| head_forward(x, a, g, bh / heads, bh % heads))
+        .map(|bh| {
+            let head = load_head::<T, A>(x, layouts, g, bh);
+            let (mut o, mut lse) = (vec![A::zero(); t * d], vec![A::zero(); t]);
+            flash::forward(&head, g.dims, &mut o, &mut lse);
+            (o, lse)
+        })
         .collect();
-    scatter::<T>(OP, a.out.storage, &[a.out.layout], &results, g)?;
-    store_stats(OP, a.lse, &results)
+    drop(guard);
+    let blocks: Vec<[&[A]; 1]> = results.iter().map(|(o, _)| [o.as_slice()]).collect();
+    scatter::<T, A, _>(OP, a.out.storage, &[a.out.layout], &blocks, g)?;
+    let lse: Vec<f64> = results
+        .iter()
+        .flat_map(|(_, l)| l.iter().map(|&v| Elem::to_f64(v)))
+        .collect();
+    store_f64(OP, a.lse, &lse)
 }
 
 // ---- backward -------------------------------------------------------------------------------
 
-/// One (b, h) pair's gq, gk, gv rows (T, D) each and delta (T).
-fn head_backward<T: Elem>(
-    ins: &Inputs,
-    a: &AttentionBackward,
-    g: Geometry,
-    bh: usize,
-) -> Result<Head> {
-    const OP: &str = "attention_backward";
-    let (b, h) = (bh / g.heads, bh % g.heads);
-    let rows = |i: usize, layout| -> Result<Rows<T>> {
-        Ok(Rows {
-            data: typed::<T>(OP, ins.data(i))?,
-            layout,
-            b,
-            h,
-            d: g.d,
-        })
-    };
-    let (q, k, v) = (rows(0, a.qkv.q)?, rows(0, a.qkv.k)?, rows(0, a.qkv.v)?);
-    let (out, gout) = (rows(1, a.out.layout)?, rows(2, a.gout.layout)?);
-    let lse = ins.data(3);
-    let lse_base = a.lse.layout.offset() + bh * g.t;
-    let mut gq = vec![0.0; g.t * g.d];
-    let mut gk = vec![0.0; g.t * g.d];
-    let mut gv = vec![0.0; g.t * g.d];
-    let mut delta = vec![0.0; g.t];
-    for i in 0..g.t {
-        let (qi, goi) = (q.get(i), gout.get(i));
-        delta[i] = dot(goi, out.get(i));
-        let lse_i = lse.get_f64(lse_base + i);
-        for j in 0..g.keys(i) {
-            let (kj, vj) = (k.get(j), v.get(j));
-            let p = (dot(qi, kj) * g.scale - lse_i).exp();
-            let ds = p * (dot(goi, vj) - delta[i]) * g.scale;
-            for c in 0..g.d {
-                gv[j * g.d + c] += p * Elem::to_f64(goi[c]);
-                gq[i * g.d + c] += ds * Elem::to_f64(kj[c]);
-                gk[j * g.d + c] += ds * Elem::to_f64(qi[c]);
-            }
-        }
-    }
-    Ok(Head {
-        rows: vec![gq, gk, gv],
-        stats: delta,
-    })
-}
+/// Each pair's dq, dk, dv (T, D).
+type Backward<A> = [Vec<A>; 3];
 
-fn backward<T: Elem>(a: &AttentionBackward) -> Result<()> {
+fn backward<T: Elem, A: Elem>(a: &AttentionBackward) -> Result<()> {
     const OP: &str = "attention_backward";
     let g = Geometry::of(a.qkv.q, a.scale, a.causal);
-    let [bs, heads, ..] = batch_heads(a.qkv.q);
     let [q, ..] = a.qkv.views();
     let views = [q, a.out, a.gout, a.lse];
     let ins = Inputs::read(&views)?;
-    let results = (0..bs * heads)
+    let (x, out, gout) = (
+        typed::<T>(OP, ins.data(0))?,
+        typed::<T>(OP, ins.data(1))?,
+        typed::<T>(OP, ins.data(2))?,
+    );
+    let lse = ins.data(3);
+    let layouts = [a.qkv.q, a.qkv.k, a.qkv.v];
+    let (t, d) = (g.dims.t, g.dims.d);
+    let results: Vec<Backward<A>> = (0..g.pairs(a.qkv.q))
         .into_par_iter()
-        .map(|bh| head_backward::<T>(&ins, a, g, bh))
-        .collect::<Result<Vec<Head>>>()?;
+        .map(|bh| {
+            let head = load_head::<T, A>(x, layouts, g, bh);
+            let o = gather::<T, A>(out, a.out.layout, g, bh);
+            let go = gather::<T, A>(gout, a.gout.layout, g, bh);
+            let base = a.lse.layout.offset() + bh * t;
+            let l: Vec<A> = (0..t).map(|i| A::from_f64(lse.get_f64(base + i))).collect();
+            let [mut dq, mut dk, mut dv] = [0, 1, 2].map(|_| vec![A::zero(); t * d]);
+            let grads = HeadGrads {
+                dq: &mut dq,
+                dk: &mut dk,
+                dv: &mut dv,
+            };
+            flash::backward(&head, g.dims, (&o, &go, &l), grads);
+            [dq, dk, dv]
+        })
+        .collect();
+    drop(ins);
+    let blocks: Vec<[&[A]; 3]> = results
+        .iter()
+        .map(|[q, k, v]| [q.as_slice(), k.as_slice(), v.as_slice()])
+        .collect();
     let layouts = [a.grads.q, a.grads.k, a.grads.v];
-    scatter::<T>(OP, a.grads.storage, &layouts, &results, g)?;
-    store_stats(OP, a.delta, &results)
+    scatter::<T, A, _>(OP, a.grads.storage, &layouts, &blocks, g)
 }
 
 // ---- results --------------------------------------------------------------------------------
 
-fn batch_heads(l: &Layout) -> [usize; 2] {
-    [l.shape()[0], l.shape()[1]]
-}
-
-/// Writes each head's row blocks into the (B, H, T, D) layouts of one storage.
-fn scatter<T: Elem>(
+/// Writes each pair's (T, D) blocks into the (B, H, T, D) layouts of one storage.
+fn scatter<T: Elem, A: Elem, const N: usize>(
     op: &'static str,
     storage: &Storage,
-    layouts: &[&Layout],
-    results: &[Head],
+    layouts: &[&Layout; N],
+    blocks: &[[&[A]; N]],
     g: Geometry,
 ) -> Result<()> {
+    let d = g.dims.d;
     write(storage, |data| {
         let len = data.len();
         let out = typed_mut::<T>(op, data, len)?;
-        for (bh, head) in results.iter().enumerate() {
-            let (b, h) = (bh / g.heads, bh % g.heads);
-            for (layout, block) in layouts.iter().zip(&head.rows) {
-                for t in 0..g.t {
-                    let at = row(layout, b, h, t);
-                    let src = &block[t * g.d..(t + 1) * g.d];
-                    for (o, &x) in out[at..at + g.d].iter_mut().zip(src) {
-                        *o = T::from_f64(x);
+        for (bh, pair) in blocks.iter().enumerate() {
+            for (layout, block) in layouts.iter().zip(pair) {
+                for (t, src) in block.chunks_exact(d).enumerate() {
+                    let at = g.row(layout, bh, t);
+                    for (o, &v) in out[at..at + d].iter_mut().zip(src) {
+                        *o = T::from_f64(Elem::to_f64(v));
                     }
                 }
             }
         }
         Ok(())
     })
-}
-
-/// Writes each head's statistic into the (B, H, T) buffer `s`.
-fn store_stats(op: &'static str, s: &Storage, results: &[Head]) -> Result<()> {
-    let values: Vec<f64> = results
-        .iter()
-        .flat_map(|h| h.stats.iter().copied())
-        .collect();
-    store_f64(op, s, &values)
 }

@@ -6,9 +6,6 @@
 mod attention;
 mod data;
 mod elementwise;
-// One head of fused attention, tested here; the attention kernel family that runs it over a
-// batch is not part of the backend yet.
-#[allow(dead_code)]
 mod flash;
 mod index;
 mod loss;
