@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use ferrograd::job::{self, Event, JobSummary, MemoryTraceSettings, OptimizerChoice, TrainJob};
 use ferrograd::memory::format_size;
 use ferrograd::nn::Recompute;
@@ -62,6 +62,10 @@ pub struct TrainArgs {
     /// Activation recomputation: off or every:K (every K-th transformer block).
     #[arg(long, default_value = "off")]
     recompute: Recompute,
+    /// Attention: fused (one kernel that keeps a log-sum-exp per query, where the device has
+    /// it) or composed (matmul, softmax, matmul; keeps the (B, H, T, T) probabilities).
+    #[arg(long, default_value = "fused")]
+    attention: AttentionPath,
     /// Micro-batches per step (gradient accumulation).
     #[arg(long, default_value_t = 1)]
     accum: usize,
@@ -132,6 +136,13 @@ pub struct TrainArgs {
 /// The autocast dtype chosen by --amp (None: f32 throughout).
 #[derive(Clone, Copy, Debug)]
 struct Amp(Option<DType>);
+
+/// Which attention path the model runs (`--attention`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum AttentionPath {
+    Fused,
+    Composed,
+}
 
 fn parse_amp(s: &str) -> Result<Amp, String> {
     match s {
@@ -205,6 +216,7 @@ impl TrainArgs {
             save_every: self.save_every,
             resume: self.resume.clone(),
             detect_leaks: self.detect_leaks,
+            fused_attention: self.attention == AttentionPath::Fused,
             interrupt: Some(signals()?.stop.clone()),
             memory_trace,
         })

@@ -73,6 +73,9 @@ pub struct TrainJob {
     pub resume: Option<PathBuf>,
     /// Watch memory across steps with a `LeakCheck` and report what grows (`--detect-leaks`).
     pub detect_leaks: bool,
+    /// Attention through the fused kernel where the device has one (true, the default), or
+    /// always through matmul, softmax and matmul (`--attention composed`).
+    pub fused_attention: bool,
     /// When this flag is raised (by a signal handler, say), the run stops at the next step
     /// boundary, saves its state to `save` if given, and returns `Error::Interrupted`.
     pub interrupt: Option<Arc<AtomicBool>>,
@@ -113,6 +116,7 @@ impl Default for TrainJob {
             save_every: 0,
             resume: None,
             detect_leaks: false,
+            fused_attention: true,
             interrupt: None,
             memory_trace: None,
         }
@@ -239,6 +243,7 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
     cfg.vocab_size = data.vocab_size();
     cfg.seed = job.seed;
     let mut model = Gpt::new(cfg, job.device)?;
+    model.set_fused_attention(job.fused_attention);
     let settings = optimizer_settings(job);
     let mut trainer = Trainer::for_model(&mut model, trainer_config(job)?, job.device, |p| {
         JobOptimizer::new(p, &settings)

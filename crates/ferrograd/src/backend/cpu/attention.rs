@@ -13,7 +13,7 @@ use rayon::prelude::*;
 
 use super::CpuBackend;
 use super::data::{CpuData, Elem};
-use super::flash::{self, Head, HeadDims, HeadGrads};
+use super::flash::{self, Head, HeadDims, HeadGrads, Saved};
 use super::rows::{Inputs, store_f64, typed_mut};
 use super::write;
 use crate::backend::Storage;
@@ -115,10 +115,8 @@ fn gather<T: Elem, A: Elem>(x: &[T], l: &Layout, g: Geometry, bh: usize) -> Vec<
 
 /// Pair bh's q, k, v as `flash::Head`.
 fn load_head<T: Elem, A: Elem>(x: &[T], qkv: [&Layout; 3], g: Geometry, bh: usize) -> Head<A> {
-    let rows = qkv.map(|l| (0..g.dims.t).map(|i| g.row(l, bh, i)).collect::<Vec<_>>());
-    Head::load(g.dims, |i, c| {
-        [0, 1, 2].map(|w| A::from_f64(Elem::to_f64(x[rows[w][i] + c])))
-    })
+    let [q, k, v] = qkv.map(|l| gather::<T, A>(x, l, g, bh));
+    Head::new(g.dims, q, k, v)
 }
 
 // ---- forward --------------------------------------------------------------------------------
@@ -175,17 +173,19 @@ fn backward<T: Elem, A: Elem>(a: &AttentionBackward) -> Result<()> {
         .into_par_iter()
         .map(|bh| {
             let head = load_head::<T, A>(x, layouts, g, bh);
-            let o = gather::<T, A>(out, a.out.layout, g, bh);
-            let go = gather::<T, A>(gout, a.gout.layout, g, bh);
             let base = a.lse.layout.offset() + bh * t;
-            let l: Vec<A> = (0..t).map(|i| A::from_f64(lse.get_f64(base + i))).collect();
+            let saved = Saved {
+                o: gather::<T, A>(out, a.out.layout, g, bh),
+                go: gather::<T, A>(gout, a.gout.layout, g, bh),
+                lse: (0..t).map(|i| A::from_f64(lse.get_f64(base + i))).collect(),
+            };
             let [mut dq, mut dk, mut dv] = [0, 1, 2].map(|_| vec![A::zero(); t * d]);
             let grads = HeadGrads {
                 dq: &mut dq,
                 dk: &mut dk,
                 dv: &mut dv,
             };
-            flash::backward(&head, g.dims, (&o, &go, &l), grads);
+            flash::backward(&head, g.dims, &saved, grads);
             [dq, dk, dv]
         })
         .collect();
