@@ -578,3 +578,19 @@ fn unusable_memory_trace_folders_are_refused_before_training() {
         "nothing half-written is left"
     );
 }
+
+#[test]
+fn the_attention_path_is_chosen_by_flag_and_reported() {
+    let text = output_of(SMALL);
+    assert!(
+        text.contains("attention: fused kernel (saves one log-sum-exp per query"),
+        "{text}"
+    );
+    let text = output_of(&[SMALL, &["--attention", "composed"]].concat());
+    assert!(
+        text.contains("attention: matmul, softmax, matmul (saves the (B, H, T, T) probabilities)"),
+        "{text}"
+    );
+    let err = stderr_of(&[SMALL, &["--attention", "flash"]].concat());
+    assert!(err.contains("fused") && err.contains("composed"), "{err}");
+}
