@@ -185,7 +185,7 @@ fn backward<T: Elem, A: Elem>(a: &AttentionBackward) -> Result<()> {
                 dk: &mut dk,
                 dv: &mut dv,
             };
-            flash::backward(&head, g.dims, &saved, grads);
+            flash::backward(&head, g.dims, saved, grads);
             [dq, dk, dv]
         })
         .collect();

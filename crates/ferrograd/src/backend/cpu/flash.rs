@@ -4,9 +4,10 @@
 //! probabilities tile by tile. Causal attention never visits a key after its query.
 //!
 //! Operands come as contiguous per-head buffers in the computing type (f32, or f64 for f64
-//! tensors): q, k, v (T, D) and kᵀ, vᵀ (D, T), so that every inner loop runs over consecutive
-//! elements and vectorises (`simd_fn!`) without reordering a sum; exp is the vectorisable
-//! `exp_f32` at f32.
+//! tensors): q, k, v (T, D) and kᵀ, vᵀ (D, T), padded to whole register blocks, so that the
+//! scores of R queries against J keys stay in registers and every inner loop runs over
+//! consecutive elements and vectorises (`simd_fn!`) without reordering a sum; exp is the
+//! vectorisable `exp_f32` at f32.
 
 use super::data::Elem;
 use super::vmath::simd_fn;
@@ -149,7 +150,7 @@ fn forward_loops<A: Elem>(h: &Head<A>, dims: HeadDims, o: &mut [A], lse: &mut [A
         let q = block(&h.q, i0, d);
         acc.fill(A::zero());
         let (mut m, mut l) = ([A::neg_infinity(); R], [A::zero(); R]);
-        let n_keys = dims.keys((i0 + R - 1).min(t - 1));
+        let n_keys = dims.keys(i0 + R - 1);
         for j0 in (0..n_keys).step_by(TILE) {
             let n = TILE.min(n_keys - j0);
             scores(q, &h.kt, ts, j0, n, scale, &mut s);
@@ -211,11 +212,11 @@ pub(crate) struct Saved<A> {
 /// Backward: per block of R queries and tile of keys, p = exp(s − lse), dp = go vᵀ,
 /// ds = p (dp − rowsum(go ∘ o)); then dq += scale·ds k, dk += scale·dsᵀ q, dv += pᵀ go.
 #[inline(always)]
-fn backward_loops<A: Elem>(h: &Head<A>, dims: HeadDims, saved: &Saved<A>, g: HeadGrads<A>) {
+fn backward_loops<A: Elem>(h: &Head<A>, dims: HeadDims, saved: Saved<A>, g: HeadGrads<A>) {
     let (t, d, ts, scale) = (dims.t, dims.d, dims.key_stride(), A::from_f64(dims.scale));
     g.dk.fill(A::zero());
     g.dv.fill(A::zero());
-    let mut go = saved.go.clone();
+    let mut go = saved.go;
     go.resize(dims.query_rows() * d, A::zero());
     let mut dq = vec![A::zero(); dims.query_rows() * d];
     let (mut p, mut ds) = ([[A::zero(); TILE]; R], [[A::zero(); TILE]; R]);
@@ -232,7 +233,7 @@ fn backward_loops<A: Elem>(h: &Head<A>, dims: HeadDims, saved: &Saved<A>, g: Hea
                 .fold(A::zero(), |a, (&x, &y)| a + x * y);
             lse[r] = saved.lse[i0 + r];
         }
-        let n_keys = dims.keys(i0 + rows - 1);
+        let n_keys = dims.keys(i0 + R - 1);
         for j0 in (0..n_keys).step_by(TILE) {
             let n = TILE.min(n_keys - j0);
             scores(q, &h.kt, ts, j0, n, scale, &mut p);
@@ -257,10 +258,8 @@ fn backward_loops<A: Elem>(h: &Head<A>, dims: HeadDims, saved: &Saved<A>, g: Hea
                     axpy(&mut dq[(i0 + r) * d..(i0 + r + 1) * d], ds[r][j], kj);
                 }
                 let (dk, dv) = (&mut g.dk[kr.clone()], &mut g.dv[kr]);
-                let (dsj, pj) = (
-                    [0, 1, 2, 3].map(|r| ds[r][j]),
-                    [0, 1, 2, 3].map(|r| p[r][j]),
-                );
+                let dsj: [A; R] = std::array::from_fn(|r| ds[r][j]);
+                let pj: [A; R] = std::array::from_fn(|r| p[r][j]);
                 for c in 0..d {
                     dk[c] = dk[c]
                         + (dsj[0] * q[0][c]
@@ -280,7 +279,7 @@ fn backward_loops<A: Elem>(h: &Head<A>, dims: HeadDims, saved: &Saved<A>, g: Hea
 }
 
 simd_fn!(pub(crate) fn forward[A: Elem](h: &Head<A>, dims: HeadDims, o: &mut [A], lse: &mut [A]) = forward_loops;);
-simd_fn!(pub(crate) fn backward[A: Elem](h: &Head<A>, dims: HeadDims, saved: &Saved<A>, g: HeadGrads<A>) = backward_loops;);
+simd_fn!(pub(crate) fn backward[A: Elem](h: &Head<A>, dims: HeadDims, saved: Saved<A>, g: HeadGrads<A>) = backward_loops;);
 
 #[cfg(test)]
 mod tests {
@@ -374,7 +373,7 @@ mod tests {
             go: goa,
             lse: lse.clone(),
         };
-        backward(&h, dims, &saved, g);
+        backward(&h, dims, saved, g);
         let want = naive(dims, &q, &k, &v, &go);
         let got = [&o, &lse, &dq, &dk, &dv];
         let wants = [&want.0, &want.1, &want.2, &want.3, &want.4];
