@@ -33,9 +33,11 @@
 //! 11. `data` — the shipped corpus and a character tokenizer.
 //! 12. `io` — training state in safetensors, written atomically; memory recordings exported
 //!     for PyTorch's memory_viz, Chrome/Perfetto and the browser.
-//! 13. `job` — the main job: a character-level GPT trained (AdamW or SGD), evaluated, sampled
-//!     and saved.
-//! 14. `demo` — the memory demo: an MLP step with its bytes explained.
+//! 13. `plan` — the planner: any step run on the meta device with a target device's
+//!     allocation policy simulated, giving its peak before it runs (to the byte on the host).
+//! 14. `job` — the main job: a character-level GPT trained (AdamW or SGD), evaluated, sampled
+//!     and saved; its batch refused or fitted to a budget by the planner.
+//! 15. `demo` — the memory demo: an MLP step with its bytes explained.
 
 pub mod amp;
 pub mod autograd;
@@ -49,6 +51,7 @@ pub mod memory;
 pub mod nn;
 pub mod ops;
 pub mod optim;
+pub mod plan;
 pub mod tensor;
 pub mod train;
 

@@ -1,7 +1,12 @@
 //! The meta backend: shapes and allocator accounting only. Its kernels write nothing: the
 //! families' entry functions still validate every operand (shapes, dtypes, lengths) and bump
 //! versions, so a training step can run on it to predict memory — and fail where a real
-//! device would reject its arguments — without touching any data. Reading values is an error.
+//! device would reject its arguments — without touching any data. Reading values is an error,
+//! except while a plan runs (`plan_as`): then every read is zeros, so the host-side code of a
+//! step (a loss logged, a gradient norm, a scaler's inf check) runs through, and the kernels
+//! allocate what the target device's kernels would allocate for themselves (the host's
+//! widened bf16 matmul operands; cuBLAS's workspace and the operand copies it needs), so the
+//! plan counts every byte the real step takes.
 
 use super::attention::{Attention, AttentionBackward, AttentionKernels};
 use super::elementwise::ElementwiseKernels;
@@ -12,10 +17,125 @@ use super::optim::{AdamStep, OptimKernels, SgdStep, UnscaleCheck};
 use super::reduce::ReduceKernels;
 use super::rows::{LayerNorm, LayerNormBackward, RowKernels, Softmax, SoftmaxBackward};
 use super::{Backend, BackendData, BinaryOp, HostValues, ReduceOp, Storage, UnaryOp, View};
-use crate::base::{DType, Device};
+use crate::base::{Category, DType, Device};
 use crate::base::{Error, Result};
+use crate::memory::Allocation;
+use std::sync::{Mutex, MutexGuard};
 
 pub struct MetaBackend;
+
+/// The device a step on the meta device stands in for while a plan runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MetaTarget {
+    /// The CPU backend: exact bytes, host kernels' scratch.
+    Host,
+    /// A CUDA GPU: cuBLAS's workspace and operand copies, the GPU's fused-kernel coverage.
+    Cuda,
+}
+
+struct Planning {
+    target: MetaTarget,
+    /// cuBLAS's workspace, taken at the first GEMM as the real device does, kept to the end.
+    cublas_workspace: Option<Allocation>,
+}
+
+static PLANNING: Mutex<Option<Planning>> = Mutex::new(None);
+
+fn planning() -> MutexGuard<'static, Option<Planning>> {
+    PLANNING.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn planning_target() -> Option<MetaTarget> {
+    planning().as_ref().map(|p| p.target)
+}
+
+/// While alive, the meta device plans for `target` (see the module comment); dropping it ends
+/// the plan and frees what the plan's kernels kept.
+pub struct PlanningScope(());
+
+/// Starts planning for `target`; an error while another plan runs.
+pub fn plan_as(target: MetaTarget) -> Result<PlanningScope> {
+    let mut p = planning();
+    if p.is_some() {
+        return Err(Error::invalid(
+            "plan",
+            "another plan is running on the meta device; plan one configuration at a time",
+        ));
+    }
+    *p = Some(Planning {
+        target,
+        cublas_workspace: None,
+    });
+    Ok(PlanningScope(()))
+}
+
+impl Drop for PlanningScope {
+    fn drop(&mut self) {
+        let ended = planning().take();
+        drop(ended);
+    }
+}
+
+/// A block of the meta allocator that a real kernel would take for itself.
+fn kernel_block(bytes: usize, category: Category, origin: &'static str) -> Result<Allocation> {
+    crate::memory::allocator(Device::Meta)?.malloc(bytes, category, origin)
+}
+
+/// What the host's matmul takes: bf16 products run in f32 on widened copies of both operand
+/// storages and the output (backend/cpu/matmul.rs), unless k = 0 with beta = 0 only fills.
+fn host_matmul_scratch(m: &Matmul) -> Result<Vec<Allocation>> {
+    let skip = m.a.storage.dtype() != DType::BF16 || (m.spec.k == 0 && m.beta == 0.0);
+    if skip {
+        return Ok(Vec::new());
+    }
+    [m.a.storage.len(), m.b.storage.len(), m.out.len()]
+        .into_iter()
+        .map(|n| kernel_block(n * 4, Category::Workspace, "matmul_bf16_widen"))
+        .collect()
+}
+
+/// What cuBLAS takes: its workspace at the first GEMM (kept), and a contiguous copy of each
+/// operand it cannot read by strides (backend/cuda/matmul.rs asks the same question).
+fn cuda_matmul_scratch(m: &Matmul) -> Result<Vec<Allocation>> {
+    let s = m.spec;
+    if s.batch * s.m * s.n == 0 || s.k == 0 {
+        return Ok(Vec::new());
+    }
+    {
+        let mut p = planning();
+        if let Some(p) = p.as_mut()
+            && p.cublas_workspace.is_none()
+        {
+            p.cublas_workspace = Some(kernel_block(
+                super::cuda::CUBLAS_WORKSPACE_BYTES,
+                Category::Workspace,
+                "cublas workspace",
+            )?);
+        }
+    }
+    let mut copies = Vec::new();
+    for v in [&m.a, &m.b] {
+        if let Some(shape) = super::cuda::operand_copy_shape(v.layout) {
+            let bytes = shape.iter().product::<usize>() * v.storage.dtype().size_in_bytes();
+            copies.push(kernel_block(
+                bytes,
+                Category::Temporary,
+                "matmul operand copy",
+            )?);
+        }
+    }
+    Ok(copies)
+}
+
+/// Zeros shaped as `src` reads, for the host code of a planned step.
+fn zeros_like(src: &View) -> HostValues {
+    let n = src.layout.numel();
+    match src.storage.dtype() {
+        DType::I64 | DType::U8 => HostValues::I64(vec![0; n]),
+        DType::F32 => HostValues::F32(vec![0.0; n]),
+        _ => HostValues::F64(vec![0.0; n]),
+    }
+}
 
 impl Backend for MetaBackend {
     fn zeros(&self, _: DType, _: usize, _: u64) -> Result<BackendData> {
@@ -24,7 +144,10 @@ impl Backend for MetaBackend {
     fn upload(&self, _: DType, _: HostValues, _: u64) -> Result<BackendData> {
         Ok(BackendData::Meta)
     }
-    fn to_host(&self, _: View) -> Result<HostValues> {
+    fn to_host(&self, src: View) -> Result<HostValues> {
+        if planning_target().is_some() {
+            return Ok(zeros_like(&src));
+        }
         Err(Error::NotSupportedOnDevice {
             op: "reading values (meta tensors have shapes but no data)",
             device: Device::Meta,
@@ -57,7 +180,13 @@ impl ReduceKernels for MetaBackend {
 }
 
 impl MatmulKernels for MetaBackend {
-    fn matmul(&self, _: &Matmul) -> Result<()> {
+    fn matmul(&self, m: &Matmul) -> Result<()> {
+        // The scratch lives while the "kernel" runs, as the real kernel's does.
+        let _scratch = match planning_target() {
+            Some(MetaTarget::Host) => host_matmul_scratch(m)?,
+            Some(MetaTarget::Cuda) => cuda_matmul_scratch(m)?,
+            None => Vec::new(),
+        };
         Ok(())
     }
 }
@@ -78,10 +207,13 @@ impl RowKernels for MetaBackend {
 }
 
 impl AttentionKernels for MetaBackend {
-    /// The meta device plans the fused path wherever a real device would run it; the
-    /// planner asks the target device, not this one.
-    fn supports_attention(&self, _: DType, _: usize) -> bool {
-        true
+    /// While a plan runs, what the target device's kernels cover; else the fused path.
+    fn supports_attention(&self, dtype: DType, head_dim: usize) -> bool {
+        match planning_target() {
+            Some(MetaTarget::Host) => super::cpu::CpuBackend.supports_attention(dtype, head_dim),
+            Some(MetaTarget::Cuda) => super::cuda::supports_attention(dtype, head_dim),
+            None => true,
+        }
     }
     fn attention(&self, _: &Attention) -> Result<()> {
         Ok(())

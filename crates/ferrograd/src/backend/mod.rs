@@ -31,6 +31,7 @@ pub use matmul::{MatmulKernels, MatmulSpec};
 pub use optim::OptimKernels;
 pub use reduce::{ReduceKernels, ReduceOp};
 pub use rows::RowKernels;
+pub use meta::{MetaTarget, PlanningScope, plan_as};
 pub use storage::{BackendData, Storage};
 
 use crate::base::Result;

@@ -7,7 +7,7 @@ use std::str::FromStr;
 
 use super::CharTokenizer;
 use crate::base::{Error, Result};
-use crate::tensor::{Device, Generator, Tensor};
+use crate::tensor::{DType, Device, Generator, Tensor};
 
 /// The share of the tokens held out for validation (the last 10%, as nanoGPT).
 pub const VAL_FRACTION: f64 = 0.1;
@@ -105,6 +105,9 @@ impl TextDataset {
         g: &mut Generator,
         device: Device,
     ) -> Result<(Tensor, Tensor)> {
+        if device == Device::Meta {
+            return self.meta_batch(split, batch_size, block_size, g);
+        }
         let starts = self.starts(split, batch_size, block_size, g)?;
         let tokens = self.tokens(split);
         let n = batch_size.checked_mul(block_size).ok_or_else(|| {
@@ -125,6 +128,25 @@ impl TextDataset {
         Ok((
             Tensor::from_vec(x, &shape, device)?,
             Tensor::from_vec(y, &shape, device)?,
+        ))
+    }
+
+    /// A batch on the meta device, for a plan: the shapes and bytes of `batch`, no tokens (a
+    /// planned batch may be far larger than the host could gather). The sizes are checked as
+    /// `batch` checks them.
+    fn meta_batch(
+        &self,
+        split: Split,
+        batch_size: usize,
+        block_size: usize,
+        g: &mut Generator,
+    ) -> Result<(Tensor, Tensor)> {
+        // One window (none for an empty batch, which `starts` refuses).
+        self.starts(split, batch_size.min(1), block_size, g)?;
+        let shape = [batch_size, block_size];
+        Ok((
+            Tensor::zeros(&shape, DType::I64, Device::Meta)?,
+            Tensor::zeros(&shape, DType::I64, Device::Meta)?,
         ))
     }
 

@@ -1,57 +1,83 @@
-//! Will the run fit? A prediction of one training step's peak from the model's sizes, made
-//! before anything is allocated, so an impossible batch is refused with the predicted need and
-//! what to change instead of failing half-way (or aborting in a host allocation).
+//! Will the run fit? The job's own model, trainer and steps run on the meta device through the
+//! planner (`plan`), for the device the job trains on, before anything is allocated there: an
+//! impossible batch is refused with the planned need and what to change, and the run's summary
+//! reports the planned peak next to the measured one.
 //!
-//! The estimate, in f32 bytes, with P parameters, L blocks of width C, n_head heads, context
-//! T, vocabulary V and N = batch_size · T tokens per micro-batch:
-//! ```text
-//!   16·P                                weights, gradients and two optimizer-state tensors
-//!                                       (AdamW's moments; SGD keeps one)
-//! + N·L_saved·(16C + 3·n_head·T)·4      activations saved by the blocks that save theirs
-//! + N·L_recomputed·C·4                  the inputs kept by recomputed blocks
-//! + N·(L_recomputed/L)·(16C + 3·n_head·T)·4
-//!                                       one block's activations, rebuilt during backward
-//! + N·V·4·3                             logits, their log-softmax and gradient
-//! ```
-//!
-//! It leaves out what lowers the need (frozen parameters, step in backward, autocast's narrower
-//! activations, SGD's single buffer) and the short-lived temporaries of single ops, so it is a
-//! bound for refusing what cannot fit, not a figure for packing a device to the last byte; the
-//! run's summary reports it next to the measured peak.
+//! The planned run is what the real run does up to its peak: the evaluation before training,
+//! the first two steps (the second is the first with optimizer state from the start, which
+//! every later step repeats byte for byte), and an evaluation after them when the run
+//! evaluates between steps.
 
-use super::TrainJob;
-use crate::base::{Error, Result};
+use super::{TrainJob, build, evaluate, train_step};
+use crate::base::{Device, Error, Result};
+use crate::data::TextDataset;
+use crate::nn::Module;
+use crate::plan::{self, Plan, PlanOptions, Target};
+use crate::tensor::Generator;
 
-/// The predicted peak bytes of one step of `job` with a vocabulary of `vocab` tokens.
-pub fn predicted_peak_bytes(job: &TrainJob, vocab: usize) -> u64 {
-    let m = &job.model;
-    let (c, t, h, l) = (
-        m.n_embd as u128,
-        m.block_size as u128,
-        m.n_head as u128,
-        m.n_layer as u128,
-    );
-    let mut cfg = m.clone();
-    cfg.vocab_size = vocab;
-    let params = cfg.num_params() as u128;
-    let tokens = job.batch_size as u128 * t;
-    let recomputed = (0..m.n_layer)
-        .filter(|&i| job.trainer.recompute.applies_to(i))
-        .count() as u128;
-    let per_token_layer = (16 * c + 3 * h * t) * 4;
-    let blocks = tokens
-        * ((l - recomputed) * per_token_layer + recomputed * (c * 4 + per_token_layer / l.max(1)));
-    let head = tokens * vocab as u128 * 12;
-    let total = 16 * params + blocks + head;
-    u64::try_from(total).unwrap_or(u64::MAX)
+/// The planner's target for a job's device: the host, or a GPU with its free memory.
+pub fn target_of(device: Device) -> Result<Target> {
+    match device {
+        Device::Cpu => Ok(Target::Cpu),
+        Device::Cuda(_) => Ok(Target::Cuda {
+            capacity: crate::backend::available_memory(device)?,
+        }),
+        Device::Meta => Err(Error::invalid(
+            "plan",
+            "the meta device is where plans run, not one to plan for; give --device cpu or cuda",
+        )),
+    }
 }
 
-/// Refuses a run whose predicted peak exceeds what `job.device` can give.
-pub fn check_fits(job: &TrainJob, vocab: usize) -> Result<()> {
-    let needed = predicted_peak_bytes(job, vocab);
-    let available = crate::backend::available_memory(job.device)?;
-    if needed <= available {
-        return Ok(());
+/// Plans `job` for `target` (see the module comment for what is run).
+pub fn plan_job(job: &TrainJob, target: Target, options: PlanOptions) -> Result<Plan> {
+    let data = TextDataset::new(&job.text)?;
+    super::check_text_length(&data, job.model.block_size)?;
+    plan_with_data(job, &data, target, options)
+}
+
+fn plan_with_data(
+    job: &TrainJob,
+    data: &TextDataset,
+    target: Target,
+    options: PlanOptions,
+) -> Result<Plan> {
+    let to_run = job
+        .stop_after
+        .map_or(job.max_steps, |n| n.min(job.max_steps));
+    let steps = to_run.min(2);
+    let evaluates_between = job.eval_every > 0 && job.eval_every < to_run;
+    // One batch per split: every evaluation batch takes the same bytes.
+    let eval_job = TrainJob {
+        eval_batches: 1,
+        ..job.clone()
+    };
+    plan::plan(target, options, |device| {
+        let (mut model, mut trainer) = build(job, data, device)?;
+        model.train(true);
+        let mut rng = Generator::new(job.seed);
+        evaluate(&mut model, data, &eval_job, 0, device)?;
+        for _ in 0..steps {
+            train_step(&mut trainer, &mut model, data, job, &mut rng, device)?;
+        }
+        if evaluates_between {
+            evaluate(&mut model, data, &eval_job, steps, device)?;
+        }
+        Ok(())
+    })
+}
+
+/// Plans the job for its device and refuses it when the plan does not fit what the device
+/// can give; returns the plan.
+pub fn check_fits(job: &TrainJob, data: &TextDataset) -> Result<Plan> {
+    let target = target_of(job.device)?;
+    let plan = plan_with_data(job, data, target, PlanOptions::default())?;
+    let available = match target {
+        Target::Cpu => crate::backend::available_memory(job.device)?,
+        Target::Cuda { capacity } => capacity,
+    };
+    if plan.fits && plan.peak_allocated <= available {
+        return Ok(plan);
     }
     Err(Error::DoesNotFit {
         what: format!(
@@ -59,8 +85,8 @@ pub fn check_fits(job: &TrainJob, vocab: usize) -> Result<()> {
             job.batch_size, job.model.block_size, job.model.n_layer, job.model.n_embd
         ),
         device: job.device,
-        needed,
+        needed: plan.peak_reserved.max(plan.peak_allocated),
         available,
-        hint: "use a smaller --batch-size (with --accum N to keep the effective batch), --recompute every:1, --amp bf16, or a smaller model".into(),
+        hint: "use a smaller --batch-size (with --accum N to keep the effective batch), --recompute every:1, --amp bf16, or a smaller model; `ferrograd plan` lists what fits".into(),
     })
 }

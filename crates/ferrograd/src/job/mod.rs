@@ -18,7 +18,7 @@ use std::time::Instant;
 
 use serde::Serialize;
 
-pub use fit::{check_fits, predicted_peak_bytes};
+pub use fit::{check_fits, plan_job, target_of};
 pub use optimizer::{JobOptimizer, OptimizerChoice, OptimizerSettings};
 pub use sample::sample_text;
 pub use state::{STATE_FORMAT, load_training_state, save_training_state};
@@ -180,8 +180,10 @@ pub struct JobSummary {
     pub step_in_backward: Option<String>,
     /// max_memory_allocated over the run and the categories at that moment.
     pub peak_bytes: u64,
-    /// What `predicted_peak_bytes` said before the run (an estimate that errs high).
+    /// The planner's peak allocated for the run, made before anything was allocated.
     pub predicted_peak_bytes: u64,
+    /// The planner's peak reserved (the caching allocator's on a GPU).
+    pub predicted_peak_reserved_bytes: u64,
     pub by_category_at_peak: std::collections::BTreeMap<String, u64>,
     pub peak_reserved_bytes: u64,
     /// What the leak check found (absent without `detect_leaks`).
@@ -238,25 +240,8 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
     }
     let data = TextDataset::new(&job.text)?;
     check_text_length(&data, job.model.block_size)?;
-    check_fits(job, data.vocab_size())?;
-    let mut cfg = job.model.clone();
-    cfg.vocab_size = data.vocab_size();
-    cfg.seed = job.seed;
-    let mut model = Gpt::new(cfg, job.device)?;
-    model.set_fused_attention(job.fused_attention);
-    let settings = optimizer_settings(job);
-    let mut trainer = Trainer::for_model(&mut model, trainer_config(job)?, job.device, |p| {
-        JobOptimizer::new(p, &settings)
-    })?;
-    if !model.parameters().iter().any(|p| p.requires_grad()) {
-        return Err(Error::invalid(
-            "train",
-            format!(
-                "the --freeze patterns {:?} match every parameter: nothing is left to train; freeze fewer parameters",
-                job.trainer.freeze
-            ),
-        ));
-    }
+    let plan = check_fits(job, &data)?;
+    let (mut model, mut trainer) = build(job, &data, job.device)?;
     let mut data_rng = Generator::new(job.seed ^ 0xDA7A);
     if let Some(path) = &job.resume {
         load_training_state(path, &model, &mut trainer, &mut data_rng, data.tokenizer())?;
@@ -270,7 +255,7 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
     }
     let start_step = trainer.step_index();
     let params = model.config.num_params();
-    let predicted_peak = predicted_peak_bytes(job, data.vocab_size());
+    let predicted_peak = plan.peak_allocated;
     let in_backward = trainer.in_backward_path().cloned();
     let compute_dtype = job.trainer.amp.unwrap_or(DType::F32);
     model.train(true);
@@ -282,7 +267,7 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
         fused_attention: model.attention_fused(compute_dtype),
     });
     memory::reset_peak_memory_stats(job.device)?;
-    let initial_eval = evaluate(&mut model, &data, job, start_step)?;
+    let initial_eval = evaluate(&mut model, &data, job, start_step, job.device)?;
     on_event(&Event::Eval(initial_eval.clone()));
     let end = job
         .stop_after
@@ -322,21 +307,7 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
             };
             return Err(Error::Interrupted { step, detail });
         }
-        let report = trainer.step(|_| {
-            let (x, y) = data.batch(
-                Split::Train,
-                job.batch_size,
-                model.config.block_size,
-                &mut data_rng,
-                job.device,
-            )?;
-            let (_, loss) = model.forward_loss(&x, Some(&y))?;
-            let loss = loss.ok_or_else(|| Error::autograd("the model returned no loss"))?;
-            Ok(MicroBatch {
-                loss,
-                tokens: x.numel(),
-            })
-        })?;
+        let report = train_step(&mut trainer, &mut model, &data, job, &mut data_rng, job.device)?;
         if let Some(check) = &mut leak_check {
             check.mark_step();
         }
@@ -351,7 +322,7 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
             on_event(&Event::MemoryTraced(t.finish(job.device)?));
         }
         if job.eval_every > 0 && step % job.eval_every == 0 && step < end {
-            let e = evaluate(&mut model, &data, job, step)?;
+            let e = evaluate(&mut model, &data, job, step, job.device)?;
             on_event(&Event::Eval(e));
         }
         if let Some(path) = &job.save
@@ -377,7 +348,7 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
     let alloc = memory::allocator(job.device)?;
     let (peak_bytes, at_peak) = (alloc.max_memory_allocated(), alloc.by_category_at_peak());
     let peak_reserved_bytes = alloc.max_memory_reserved();
-    let final_eval = evaluate(&mut model, &data, job, trainer.step_index())?;
+    let final_eval = evaluate(&mut model, &data, job, trainer.step_index(), job.device)?;
     on_event(&Event::Eval(final_eval.clone()));
     if let Some(path) = &job.save {
         save_training_state(path, &model, &mut trainer, &data_rng, data.tokenizer())?;
@@ -406,12 +377,83 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
         optimizer: trainer.with_optimizer(|o| o.name())?.to_string(),
         step_in_backward: in_backward.map(|p| p.to_string()),
         peak_bytes,
-        predicted_peak_bytes: predicted_peak_bytes(job, data.vocab_size()),
+        predicted_peak_bytes: plan.peak_allocated,
+        predicted_peak_reserved_bytes: plan.peak_reserved,
         by_category_at_peak: at_peak.to_map(),
         peak_reserved_bytes,
         leak_check: leak_report.as_ref().map(LeakSummary::from),
         device: job.device.to_string(),
         sample,
+    })
+}
+
+/// The vocabulary the model is built with: the tokenizer's, or a larger one the job asks for
+/// (padded, as GPT-2's 50257 is often padded to 50304; the extra rows are never targets).
+fn model_vocab(job: &TrainJob, data: &TextDataset) -> Result<usize> {
+    let (asked, needed) = (job.model.vocab_size, data.vocab_size());
+    match asked {
+        0 => Ok(needed),
+        v if v >= needed => Ok(v),
+        v => Err(Error::invalid(
+            "train",
+            format!(
+                "--vocab-size {v} is smaller than the text's {needed} characters; give at least {needed}, or leave it out to use the text's"
+            ),
+        )),
+    }
+}
+
+/// The model and trainer of `job` on `device`, built as every run builds them (the planner
+/// builds them on the meta device).
+fn build(
+    job: &TrainJob,
+    data: &TextDataset,
+    device: Device,
+) -> Result<(Gpt, Trainer<JobOptimizer>)> {
+    let mut cfg = job.model.clone();
+    cfg.vocab_size = model_vocab(job, data)?;
+    cfg.seed = job.seed;
+    let mut model = Gpt::new(cfg, device)?;
+    model.set_fused_attention(job.fused_attention);
+    let settings = optimizer_settings(job);
+    let trainer = Trainer::for_model(&mut model, trainer_config(job)?, device, |p| {
+        JobOptimizer::new(p, &settings)
+    })?;
+    if !model.parameters().iter().any(|p| p.requires_grad()) {
+        return Err(Error::invalid(
+            "train",
+            format!(
+                "the --freeze patterns {:?} match every parameter: nothing is left to train; freeze fewer parameters",
+                job.trainer.freeze
+            ),
+        ));
+    }
+    Ok((model, trainer))
+}
+
+/// One training step on a batch drawn from `rng`.
+fn train_step(
+    trainer: &mut Trainer<JobOptimizer>,
+    model: &mut Gpt,
+    data: &TextDataset,
+    job: &TrainJob,
+    rng: &mut Generator,
+    device: Device,
+) -> Result<StepReport> {
+    trainer.step(|_| {
+        let (x, y) = data.batch(
+            Split::Train,
+            job.batch_size,
+            model.config.block_size,
+            rng,
+            device,
+        )?;
+        let (_, loss) = model.forward_loss(&x, Some(&y))?;
+        let loss = loss.ok_or_else(|| Error::autograd("the model returned no loss"))?;
+        Ok(MicroBatch {
+            loss,
+            tokens: x.numel(),
+        })
     })
 }
 
@@ -504,7 +546,13 @@ fn trainer_config(job: &TrainJob) -> Result<TrainerConfig> {
 
 /// Mean loss over `eval_batches` of each split, in eval mode and under no_grad. Batches come
 /// from a generator seeded by the step, so evaluation never shifts the training batches.
-fn evaluate(model: &mut Gpt, data: &TextDataset, job: &TrainJob, step: u64) -> Result<EvalReport> {
+fn evaluate(
+    model: &mut Gpt,
+    data: &TextDataset,
+    job: &TrainJob,
+    step: u64,
+    device: Device,
+) -> Result<EvalReport> {
     let _g = no_grad();
     let _phase = memory::recorder::phase_scope(memory::recorder::Phase::Evaluation);
     model.eval();
@@ -517,7 +565,7 @@ fn evaluate(model: &mut Gpt, data: &TextDataset, job: &TrainJob, step: u64) -> R
                 job.batch_size,
                 model.config.block_size,
                 &mut g,
-                job.device,
+                device,
             )?;
             let (_, loss) = model.forward_loss(&x, Some(&y))?;
             if let Some(l) = loss {

@@ -6,9 +6,15 @@ use crate::base::{DType, Device, Error, Result};
 
 use super::CudaDevice;
 
+/// Whether the fused kernels cover `dtype` and `head_dim` on a GPU (none yet: attention runs
+/// as matmul, softmax, matmul). A free function, so the planner can ask without a GPU.
+pub(crate) fn supports(_dtype: DType, _head_dim: usize) -> bool {
+    false
+}
+
 impl AttentionKernels for CudaDevice {
-    fn supports_attention(&self, _: DType, _: usize) -> bool {
-        false
+    fn supports_attention(&self, dtype: DType, head_dim: usize) -> bool {
+        supports(dtype, head_dim)
     }
     fn attention(&self, _: &Attention) -> Result<()> {
         Err(Error::NotSupportedOnDevice {

@@ -28,8 +28,9 @@ use crate::base::{DType, Device, Layout};
 use crate::base::{Error, Result};
 use crate::memory::{Allocation, Category};
 
-/// cuBLAS workspace per device (NVIDIA's recommendation for Hopper).
-const WORKSPACE_BYTES: usize = 32 << 20;
+/// cuBLAS workspace per device (NVIDIA's recommendation for Hopper). The planner allocates
+/// the same block when it plans for a GPU.
+pub(crate) const WORKSPACE_BYTES: usize = 32 << 20;
 
 /// `out = a @ b + beta·out`; beta = 0 does not read `out` (cuBLAS's contract).
 pub(crate) fn matmul_acc(
@@ -222,25 +223,35 @@ struct Prepared {
     layout: Layout,
 }
 
+/// The shape of the contiguous copy cuBLAS needs of an operand, or None when it reads the
+/// operand as it is. Broadcast batch dims stay broadcast (one copy of the matrix, stride 0
+/// after); only the distinct matrices are copied. The planner asks the same question to
+/// count the copy's bytes when it plans for a GPU.
+pub(crate) fn operand_copy_shape(l: &Layout) -> Option<Vec<usize>> {
+    let (rows, cols, rs, cs) = last2(l);
+    if matrix_form(rows, cols, rs, cs).is_some() {
+        return None;
+    }
+    let r = l.rank();
+    Some(
+        l.shape()
+            .iter()
+            .zip(l.strides())
+            .enumerate()
+            .map(|(i, (&n, &s))| if i < r - 2 && s == 0 { 1 } else { n })
+            .collect(),
+    )
+}
+
 impl Prepared {
     fn new(d: &CudaDevice, v: View) -> Result<Prepared> {
-        let (rows, cols, rs, cs) = last2(v.layout);
-        if matrix_form(rows, cols, rs, cs).is_some() {
+        let Some(compact) = operand_copy_shape(v.layout) else {
             return Ok(Prepared {
                 copy: None,
                 layout: v.layout.clone(),
             });
-        }
-        // Broadcast batch dims stay broadcast (one copy of the matrix, stride 0 after);
-        // only the distinct matrices are made contiguous.
-        let r = v.layout.rank();
+        };
         let shape = v.layout.shape();
-        let compact: Vec<usize> = shape
-            .iter()
-            .zip(v.layout.strides())
-            .enumerate()
-            .map(|(i, (&n, &s))| if i < r - 2 && s == 0 { 1 } else { n })
-            .collect();
         let src = Layout::new(
             compact.clone(),
             v.layout.strides().to_vec(),

@@ -22,6 +22,10 @@ mod rows;
 pub use device::{CudaDevice, allow_tf32, device, device_count, driver_present, set_allow_tf32};
 pub use info::{CudaInfo, GpuInfo, cuda_info};
 pub use memory::CudaMemory;
+// What the planner asks of a GPU without one: the fused attention's coverage, cuBLAS's
+// workspace, and which matmul operands cuBLAS needs copied.
+pub(crate) use attention::supports as supports_attention;
+pub(crate) use matmul::{WORKSPACE_BYTES as CUBLAS_WORKSPACE_BYTES, operand_copy_shape};
 
 use super::{Backend, BackendData, HostValues, Storage, View};
 use crate::base::{DType, Device};
