@@ -17,6 +17,7 @@ use crate::io::memory_trace::{check_trace_dir, write_memory_trace};
 use crate::memory::recorder::{self, Phase, RecorderConfig};
 use crate::memory::{self, Category, format_size};
 use crate::nn::{Linear, Module, Relu, Sequential};
+use crate::plan::{Plan, PlanOptions};
 use crate::tensor::{DType, Device, Generator, Tensor};
 
 #[derive(Clone, Debug)]
@@ -52,6 +53,8 @@ pub struct DemoReport {
     pub before_backward_bytes: u64,
     pub after_backward_bytes: u64,
     pub peak_bytes: u64,
+    /// The planner's peak for the demo, made on the meta device before it ran.
+    pub planned_peak_bytes: u64,
     pub reserved_bytes: u64,
     pub by_category_before: std::collections::BTreeMap<String, u64>,
     pub by_category: std::collections::BTreeMap<String, u64>,
@@ -91,20 +94,19 @@ fn sizes(cfg: &DemoConfig) -> Result<(u64, u64)> {
     }
 }
 
-/// Refuses sizes whose predicted peak exceeds what the device can give, before allocating.
-fn check_fits(cfg: &DemoConfig, p: u64, a: u64) -> Result<()> {
-    let needed = 2 * p + 3 * a + 4;
-    let available = crate::backend::available_memory(cfg.device)?;
-    if needed > available {
-        return Err(Error::DoesNotFit {
-            what: format!("the demo with --dim {} --batch {}", cfg.dim, cfg.batch),
-            device: cfg.device,
-            needed,
-            available,
-            hint: "use a smaller --dim (memory grows with dim²) or --batch".into(),
-        });
-    }
-    Ok(())
+/// The demo planned for `cfg.device` on the meta device: nothing is allocated where it will
+/// run.
+pub fn plan(cfg: &DemoConfig) -> Result<Plan> {
+    let (p, a) = sizes(cfg)?;
+    let target = crate::job::target_of(cfg.device)?;
+    crate::plan::plan(target, PlanOptions::default(), |device| {
+        let on_meta = DemoConfig {
+            device,
+            memory_trace: None,
+            ..cfg.clone()
+        };
+        measure(&on_meta, p, a).map(drop)
+    })
 }
 
 /// Runs the demo and measures it.
@@ -116,12 +118,20 @@ pub fn run(cfg: &DemoConfig) -> Result<DemoReport> {
         ));
     }
     let (p, a) = sizes(cfg)?;
-    check_fits(cfg, p, a)?;
+    let planned = plan(cfg)?;
+    planned.check_fits(
+        cfg.device,
+        format!("the demo with --dim {} --batch {}", cfg.dim, cfg.batch),
+        "use a smaller --dim (memory grows with dim²) or --batch",
+    )?;
     if let Some(dir) = &cfg.memory_trace {
         check_trace_dir(dir)?;
         recorder::start(RecorderConfig::default())?;
     }
-    let measured = measure(cfg, p, a);
+    let measured = measure(cfg, p, a).map(|r| DemoReport {
+        planned_peak_bytes: planned.peak_allocated,
+        ..r
+    });
     let Some(dir) = &cfg.memory_trace else {
         return measured;
     };
@@ -166,6 +176,7 @@ fn measure(cfg: &DemoConfig, p: u64, a: u64) -> Result<DemoReport> {
         before_backward_bytes: before,
         after_backward_bytes: alloc.memory_allocated() - base,
         peak_bytes: alloc.max_memory_allocated() - base,
+        planned_peak_bytes: 0,
         reserved_bytes: alloc.memory_reserved(),
         by_category_before,
         by_category: alloc.by_category().to_map(),
@@ -222,6 +233,21 @@ pub fn render(r: &DemoReport) -> String {
         format!(
             "= P + gradients P + input A + output A + ReLU-input gradient A (alive while the first layer's weight gradient is made) + the 4-byte loss ({})",
             check(r.peak_bytes, r.expected_peak())
+        ),
+    );
+    s += &row(
+        "planned peak",
+        r.planned_peak_bytes,
+        format!(
+            "the same step run on the meta device before the demo ran ({})",
+            if r.planned_peak_bytes == r.peak_bytes {
+                "exact".to_string()
+            } else {
+                format!(
+                    "{:+} bytes",
+                    r.peak_bytes as i64 - r.planned_peak_bytes as i64
+                )
+            }
         ),
     );
     s += &row("reserved", r.reserved_bytes, reserved_line(&r.device));

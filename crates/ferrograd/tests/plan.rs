@@ -4,11 +4,15 @@
 
 use std::sync::Mutex;
 
-use ferrograd::job::{self, TrainJob};
-use ferrograd::nn::{GptConfig, Recompute};
-use ferrograd::plan::{PlanOptions, Target};
+use ferrograd::autograd::{CustomFunction, FunctionCtx, apply_custom};
+use ferrograd::demo::{self, DemoConfig};
+use ferrograd::job::{self, OptimizerChoice, TrainJob};
+use ferrograd::memory::{self, Category};
+use ferrograd::nn::{GptConfig, Linear, Module, Recompute};
+use ferrograd::optim::{Adam, AdamConfig, Optimizer};
+use ferrograd::plan::{self, PlanOptions, Target};
 use ferrograd::train::TrainerConfig;
-use ferrograd::DType;
+use ferrograd::{DType, Device, Generator, Tensor};
 
 /// Runs share the CPU allocator's statistics: one at a time.
 static LOCK: Mutex<()> = Mutex::new(());
@@ -57,8 +61,14 @@ fn planned_and_measured(job: &TrainJob) -> ((u64, Vec<(String, u64)>), (u64, Vec
         .into_iter()
         .filter(|(_, v)| *v > 0)
         .collect();
-    assert_eq!(s.predicted_peak_bytes, plan.peak_allocated, "the run's own plan");
-    ((plan.peak_allocated, planned_cats), (s.peak_bytes, measured_cats))
+    assert_eq!(
+        s.predicted_peak_bytes, plan.peak_allocated,
+        "the run's own plan"
+    );
+    (
+        (plan.peak_allocated, planned_cats),
+        (s.peak_bytes, measured_cats),
+    )
 }
 
 #[test]
@@ -79,4 +89,152 @@ fn bf16_recompute_accumulation_and_clipping_are_planned_to_the_byte() {
     });
     let (planned, measured) = planned_and_measured(&job);
     assert_eq!(planned, measured);
+}
+
+/// Every combination of precision, recomputation, accumulation, clipping, freezing, step in
+/// backward and zero_grad mode (those the Trainer accepts), with the optimizer, dropout and
+/// the attention path rotating through the cases: planned = measured, to the byte, in total
+/// and per category.
+#[test]
+fn every_strategy_combination_is_planned_to_the_byte() {
+    let mut cases = 0;
+    for amp in [None, Some(DType::BF16), Some(DType::F16)] {
+        for recompute in [Recompute::Off, Recompute::Every(1), Recompute::Every(2)] {
+            for accum in [1, 2] {
+                for clip in [None, Some(0.5)] {
+                    for freeze in [vec![], vec!["transformer.h.0.*".to_string()]] {
+                        for step_in_backward in [false, true] {
+                            for set_to_none in [true, false] {
+                                let trainer = TrainerConfig {
+                                    amp,
+                                    recompute,
+                                    accum,
+                                    clip,
+                                    freeze: freeze.clone(),
+                                    step_in_backward,
+                                    set_to_none,
+                                    ..TrainerConfig::default()
+                                };
+                                if trainer.validate().is_err() {
+                                    continue;
+                                }
+                                let mut job = small_job(trainer);
+                                job.optimizer =
+                                    [OptimizerChoice::AdamW, OptimizerChoice::Sgd][cases % 2];
+                                job.model.dropout = [0.0, 0.1, 0.0][cases % 3];
+                                job.fused_attention = cases % 5 != 0;
+                                job.eval_every = [0, 1][cases % 2];
+                                let (planned, measured) = planned_and_measured(&job);
+                                assert_eq!(planned, measured, "case {cases}: {:?}", job.trainer);
+                                cases += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(cases > 150, "{cases} combinations checked");
+}
+
+#[test]
+fn the_demo_mlp_is_planned_to_the_byte() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let cfg = DemoConfig {
+        dim: 96,
+        batch: 40,
+        ..DemoConfig::default()
+    };
+    let plan = demo::plan(&cfg).unwrap();
+    let report = demo::run(&cfg).unwrap();
+    assert_eq!(plan.peak_allocated, report.peak_bytes);
+    assert_eq!(plan.peak_allocated, report.expected_peak());
+    assert_eq!(report.planned_peak_bytes, report.peak_bytes);
+    // The host caches nothing: reserved is allocated.
+    assert_eq!(plan.peak_reserved, plan.peak_allocated);
+}
+
+/// y = x·σ(x) (SiLU) as a custom function that saves its input and σ(x) for backward.
+struct Silu;
+
+impl CustomFunction for Silu {
+    fn name(&self) -> &'static str {
+        "silu"
+    }
+    fn forward(&mut self, ctx: &mut FunctionCtx, inputs: &[Tensor]) -> ferrograd::Result<Tensor> {
+        let x = &inputs[0];
+        let s = x.sigmoid()?;
+        ctx.save_for_backward(&[x, &s]);
+        x.mul(&s)
+    }
+    fn backward(
+        &mut self,
+        ctx: &FunctionCtx,
+        g: &Tensor,
+    ) -> ferrograd::Result<Vec<Option<Tensor>>> {
+        let saved = ctx.saved_tensors();
+        let (x, s) = (&saved[0], &saved[1]);
+        // σ + x·σ·(1 − σ)
+        let one_minus = s.neg()?.add_scalar(1.0)?;
+        let d = s.add(&x.mul(s)?.mul(&one_minus)?)?;
+        Ok(vec![Some(g.mul(&d)?)])
+    }
+}
+
+/// Linear → custom SiLU → Linear.
+struct SiluMlp {
+    up: Linear,
+    down: Linear,
+}
+
+impl Module for SiluMlp {
+    fn forward(&self, x: &Tensor) -> ferrograd::Result<Tensor> {
+        let h = self.up.forward(x)?;
+        let h = apply_custom(Silu, &[h])?;
+        self.down.forward(&h)
+    }
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let mut p = self.up.named_parameters();
+        p.extend(self.down.named_parameters());
+        p
+    }
+}
+
+/// Two AdamW steps of the custom module on `device`, everything dropped at the end.
+fn custom_steps(device: Device) -> ferrograd::Result<()> {
+    let mut g = Generator::new(3);
+    let model = SiluMlp {
+        up: Linear::new(24, 64, true, device, &mut g)?,
+        down: Linear::new(64, 8, true, device, &mut g)?,
+    };
+    let mut opt = Adam::adamw(model.parameters(), AdamConfig::default())?;
+    for _ in 0..2 {
+        let x = Tensor::randn_with(&[16, 24], DType::F32, device, &mut g)?;
+        let y = Tensor::randn_with(&[16, 8], DType::F32, device, &mut g)?;
+        model.forward(&x)?.mse_loss(&y)?.backward()?;
+        opt.step()?;
+        opt.zero_grad_with(true)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn a_custom_module_with_a_custom_function_is_planned_to_the_byte() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let plan = plan::plan(Target::Cpu, PlanOptions::default(), custom_steps).unwrap();
+    let cpu = memory::allocator(Device::Cpu).unwrap();
+    let base = cpu.memory_allocated();
+    let base_cats = cpu.by_category();
+    cpu.reset_peak_memory_stats();
+    custom_steps(Device::Cpu).unwrap();
+    assert_eq!(plan.peak_allocated, cpu.max_memory_allocated() - base);
+    let at_peak = cpu.by_category_at_peak();
+    for c in Category::ALL {
+        assert_eq!(
+            plan.by_category_at_peak.get(c),
+            at_peak.get(c) - base_cats.get(c),
+            "{c}"
+        );
+    }
+    assert!(plan.by_category_at_peak.get(Category::OptimizerState) > 0);
 }

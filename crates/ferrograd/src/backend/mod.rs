@@ -28,10 +28,10 @@ pub use elementwise::{BinaryOp, ElementwiseKernels, UnaryOp};
 pub use index::IndexKernels;
 pub use loss::LossKernels;
 pub use matmul::{MatmulKernels, MatmulSpec};
+pub use meta::{MetaTarget, PlanningScope, plan_as};
 pub use optim::OptimKernels;
 pub use reduce::{ReduceKernels, ReduceOp};
 pub use rows::RowKernels;
-pub use meta::{MetaTarget, PlanningScope, plan_as};
 pub use storage::{BackendData, Storage};
 
 use crate::base::Result;

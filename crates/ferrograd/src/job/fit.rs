@@ -70,23 +70,14 @@ fn plan_with_data(
 /// Plans the job for its device and refuses it when the plan does not fit what the device
 /// can give; returns the plan.
 pub fn check_fits(job: &TrainJob, data: &TextDataset) -> Result<Plan> {
-    let target = target_of(job.device)?;
-    let plan = plan_with_data(job, data, target, PlanOptions::default())?;
-    let available = match target {
-        Target::Cpu => crate::backend::available_memory(job.device)?,
-        Target::Cuda { capacity } => capacity,
-    };
-    if plan.fits && plan.peak_allocated <= available {
-        return Ok(plan);
-    }
-    Err(Error::DoesNotFit {
-        what: format!(
+    let plan = plan_with_data(job, data, target_of(job.device)?, PlanOptions::default())?;
+    plan.check_fits(
+        job.device,
+        format!(
             "training with --batch-size {} --block-size {} ({} layers of width {})",
             job.batch_size, job.model.block_size, job.model.n_layer, job.model.n_embd
         ),
-        device: job.device,
-        needed: plan.peak_reserved.max(plan.peak_allocated),
-        available,
-        hint: "use a smaller --batch-size (with --accum N to keep the effective batch), --recompute every:1, --amp bf16, or a smaller model; `ferrograd plan` lists what fits".into(),
-    })
+        "use a smaller --batch-size (with --accum N to keep the effective batch), --recompute every:1, --amp bf16, or a smaller model; `ferrograd plan` lists what fits",
+    )?;
+    Ok(plan)
 }

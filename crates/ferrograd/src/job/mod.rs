@@ -307,7 +307,14 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
             };
             return Err(Error::Interrupted { step, detail });
         }
-        let report = train_step(&mut trainer, &mut model, &data, job, &mut data_rng, job.device)?;
+        let report = train_step(
+            &mut trainer,
+            &mut model,
+            &data,
+            job,
+            &mut data_rng,
+            job.device,
+        )?;
         if let Some(check) = &mut leak_check {
             check.mark_step();
         }

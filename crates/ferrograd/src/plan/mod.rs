@@ -18,7 +18,7 @@ pub use peaks::{PeakSite, PhasePeak};
 
 use crate::backend::{MetaTarget, plan_as};
 use crate::base::{CategoryBytes, Device, Error, Result, format_size};
-use crate::memory::recorder::{self, Recording, RecorderConfig};
+use crate::memory::recorder::{self, RecorderConfig, Recording};
 use crate::memory::{self, CachingPolicy, HostPolicy, Policy, SimulatedDevice};
 
 /// The device a plan is made for.
@@ -83,6 +83,31 @@ pub struct Plan {
     pub fits: bool,
     /// Every allocator event of the planned run (recorded plans only).
     pub recording: Option<Recording>,
+}
+
+impl Plan {
+    /// Refuses the plan when it does not fit what `device` can give now: the host's available
+    /// memory, or the GPU capacity the plan simulated. `what` names the run, `hint` what to
+    /// change.
+    pub fn check_fits(&self, device: Device, what: String, hint: &str) -> Result<()> {
+        let (needed, available) = match self.target {
+            Target::Cpu => (
+                self.peak_allocated,
+                crate::backend::available_memory(device)?,
+            ),
+            Target::Cuda { capacity } => (self.peak_reserved.max(self.peak_allocated), capacity),
+        };
+        if self.fits && needed <= available {
+            return Ok(());
+        }
+        Err(Error::DoesNotFit {
+            what,
+            device,
+            needed,
+            available,
+            hint: hint.to_string(),
+        })
+    }
 }
 
 /// How a plan is made.
