@@ -20,6 +20,9 @@ pub struct Cli {
 enum Command {
     /// Train a character-level GPT (the main job; the default without a subcommand).
     Train(Box<crate::train::TrainArgs>),
+    /// The peak memory of `train` with the same flags, planned before anything runs: by
+    /// category and phase, with alternatives, and what fits a --budget.
+    Plan(Box<crate::plan::PlanArgs>),
     /// Gradient memory of Linear-ReLU-Linear, before/after backward, peak, by category.
     Demo(DemoArgs),
     /// Devices, their memory, and library versions.
@@ -53,6 +56,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
     let default = || Command::Train(Box::new(crate::train::TrainArgs::defaults()));
     match cli.command.unwrap_or_else(default) {
         Command::Train(a) => crate::train::run(*a),
+        Command::Plan(a) => crate::plan::run(*a),
         Command::Demo(a) => run_demo(a),
         Command::Info => run_info(),
     }

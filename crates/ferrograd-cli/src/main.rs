@@ -1,8 +1,9 @@
-//! The `ferrograd` command: `train` (the main job: a GPT on the shipped corpus), `demo`
-//! (gradient memory, byte by byte) and `info` (devices). With no subcommand it trains on its
-//! defaults.
+//! The `ferrograd` command: `train` (the main job: a GPT on the shipped corpus), `plan` (its
+//! memory before it runs), `demo` (gradient memory, byte by byte) and `info` (devices). With
+//! no subcommand it trains on its defaults.
 
 mod cli;
+mod plan;
 mod train;
 
 use std::process::ExitCode;

@@ -18,7 +18,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 pub struct TrainArgs {
     /// cpu, cuda, cuda:N
     #[arg(long, default_value = "cpu")]
-    device: String,
+    pub(crate) device: String,
     /// Total optimizer steps (the learning-rate schedule's length).
     #[arg(long, default_value_t = 800)]
     max_steps: u64,
@@ -115,7 +115,7 @@ pub struct TrainArgs {
     /// memory_report.html into DIR. Checked before training: DIR must be a writable folder, or
     /// not exist yet inside one.
     #[arg(long, value_name = "DIR")]
-    memory_trace: Option<PathBuf>,
+    pub(crate) memory_trace: Option<PathBuf>,
     /// Steps recorded by --memory-trace, from the run's first.
     #[arg(long, default_value_t = 2, value_name = "N")]
     memory_trace_steps: u64,
@@ -127,10 +127,18 @@ pub struct TrainArgs {
     /// kept outside any graph, a growing cache).
     #[arg(long)]
     detect_leaks: bool,
+    /// The model's vocabulary: 0 uses the text's characters; a larger value pads it (GPT-2's
+    /// 50257, say, to plan or train a GPT-2-sized output layer on the shipped text).
+    #[arg(long, default_value_t = 0)]
+    vocab_size: usize,
+    /// Choose the micro-batch, accumulation and recomputation that fit this much memory
+    /// (e.g. 24GiB), print the plan, and train with it (see `ferrograd plan --budget`).
+    #[arg(long, value_name = "SIZE", value_parser = crate::plan::parse_size)]
+    fit_budget: Option<u64>,
     /// End with one JSON object (initial_loss, final_loss, steps, tokens_per_s, peak_bytes,
     /// by_category_at_peak, ...) instead of the report.
     #[arg(long)]
-    json: bool,
+    pub(crate) json: bool,
 }
 
 /// The autocast dtype chosen by --amp (None: f32 throughout).
@@ -161,7 +169,7 @@ impl TrainArgs {
         TrainArgs::parse_from(["train"])
     }
 
-    fn to_job(&self) -> anyhow::Result<TrainJob> {
+    pub(crate) fn to_job(&self) -> anyhow::Result<TrainJob> {
         let base = TrainJob::default();
         if let Some(path) = &self.save {
             ferrograd::io::check_output_path(path)?;
@@ -186,6 +194,7 @@ impl TrainArgs {
                 n_head: self.n_head,
                 n_embd: self.n_embd,
                 dropout: self.dropout,
+                vocab_size: self.vocab_size,
                 ..base.model.clone()
             },
             batch_size: self.batch_size,
@@ -266,7 +275,10 @@ pub fn interrupted_exit_code() -> Option<u8> {
 }
 
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
-    let job = args.to_job()?;
+    let mut job = args.to_job()?;
+    if let Some(budget) = args.fit_budget {
+        job = crate::plan::fit_to_budget(job, budget, args.json)?;
+    }
     match train(&args, &job) {
         Err(e) => match e.downcast_ref::<ferrograd::Error>() {
             // Not a failure: the run the state belongs to is complete.
@@ -306,7 +318,7 @@ fn train(args: &TrainArgs, job: &TrainJob) -> anyhow::Result<()> {
         } => {
             bar.set_position(*start_step);
             log.push(format!(
-                "model: {params} parameters, device {}, starting at step {start_step}; predicted peak {}",
+                "model: {params} parameters, device {}, starting at step {start_step}; planned peak {}",
                 job.device,
                 format_size(*predicted_peak)
             ));
@@ -386,9 +398,16 @@ fn render(s: &JobSummary, log: &[String]) -> String {
         s.initial_loss, s.final_loss, s.initial_eval.val_loss, s.final_eval.val_loss
     );
     out += &format!(
-        "peak memory {} allocated (predicted {}):",
+        "peak memory {} allocated (planned {}{}), {} reserved (planned {}):",
         format_size(s.peak_bytes),
-        format_size(s.predicted_peak_bytes)
+        format_size(s.predicted_peak_bytes),
+        if s.peak_bytes == s.predicted_peak_bytes {
+            ", exact"
+        } else {
+            ""
+        },
+        format_size(s.peak_reserved_bytes),
+        format_size(s.predicted_peak_reserved_bytes),
     );
     for (name, bytes) in s.by_category_at_peak.iter().filter(|(_, b)| **b > 0) {
         out += &format!(" {name} {}", format_size(*bytes));

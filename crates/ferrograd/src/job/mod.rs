@@ -5,6 +5,7 @@
 //! The loop reports through `Event`s, so the command line can draw a progress bar and tests
 //! can watch every step.
 
+mod budget;
 mod fit;
 mod optimizer;
 mod sample;
@@ -18,6 +19,9 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+pub use budget::{
+    Alternative, BatchSteps, FIT_RULE, Fitted, alternatives, choose_for_budget, fit_budget,
+};
 pub use fit::{check_fits, plan_job, target_of};
 pub use optimizer::{JobOptimizer, OptimizerChoice, OptimizerSettings};
 pub use sample::sample_text;

@@ -85,7 +85,31 @@ pub struct Plan {
     pub recording: Option<Recording>,
 }
 
+/// A plan's figures without its recording, for `--json`.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct PlanSummary {
+    pub target: String,
+    pub fits: bool,
+    pub peak_allocated: u64,
+    pub peak_reserved: u64,
+    pub by_category_at_peak: std::collections::BTreeMap<String, u64>,
+    pub at_peak: Option<PeakSite>,
+    pub phases: Vec<PhasePeak>,
+}
+
 impl Plan {
+    pub fn summary(&self) -> PlanSummary {
+        PlanSummary {
+            target: self.target.to_string(),
+            fits: self.fits,
+            peak_allocated: self.peak_allocated,
+            peak_reserved: self.peak_reserved,
+            by_category_at_peak: self.by_category_at_peak.to_map(),
+            at_peak: self.at_peak.clone(),
+            phases: self.phases.clone(),
+        }
+    }
+
     /// Refuses the plan when it does not fit what `device` can give now: the host's available
     /// memory, or the GPU capacity the plan simulated. `what` names the run, `hint` what to
     /// change.

@@ -4,7 +4,7 @@
 use serde::Serialize;
 
 use crate::base::Device;
-use crate::memory::recorder::{Action, Recording};
+use crate::memory::recorder::{Action, Phase, Recording};
 
 /// The highest `memory_allocated` during one stretch of a phase.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize)]
@@ -42,12 +42,17 @@ pub(super) fn analyse(rec: &Recording, peak: u64) -> (Vec<PhasePeak>, Option<Pea
             Action::Free => live = live.saturating_sub(e.size),
             _ => continue,
         }
-        let phase = e.phase.name();
+        // "other" is the glue between phases (a loss scaled, a graph torn down): it belongs to
+        // the phase it follows.
+        let phase = match (e.phase, phases.last()) {
+            (Phase::Other, Some(p)) if p.step == e.step => p.phase.clone(),
+            _ => e.phase.name().to_string(),
+        };
         match phases.last_mut() {
             Some(p) if p.step == e.step && p.phase == phase => p.peak = p.peak.max(live),
             _ => phases.push(PhasePeak {
                 step: e.step,
-                phase: phase.to_string(),
+                phase: phase.clone(),
                 peak: live,
             }),
         }
@@ -55,7 +60,7 @@ pub(super) fn analyse(rec: &Recording, peak: u64) -> (Vec<PhasePeak>, Option<Pea
             at_peak = Some(PeakSite {
                 op: e.origin.op.to_string(),
                 module: rec.module_name(e.origin.module).to_string(),
-                phase: phase.to_string(),
+                phase,
                 step: e.step,
                 category: e.category.to_string(),
                 bytes: e.size,
