@@ -216,7 +216,7 @@ fn render_plan(job: &TrainJob, p: &Plan) -> String {
 
 fn render_alternatives(rows: &[Alternative]) -> String {
     let mut s = format!(
-        "alternatives (each planned the same way):\n  {:<40} {:>6} {:>14} {:>14} {:>8}\n",
+        "alternatives (each planned the same way):\n  {:<40} {:>6} {:>14} {:>14} {:>8}  fits\n",
         "flags", "batch", "peak alloc", "peak reserved", "change"
     );
     for r in rows {
@@ -226,12 +226,13 @@ fn render_alternatives(rows: &[Alternative]) -> String {
             &r.flags
         };
         s += &format!(
-            "  {:<40} {:>6} {:>14} {:>14} {:>+7.1}%\n",
+            "  {:<40} {:>6} {:>14} {:>14} {:>+7.1}%  {}\n",
             flags,
             r.batch_size,
             format_size(r.peak_allocated),
             format_size(r.peak_reserved),
-            r.change_percent
+            r.change_percent,
+            if r.fits { "yes" } else { "no" }
         );
     }
     s

@@ -688,7 +688,7 @@ fn train_fit_budget_picks_a_configuration_and_stays_within_it() {
     let out = ferrograd(&args);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
-    assert!(err.contains("fit to 1.00 MiB") && err.contains("rule:"), "{err}");
+    assert!(err.contains("fit to 1024.00 KiB") && err.contains("rule:"), "{err}");
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(v["peak_bytes"].as_u64().unwrap() <= 1 << 20, "{v}");
     assert_eq!(v["peak_bytes"], v["predicted_peak_bytes"]);

@@ -286,6 +286,7 @@ pub fn to_json(r: &DemoReport) -> serde_json::Value {
         "before_backward_bytes": r.before_backward_bytes,
         "after_backward_bytes": r.after_backward_bytes,
         "peak_bytes": r.peak_bytes,
+        "planned_peak_bytes": r.planned_peak_bytes,
         "reserved_bytes": r.reserved_bytes,
         "by_category": r.by_category,
         "by_category_before_backward": r.by_category_before,

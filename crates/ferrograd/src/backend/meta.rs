@@ -127,6 +127,11 @@ fn cuda_matmul_scratch(m: &Matmul) -> Result<Vec<Allocation>> {
     Ok(copies)
 }
 
+/// A CUDA kernel's temporary of `bytes`, as `launch::temp` takes it.
+fn cuda_temp(bytes: usize, origin: &'static str) -> Result<Allocation> {
+    kernel_block(super::cuda::temp_bytes(bytes), Category::Temporary, origin)
+}
+
 /// Zeros shaped as `src` reads, for the host code of a planned step.
 fn zeros_like(src: &View) -> HostValues {
     let n = src.layout.numel();
@@ -201,7 +206,12 @@ impl RowKernels for MetaBackend {
     fn layer_norm(&self, _: &LayerNorm) -> Result<()> {
         Ok(())
     }
-    fn layer_norm_backward(&self, _: &LayerNormBackward) -> Result<()> {
+    fn layer_norm_backward(&self, a: &LayerNormBackward) -> Result<()> {
+        let bytes = match planning_target() {
+            Some(MetaTarget::Cuda) => super::cuda::layer_norm_param_scratch_bytes(a),
+            _ => None,
+        };
+        let _partials = bytes.map(|b| cuda_temp(b, "layer_norm_backward")).transpose()?;
         Ok(())
     }
 }
@@ -224,7 +234,11 @@ impl AttentionKernels for MetaBackend {
 }
 
 impl LossKernels for MetaBackend {
-    fn cross_entropy(&self, _: &CrossEntropy) -> Result<()> {
+    fn cross_entropy(&self, a: &CrossEntropy) -> Result<()> {
+        if planning_target() == Some(MetaTarget::Cuda) {
+            let (rows, _) = super::rows_cols(a.logits.layout);
+            let _nll = cuda_temp(super::cuda::nll_scratch_bytes(rows), "cross_entropy")?;
+        }
         Ok(())
     }
     fn cross_entropy_backward(&self, _: &CrossEntropyBackward) -> Result<()> {

@@ -22,6 +22,8 @@ pub struct Alternative {
     pub peak_reserved: u64,
     /// The change of the peak allocated against the job as given, in percent.
     pub change_percent: f64,
+    /// Whether it fits the device planned for.
+    pub fits: bool,
 }
 
 /// A strategy set with the largest micro-batch that fits a budget.
@@ -116,19 +118,22 @@ fn single_changes(job: &TrainJob) -> Vec<Change> {
 
 /// The job as given, then each single strategy change, planned for `target`.
 pub fn alternatives(job: &TrainJob, target: Target, base: &Plan) -> Result<Vec<Alternative>> {
-    let row = |flags: String, j: &TrainJob, p: &Plan| Alternative {
-        flags,
-        batch_size: j.batch_size,
-        peak_allocated: p.peak_allocated,
-        peak_reserved: p.peak_reserved,
-        change_percent: percent(p.peak_allocated, base.peak_allocated),
+    let row = |flags: String, j: &TrainJob, p: &Plan| -> Result<Alternative> {
+        Ok(Alternative {
+            flags,
+            batch_size: j.batch_size,
+            peak_allocated: p.peak_allocated,
+            peak_reserved: p.peak_reserved,
+            change_percent: percent(p.peak_allocated, base.peak_allocated),
+            fits: p.fits_on(job.device)?,
+        })
     };
-    let mut out = vec![row(String::new(), job, base)];
+    let mut out = vec![row(String::new(), job, base)?];
     for c in single_changes(job) {
         let mut j = job.clone();
         (c.apply)(&mut j);
         let p = plan_job(&j, target, PlanOptions::default())?;
-        out.push(row(c.flags, &j, &p));
+        out.push(row(c.flags, &j, &p)?);
     }
     Ok(out)
 }

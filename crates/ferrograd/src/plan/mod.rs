@@ -114,13 +114,7 @@ impl Plan {
     /// memory, or the GPU capacity the plan simulated. `what` names the run, `hint` what to
     /// change.
     pub fn check_fits(&self, device: Device, what: String, hint: &str) -> Result<()> {
-        let (needed, available) = match self.target {
-            Target::Cpu => (
-                self.peak_allocated,
-                crate::backend::available_memory(device)?,
-            ),
-            Target::Cuda { capacity } => (self.peak_reserved.max(self.peak_allocated), capacity),
-        };
+        let (needed, available) = self.need_and_room(device)?;
         if self.fits && needed <= available {
             return Ok(());
         }
@@ -130,6 +124,24 @@ impl Plan {
             needed,
             available,
             hint: hint.to_string(),
+        })
+    }
+
+    /// Whether the plan fits what `device` can give now (see `check_fits`).
+    pub fn fits_on(&self, device: Device) -> Result<bool> {
+        let (needed, available) = self.need_and_room(device)?;
+        Ok(self.fits && needed <= available)
+    }
+
+    /// What the device must hold for this plan, and what it has: the host's available memory
+    /// against the peak allocated, or the simulated GPU's capacity against the peak reserved.
+    fn need_and_room(&self, device: Device) -> Result<(u64, u64)> {
+        Ok(match self.target {
+            Target::Cpu => (
+                self.peak_allocated,
+                crate::backend::available_memory(device)?,
+            ),
+            Target::Cuda { capacity } => (self.peak_reserved.max(self.peak_allocated), capacity),
         })
     }
 }

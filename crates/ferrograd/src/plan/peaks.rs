@@ -46,6 +46,8 @@ pub(super) fn analyse(rec: &Recording, peak: u64) -> (Vec<PhasePeak>, Option<Pea
         // the phase it follows.
         let phase = match (e.phase, phases.last()) {
             (Phase::Other, Some(p)) if p.step == e.step => p.phase.clone(),
+            // Before any phase: the model, its optimizer and the inputs being built.
+            (Phase::Other, None) => "setup".to_string(),
             _ => e.phase.name().to_string(),
         };
         match phases.last_mut() {

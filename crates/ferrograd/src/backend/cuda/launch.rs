@@ -182,12 +182,18 @@ pub(crate) fn addr(v: &View) -> Result<u64> {
     Ok(ptr(v.storage)? + (v.layout.offset() * v.storage.dtype().size_in_bytes()) as u64)
 }
 
+/// What a device temporary of `bytes` takes: at least one 8-byte word, so that every
+/// temporary has an address (the planner rounds the same way).
+pub(crate) fn temp_bytes(bytes: usize) -> usize {
+    bytes.max(8)
+}
+
 /// A device temporary from this device's allocator, counted as `temporary` while alive.
 /// Work queued later on the (single) stream is ordered after the kernels that use it, so
 /// dropping it right after queueing those kernels is safe.
 pub(crate) fn temp(d: &CudaDevice, bytes: usize, origin: &'static str) -> Result<Allocation> {
     crate::memory::allocator(Device::Cuda(d.ordinal()))?.malloc(
-        bytes.max(8),
+        temp_bytes(bytes),
         Category::Temporary,
         origin,
     )

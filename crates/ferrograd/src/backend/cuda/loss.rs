@@ -62,6 +62,11 @@ fn targets(d: &CudaDevice, t: &View, classes: usize, ignore_index: i64) -> Resul
     Ok((addr(t)?, count))
 }
 
+/// The per-row losses the cross entropy sums (the planner counts the same block).
+pub(crate) fn nll_scratch_bytes(rows: usize) -> usize {
+    rows * 8
+}
+
 fn cross_entropy(d: &CudaDevice, a: &CrossEntropy) -> Result<()> {
     const OP: &str = "cross_entropy";
     let ignore_index = a.ignore_index;
@@ -73,7 +78,7 @@ fn cross_entropy(d: &CudaDevice, a: &CrossEntropy) -> Result<()> {
     let (t, count) = targets(d, &a.targets, c, ignore_index)?;
     // Per-row -log p(target), then their sum over the non-ignored count (0 / 0 = NaN when all
     // are ignored, as PyTorch's mean).
-    let nll = temp(d, rows * 8, "cross_entropy")?;
+    let nll = temp(d, nll_scratch_bytes(rows), "cross_entropy")?;
     if rows > 0 {
         let args = [
             Arg::Ptr(x),

@@ -23,9 +23,12 @@ pub use device::{CudaDevice, allow_tf32, device, device_count, driver_present, s
 pub use info::{CudaInfo, GpuInfo, cuda_info};
 pub use memory::CudaMemory;
 // What the planner asks of a GPU without one: the fused attention's coverage, cuBLAS's
-// workspace, and which matmul operands cuBLAS needs copied.
+// workspace, which matmul operands cuBLAS needs copied, and the kernels' larger temporaries.
 pub(crate) use attention::supports as supports_attention;
+pub(crate) use launch::temp_bytes;
+pub(crate) use loss::nll_scratch_bytes;
 pub(crate) use matmul::{WORKSPACE_BYTES as CUBLAS_WORKSPACE_BYTES, operand_copy_shape};
+pub(crate) use rows::param_scratch_bytes as layer_norm_param_scratch_bytes;
 
 use super::{Backend, BackendData, HostValues, Storage, View};
 use crate::base::{DType, Device};

@@ -145,7 +145,7 @@ fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
         rows_cfg(rows),
         &args,
     )?;
-    if (a.gweight.is_some() || a.gbias.is_some()) && n > 0 {
+    if param_scratch_bytes(a).is_some() {
         let grads = ParamGrads {
             x,
             gy,
@@ -173,6 +173,14 @@ fn param_chunks(rows: usize, n: usize) -> (usize, usize) {
     let want = ((1usize << 18) / n.max(1)).clamp(1, 512).min(rows.max(1));
     let per = rows.div_ceil(want).max(1);
     (per, rows.div_ceil(per).max(1))
+}
+
+/// The bytes of the column-sum partials a layer norm backward takes for its parameter
+/// gradients, if it makes any (the planner counts the same block).
+pub(crate) fn param_scratch_bytes(a: &LayerNormBackward) -> Option<usize> {
+    let (rows, n) = rows_cols(a.x.layout);
+    let wanted = (a.gweight.is_some() || a.gbias.is_some()) && rows > 0 && n > 0;
+    wanted.then(|| 2 * param_chunks(rows, n).1 * n * 8)
 }
 
 /// gweight = Σ_r gy x̂ and gbias = Σ_r gy per column, in two deterministic stages: each chunk
