@@ -606,12 +606,19 @@ fn plan_args(extra: &[&'static str]) -> Vec<&'static str> {
 #[test]
 fn plan_predicts_the_peak_that_train_measures() {
     let out = ferrograd(&plan_args(&["--json"]));
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let out = ferrograd(&[SMALL, &["--json"]].concat());
     let run: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(plan["plan"]["peak_allocated"], run["peak_bytes"]);
-    assert_eq!(plan["plan"]["by_category_at_peak"], run["by_category_at_peak"]);
+    assert_eq!(
+        plan["plan"]["by_category_at_peak"],
+        run["by_category_at_peak"]
+    );
     assert_eq!(run["predicted_peak_bytes"], run["peak_bytes"]);
     let alternatives = plan["alternatives"].as_array().unwrap();
     assert!(alternatives.len() > 5, "{plan}");
@@ -645,9 +652,17 @@ fn plan_prints_the_breakdown_the_phases_and_the_alternatives() {
 
 #[test]
 fn plan_for_a_gpu_needs_no_gpu_when_given_its_memory() {
-    let text = output_of(&plan_args(&["--device", "cuda", "--device-memory", "80GiB"]));
+    let text = output_of(&plan_args(&[
+        "--device",
+        "cuda",
+        "--device-memory",
+        "80GiB",
+    ]));
     assert!(text.contains("plan for cuda (80.00 GiB)"), "{text}");
-    assert!(text.contains("workspace"), "cuBLAS's workspace is planned: {text}");
+    assert!(
+        text.contains("workspace"),
+        "cuBLAS's workspace is planned: {text}"
+    );
     let err = stderr_of(&plan_args(&["--device-memory", "80GiB"]));
     assert!(err.contains("--device cuda"), "{err}");
     let err = stderr_of(&plan_args(&["--device", "cuda", "--device-memory", "lots"]));
@@ -657,7 +672,11 @@ fn plan_for_a_gpu_needs_no_gpu_when_given_its_memory() {
 #[test]
 fn plan_lists_what_fits_a_budget_and_says_what_a_tiny_one_needs() {
     let out = ferrograd(&plan_args(&["--budget", "2MiB", "--json"]));
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let rows = v["budget"].as_array().unwrap();
     assert!(rows.len() >= 3, "{v}");
@@ -667,7 +686,13 @@ fn plan_lists_what_fits_a_budget_and_says_what_a_tiny_one_needs() {
             assert!(r["peak_reserved"].as_u64().unwrap() <= 2 << 20, "{r}");
         }
     }
-    let any = ferrograd(&plan_args(&["--budget", "2MiB", "--batch-steps", "any", "--json"]));
+    let any = ferrograd(&plan_args(&[
+        "--budget",
+        "2MiB",
+        "--batch-steps",
+        "any",
+        "--json",
+    ]));
     let v_any: serde_json::Value = serde_json::from_slice(&any.stdout).unwrap();
     let largest = |v: &serde_json::Value| v["budget"][0]["batch_size"].as_u64().unwrap();
     assert!(largest(&v_any) >= largest(&v), "{v_any}");
@@ -688,7 +713,10 @@ fn train_fit_budget_picks_a_configuration_and_stays_within_it() {
     let out = ferrograd(&args);
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(out.status.success(), "{err}");
-    assert!(err.contains("fit to 1024.00 KiB") && err.contains("rule:"), "{err}");
+    assert!(
+        err.contains("fit to 1024.00 KiB") && err.contains("rule:"),
+        "{err}"
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert!(v["peak_bytes"].as_u64().unwrap() <= 1 << 20, "{v}");
     assert_eq!(v["peak_bytes"], v["predicted_peak_bytes"]);
@@ -706,7 +734,10 @@ fn plan_refuses_what_train_refuses_with_the_same_words() {
         assert_eq!(plan_err, train_err, "{bad:?}");
     }
     let err = stderr_of(&plan_args(&["--n-embd", "4294967296", "--n-head", "1"]));
-    assert!(err.starts_with("error:") && !err.contains("panicked"), "{err}");
+    assert!(
+        err.starts_with("error:") && !err.contains("panicked"),
+        "{err}"
+    );
     let err = stderr_of(&plan_args(&["--vocab-size", "3"]));
     assert!(err.contains("--vocab-size"), "{err}");
 }

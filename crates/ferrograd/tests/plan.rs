@@ -45,8 +45,11 @@ fn small_job(trainer: TrainerConfig) -> TrainJob {
     }
 }
 
-/// The planned and the measured peak (bytes, then the categories at the peak).
-fn planned_and_measured(job: &TrainJob) -> ((u64, Vec<(String, u64)>), (u64, Vec<(String, u64)>)) {
+/// A peak: its bytes, then the non-zero categories at that moment.
+type Peak = (u64, Vec<(String, u64)>);
+
+/// The planned and the measured peak.
+fn planned_and_measured(job: &TrainJob) -> (Peak, Peak) {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let plan = job::plan_job(job, Target::Cpu, PlanOptions::default()).unwrap();
     let s = job::run(job, &mut |_| {}).unwrap();
@@ -237,4 +240,92 @@ fn a_custom_module_with_a_custom_function_is_planned_to_the_byte() {
         );
     }
     assert!(plan.by_category_at_peak.get(Category::OptimizerState) > 0);
+}
+
+/// A tiny tensor and one (64, 64) product, everything dropped at the end.
+fn one_product(device: Device) -> ferrograd::Result<()> {
+    let small = Tensor::zeros(&[3], DType::F32, device)?;
+    let x = Tensor::zeros(&[64, 64], DType::F32, device)?;
+    let y = x.matmul(&x)?;
+    drop((small, x, y));
+    Ok(())
+}
+
+#[test]
+fn a_gpu_plan_has_the_caching_allocators_rounding_and_cublas_workspace() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let gpu = Target::Cuda { capacity: 80 << 30 };
+    let plan = plan::plan(gpu, PlanOptions::default(), one_product).unwrap();
+    // 12 bytes round up to 512; cuBLAS takes its 32 MiB workspace at the first product.
+    assert_eq!(plan.by_category_at_peak.get(Category::Workspace), 32 << 20);
+    assert_eq!(plan.peak_allocated, 512 + 2 * 16384 + (32 << 20));
+    // Small blocks come from a 2 MiB segment; the workspace gets a segment of its own.
+    assert_eq!(plan.peak_reserved, (2 << 20) + (32 << 20));
+    assert!(plan.fits);
+    // The host: exact bytes, no workspace.
+    let host = plan::plan(Target::Cpu, PlanOptions::default(), one_product).unwrap();
+    assert_eq!(host.peak_allocated, 12 + 2 * 16384);
+    assert_eq!(host.by_category_at_peak.get(Category::Workspace), 0);
+}
+
+#[test]
+fn a_plan_larger_than_the_gpu_says_so_with_what_it_would_need() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let small_gpu = Target::Cuda { capacity: 16 << 20 };
+    let plan = plan::plan(small_gpu, PlanOptions::default(), one_product).unwrap();
+    assert!(!plan.fits);
+    assert_eq!(plan.peak_allocated, 512 + 2 * 16384 + (32 << 20));
+    let err = plan
+        .check_fits(Device::Cuda(0), "one product".into(), "use a larger GPU")
+        .unwrap_err();
+    assert!(matches!(err, ferrograd::Error::DoesNotFit { .. }), "{err}");
+}
+
+#[test]
+fn a_recorded_plan_names_the_allocation_at_its_peak_and_each_phase() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let job = small_job(TrainerConfig::default());
+    let plan = job::plan_job(&job, Target::Cpu, PlanOptions { record: true }).unwrap();
+    let at = plan
+        .at_peak
+        .as_ref()
+        .expect("the recorded plan knows its peak");
+    assert!(!at.op.is_empty() && at.bytes > 0, "{at:?}");
+    let phases: Vec<(u64, &str)> = plan
+        .phases
+        .iter()
+        .map(|p| (p.step, p.phase.as_str()))
+        .collect();
+    for want in [
+        (0, "evaluation"),
+        (0, "forward"),
+        (0, "backward"),
+        (1, "optimizer"),
+    ] {
+        assert!(phases.contains(&want), "{want:?} missing in {phases:?}");
+    }
+    let highest = plan.phases.iter().map(|p| p.peak).max().unwrap();
+    assert_eq!(highest, plan.peak_allocated);
+    assert!(
+        plan.recording
+            .as_ref()
+            .is_some_and(|r| !r.events.is_empty())
+    );
+}
+
+#[test]
+fn a_run_that_keeps_meta_tensors_alive_is_refused() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    static KEPT: Mutex<Vec<Tensor>> = Mutex::new(Vec::new());
+    let err = plan::plan(Target::Cpu, PlanOptions::default(), |d| {
+        KEPT.lock()
+            .unwrap()
+            .push(Tensor::zeros(&[4], DType::F32, d)?);
+        Ok(())
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("left 1 blocks alive"), "{err}");
+    KEPT.lock().unwrap().clear();
+    // The meta device is usable again.
+    plan::plan(Target::Cpu, PlanOptions::default(), one_product).unwrap();
 }

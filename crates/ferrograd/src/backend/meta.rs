@@ -211,7 +211,9 @@ impl RowKernels for MetaBackend {
             Some(MetaTarget::Cuda) => super::cuda::layer_norm_param_scratch_bytes(a),
             _ => None,
         };
-        let _partials = bytes.map(|b| cuda_temp(b, "layer_norm_backward")).transpose()?;
+        let _partials = bytes
+            .map(|b| cuda_temp(b, "layer_norm_backward"))
+            .transpose()?;
         Ok(())
     }
 }

@@ -77,7 +77,7 @@ fn single_changes(job: &TrainJob) -> Vec<Change> {
         }
     }
     for n in [2, 4] {
-        if job.batch_size % n == 0 && job.batch_size >= n {
+        if job.batch_size.is_multiple_of(n) && job.batch_size >= n {
             out.push(change(
                 &format!(
                     "--accum {} --batch-size {}",
@@ -267,7 +267,7 @@ pub const FIT_RULE: &str = "keep the precision and the effective batch (--batch-
 pub fn choose_for_budget(job: &TrainJob, target: Target, budget: u64) -> Result<(TrainJob, Plan)> {
     let effective = job.batch_size * job.trainer.accum;
     let mut smallest: Option<Plan> = None;
-    for accum in (1..=effective).filter(|a| effective % a == 0) {
+    for accum in (1..=effective).filter(|a| effective.is_multiple_of(*a)) {
         for recompute in [Recompute::Off, Recompute::Every(2), Recompute::Every(1)] {
             let mut j = job.clone();
             j.batch_size = effective / accum;
