@@ -95,6 +95,9 @@ struct CacheEntry {
     /// The source storage's version when cast.
     version: u64,
     cast: Tensor,
+    /// When it was cached: the region's end frees casts in this order (a map's order would
+    /// depend on addresses, and with it how the caching allocator's free blocks merge).
+    order: u64,
 }
 
 thread_local! {
@@ -103,6 +106,8 @@ thread_local! {
     /// Live guards (enabled or disabled) on this thread.
     static DEPTH: Cell<usize> = const { Cell::new(0) };
     static CACHE: RefCell<HashMap<CacheKey, CacheEntry>> = RefCell::new(HashMap::new());
+    /// Casts cached on this thread so far (each entry's `order`).
+    static CACHED: Cell<u64> = const { Cell::new(0) };
 }
 
 /// Restores the previous autocast state when dropped; the outermost one also frees the
@@ -175,10 +180,15 @@ pub fn is_autocast_enabled() -> bool {
     autocast_dtype().is_some()
 }
 
-/// Drops every cached cast (taken out first: dropping tensors must not run under the borrow).
+/// Drops every cached cast, oldest first (taken out first: dropping tensors must not run
+/// under the borrow).
 fn clear_cache() {
-    let old = CACHE.try_with(|c| std::mem::take(&mut *c.borrow_mut()));
-    drop(old);
+    let Ok(old) = CACHE.try_with(|c| std::mem::take(&mut *c.borrow_mut())) else {
+        return;
+    };
+    let mut entries: Vec<CacheEntry> = old.into_values().collect();
+    entries.sort_by_key(|e| e.order);
+    drop(entries);
 }
 
 /// The cast of `source` to `dtype` cached in this thread's region, made with grad mode
@@ -201,6 +211,10 @@ pub(crate) fn cache_cast(source: &Tensor, dtype: DType, recorded: bool, cast: &T
         _source: Arc::downgrade(&source.0),
         version: source.storage().version(),
         cast: cast.clone(),
+        order: CACHED.with(|n| {
+            n.set(n.get() + 1);
+            n.get()
+        }),
     };
     let key = CacheKey::of(source, dtype, recorded);
     // The replaced entry is dropped outside the borrow.

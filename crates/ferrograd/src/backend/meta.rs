@@ -179,7 +179,12 @@ impl ElementwiseKernels for MetaBackend {
 }
 
 impl ReduceKernels for MetaBackend {
-    fn reduce(&self, _: ReduceOp, _: View, _: &[usize], _: &Storage) -> Result<()> {
+    fn reduce(&self, _: ReduceOp, x: View, dims: &[usize], _: &Storage) -> Result<()> {
+        if planning_target() == Some(MetaTarget::Cuda)
+            && let Some(bytes) = super::cuda::reduce_scratch_bytes(x, dims)?
+        {
+            let _partials = cuda_temp(bytes, "cuda temp")?;
+        }
         Ok(())
     }
 }

@@ -28,6 +28,7 @@ pub(crate) use attention::supports as supports_attention;
 pub(crate) use launch::temp_bytes;
 pub(crate) use loss::nll_scratch_bytes;
 pub(crate) use matmul::{WORKSPACE_BYTES as CUBLAS_WORKSPACE_BYTES, operand_copy_shape};
+pub(crate) use reduce::scratch_bytes as reduce_scratch_bytes;
 pub(crate) use rows::param_scratch_bytes as layer_norm_param_scratch_bytes;
 
 use super::{Backend, BackendData, HostValues, Storage, View};

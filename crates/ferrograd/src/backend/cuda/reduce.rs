@@ -118,6 +118,27 @@ fn split_dims(x: View, dims: &[usize]) -> Result<(Strided, Strided, usize, usize
     Ok((outer, inner, n_out, n_in))
 }
 
+/// f64 values then i64 indices, one per (output, split).
+fn partials_bytes(parts: usize) -> usize {
+    parts * 16
+}
+
+/// The bytes of the partial results a reduction of `x` over `dims` takes, if it splits its
+/// inputs (the planner counts the same block).
+pub(crate) fn scratch_bytes(x: View, dims: &[usize]) -> Result<Option<usize>> {
+    let (outer, inner, n_out, n_in) = split_dims(x, dims)?;
+    if n_out == 0 {
+        return Ok(None);
+    }
+    let p = plan(
+        n_out,
+        n_in,
+        inner.inner_stride() == Some(1),
+        outer.inner_stride() == Some(1),
+    );
+    Ok((p.splits > 1).then(|| partials_bytes(n_out * p.splits)))
+}
+
 pub(crate) fn reduce(
     d: &CudaDevice,
     op: ReduceOp,
@@ -153,9 +174,8 @@ pub(crate) fn reduce(
     if p.splits == 1 {
         return launch_main(d, suffix, p, &args, None);
     }
-    // f64 values then i64 indices, one per (output, split)
     let parts = n_out * p.splits;
-    let scratch = temp(d, parts * 16, "cuda temp")?;
+    let scratch = temp(d, partials_bytes(parts), "cuda temp")?;
     let (pv, pi) = (scratch.addr(), scratch.addr() + (parts * 8) as u64);
     launch_main(d, suffix, p, &args, Some((pv, pi)))?;
     launch_finish(d, p.splits, &args, pv, pi)
