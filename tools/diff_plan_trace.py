@@ -40,8 +40,15 @@ def main():
     plan, run = events(sys.argv[1]), events(sys.argv[2])
     print("allocations and frees:")
     first_difference(plan, run, {"alloc", "free_completed"})
+    # Blocks of the large pool only (over 1 MiB): the small pool's segments are separate.
+    large = lambda seq: [e for e in seq if e[1] > (1 << 20)]
+    print("allocations and frees over 1 MiB:")
+    first_difference(large(plan), large(run), {"alloc", "free_completed"})
     print("segments:")
     first_difference(plan, run, {"segment_alloc", "segment_free"})
+    for name, seq in (("plan", plan), ("run", run)):
+        segs = [e for e in seq if e[0].startswith("segment")]
+        print(f"  {name}: " + "; ".join(f"{a} {s} {n}" for a, s, n in segs[:12]))
 
 
 if __name__ == "__main__":
