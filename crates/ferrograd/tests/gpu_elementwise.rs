@@ -606,3 +606,37 @@ fn autograd_chains_match_cpu() {
             .sum_all()
     });
 }
+
+/// Dropout masks are made on the device by Philox: the same generator state gives the same
+/// mask, bit for bit, on cuda:0 and on the CPU, in every float dtype and at sizes that are not
+/// a multiple of the four draws of one Philox call; backward is the mask.
+#[test]
+fn dropout_masks_made_on_the_gpu_equal_the_cpus() {
+    for dt in FLOATS {
+        for (n, p) in [(1usize, 0.5), (7, 0.2), (4099, 0.1), (1 << 20, 0.3)] {
+            let x = Tensor::ones(&[n], dt, Device::Cpu).unwrap();
+            let want = x.dropout(p, true, &mut Generator::new(11)).unwrap();
+            let got = gpu(&x).dropout(p, true, &mut Generator::new(11)).unwrap();
+            assert_eq!(got.device(), GPU);
+            let (g, w) = (got.to_vec::<f64>().unwrap(), want.to_vec::<f64>().unwrap());
+            assert_eq!(g, w, "{dt} n={n} p={p}");
+            if n >= 4099 {
+                let kept = g.iter().filter(|&&v| v != 0.0).count() as f64 / n as f64;
+                assert!((kept - (1.0 - p)).abs() < 0.02, "{dt} n={n}: kept {kept}");
+            }
+        }
+    }
+    let x = gpu(&randn(&[3, 5], DType::F32, 2))
+        .requires_grad_(true)
+        .unwrap();
+    let y = x.dropout(0.4, true, &mut Generator::new(5)).unwrap();
+    y.sum_all().unwrap().backward().unwrap();
+    let mask = Tensor::ones(&[3, 5], DType::F32, Device::Cpu)
+        .unwrap()
+        .dropout(0.4, true, &mut Generator::new(5))
+        .unwrap();
+    assert_eq!(
+        x.grad().unwrap().to_vec::<f64>().unwrap(),
+        mask.to_vec::<f64>().unwrap()
+    );
+}

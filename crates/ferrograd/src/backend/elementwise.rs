@@ -71,6 +71,9 @@ pub trait ElementwiseKernels {
     /// dtype if they differ. `dst` must not overlap `src`.
     fn copy(&self, src: View, dst: View) -> Result<()>;
     fn fill(&self, dst: &Storage, value: f64) -> Result<()>;
+    /// Element i of `dst` becomes 1/keep where Philox's draw `philox::uniform(key, i)` is below
+    /// `keep`, else 0 (`dst` is a float storage, 0 < keep ≤ 1).
+    fn dropout_mask(&self, dst: &Storage, keep: f64, key: u64) -> Result<()>;
     fn unary(&self, op: UnaryOp, x: View, out: &Storage) -> Result<()>;
     /// `a` and `b` are already broadcast to the output shape (stride 0 where stretched).
     fn binary(&self, op: BinaryOp, a: View, b: View, out: &Storage) -> Result<()>;
@@ -100,6 +103,26 @@ pub fn copy(src: View, dst: View) -> Result<()> {
 /// Sets every element of `dst` to `value`; bumps its version.
 pub fn fill(dst: &Storage, value: f64) -> Result<()> {
     backend(dst.device())?.fill(dst, value)?;
+    dst.bump_version();
+    Ok(())
+}
+
+/// Writes a dropout mask into `dst` (see `ElementwiseKernels::dropout_mask`): the same key
+/// gives the same mask on every device. Bumps its version.
+pub fn dropout_mask(dst: &Storage, keep: f64, key: u64) -> Result<()> {
+    if !dst.dtype().is_float() {
+        return Err(Error::invalid(
+            "dropout_mask",
+            format!("a mask holds floats, not {}", dst.dtype()),
+        ));
+    }
+    if !(keep > 0.0 && keep <= 1.0) {
+        return Err(Error::invalid(
+            "dropout_mask",
+            format!("the kept fraction must be in (0, 1], got {keep}"),
+        ));
+    }
+    backend(dst.device())?.dropout_mask(dst, keep, key)?;
     dst.bump_version();
     Ok(())
 }

@@ -167,6 +167,9 @@ impl ElementwiseKernels for MetaBackend {
     fn fill(&self, _: &Storage, _: f64) -> Result<()> {
         Ok(())
     }
+    fn dropout_mask(&self, _: &Storage, _: f64, _: u64) -> Result<()> {
+        Ok(())
+    }
     fn unary(&self, _: UnaryOp, _: View, _: &Storage) -> Result<()> {
         Ok(())
     }

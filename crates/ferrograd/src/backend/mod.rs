@@ -18,6 +18,7 @@ pub mod loss;
 pub mod matmul;
 mod meta;
 pub mod optim;
+pub mod philox;
 pub mod reduce;
 pub mod rows;
 mod storage;

@@ -1,14 +1,14 @@
 //! Inverted dropout, as in PyTorch: in training each element is zeroed with probability p and
 //! the kept ones are scaled by 1/(1-p), so the expected value is unchanged and evaluation needs
-//! no rescaling. The mask is drawn on the host from a seeded `Generator` (same seed, same
-//! mask), uploaded in the input's dtype holding 0 or 1/(1-p), and saved: backward is g * mask.
+//! no rescaling. The mask is made on the tensor's device from a seeded `Generator` (same seed,
+//! same mask, on every device), holds 0 or 1/(1-p) in the input's dtype, and is saved:
+//! backward is g * mask.
 
 use super::binary::binary_forward;
 use crate::autograd::{SavedTensor, record};
-use crate::backend::BinaryOp;
+use crate::backend::{BinaryOp, elementwise};
 use crate::base::{Error, Result};
-use crate::memory::Category;
-use crate::tensor::{DType, Device, Generator, Tensor, with_default};
+use crate::tensor::{Generator, Tensor, with_default};
 
 impl Tensor {
     /// Zeroes each element with probability `p` and scales the rest by 1/(1-p) when `train`;
@@ -50,33 +50,18 @@ impl Tensor {
 }
 
 /// 0 or 1/(1-p) per element of `x`, in x's dtype; an op temporary (saved while a graph holds
-/// it). Kept where a uniform draw u < 1-p, as `bernoulli_(1 - p)`.
+/// it). Made on x's device by a counter-based generator (Philox) whose key is the next draw of
+/// `rng`: the same generator state gives the same mask on every device, and recomputation
+/// replays it from the generator state alone. Kept where the draw u < 1-p, as
+/// `bernoulli_(1 - p)`.
 fn dropout_mask(x: &Tensor, p: f64, rng: &mut Generator) -> Result<Tensor> {
     let (shape, dtype, device) = (x.shape(), x.dtype(), x.device());
-    // p == 1 drops everything; the meta device only needs the bytes accounted.
-    if p == 1.0 || device == Device::Meta {
+    // p == 1 drops everything (zeros).
+    if p == 1.0 {
         return Tensor::output(shape, dtype, device, "dropout_mask");
     }
-    let n = x.numel();
-    let mask = if dtype == DType::F64 {
-        let scale = 1.0 / (1.0 - p);
-        let keep = |u: f64| if u < 1.0 - p { scale } else { 0.0 };
-        Tensor::from_vec(
-            rng.uniform(n, 0.0, 1.0).into_iter().map(keep).collect(),
-            shape,
-            device,
-        )?
-    } else {
-        // f32 draws for f32 and the half types: no f64 buffer for large activations.
-        let (keep_below, scale) = ((1.0 - p) as f32, (1.0 / (1.0 - p)) as f32);
-        let keep = |u: f32| if u < keep_below { scale } else { 0.0 };
-        Tensor::from_vec_as(
-            rng.uniform_f32(n, 0.0, 1.0).into_iter().map(keep).collect(),
-            shape,
-            dtype,
-            device,
-        )?
-    };
-    mask.set_category(Category::Temporary);
+    let key = rng.next_u64();
+    let mask = Tensor::output_uninit(shape, dtype, device, "dropout_mask")?;
+    elementwise::dropout_mask(mask.storage(), 1.0 - p, key)?;
     Ok(mask)
 }

@@ -51,6 +51,11 @@ impl Generator {
         low + (high - low) * self.rng.random::<f32>()
     }
 
+    /// The next 64 random bits (a dropout mask's Philox key).
+    pub fn next_u64(&mut self) -> u64 {
+        self.rng.random::<u64>()
+    }
+
     /// The next normal sample.
     pub fn next_normal(&mut self, mean: f64, std: f64) -> f64 {
         mean + std * self.rng.sample::<f64, _>(StandardNormal)

@@ -494,6 +494,25 @@ pub(crate) fn fill(dst: &mut CpuData, value: f64) -> Result<()> {
     Ok(())
 }
 
+/// `dst[i] = 1/keep` where Philox's draw for i is below `keep`, else 0, in chunks across
+/// threads (each element depends on its index alone).
+fn dropout_mask(dst: &mut CpuData, keep: f64, key: u64) -> Result<()> {
+    use rayon::prelude::*;
+    const CHUNK: usize = 1 << 14;
+    with_float!(dst, "dropout_mask", v => {
+        let scale = Elem::from_f64(1.0 / keep);
+        let zero = Elem::from_f64(0.0);
+        v.par_chunks_mut(CHUNK).enumerate().for_each(|(c, chunk)| {
+            let first = (c * CHUNK) as u64;
+            for (j, e) in chunk.iter_mut().enumerate() {
+                let u = crate::backend::philox::uniform(key, first + j as u64);
+                *e = if u < keep { scale } else { zero };
+            }
+        })
+    });
+    Ok(())
+}
+
 impl ElementwiseKernels for CpuBackend {
     fn copy(&self, src: View, dst: View) -> Result<()> {
         let s = read(src.storage)?;
@@ -502,6 +521,10 @@ impl ElementwiseKernels for CpuBackend {
 
     fn fill(&self, dst: &Storage, value: f64) -> Result<()> {
         write(dst, |d| fill(d, value))
+    }
+
+    fn dropout_mask(&self, dst: &Storage, keep: f64, key: u64) -> Result<()> {
+        write(dst, |d| dropout_mask(d, keep, key))
     }
 
     fn unary(&self, op: UnaryOp, x: View, out: &Storage) -> Result<()> {

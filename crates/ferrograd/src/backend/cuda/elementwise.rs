@@ -162,19 +162,42 @@ pub(crate) fn fill(d: &CudaDevice, dst: &Storage, value: f64) -> Result<()> {
     if n == 0 {
         return Ok(());
     }
-    // The element's bytes as the CPU backend would store `value` (same conversion code).
-    let one = HostValues::F64(vec![value]).into_le_bytes(dst.dtype());
-    let mut word = [0u8; 8];
-    word[..one.len()].copy_from_slice(&one);
-    let bits = u64::from_le_bytes(word);
+    let (bits, size) = element_bits(dst.dtype(), value);
     // fill_bits(void*, int, u64, i64); the storage holds n elements of `size` bytes.
     let args = [
         Arg::Ptr(dev_ptr(d, "fill", dst)?),
-        Arg::I32(one.len() as i32),
+        Arg::I32(size as i32),
         Arg::U64(bits),
         Arg::I64(n as i64),
     ];
     launch(d, &KERNELS, "fill_bits", grid(n), &args)
+}
+
+/// The bits of `value` stored as `dtype`, as the CPU backend would store it (same conversion
+/// code), and their size in bytes.
+fn element_bits(dtype: DType, value: f64) -> (u64, usize) {
+    let one = HostValues::F64(vec![value]).into_le_bytes(dtype);
+    let mut word = [0u8; 8];
+    word[..one.len()].copy_from_slice(&one);
+    (u64::from_le_bytes(word), one.len())
+}
+
+/// A dropout mask drawn on the device (backend/philox.rs says which draw each element gets).
+pub(crate) fn dropout_mask(d: &CudaDevice, dst: &Storage, keep: f64, key: u64) -> Result<()> {
+    let n = dst.len();
+    if n == 0 {
+        return Ok(());
+    }
+    let (bits, size) = element_bits(dst.dtype(), 1.0 / keep);
+    let args = [
+        Arg::Ptr(dev_ptr(d, "dropout_mask", dst)?),
+        Arg::I32(size as i32),
+        Arg::U64(bits),
+        Arg::U64(key),
+        Arg::F64(keep),
+        Arg::I64(n as i64),
+    ];
+    launch(d, &KERNELS, "dropout_mask_bits", grid(n.div_ceil(4)), &args)
 }
 
 /// Op code (U_* in codes.rs) and f64 parameter of a unary op.
@@ -318,6 +341,9 @@ pub(crate) fn binary_inplace(d: &CudaDevice, op: BinaryOp, dst: &Storage, src: V
 impl ElementwiseKernels for CudaDevice {
     fn copy(&self, src: View, dst: View) -> Result<()> {
         copy(self, src, dst)
+    }
+    fn dropout_mask(&self, dst: &Storage, keep: f64, key: u64) -> Result<()> {
+        dropout_mask(self, dst, keep, key)
     }
     fn fill(&self, dst: &Storage, value: f64) -> Result<()> {
         fill(self, dst, value)
