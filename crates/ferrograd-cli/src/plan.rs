@@ -85,6 +85,9 @@ fn target(device: Device, device_memory: Option<u64>) -> anyhow::Result<Target> 
 }
 
 pub fn run(a: PlanArgs) -> anyhow::Result<()> {
+    if a.train.fit_budget.is_some() {
+        anyhow::bail!("--fit-budget is for `train`; `plan --budget SIZE` lists what fits");
+    }
     let job = a.train.to_job()?;
     let target = target(job.device, a.device_memory)?;
     let plan = job::plan_job(&job, target, PlanOptions { record: true })?;

@@ -134,7 +134,7 @@ pub struct TrainArgs {
     /// Choose the micro-batch, accumulation and recomputation that fit this much memory
     /// (e.g. 24GiB), print the plan, and train with it (see `ferrograd plan --budget`).
     #[arg(long, value_name = "SIZE", value_parser = crate::plan::parse_size)]
-    fit_budget: Option<u64>,
+    pub(crate) fit_budget: Option<u64>,
     /// End with one JSON object (initial_loss, final_loss, steps, tokens_per_s, peak_bytes,
     /// by_category_at_peak, ...) instead of the report.
     #[arg(long)]

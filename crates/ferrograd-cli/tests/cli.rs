@@ -740,4 +740,6 @@ fn plan_refuses_what_train_refuses_with_the_same_words() {
     );
     let err = stderr_of(&plan_args(&["--vocab-size", "3"]));
     assert!(err.contains("--vocab-size"), "{err}");
+    let err = stderr_of(&plan_args(&["--fit-budget", "1GiB"]));
+    assert!(err.contains("plan --budget"), "{err}");
 }

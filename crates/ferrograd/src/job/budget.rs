@@ -309,7 +309,7 @@ fn too_small(budget: u64, leanest: Option<Plan>) -> Error {
         None => "there is no configuration to try".into(),
     };
     Error::invalid(
-        "fit-budget",
+        "memory budget",
         format!("nothing fits a budget of {}: {detail}", format_size(budget)),
     )
 }
