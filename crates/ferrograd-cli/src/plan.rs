@@ -217,20 +217,24 @@ fn render_plan(job: &TrainJob, p: &Plan) -> String {
     s
 }
 
+/// A row's flags, or "(as given)" for the job unchanged.
+fn shown(flags: &str) -> &str {
+    if flags.is_empty() {
+        "(as given)"
+    } else {
+        flags
+    }
+}
+
 fn render_alternatives(rows: &[Alternative]) -> String {
     let mut s = format!(
         "alternatives (each planned the same way):\n  {:<40} {:>6} {:>14} {:>14} {:>8}  fits\n",
         "flags", "batch", "peak alloc", "peak reserved", "change"
     );
     for r in rows {
-        let flags = if r.flags.is_empty() {
-            "(as given)"
-        } else {
-            &r.flags
-        };
         s += &format!(
             "  {:<40} {:>6} {:>14} {:>14} {:>+7.1}%  {}\n",
-            flags,
+            shown(&r.flags),
             r.batch_size,
             format_size(r.peak_allocated),
             format_size(r.peak_reserved),
@@ -251,11 +255,7 @@ fn render_budget(budget: u64, rows: &[Fitted]) -> String {
         "peak reserved"
     );
     for r in rows {
-        let flags = if r.flags.is_empty() {
-            "(as given)"
-        } else {
-            &r.flags
-        };
+        let flags = shown(&r.flags);
         match r.batch_size {
             Some(b) => {
                 s += &format!(

@@ -31,10 +31,19 @@ pub fn philox4x32_10(counter: u64, key: u64) -> [u32; 4] {
     c
 }
 
-/// Element `i`'s uniform draw in [0, 1) with 24 random bits (exact in f32 and f64).
-pub fn uniform(key: u64, i: u64) -> f64 {
-    let word = philox4x32_10(i / 4, key)[(i % 4) as usize];
+/// A word's uniform draw in [0, 1) with 24 random bits (exact in f32 and f64).
+pub fn to_uniform(word: u32) -> f64 {
     f64::from(word >> 8) * (1.0 / 16_777_216.0)
+}
+
+/// The draws of elements 4g .. 4g + 3 (one Philox call).
+pub fn uniforms4(key: u64, g: u64) -> [f64; 4] {
+    philox4x32_10(g, key).map(to_uniform)
+}
+
+/// Element `i`'s uniform draw in [0, 1).
+pub fn uniform(key: u64, i: u64) -> f64 {
+    uniforms4(key, i / 4)[(i % 4) as usize]
 }
 
 #[cfg(test)]

@@ -192,7 +192,7 @@ pub fn fit_budget(
                     peak_allocated: at_one.peak_allocated,
                     peak_reserved: at_one.peak_reserved,
                 };
-                if leanest.as_ref().is_none_or(|l| need(&at_one) < need(l)) {
+                if leanest.as_ref().is_none_or(|l| at_one.need() < l.need()) {
                     leanest = Some(at_one);
                 }
                 row
@@ -206,11 +206,6 @@ pub fn fit_budget(
     Ok(out)
 }
 
-/// What a device must hold for a plan.
-fn need(p: &Plan) -> u64 {
-    p.peak_reserved.max(p.peak_allocated)
-}
-
 /// Whether `job` at `batch` fits `budget`, with its plan.
 fn try_batch(job: &TrainJob, batch: usize, target: Target, budget: u64) -> Result<(bool, Plan)> {
     let j = TrainJob {
@@ -218,7 +213,7 @@ fn try_batch(job: &TrainJob, batch: usize, target: Target, budget: u64) -> Resul
         ..job.clone()
     };
     let p = plan_job(&j, target, PlanOptions::default())?;
-    Ok((p.fits && need(&p) <= budget, p))
+    Ok((p.fits && p.need() <= budget, p))
 }
 
 /// The largest batch of `job` that fits with its plan, searching up from 1 by doubling (then
@@ -301,9 +296,9 @@ fn too_small(budget: u64, leanest: Option<Plan>) -> Error {
             };
             format!(
                 "{beyond}: the leanest configuration tried (one sequence per micro-batch) needs {} at its peak, of which the parameters take {}; give a budget of at least {}, or a smaller model",
-                format_size(need(&p)),
+                format_size(p.need()),
                 format_size(params),
-                format_size(need(&p)),
+                format_size(p.need()),
             )
         }
         None => "there is no configuration to try".into(),

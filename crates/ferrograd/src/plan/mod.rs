@@ -127,6 +127,12 @@ impl Plan {
         })
     }
 
+    /// What a device must hold for this plan: its peak reserved (equal to the peak allocated
+    /// on the host, which caches nothing).
+    pub fn need(&self) -> u64 {
+        self.peak_reserved.max(self.peak_allocated)
+    }
+
     /// Whether the plan fits what `device` can give now (see `check_fits`).
     pub fn fits_on(&self, device: Device) -> Result<bool> {
         let (needed, available) = self.need_and_room(device)?;
@@ -141,7 +147,7 @@ impl Plan {
                 self.peak_allocated,
                 crate::backend::available_memory(device)?,
             ),
-            Target::Cuda { capacity } => (self.peak_reserved.max(self.peak_allocated), capacity),
+            Target::Cuda { capacity } => (self.need(), capacity),
         })
     }
 }
