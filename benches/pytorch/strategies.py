@@ -20,6 +20,9 @@ memory by fusing the optimizer step into the backward pass").
 
 Usage: python benches/pytorch/strategies.py --model mlp|gpt2|tiny-gpt --strategy S
        [--device cpu|cuda] [--steps 10] [--warmup 3] [--dim 10000] [--batch B] [--seq T]
+       [--sdpa] [--compile] [--fused-adam]
+--sdpa, --compile and --fused-adam give the fastest PyTorch configuration to compare speed
+against (its peak is then no longer the same-math comparison).
 """
 import argparse
 import fnmatch
@@ -36,6 +39,8 @@ from torch.utils.checkpoint import checkpoint
 STRATEGIES = ["baseline", "bf16", "f16", "recompute", "accum4", "freeze", "step-in-backward"]
 MODELS = ["mlp", "gpt2", "tiny-gpt"]
 MICRO_BATCHES = 4
+# --sdpa: attention through scaled_dot_product_attention (PyTorch's fused kernels).
+SDPA = False
 
 GPT_CONFIGS = {
     "gpt2": dict(vocab=50257, block=1024, n_layer=12, n_head=12, n_embd=768),
@@ -58,10 +63,14 @@ class CausalSelfAttention(nn.Module):
         q = q.view(b, t, self.n_head, hs).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(b, t, self.n_head, hs).transpose(1, 2)
         v = v.view(b, t, self.n_head, hs).transpose(1, 2)
-        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, T, T)
-        att = att.masked_fill(masked[:t, :t], float("-inf"))
-        att = F.softmax(att, dim=-1)
-        y = (att @ v).transpose(1, 2).contiguous().view(b, t, c)
+        if SDPA:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hs))  # (B, nh, T, T)
+            att = att.masked_fill(masked[:t, :t], float("-inf"))
+            att = F.softmax(att, dim=-1)
+            y = att @ v
+        y = y.transpose(1, 2).contiguous().view(b, t, c)
         return self.c_proj(y)
 
 
@@ -189,8 +198,12 @@ def build(a, dev):
         return model(micro(ids, i, n), micro(targets, i, n))
 
     def make_opt(params, **kw):
+        if a.fused_adam and "foreach" not in kw:
+            kw["fused"] = True
         return torch.optim.AdamW(params, lr=6e-4, **kw)
 
+    if a.compile:
+        model = torch.compile(model)
     return model, loss_of, make_opt
 
 
@@ -268,7 +281,12 @@ def main():
     ap.add_argument("--dim", type=int, default=10000)
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--seq", type=int, default=None)
+    ap.add_argument("--sdpa", action="store_true", help="GPT attention through F.scaled_dot_product_attention")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the GPT model")
+    ap.add_argument("--fused-adam", action="store_true", help="AdamW(fused=True)")
     a = ap.parse_args()
+    global SDPA
+    SDPA = a.sdpa
     if a.batch is None:
         a.batch = {"mlp": 1000, "gpt2": 8}.get(a.model, 4)
     if a.seq is None:

@@ -1,31 +1,284 @@
 //! CUDA launchers of the attention family (backend/attention.rs; kernels in
-//! kernels/attention.cu).
+//! kernels/attention.cu): FlashAttention-2 on tensor cores for f16 and bf16 heads whose
+//! head dim is a multiple of 16 up to 128. Each (dtype, head dim) is its own NVRTC module,
+//! compiled on first use, so the kernels unroll over the head dim. Other dtypes and head
+//! dims are not covered (`supports` says so and the model composes matmul, softmax and
+//! matmul instead).
+//!
+//! Shapes: q, k, v, out, gout and the gradients (B, H, T, D) by strides, unit stride along D;
+//! lse and delta (B, H, T) dense f32. No temporaries: forward writes out and lse, backward
+//! writes delta, then dK/dV, then dQ.
 
+use cudarc::driver::{DeviceRepr, LaunchConfig};
+
+use super::launch::{Arg, Module, addr, launch};
+use super::{CudaDevice, ptr};
+use crate::backend::View;
 use crate::backend::attention::{Attention, AttentionBackward, AttentionKernels};
-use crate::base::{DType, Device, Error, Result};
+use crate::base::{DType, Error, Layout, Result};
 
-use super::CudaDevice;
+/// Threads per CTA (WARPS · 32 in attention.cu) and rows per CTA tile (BM).
+const THREADS: u32 = 128;
+const TILE: usize = 64;
+/// The most (batch · head) pairs one launch covers (the grid's y limit).
+const MAX_PAIRS: usize = 65_535;
 
-/// Whether the fused kernels cover `dtype` and `head_dim` on a GPU (none yet: attention runs
-/// as matmul, softmax, matmul). A free function, so the planner can ask without a GPU.
-pub(crate) fn supports(_dtype: DType, _head_dim: usize) -> bool {
-    false
+macro_rules! module {
+    ($elem:literal, $d:literal) => {
+        Module::with_defines(
+            concat!("attention_", $elem, "_", $d),
+            concat!("#define ATTN_", $elem, "\n#define HEAD_DIM ", $d, "\n"),
+            include_str!("kernels/attention.cu"),
+        )
+    };
+}
+
+/// The head dims with a kernel build: multiples of 16 up to 128.
+const HEAD_DIMS: [usize; 8] = [16, 32, 48, 64, 80, 96, 112, 128];
+
+static BF16: [Module; 8] = [
+    module!("BF16", 16),
+    module!("BF16", 32),
+    module!("BF16", 48),
+    module!("BF16", 64),
+    module!("BF16", 80),
+    module!("BF16", 96),
+    module!("BF16", 112),
+    module!("BF16", 128),
+];
+
+static F16: [Module; 8] = [
+    module!("F16", 16),
+    module!("F16", 32),
+    module!("F16", 48),
+    module!("F16", 64),
+    module!("F16", 80),
+    module!("F16", 96),
+    module!("F16", 112),
+    module!("F16", 128),
+];
+
+/// Whether the fused kernels cover `dtype` and `head_dim` on a GPU. A free function, so the
+/// planner can ask without a GPU.
+pub(crate) fn supports(dtype: DType, head_dim: usize) -> bool {
+    matches!(dtype, DType::BF16 | DType::F16) && HEAD_DIMS.contains(&head_dim)
+}
+
+fn module(op: &'static str, dtype: DType, head_dim: usize) -> Result<&'static Module> {
+    let at = HEAD_DIMS.iter().position(|&d| d == head_dim);
+    match (dtype, at) {
+        (DType::BF16, Some(i)) => Ok(&BF16[i]),
+        (DType::F16, Some(i)) => Ok(&F16[i]),
+        _ => Err(Error::invalid(
+            op,
+            format!(
+                "the GPU's fused attention covers f16 and bf16 heads of dim 16, 32, ... 128, \
+                 not {dtype} with head dim {head_dim}; use the composed attention"
+            ),
+        )),
+    }
+}
+
+/// A (B, H, T, D) view as the kernels take it (`struct Heads` in attention.cu).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Heads {
+    offset: i64,
+    sb: i64,
+    sh: i64,
+    st: i64,
+}
+
+// SAFETY: #[repr(C)], four i64, laid out as `struct Heads` (32 bytes, no padding).
+unsafe impl DeviceRepr for Heads {}
+
+impl Heads {
+    fn of(l: &Layout) -> Heads {
+        let s = l.strides();
+        Heads {
+            offset: l.offset() as i64,
+            sb: s[0] as i64,
+            sh: s[1] as i64,
+            st: s[2] as i64,
+        }
+    }
+    /// Whether every row starts on a 16-byte boundary of a 16-byte-aligned buffer.
+    fn aligned(&self, base: u64) -> bool {
+        base % 16 == 0
+            && [self.offset, self.sb, self.sh, self.st]
+                .iter()
+                .all(|v| v % 8 == 0)
+    }
+}
+
+/// The problem (`struct Problem` in attention.cu).
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct Problem {
+    b: i32,
+    h: i32,
+    t: i32,
+    causal: i32,
+    scale: f32,
+    scale_log2: f32,
+    vec: i32,
+    pad: i32,
+}
+
+// SAFETY: #[repr(C)], four i32, two f32 and two i32, laid out as `struct Problem` (32 bytes).
+unsafe impl DeviceRepr for Problem {}
+
+impl Problem {
+    fn new(
+        op: &'static str,
+        q: &Layout,
+        scale: f64,
+        causal: bool,
+        views: &[(u64, Heads)],
+    ) -> Result<Problem> {
+        let s = q.shape();
+        let int = |n: usize| {
+            i32::try_from(n).map_err(|_| Error::shape(op, format!("{n} is too large a dim")))
+        };
+        if s[0] * s[1] > MAX_PAIRS {
+            return Err(Error::shape(
+                op,
+                format!(
+                    "B · H = {} exceeds the {MAX_PAIRS} (batch, head) pairs the GPU kernel \
+                     launches at once; split the batch",
+                    s[0] * s[1]
+                ),
+            ));
+        }
+        Ok(Problem {
+            b: int(s[0])?,
+            h: int(s[1])?,
+            t: int(s[2])?,
+            causal: i32::from(causal),
+            scale: scale as f32,
+            scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
+            vec: i32::from(views.iter().all(|(base, h)| h.aligned(*base))),
+            pad: 0,
+        })
+    }
+
+    fn is_empty(&self) -> bool {
+        self.b == 0 || self.h == 0 || self.t == 0
+    }
+
+    /// One CTA per 64 rows (queries or keys) of each (batch, head) pair.
+    fn tiles(&self) -> LaunchConfig {
+        LaunchConfig {
+            grid_dim: (
+                (self.t as usize).div_ceil(TILE) as u32,
+                (self.b * self.h) as u32,
+                1,
+            ),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        }
+    }
+}
+
+/// A view's base address (offset 0) and its heads.
+fn operand(v: &View) -> Result<(u64, Heads)> {
+    Ok((ptr(v.storage)?, Heads::of(v.layout)))
 }
 
 impl AttentionKernels for CudaDevice {
     fn supports_attention(&self, dtype: DType, head_dim: usize) -> bool {
         supports(dtype, head_dim)
     }
-    fn attention(&self, _: &Attention) -> Result<()> {
-        Err(Error::NotSupportedOnDevice {
-            op: "attention",
-            device: Device::Cuda(0),
-        })
+    fn attention(&self, a: &Attention) -> Result<()> {
+        forward(self, a)
     }
-    fn attention_backward(&self, _: &AttentionBackward) -> Result<()> {
-        Err(Error::NotSupportedOnDevice {
-            op: "attention_backward",
-            device: Device::Cuda(0),
-        })
+    fn attention_backward(&self, a: &AttentionBackward) -> Result<()> {
+        backward(self, a)
     }
+}
+
+fn forward(d: &CudaDevice, a: &Attention) -> Result<()> {
+    const OP: &str = "attention";
+    let [q, k, v] = a.qkv.views().map(|v| operand(&v));
+    let (q, k, v, out) = (q?, k?, v?, operand(&a.out)?);
+    let p = Problem::new(OP, a.qkv.q, a.scale, a.causal, &[q, k, v, out])?;
+    if p.is_empty() {
+        return Ok(());
+    }
+    let m = module(OP, a.qkv.storage.dtype(), a.qkv.q.shape()[3])?;
+    let args = [
+        Arg::Ptr(q.0),
+        Arg::Struct(&q.1),
+        Arg::Struct(&k.1),
+        Arg::Struct(&v.1),
+        Arg::Ptr(out.0),
+        Arg::Struct(&out.1),
+        Arg::Ptr(ptr(a.lse)?),
+        Arg::Struct(&p),
+    ];
+    launch(d, m, "attn_fwd", p.tiles(), &args)
+}
+
+fn backward(d: &CudaDevice, a: &AttentionBackward) -> Result<()> {
+    const OP: &str = "attention_backward";
+    let [q, k, v] = a.qkv.views().map(|v| operand(&v));
+    let [gq, gk, gv] = a.grads.views().map(|v| operand(&v));
+    let (q, k, v, gq, gk, gv) = (q?, k?, v?, gq?, gk?, gv?);
+    let (out, gout) = (operand(&a.out)?, operand(&a.gout)?);
+    let p = Problem::new(
+        OP,
+        a.qkv.q,
+        a.scale,
+        a.causal,
+        &[q, k, v, gq, gk, gv, out, gout],
+    )?;
+    if p.is_empty() {
+        return Ok(());
+    }
+    let m = module(OP, a.qkv.storage.dtype(), a.qkv.q.shape()[3])?;
+    let (lse, delta) = (addr(&a.lse)?, ptr(a.delta)?);
+
+    let rows = (p.b * p.h * p.t) as usize;
+    let delta_cfg = LaunchConfig {
+        grid_dim: (rows.div_ceil(4).min(1 << 16) as u32, 1, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let delta_args = [
+        Arg::Ptr(out.0),
+        Arg::Struct(&out.1),
+        Arg::Ptr(gout.0),
+        Arg::Struct(&gout.1),
+        Arg::Ptr(delta),
+        Arg::Struct(&p),
+    ];
+    launch(d, m, "attn_delta", delta_cfg, &delta_args)?;
+
+    let heads = [Arg::Struct(&q.1), Arg::Struct(&k.1), Arg::Struct(&v.1)];
+    let mut dkdv = vec![Arg::Ptr(q.0)];
+    dkdv.extend(heads);
+    dkdv.extend([
+        Arg::Ptr(gout.0),
+        Arg::Struct(&gout.1),
+        Arg::Ptr(lse),
+        Arg::Ptr(delta),
+        Arg::Ptr(gk.0),
+        Arg::Struct(&gk.1),
+        Arg::Struct(&gv.1),
+        Arg::Struct(&p),
+    ]);
+    launch(d, m, "attn_bwd_dkdv", p.tiles(), &dkdv)?;
+
+    let mut dq = vec![Arg::Ptr(q.0)];
+    dq.extend(heads);
+    dq.extend([
+        Arg::Ptr(gout.0),
+        Arg::Struct(&gout.1),
+        Arg::Ptr(lse),
+        Arg::Ptr(delta),
+        Arg::Ptr(gq.0),
+        Arg::Struct(&gq.1),
+        Arg::Struct(&p),
+    ]);
+    launch(d, m, "attn_bwd_dq", p.tiles(), &dq)
 }

@@ -81,6 +81,7 @@ mod tests {
         ("loss.cu", include_str!("kernels/loss.cu")),
         ("index.cu", include_str!("kernels/index.cu")),
         ("optim.cu", include_str!("kernels/optim.cu")),
+        ("attention.cu", include_str!("kernels/attention.cu")),
     ];
 
     /// Identifiers shaped like codes (DT_X, U_X, B_X, R_X) in a source, comments included.

@@ -23,26 +23,38 @@ pub(crate) const MAX_ROW_BLOCKS: usize = 1 << 20;
 const PRELUDE: &str = include_str!("kernels/prelude.cuh");
 
 /// One kernel module: its NVRTC cache key and its kernel file. The source NVRTC compiles is
-/// the generated code header, the prelude and the file, assembled once on first use.
+/// the generated code header, the module's own `#define`s (a file compiled once per
+/// configuration, such as attention.cu per dtype and head dim), the prelude and the file,
+/// assembled once on first use.
 pub(crate) struct Module {
     key: &'static str,
+    defines: &'static str,
     body: &'static str,
     src: OnceLock<String>,
 }
 
 impl Module {
     pub(crate) const fn new(key: &'static str, body: &'static str) -> Module {
+        Module::with_defines(key, "", body)
+    }
+
+    pub(crate) const fn with_defines(
+        key: &'static str,
+        defines: &'static str,
+        body: &'static str,
+    ) -> Module {
         Module {
             key,
+            defines,
             body,
             src: OnceLock::new(),
         }
     }
 
-    /// codes header + prelude.cuh + the kernel file.
+    /// codes header + defines + prelude.cuh + the kernel file.
     pub(crate) fn source(&'static self) -> &'static str {
         self.src
-            .get_or_init(|| [codes::header().as_str(), PRELUDE, self.body].concat())
+            .get_or_init(|| [codes::header().as_str(), self.defines, PRELUDE, self.body].concat())
     }
 }
 

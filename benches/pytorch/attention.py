@@ -1,0 +1,66 @@
+"""PyTorch twin of crates/ferrograd/benches/attention.rs: causal scaled_dot_product_attention
+alone (PyTorch picks its flash kernel for bf16/f16 on the GPU) from a (B, T, 3C) QKV tensor, the
+heads split as views exactly as GPT-2's attention does, forward and forward + backward, median
+milliseconds per call and TFLOP/s counted the same way. Prints one JSON line.
+
+Usage: python benches/pytorch/attention.py [--batch 8] [--heads 12] [--seq 1024] [--head-dim 64]
+       [--dtype bf16|f16] [--iters 50]
+"""
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+
+def median_ms(fn, iters):
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--iters", type=int, default=50)
+    a = p.parse_args()
+    b, h, t, d = a.batch, a.heads, a.seq, a.head_dim
+    dtype = torch.float16 if a.dtype == "f16" else torch.bfloat16
+    c = h * d
+    qkv = torch.randn(b, t, 3 * c, device="cuda", dtype=dtype, requires_grad=True)
+    gout = torch.randn(b, h, t, d, device="cuda", dtype=dtype)
+
+    def attention():
+        q, k, v = qkv.split(c, dim=2)
+        q, k, v = (x.view(b, t, h, d).transpose(1, 2) for x in (q, k, v))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def both():
+        attention().backward(gout)
+        qkv.grad = None
+
+    with torch.no_grad():
+        fwd = median_ms(attention, a.iters)
+    fb = median_ms(both, a.iters)
+    flops = 4.0 * b * h * t * t * d / 2.0
+    print(json.dumps({"impl": "pytorch", "batch": b, "heads": h, "seq": t, "head_dim": d,
+                      "dtype": a.dtype, "fwd_ms": round(fwd, 4), "fwd_bwd_ms": round(fb, 4),
+                      "fwd_tflops": round(flops / fwd / 1e9, 1),
+                      "fwd_bwd_tflops": round(3.5 * flops / fb / 1e9, 1)}))
+
+
+if __name__ == "__main__":
+    main()

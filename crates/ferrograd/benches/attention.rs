@@ -1,0 +1,79 @@
+//! Benchmark: fused causal attention alone, forward and forward + backward, from a (B, T, 3C)
+//! QKV projection output, in milliseconds per call and TFLOP/s (the causal half of the
+//! 4·B·H·T²·D forward FLOPs; backward counted as 2.5 forwards, as FlashAttention-2 counts
+//! it). The PyTorch twin is benches/pytorch/attention.py (scaled_dot_product_attention).
+//!
+//! Usage: cargo bench -p ferrograd --bench attention -- [--batch 8] [--heads 12] [--seq 1024]
+//!   [--head-dim 64] [--dtype bf16|f16] [--iters 50] [--device cuda]
+//! Prints one JSON line.
+
+use std::time::Instant;
+
+use ferrograd::backend::synchronize;
+use ferrograd::{BackwardOptions, DType, Device, Tensor};
+
+fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
+    let args: Vec<String> = std::env::args().collect();
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+/// Median of `iters` timings of `f`, in milliseconds, after three warm-up calls.
+fn median_ms(
+    dev: Device,
+    iters: usize,
+    f: &dyn Fn() -> ferrograd::Result<()>,
+) -> ferrograd::Result<f64> {
+    for _ in 0..3 {
+        f()?;
+    }
+    let mut times = Vec::with_capacity(iters);
+    for _ in 0..iters {
+        synchronize(dev)?;
+        let t0 = Instant::now();
+        f()?;
+        synchronize(dev)?;
+        times.push(t0.elapsed().as_secs_f64() * 1e3);
+    }
+    times.sort_by(f64::total_cmp);
+    Ok(times[times.len() / 2])
+}
+
+fn main() -> ferrograd::Result<()> {
+    let (b, h, t, d) = (
+        arg("--batch", 8usize),
+        arg("--heads", 12usize),
+        arg("--seq", 1024usize),
+        arg("--head-dim", 64usize),
+    );
+    let iters = arg("--iters", 50usize);
+    let dtype: DType = match arg("--dtype", "bf16".to_string()).as_str() {
+        "f16" => DType::F16,
+        _ => DType::BF16,
+    };
+    let dev: Device = arg("--device", "cuda".to_string()).parse()?;
+    let c = h * d;
+    let qkv = Tensor::randn(&[b, t, 3 * c], dtype, dev)?.requires_grad_(true)?;
+    let gout = Tensor::randn(&[b, t, c], dtype, dev)?;
+    let forward = || qkv.causal_attention(h).map(|_| ());
+    let both = || {
+        let out = qkv.causal_attention(h)?;
+        out.backward_with(BackwardOptions {
+            gradient: Some(gout.clone()),
+            ..Default::default()
+        })?;
+        qkv.set_grad(None)
+    };
+    let fwd_ms = median_ms(dev, iters, &forward)?;
+    let both_ms = median_ms(dev, iters, &both)?;
+    let flops = 4.0 * (b * h * t * t * d) as f64 / 2.0;
+    println!(
+        "{{\"impl\":\"ferrograd\",\"batch\":{b},\"heads\":{h},\"seq\":{t},\"head_dim\":{d},\"dtype\":\"{dtype}\",\"fwd_ms\":{fwd_ms:.4},\"fwd_bwd_ms\":{both_ms:.4},\"fwd_tflops\":{:.1},\"fwd_bwd_tflops\":{:.1}}}",
+        flops / fwd_ms / 1e9,
+        3.5 * flops / both_ms / 1e9
+    );
+    Ok(())
+}

@@ -1,0 +1,521 @@
+// attention.cu — fused scaled-dot-product attention on tensor cores (FlashAttention-2's
+// algorithm), forward and backward, for f16 and bf16 heads with f32 accumulation.
+//
+// Compiled once per (element type, head dim): the launcher (cuda/attention.rs) prepends
+// `#define ATTN_BF16` or `#define ATTN_F16` and `#define HEAD_DIM n` (a multiple of 16, at
+// most 128), so every loop over the head dim unrolls and every fragment array stays in
+// registers.
+//
+// Operands: q, k, v, out, gout and the three gradients are (B, H, T, D) views with unit stride
+// along D, described by `Heads` (element offset and the b, h, t strides); lse and delta are
+// dense (B, H, T) f32. Kernels:
+//   attn_fwd      one CTA per (64 queries, b·h): Q in registers, K/V tiles streamed through
+//                 shared memory, online softmax; writes out and lse = log Σ exp(scaled scores).
+//   attn_delta    delta = rowsum(gout ∘ out) per query, f32.
+//   attn_bwd_dkdv one CTA per (64 keys, b·h): every query tile that sees those keys, the
+//                 probabilities recomputed from lse; dK and dV accumulate in registers.
+//   attn_bwd_dq   one CTA per (64 queries, b·h): every key tile the queries see; dQ in
+//                 registers. Two kernels instead of float atomics: the backward is
+//                 deterministic.
+// Causal tiles past the diagonal are never visited.
+//
+// Fragments follow PTX's mma.m16n8k16 layouts: lane = 4·g + t; an accumulator tile (16 × 8)
+// holds rows g and g + 8, columns 2t and 2t + 1. Two neighbouring accumulator tiles are
+// exactly one A operand (16 × 16), so probabilities feed the next product without a trip
+// through shared memory.
+
+#define D HEAD_DIM
+#define WARPS 4
+#define THREADS (WARPS * 32)
+// Shared-memory rows are padded by 16 bytes, so the 8 row addresses of one ldmatrix fall in
+// distinct banks.
+#define LDS (D + 8)
+// Queries per CTA of the forward and dQ kernels, keys per CTA of dK/dV: 16 per warp.
+#define BM 64
+// Keys per streamed tile (forward, dQ), and queries per tile of the dK/dV kernel: smaller
+// at wide heads so the accumulators fit in registers and the tiles in 48 KiB.
+#define BN (D <= 64 ? 64 : 32)
+#define BQ (D <= 64 ? 64 : (D <= 96 ? 32 : 16))
+// Keys per tile of the dQ kernel, whose Q and dO tiles also stay in shared memory.
+#define BNQ (D <= 64 ? 64 : (D <= 112 ? 32 : 16))
+
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+#if D % 16 != 0 || D > 128
+#error "HEAD_DIM must be a multiple of 16, at most 128"
+#endif
+
+// A (B, H, T, D) view: element offset and strides of b, h and t (D has unit stride).
+// Mirrors `Heads` in cuda/attention.rs (#[repr(C)]).
+struct Heads {
+    i64 offset, sb, sh, st;
+};
+
+// The problem. Mirrors `Problem` in cuda/attention.rs.
+struct Problem {
+    int b, h, t, causal;
+    float scale;       // applied to q·k
+    float scale_log2;  // scale · log2(e): scores in base 2, so exp is one exp2
+    int vec;           // 1: every row start is 16-byte aligned (8-element loads)
+    int pad;
+};
+
+__device__ __forceinline__ i64 row_at(const Heads& v, int b, int h, i64 t) {
+    return v.offset + (i64)b * v.sb + (i64)h * v.sh + t * v.st;
+}
+
+// ---- tensor-core primitives ------------------------------------------------------------
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }\n" : "=r"(r) : "l"(p));
+    return r;
+}
+
+// Four 8 × 8 b16 matrices; lane l gives the row address of matrix l / 8.
+__device__ __forceinline__ void ldsm_x4(u32 r[4], const u16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+__device__ __forceinline__ void ldsm_x4_t(u32 r[4], const u16* p) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(smem_addr(p)));
+}
+
+// c (16 × 8, f32) += a (16 × 16) · b (16 × 8).
+__device__ __forceinline__ void mma(float c[4], const u32 a[4], u32 b0, u32 b1) {
+#ifdef ATTN_BF16
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
+}
+
+// Two floats as one register of two 16-bit elements, `lo` in the low half (round to nearest).
+__device__ __forceinline__ u32 pack2(float lo, float hi) {
+    u32 r;
+#ifdef ATTN_BF16
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+#else
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+#endif
+    return r;
+}
+
+__device__ __forceinline__ float elem_to_f32(u16 v) {
+#ifdef ATTN_BF16
+    return bf16_to_f32(v);
+#else
+    return f16_to_f32(v);
+#endif
+}
+
+__device__ __forceinline__ u16 f32_to_elem(float v) {
+#ifdef ATTN_BF16
+    return f32_to_bf16(v);
+#else
+    return f32_to_f16(v);
+#endif
+}
+
+// Lane l's row and column inside a 16 × 16 block for ldmatrix.x4: for an A operand (and a
+// transposed B) matrix l / 8 is (rows +8 if odd, columns +8 if ≥ 2); for a B operand read
+// from [n][k] rows the roles swap.
+__device__ __forceinline__ int a_row(int lane) { return (lane & 7) + ((lane >> 3) & 1) * 8; }
+__device__ __forceinline__ int a_col(int lane) { return (lane >> 4) * 8; }
+__device__ __forceinline__ int b_row(int lane) { return (lane & 7) + (lane >> 4) * 8; }
+__device__ __forceinline__ int b_col(int lane) { return ((lane >> 3) & 1) * 8; }
+
+// The A operand of one 16 × 16 block: two neighbouring accumulator tiles (c0, c1 → row g,
+// c2, c3 → row g + 8) packed to 16 bits.
+__device__ __forceinline__ void acc_to_a(u32 a[4], const float lo[4], const float hi[4]) {
+    a[0] = pack2(lo[0], lo[1]);
+    a[1] = pack2(lo[2], lo[3]);
+    a[2] = pack2(hi[0], hi[1]);
+    a[3] = pack2(hi[2], hi[3]);
+}
+
+// s (16 rows × N) = A rows (16 × D, at `a`, row stride LDS) · Bᵀ, B (N × D) at `b`.
+template <int N>
+__device__ __forceinline__ void rows_times_rows_t(float s[N / 8][4], const u16* a, const u16* b,
+                                                  int lane) {
+#pragma unroll
+    for (int j = 0; j < N / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+        u32 af[4];
+        ldsm_x4(af, a + a_row(lane) * LDS + kk * 16 + a_col(lane));
+#pragma unroll
+        for (int nn = 0; nn < N / 16; ++nn) {
+            u32 bf[4];
+            ldsm_x4(bf, b + (nn * 16 + b_row(lane)) * LDS + kk * 16 + b_col(lane));
+            mma(s[2 * nn], af, bf[0], bf[1]);
+            mma(s[2 * nn + 1], af, bf[2], bf[3]);
+        }
+    }
+}
+
+// acc (16 × D) += P (16 × N, accumulator tiles) · V (N × D at `v`, row stride LDS).
+template <int N>
+__device__ __forceinline__ void acc_times_rows(float acc[D / 8][4], const float p[N / 8][4],
+                                               const u16* v, int lane) {
+#pragma unroll
+    for (int kk = 0; kk < N / 16; ++kk) {
+        u32 af[4];
+        acc_to_a(af, p[2 * kk], p[2 * kk + 1]);
+#pragma unroll
+        for (int dn = 0; dn < D / 16; ++dn) {
+            u32 bf[4];
+            ldsm_x4_t(bf, v + (kk * 16 + a_row(lane)) * LDS + dn * 16 + a_col(lane));
+            mma(acc[2 * dn], af, bf[0], bf[1]);
+            mma(acc[2 * dn + 1], af, bf[2], bf[3]);
+        }
+    }
+}
+
+// ---- tiles through shared memory ----------------------------------------------------------
+
+// rows [r0, r0 + R) of a (T, D) head into smem (row stride LDS); rows at or past T are zero.
+template <int R>
+__device__ __forceinline__ void load_rows(u16* dst, const u16* base, const Heads& v, int b, int h,
+                                          int r0, const Problem& p) {
+    const int chunks = D / 8;  // 8 elements (16 bytes) each
+    for (int i = threadIdx.x; i < R * chunks; i += THREADS) {
+        int r = i / chunks, c = (i % chunks) * 8;
+        u16* d = dst + r * LDS + c;
+        int t = r0 + r;
+        if (t >= p.t) {
+            *(uint4*)d = make_uint4(0, 0, 0, 0);
+        } else {
+            const u16* s = base + row_at(v, b, h, t) + c;
+            if (p.vec) {
+                *(uint4*)d = *(const uint4*)s;
+            } else {
+#pragma unroll
+                for (int e = 0; e < 8; ++e) d[e] = s[e];
+            }
+        }
+    }
+}
+
+// A warp's 16 accumulator rows (16 × D) · mul, stored to rows [r0, r0 + 16) of `v` below T.
+__device__ __forceinline__ void store_rows(u16* base, const Heads& v, int b, int h, int r0,
+                                           const float acc[D / 8][4], float mul0, float mul1,
+                                           const Problem& p, int lane) {
+    int g = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        int t = r0 + g + half * 8;
+        if (t >= p.t) continue;
+        float mul = half ? mul1 : mul0;
+        u16* row = base + row_at(v, b, h, t);
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            int c = j * 8 + 2 * t4;
+            u16 lo = f32_to_elem(acc[j][2 * half] * mul);
+            u16 hi = f32_to_elem(acc[j][2 * half + 1] * mul);
+            if (p.vec) {
+                *(u32*)(row + c) = (u32)lo | ((u32)hi << 16);
+            } else {
+                row[c] = lo;
+                row[c + 1] = hi;
+            }
+        }
+    }
+}
+
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+// The query tile of this CTA: the heaviest (causal) tiles are scheduled first.
+__device__ __forceinline__ int tile_index(const Problem& p) {
+    return p.causal ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+}
+
+// ---- forward ----------------------------------------------------------------------------------
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    attn_fwd(const u16* qkv, Heads qv, Heads kv, Heads vv, u16* out, Heads ov, float* lse,
+             Problem p) {
+    __shared__ alignas(16) u16 sq[BM * LDS];
+    __shared__ alignas(16) u16 sk[BN * LDS];
+    __shared__ alignas(16) u16 sv[BN * LDS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
+    const int q0 = tile_index(p) * BM;
+
+    load_rows<BM>(sq, qkv, qv, b, h, q0, p);
+    __syncthreads();
+    // This warp's queries as A operands, kept in registers for every key tile.
+    u32 qf[D / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk)
+        ldsm_x4(qf[kk], sq + (warp * 16 + a_row(lane)) * LDS + kk * 16 + a_col(lane));
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
+    const int row0 = q0 + warp * 16 + g;  // this thread's rows: row0 and row0 + 8
+    const int keys = p.causal ? min(p.t, q0 + BM) : p.t;
+
+    for (int k0 = 0; k0 < keys; k0 += BN) {
+        __syncthreads();
+        load_rows<BN>(sk, qkv, kv, b, h, k0, p);
+        load_rows<BN>(sv, qkv, vv, b, h, k0, p);
+        __syncthreads();
+
+        float s[BN / 8][4];
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+            for (int nn = 0; nn < BN / 16; ++nn) {
+                u32 bf[4];
+                ldsm_x4(bf, sk + (nn * 16 + b_row(lane)) * LDS + kk * 16 + b_col(lane));
+                mma(s[2 * nn], qf[kk], bf[0], bf[1]);
+                mma(s[2 * nn + 1], qf[kk], bf[2], bf[3]);
+            }
+        }
+
+        // Scale into base 2; mask keys past T and, causally, keys after the query.
+        const bool edge = k0 + BN > p.t || (p.causal && k0 + BN > q0 + warp * 16);
+        float mx[2] = {m[0], m[1]};
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float v = s[j][e] * p.scale_log2;
+                if (edge) {
+                    int col = k0 + j * 8 + 2 * t4 + (e & 1);
+                    int row = row0 + (e >> 1) * 8;
+                    if (col >= p.t || (p.causal && col > row)) v = neg_inf();
+                }
+                s[j][e] = v;
+                mx[e >> 1] = fmaxf(mx[e >> 1], v);
+            }
+        }
+        float alpha[2];
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+            mx[i] = quad_max(mx[i]);
+            // A row with every key so far masked keeps m = -inf; exp2 of (-inf) - (-inf) is
+            // NaN, so such rows subtract 0 instead.
+            float base = mx[i] == neg_inf() ? 0.f : mx[i];
+            alpha[i] = exp2f(m[i] - base);
+            m[i] = mx[i];
+            l[i] *= alpha[i];
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+                float p0 = exp2f(s[j][2 * i] - base), p1 = exp2f(s[j][2 * i + 1] - base);
+                s[j][2 * i] = p0;
+                s[j][2 * i + 1] = p1;
+                l[i] += p0 + p1;
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            o[j][0] *= alpha[0];
+            o[j][1] *= alpha[0];
+            o[j][2] *= alpha[1];
+            o[j][3] *= alpha[1];
+        }
+        acc_times_rows<BN>(o, s, sv, lane);
+    }
+
+    float inv[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        l[i] = quad_sum(l[i]);
+        inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
+        int row = row0 + i * 8;
+        if (t4 == 0 && row < p.t)
+            lse[(i64)bh * p.t + row] = l[i] > 0.f ? (m[i] + log2f(l[i])) * LN2 : neg_inf();
+    }
+    store_rows(out, ov, b, h, q0 + warp * 16, o, inv[0], inv[1], p, lane);
+}
+
+// ---- backward -------------------------------------------------------------------------------
+
+// delta[row] = Σ_d gout · out, one warp per (b, h, t) row.
+extern "C" __global__ void attn_delta(const u16* out, Heads ov, const u16* gout, Heads gv,
+                                      float* delta, Problem p) {
+    const int lane = threadIdx.x & 31;
+    const i64 rows = (i64)p.b * p.h * p.t;
+    const i64 warps = (i64)gridDim.x * WARPS;
+    for (i64 r = (i64)blockIdx.x * WARPS + (threadIdx.x >> 5); r < rows; r += warps) {
+        int t = (int)(r % p.t);
+        int bh = (int)(r / p.t);
+        int b = bh / p.h, h = bh % p.h;
+        const u16* o = out + row_at(ov, b, h, t);
+        const u16* go = gout + row_at(gv, b, h, t);
+        float acc = 0.f;
+        for (int c = lane; c < D; c += 32) acc += elem_to_f32(o[c]) * elem_to_f32(go[c]);
+#pragma unroll
+        for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+        if (lane == 0) delta[r] = acc;
+    }
+}
+
+// dK, dV of 64 keys: every query tile at or after them (causal) recomputes its probabilities.
+// Warp w owns keys k0 + 16w .. k0 + 16w + 15, so nothing is shared between warps but the
+// tiles. Works on transposed products (keys as rows): Sᵀ = K Qᵀ, dV += Pᵀ dO,
+// dPᵀ = V dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ Q.
+extern "C" __global__ void __launch_bounds__(THREADS)
+    attn_bwd_dkdv(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov,
+                  const float* lse, const float* delta, u16* grads, Heads gkv, Heads gvv,
+                  Problem p) {
+    __shared__ alignas(16) u16 sk[BM * LDS];
+    __shared__ alignas(16) u16 sv[BM * LDS];
+    __shared__ alignas(16) u16 sq[BQ * LDS];
+    __shared__ alignas(16) u16 sdo[BQ * LDS];
+    __shared__ float sl[BQ], sd[BQ];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
+    const int k0 = blockIdx.x * BM;
+
+    load_rows<BM>(sk, qkv, kv, b, h, k0, p);
+    load_rows<BM>(sv, qkv, vv, b, h, k0, p);
+    const u16* wk = sk + warp * 16 * LDS;
+    const u16* wv = sv + warp * 16 * LDS;
+    const int key0 = k0 + warp * 16 + g;  // this thread's keys: key0 and key0 + 8
+
+    float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
+
+    const int first = p.causal ? (k0 / BQ) * BQ : 0;
+    for (int q0 = first; q0 < p.t; q0 += BQ) {
+        __syncthreads();
+        load_rows<BQ>(sq, qkv, qv, b, h, q0, p);
+        load_rows<BQ>(sdo, gout, gov, b, h, q0, p);
+        for (int i = threadIdx.x; i < BQ; i += THREADS) {
+            int t = q0 + i;
+            // Queries past T get lse = +inf: their probabilities are exactly 0.
+            sl[i] = t < p.t ? lse[(i64)bh * p.t + t] * LOG2E : __int_as_float(0x7f800000);
+            sd[i] = t < p.t ? delta[(i64)bh * p.t + t] : 0.f;
+        }
+        __syncthreads();
+
+        // Pᵀ (16 keys × BQ queries).
+        float pt[BQ / 8][4];
+        rows_times_rows_t<BQ>(pt, wk, sq, lane);
+        const bool edge = p.causal && q0 < k0 + warp * 16 + 16;
+#pragma unroll
+        for (int j = 0; j < BQ / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int qi = j * 8 + 2 * t4 + (e & 1);
+                int key = key0 + (e >> 1) * 8;
+                float v = exp2f(pt[j][e] * p.scale_log2 - sl[qi]);
+                if (edge && q0 + qi < key) v = 0.f;
+                pt[j][e] = v;
+            }
+        }
+        acc_times_rows<BQ>(dv, pt, sdo, lane);
+
+        // dSᵀ = Pᵀ ∘ (dPᵀ − delta).
+        float ds[BQ / 8][4];
+        rows_times_rows_t<BQ>(ds, wv, sdo, lane);
+#pragma unroll
+        for (int j = 0; j < BQ / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int qi = j * 8 + 2 * t4 + (e & 1);
+                ds[j][e] = pt[j][e] * (ds[j][e] - sd[qi]);
+            }
+        }
+        acc_times_rows<BQ>(dk, ds, sq, lane);
+    }
+    store_rows(grads, gkv, b, h, k0 + warp * 16, dk, p.scale, p.scale, p, lane);
+    store_rows(grads, gvv, b, h, k0 + warp * 16, dv, 1.f, 1.f, p, lane);
+}
+
+// dQ of 64 queries: every key tile they see. S = Q Kᵀ, P from lse, dP = dO Vᵀ,
+// dS = P ∘ (dP − delta), dQ += dS K.
+extern "C" __global__ void __launch_bounds__(THREADS)
+    attn_bwd_dq(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov,
+                const float* lse, const float* delta, u16* grads, Heads gqv, Problem p) {
+    __shared__ alignas(16) u16 sq[BM * LDS];
+    __shared__ alignas(16) u16 sdo[BM * LDS];
+    __shared__ alignas(16) u16 sk[BNQ * LDS];
+    __shared__ alignas(16) u16 sv[BNQ * LDS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
+    const int q0 = tile_index(p) * BM;
+
+    load_rows<BM>(sq, qkv, qv, b, h, q0, p);
+    load_rows<BM>(sdo, gout, gov, b, h, q0, p);
+    const int row0 = q0 + warp * 16 + g;
+    float l2[2], dl[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        int row = row0 + i * 8;
+        l2[i] = row < p.t ? lse[(i64)bh * p.t + row] * LOG2E : __int_as_float(0x7f800000);
+        dl[i] = row < p.t ? delta[(i64)bh * p.t + row] : 0.f;
+    }
+    const u16* wq = sq + warp * 16 * LDS;
+    const u16* wdo = sdo + warp * 16 * LDS;
+
+    float dq[D / 8][4];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
+    const int keys = p.causal ? min(p.t, q0 + BM) : p.t;
+
+    for (int k0 = 0; k0 < keys; k0 += BNQ) {
+        __syncthreads();
+        load_rows<BNQ>(sk, qkv, kv, b, h, k0, p);
+        load_rows<BNQ>(sv, qkv, vv, b, h, k0, p);
+        __syncthreads();
+
+        float s[BNQ / 8][4];
+        rows_times_rows_t<BNQ>(s, wq, sk, lane);
+        const bool edge = k0 + BNQ > p.t || (p.causal && k0 + BNQ > q0 + warp * 16);
+#pragma unroll
+        for (int j = 0; j < BNQ / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int col = k0 + j * 8 + 2 * t4 + (e & 1);
+                int i = e >> 1;
+                float v = exp2f(s[j][e] * p.scale_log2 - l2[i]);
+                if (edge && (col >= p.t || (p.causal && col > row0 + i * 8))) v = 0.f;
+                s[j][e] = v;
+            }
+        }
+        float ds[BNQ / 8][4];
+        rows_times_rows_t<BNQ>(ds, wdo, sv, lane);
+#pragma unroll
+        for (int j = 0; j < BNQ / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ds[j][e] = s[j][e] * (ds[j][e] - dl[e >> 1]);
+        acc_times_rows<BNQ>(dq, ds, sk, lane);
+    }
+    store_rows(grads, gqv, b, h, q0 + warp * 16, dq, p.scale, p.scale, p, lane);
+}

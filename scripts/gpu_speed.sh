@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# The GPU speed table, ferrograd and PyTorch side by side, on a GPU machine after
+# `scripts/gpu_tests.sh build` (here) has filled .bin/. Each row runs ours, then PyTorch's
+# twin, each in its own process; prints one markdown table last (and the raw lines above it).
+#
+# Usage: scripts/gpu_speed.sh [PYTHON_WITH_TORCH]
+# Environment: ROWS (space-separated subset of: attention gpt2-bf16 gpt2-f32
+#   main-job gpt-10m gpt-10m-dropout; default all), OUT (a folder for the raw log).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY="${1:-python3}"
+B=.bin
+ROWS="${ROWS:-attention gpt2-bf16 gpt2-f32 main-job gpt-10m gpt-10m-dropout}"
+LOG="${OUT:-/tmp}/gpu_speed.log"
+: >"$LOG"
+TABLE=()
+
+# A JSON field of the last JSON line of "$1".
+field() { printf '%s\n' "$1" | grep '^{' | tail -1 | "$PY" -c "import json,sys; print(json.load(sys.stdin).get('$2'))"; }
+# A key=value field of a line.
+kv() { printf '%s\n' "$1" | grep -o "$2=[^ ]*" | tail -1 | cut -d= -f2; }
+run() { echo "\$ $*" >>"$LOG"; "$@" 2>>"$LOG" | tee -a "$LOG"; }
+mib() { "$PY" -c "print(f'{int($1)/2**20:.0f} MiB' if '$1' not in ('', 'None') else '-')"; }
+ratio() { "$PY" -c "print(f'{float($1)/float($2):.2f}')" 2>/dev/null || echo -; }
+
+row_attention() {
+  local a p
+  a=$(run "$B/attention" --batch 8 --heads 12 --seq 1024 --head-dim 64 --dtype bf16)
+  p=$(run "$PY" benches/pytorch/attention.py --batch 8 --heads 12 --seq 1024 --head-dim 64 --dtype bf16)
+  TABLE+=("| attention B8 H12 T1024 d64 bf16, fwd+bwd ms | $(field "$a" fwd_bwd_ms) | $(field "$p" fwd_bwd_ms) (SDPA) | $(ratio "$(field "$a" fwd_bwd_ms)" "$(field "$p" fwd_bwd_ms)") |")
+  TABLE+=("| attention forward ms | $(field "$a" fwd_ms) | $(field "$p" fwd_ms) (SDPA) | $(ratio "$(field "$a" fwd_ms)" "$(field "$p" fwd_ms)") |")
+}
+
+# gpt2 rows: ours (strategies bench) against PyTorch's strategies.py with extra flags.
+gpt2_row() {
+  local name=$1 strategy=$2 torch_flags=$3 torch_name=$4 batch=${5:-8} a p
+  a=$(run "$B/strategies" --model gpt2 --strategy "$strategy" --device cuda --batch "$batch" --seq 1024 --steps 5 --warmup 3)
+  p=$(run "$PY" benches/pytorch/strategies.py --model gpt2 --strategy "$strategy" --device cuda --batch "$batch" --seq 1024 --steps 5 --warmup 3 $torch_flags)
+  TABLE+=("| $name, step ms (peak) | $(field "$a" step_ms) ($(mib "$(field "$a" peak_bytes)")) | $(field "$p" step_ms) ($(mib "$(field "$p" peak_bytes)")) $torch_name | $(ratio "$(field "$a" step_ms)" "$(field "$p" step_ms)") |")
+}
+
+row_gpt2-bf16() {
+  gpt2_row "GPT-2 124M B8 T1024 bf16" bf16 "--sdpa --compile --fused-adam" "torch.compile+SDPA+fused AdamW"
+  gpt2_row "GPT-2 124M B8 T1024 bf16" bf16 "--sdpa" "eager+SDPA"
+}
+row_gpt2-f32() { gpt2_row "GPT-2 124M B8 T1024 f32" baseline "--sdpa" "eager+SDPA"; }
+
+# ferrograd train against benches/pytorch/gpt_step.py on the same flags.
+train_row() {
+  local name=$1 steps=$2 flags=$3 torch_flags=$4 a p
+  a=$(run "$B/ferrograd" train --device cuda --max-steps "$steps" --eval-every 0 --sample-chars 0 --json $flags)
+  p=$(run "$PY" benches/pytorch/gpt_step.py --device cuda --steps "$steps" --warmup-steps 20 $torch_flags)
+  TABLE+=("| $name, tokens/s (peak) | $(field "$a" tokens_per_s) ($(mib "$(field "$a" peak_bytes)")) | $(kv "$p" tokens_per_s) ($(mib "$(kv "$p" peak_bytes)")) eager+SDPA | $(ratio "$(field "$a" tokens_per_s)" "$(kv "$p" tokens_per_s)") |")
+}
+
+row_main-job() { train_row "main job model (4×128, B16 T64, f32)" 300 "" ""; }
+GPT10="--n-layer 6 --n-head 6 --n-embd 384 --batch-size 64 --block-size 256 --amp bf16 --clip 1.0"
+GPT10_PT="--n-layer 6 --n-head 6 --n-embd 384 --batch 64 --block 256 --amp bf16 --clip 1.0"
+row_gpt-10m() { train_row "10.8M GPT B64 T256 bf16" 300 "$GPT10" "$GPT10_PT"; }
+row_gpt-10m-dropout() { train_row "10.8M GPT, dropout 0.2" 300 "$GPT10 --dropout 0.2" "$GPT10_PT --dropout 0.2"; }
+
+for r in $ROWS; do "row_$r"; done
+echo
+echo "| workload | ferrograd | PyTorch | ratio (ours / theirs) |"
+echo "|---|---:|---:|---:|"
+printf '%s\n' "${TABLE[@]}"
