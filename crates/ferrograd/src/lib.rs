@@ -27,17 +27,20 @@
 //! 8. `optim` — SGD, Adam/AdamW, clipping, learning-rate schedules.
 //! 9. `nn` — modules: Linear, Embedding, LayerNorm, attention, MLP, GPT (with its
 //!    recomputation policy).
-//! 10. `train` — memory strategies, one small file each (accumulation, freezing, step in
+//! 10. `dist` — data parallelism: the `ProcessGroup` contract and an in-process group (ranks
+//!     as threads, deterministic reductions), `Ddp` (bucketed all-reduce from gradient hooks,
+//!     gradients as views into the buckets) and `Zero1` (AdamW state sharded over ranks).
+//! 11. `train` — memory strategies, one small file each (accumulation, freezing, step in
 //!     backward, the `GradScaler`), composed by the `Trainer` with the model's recomputation
-//!     policy.
-//! 11. `data` — the shipped corpus and a character tokenizer.
-//! 12. `io` — training state in safetensors, written atomically; memory recordings exported
+//!     policy and, when data-parallel, the gradient synchronisation.
+//! 12. `data` — the shipped corpus and a character tokenizer.
+//! 13. `io` — training state in safetensors, written atomically; memory recordings exported
 //!     for PyTorch's memory_viz, Chrome/Perfetto and the browser.
-//! 13. `plan` — the planner: any step run on the meta device with a target device's
+//! 14. `plan` — the planner: any step run on the meta device with a target device's
 //!     allocation policy simulated, giving its peak before it runs (to the byte on the host).
-//! 14. `job` — the main job: a character-level GPT trained (AdamW or SGD), evaluated, sampled
+//! 15. `job` — the main job: a character-level GPT trained (AdamW or SGD), evaluated, sampled
 //!     and saved; its batch refused or fitted to a budget by the planner.
-//! 15. `demo` — the memory demo: an MLP step with its bytes explained.
+//! 16. `demo` — the memory demo: an MLP step with its bytes explained.
 
 pub mod amp;
 pub mod autograd;
@@ -45,6 +48,7 @@ pub mod backend;
 pub mod base;
 pub mod data;
 pub mod demo;
+pub mod dist;
 pub mod io;
 pub mod job;
 pub mod memory;

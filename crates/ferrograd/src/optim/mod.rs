@@ -57,6 +57,13 @@ pub trait Optimizer {
         Ok(())
     }
 
+    /// Whether `step` itself reduces the gradients across data-parallel ranks (a sharded
+    /// optimizer, ZeRO): before it, each rank's `.grad` holds only its own batch's gradient,
+    /// so clipping or inf checks on them would differ between ranks.
+    fn reduces_gradients_in_step(&self) -> bool {
+        false
+    }
+
     /// `zero_grad()` with PyTorch's default, set_to_none = true.
     fn zero_grad(&mut self) -> Result<()> {
         self.zero_grad_with(true)

@@ -4,20 +4,22 @@
 //!   built once:  recompute policy on the model  →  freeze by name  →  optimizer over what
 //!                still trains  →  step in backward (gradient-free where the optimizer allows)
 //!   each step:   accumulate (forward under autocast → backward(scale(loss / N)), per
-//!                micro-batch)  →  (all-reduce of gradients across devices goes here)
-//!                →  unscale  →  clip  →  step (skipped on inf/NaN)  →  update scale  →  zero_grad
+//!                micro-batch)  →  all-reduce of gradients across data-parallel ranks (a
+//!                `GradSync`: only the last micro-batch's backward reduces)  →  unscale  →  clip  →  step (skipped on inf/NaN)  →  update scale  →  zero_grad
 //!
 //! With `step_in_backward` the optimizer runs inside backward, parameter by parameter, so the
 //! second half of a step is empty: that rules out what needs every gradient first (accumulation
 //! over micro-batches, global-norm clipping, a GradScaler's skip decision) — such combinations
 //! are refused when the trainer is built, with the reason.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use super::accumulate::{Accumulation, MicroBatch, accumulate};
 use super::{GradScaler, InBackwardPath, StepInBackward, freeze};
 use crate::amp::AmpDType;
 use crate::base::{Error, Result};
+use crate::dist::GradSync;
 use crate::memory::{self, CategoryBytes};
 use crate::nn::{Module, Recompute};
 use crate::optim::{Optimizer, WarmupCosine, clip_grad_norm};
@@ -168,6 +170,30 @@ impl std::fmt::Display for StepReport {
     }
 }
 
+/// An optimizer that reduces gradients in its own step leaves each rank's gradients
+/// unreduced before it: clipping and a GradScaler would decide on different values per rank.
+fn check_sharded<O: Optimizer>(optimizer: &O, config: &TrainerConfig) -> Result<()> {
+    if !optimizer.reduces_gradients_in_step() {
+        return Ok(());
+    }
+    let what = if config.clip.is_some() {
+        "global-norm clipping (--clip)"
+    } else if config.uses_scaler() {
+        "f16 loss scaling"
+    } else if config.step_in_backward {
+        "step in backward"
+    } else {
+        return Ok(());
+    };
+    Err(Error::invalid(
+        "Trainer",
+        format!(
+            "{what} cannot be combined with {}: it needs the reduced gradients, which a sharded optimizer only makes inside its step; use DDP instead, or bf16",
+            optimizer.name()
+        ),
+    ))
+}
+
 /// Where the optimizer lives: called after backward, or hooked into it.
 enum Stepper<O: Optimizer + Send + 'static> {
     AfterBackward(O),
@@ -180,6 +206,7 @@ pub struct Trainer<O: Optimizer + Send + 'static> {
     scaler: Option<GradScaler>,
     device: Device,
     step: u64,
+    grad_sync: Option<Arc<dyn GradSync>>,
 }
 
 impl<O: Optimizer + Send + 'static> Trainer<O> {
@@ -220,6 +247,7 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
 
     fn build(optimizer: O, config: TrainerConfig, device: Device) -> Result<Trainer<O>> {
         config.validate()?;
+        check_sharded(&optimizer, &config)?;
         let scaler = config.uses_scaler().then(GradScaler::new);
         let stepper = if config.step_in_backward {
             // The gradient-free path where the optimizer allows it, else per-parameter hooks.
@@ -233,7 +261,15 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
             scaler,
             device,
             step: 0,
+            grad_sync: None,
         })
+    }
+
+    /// Runs data-parallel: gradients are reduced by `sync` (e.g. `Ddp::grad_sync`) during the
+    /// backward of each step's last micro-batch, before unscale, clip and step.
+    pub fn with_grad_sync(mut self, sync: Arc<dyn GradSync>) -> Trainer<O> {
+        self.grad_sync = Some(sync);
+        self
     }
 
     pub fn config(&self) -> &TrainerConfig {
@@ -285,8 +321,7 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
             amp: self.config.amp,
             scaler: self.scaler.as_ref(),
         };
-        let done = accumulate(&how, loss_of)?;
-        // Gradients would be all-reduced across data-parallel ranks here.
+        let done = self.accumulate_synced(&how, loss_of)?;
         let (grad_norm, stepped) = self.finish_step()?;
         crate::backend::synchronize(self.device)?;
         let report = StepReport {
@@ -305,6 +340,27 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
         };
         self.step += 1;
         Ok(report)
+    }
+
+    /// The micro-batches; with a `GradSync`, only the last one's backward reduces gradients,
+    /// and all of them must have been reduced before the step.
+    fn accumulate_synced(
+        &self,
+        how: &Accumulation<'_>,
+        mut loss_of: impl FnMut(usize) -> Result<MicroBatch>,
+    ) -> Result<super::Accumulated> {
+        let Some(sync) = &self.grad_sync else {
+            return accumulate(how, loss_of);
+        };
+        let last = how.micro_batches - 1;
+        let done = accumulate(how, |i| {
+            sync.set_require_sync(i == last);
+            loss_of(i)
+        });
+        sync.set_require_sync(true);
+        let done = done?;
+        sync.finish()?;
+        Ok(done)
     }
 
     /// unscale → clip → step → update → zero_grad; returns (norm before clipping, stepped).

@@ -1,0 +1,45 @@
+//! Data-parallel training: every rank holds a replica, computes gradients on its share of the
+//! batch, and the ranks average them.
+//!
+//! - `group` — the `ProcessGroup` contract (all-reduce, broadcast, reduce-scatter,
+//!   all-gather, barrier on flat float tensors);
+//! - `in_process` — ranks as threads of one process, deterministic reductions: CI tests the
+//!   whole data-parallel logic on the CPU with it;
+//! - `buckets` — PyTorch's bucket assignment and the flat buffers gradients live in;
+//! - `ddp` — `Ddp`, the DistributedDataParallel wrapper around any module;
+//! - `zero1` — `Zero1`, AdamW with its state sharded over the ranks (ZeRO stage 1).
+//!
+//! Not here yet: an NCCL group for CUDA devices and a torchrun-compatible rendezvous.
+//!
+//! Memory: the CPU has one allocator for all in-process ranks, so its statistics and category
+//! sums are the total over ranks (each rank holds its own replica, gradients and state);
+//! per-rank figures are those totals divided by the world size when ranks are symmetric, or
+//! what a rank's own objects report (`Ddp::bucket_bytes`, `Zero1::state_bytes`).
+
+mod buckets;
+mod ddp;
+mod group;
+mod in_process;
+mod zero1;
+
+pub use buckets::{
+    Bucket, BucketItem, DEFAULT_BUCKET_BYTES_CAP, DEFAULT_FIRST_BUCKET_BYTES, bucket_assignment,
+    initial_assignment, rebuilt_assignment,
+};
+pub use ddp::{Ddp, DdpConfig, NoSync};
+pub use group::{ProcessGroup, ReduceOp};
+pub use in_process::{DEFAULT_TIMEOUT, InProcessGroup};
+pub use zero1::Zero1;
+
+use crate::base::Result;
+
+/// What a training step needs from data parallelism between its micro-batches and its
+/// optimizer step (the `Trainer` calls it; `Ddp::grad_sync` gives one).
+pub trait GradSync: Send + Sync {
+    /// Whether the coming micro-batch's backward reduces gradients: false for all but the
+    /// last micro-batch of an accumulated step (gradients then accumulate locally).
+    fn set_require_sync(&self, on: bool);
+    /// After the step's last backward: every gradient was reduced, or an error naming the
+    /// parameters that got none.
+    fn finish(&self) -> Result<()>;
+}

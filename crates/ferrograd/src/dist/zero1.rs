@@ -1,0 +1,255 @@
+//! `Zero1`: AdamW with its state sharded over the ranks (ZeRO stage 1). The trainable
+//! parameters of one dtype are laid end to end in a flat vector of `total` elements, padded
+//! with zeros to `world · shard` where `shard = ceil(total / world)`; rank r owns elements
+//! [r·shard, (r+1)·shard) and keeps exp_avg and exp_avg_sq for them only. A step:
+//!
+//!   local .grad (each rank its own batch)  →  reduce-scatter (average) into the rank's
+//!   gradient shard  →  AdamW on the parameter shard  →  all-gather of the updated shards
+//!   into every replica's parameters
+//!
+//! AdamW is elementwise, so updating a shard is bitwise the update `Adam::adamw` applies to
+//! those elements of the whole model. Per-rank optimizer state: 2 · shard elements per dtype
+//! (total / world, plus at most world − 1 padding elements). During a step the flattened
+//! gradient and parameters (world · shard each) and the shard's parameter copy are
+//! temporaries. Gradients stay unreduced until `step`, so global-norm clipping and a
+//! GradScaler's inf check, which need the reduced gradients, are refused by the Trainer.
+
+use std::sync::Arc;
+
+use super::group::{ProcessGroup, ReduceOp};
+use crate::autograd::no_grad;
+use crate::base::{Error, Result};
+use crate::memory::Category;
+use crate::optim::{Adam, AdamConfig, AdamState, Optimizer, check_lr};
+use crate::tensor::{DType, Tensor};
+
+/// The parameters of one dtype and this rank's share of their state.
+struct Shard {
+    members: Vec<usize>,
+    /// Element offset of each member in the flat vector.
+    offsets: Vec<usize>,
+    /// Elements of this rank's shard (the flat vector holds world · shard).
+    shard: usize,
+    state: Option<AdamState>,
+}
+
+pub struct Zero1 {
+    group: Arc<dyn ProcessGroup>,
+    names: Vec<String>,
+    params: Vec<Tensor>,
+    cfg: AdamConfig,
+    shards: Vec<Shard>,
+    steps: u64,
+}
+
+impl Zero1 {
+    /// Sharded AdamW over `named` (the trainable parameters, in the module's order). The
+    /// parameters take rank 0's values first, so every replica starts equal.
+    pub fn adamw(
+        named: Vec<(String, Tensor)>,
+        cfg: AdamConfig,
+        group: Arc<dyn ProcessGroup>,
+    ) -> Result<Zero1> {
+        // Validates the configuration and the parameters as AdamW would.
+        let (names, params): (Vec<String>, Vec<Tensor>) = named.into_iter().unzip();
+        Adam::adamw(params.clone(), cfg.clone())?;
+        for (name, p) in names.iter().zip(&params) {
+            group.broadcast(p, 0).map_err(|e| {
+                Error::invalid(
+                    "ZeRO-1",
+                    format!("broadcasting parameter {name} from rank 0: {e}"),
+                )
+            })?;
+        }
+        let shards = plan_shards(&params, group.world_size());
+        Ok(Zero1 {
+            group,
+            names,
+            params,
+            cfg,
+            shards,
+            steps: 0,
+        })
+    }
+
+    /// This rank's optimizer-state bytes (exp_avg and exp_avg_sq of its shards).
+    pub fn state_bytes(&self) -> usize {
+        let of = |s: &AdamState| s.exp_avg.nbytes() + s.exp_avg_sq.nbytes();
+        self.shards
+            .iter()
+            .filter_map(|s| s.state.as_ref())
+            .map(of)
+            .sum()
+    }
+
+    /// Padding elements added so each dtype's flat vector divides by the world size.
+    pub fn padding_elements(&self) -> usize {
+        let world = self.group.world_size();
+        self.shards
+            .iter()
+            .map(|s| world * s.shard - flat_len(&self.params, &s.members))
+            .sum()
+    }
+
+    pub fn step_count(&self) -> u64 {
+        self.steps
+    }
+
+    /// The flat vector (world · shard,) of `members`' values picked by `value` (zeros in the
+    /// padding), as a temporary.
+    fn flatten(&self, s: &Shard, value: impl Fn(usize) -> Result<Tensor>) -> Result<Tensor> {
+        let p0 = &self.params[s.members[0]];
+        let world = self.group.world_size();
+        let flat = Tensor::alloc(
+            &[world * s.shard],
+            p0.dtype(),
+            p0.device(),
+            Category::Temporary,
+            "zero1_flat",
+        )?;
+        for (k, &m) in s.members.iter().enumerate() {
+            let n = self.params[m].numel();
+            flat.narrow(0, s.offsets[k], n)?
+                .copy_(&value(m)?.reshape(&[n])?)?;
+        }
+        Ok(flat)
+    }
+
+    fn grad_of(&self, m: usize) -> Result<Tensor> {
+        self.params[m].grad().ok_or_else(|| {
+            Error::invalid(
+                "ZeRO-1",
+                format!(
+                    "parameter {} has no gradient; every rank must reduce every shard, so each trainable parameter must take part in the loss (freeze unused ones before building the optimizer)",
+                    self.names[m]
+                ),
+            )
+        })
+    }
+
+    /// Reduce-scatter, local AdamW, all-gather for one dtype's parameters.
+    fn step_shard(&mut self, k: usize) -> Result<()> {
+        let (rank, world) = (self.group.rank(), self.group.world_size());
+        let s = &self.shards[k];
+        let n = s.shard;
+        let p0 = self.params[s.members[0]].clone();
+        let grads = self.flatten(s, |m| self.grad_of(m))?;
+        let grad = Tensor::alloc(
+            &[n],
+            p0.dtype(),
+            p0.device(),
+            Category::Gradient,
+            "zero1_grad",
+        )?;
+        self.group.reduce_scatter(&grads, &grad, ReduceOp::Avg)?;
+        drop(grads);
+        let flat = self.flatten(s, |m| Ok(self.params[m].clone()))?;
+        let own = Tensor::alloc(
+            &[n],
+            p0.dtype(),
+            p0.device(),
+            Category::Temporary,
+            "zero1_param",
+        )?;
+        own.copy_(&flat.narrow(0, rank * n, n)?)?;
+        own.set_grad(Some(grad))?;
+        let state = adamw_on(&own, &self.cfg, s.state.clone())?;
+        self.shards[k].state = Some(state);
+        self.group.all_gather(&own, &flat)?;
+        let s = &self.shards[k];
+        for (j, &m) in s.members.iter().enumerate() {
+            let p = &self.params[m];
+            p.copy_(
+                &flat
+                    .narrow(0, s.offsets[j], p.numel())?
+                    .reshape(p.shape())?,
+            )?;
+        }
+        debug_assert_eq!(flat.numel(), world * n);
+        Ok(())
+    }
+}
+
+/// One AdamW step of the owned shard `own` (its `.grad` set), continuing from `state`.
+fn adamw_on(own: &Tensor, cfg: &AdamConfig, state: Option<AdamState>) -> Result<AdamState> {
+    let mut adam = Adam::adamw(vec![own.clone()], cfg.clone())?;
+    if let Some(st) = state {
+        adam.set_state(0, st)?;
+    }
+    adam.step()?;
+    adam.state(0)
+        .cloned()
+        .ok_or_else(|| Error::invalid("ZeRO-1", "AdamW made no state for the shard"))
+}
+
+/// Groups the parameters by dtype, in first-seen order, and sizes each rank's shard.
+fn plan_shards(params: &[Tensor], world: usize) -> Vec<Shard> {
+    let mut by_dtype: Vec<(DType, Vec<usize>)> = Vec::new();
+    for (i, p) in params.iter().enumerate() {
+        match by_dtype.iter_mut().find(|(d, _)| *d == p.dtype()) {
+            Some((_, v)) => v.push(i),
+            None => by_dtype.push((p.dtype(), vec![i])),
+        }
+    }
+    by_dtype
+        .into_iter()
+        .map(|(_, members)| {
+            let mut offsets = Vec::with_capacity(members.len());
+            let mut total = 0;
+            for &m in &members {
+                offsets.push(total);
+                total += params[m].numel();
+            }
+            Shard {
+                members,
+                offsets,
+                shard: total.div_ceil(world),
+                state: None,
+            }
+        })
+        .collect()
+}
+
+fn flat_len(params: &[Tensor], members: &[usize]) -> usize {
+    members.iter().map(|&m| params[m].numel()).sum()
+}
+
+impl Optimizer for Zero1 {
+    fn step(&mut self) -> Result<()> {
+        let _g = no_grad();
+        for k in 0..self.shards.len() {
+            self.step_shard(k)?;
+        }
+        self.steps += 1;
+        Ok(())
+    }
+
+    fn step_param(&mut self, _index: usize) -> Result<()> {
+        Err(Error::invalid(
+            "ZeRO-1",
+            "a sharded optimizer steps all parameters at once (its shards cut across them); step in backward is not available",
+        ))
+    }
+
+    fn params(&self) -> &[Tensor] {
+        &self.params
+    }
+
+    fn name(&self) -> &'static str {
+        "AdamW (ZeRO-1)"
+    }
+
+    fn lr(&self) -> f64 {
+        self.cfg.lr
+    }
+
+    fn set_lr(&mut self, lr: f64) -> Result<()> {
+        check_lr("ZeRO-1", lr)?;
+        self.cfg.lr = lr;
+        Ok(())
+    }
+
+    fn reduces_gradients_in_step(&self) -> bool {
+        true
+    }
+}
