@@ -4,11 +4,11 @@
 //! optimizer state take. Every test takes `LOCK`: the CPU allocator is shared by all threads,
 //! and the byte counts below must see only their own ranks.
 
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use ferrograd::dist::{
-    BucketItem, Ddp, DdpConfig, InProcessGroup, ReduceOp, Zero1, bucket_assignment,
+    BucketItem, Ddp, DdpConfig, InProcessGroup, ProcessGroup, ReduceOp, Zero1, bucket_assignment,
 };
 use ferrograd::memory::{self, Category};
 use ferrograd::nn::{Linear, Module, Relu, Sequential};
@@ -291,6 +291,7 @@ fn small_buckets() -> DdpConfig {
     DdpConfig {
         first_bucket_bytes: 64,
         bucket_cap_bytes: 256,
+        ..DdpConfig::default()
     }
 }
 
@@ -309,6 +310,11 @@ fn ddp_f32_matches_one_process_on_the_whole_batch() {
             &ddp_sgd_step(world, DType::F32, small_buckets()),
             &want,
         );
+        let copies = DdpConfig {
+            gradient_as_bucket_view: false,
+            ..small_buckets()
+        };
+        assert_matches_single(DType::F32, &ddp_sgd_step(world, DType::F32, copies), &want);
     }
 }
 
@@ -648,7 +654,17 @@ fn buckets_are_rebuilt_after_the_first_step_the_same_on_every_rank() {
             &["late.bias", "late.weight"]
         ])
     );
-    assert_eq!(out[0].1[0], names(&[&["late.bias", "late.weight"]])[0]);
+    // Which of a layer's weight and bias is ready first varies from run to run (both become
+    // ready together): late's two come first either way.
+    let rebuilt: Vec<String> = out[0].1.concat();
+    assert!(
+        rebuilt[..2].iter().all(|n| n.starts_with("late.")),
+        "{rebuilt:?}"
+    );
+    assert!(
+        rebuilt[2..].iter().all(|n| n.starts_with("early.")),
+        "{rebuilt:?}"
+    );
     let model = Listed::new(dtype);
     let mut opt = sgd(&model);
     for _ in 0..2 {
@@ -684,40 +700,165 @@ fn grads_live_in_buckets<M: Module>(ddp: &Ddp<M>) -> bool {
             .all(|g| g.category() == Some(Category::Gradient))
 }
 
+/// The gradient bytes on the device after one backward on every rank, and each rank's
+/// (gradients in buckets, parameter bytes, bucket bytes).
+fn gradient_bytes(world: usize, cfg: DdpConfig) -> (u64, Vec<(bool, usize, usize)>) {
+    let (x, t) = batch(DType::F32);
+    let base = memory::memory_by_category(CPU)
+        .unwrap()
+        .get(Category::Gradient);
+    let bytes = Mutex::new(0);
+    let out = InProcessGroup::run(world, |g| {
+        let r = g.rank();
+        let ddp = Ddp::with_config(mlp(DType::F32, 0), g.clone(), cfg.clone())?;
+        ddp.forward(&rows(&x, r, world))?
+            .mse_loss(&rows(&t, r, world))?
+            .backward()?;
+        ddp.finish()?;
+        // Every rank has finished its backward before one reads the device's bytes.
+        g.barrier()?;
+        if r == 0 {
+            *bytes.lock().unwrap() =
+                memory::memory_by_category(CPU)?.get(Category::Gradient) - base;
+        }
+        g.barrier()?;
+        Ok((
+            grads_live_in_buckets(&ddp),
+            ddp.parameter_bytes(),
+            ddp.bucket_bytes(),
+        ))
+    })
+    .unwrap();
+    (bytes.into_inner().unwrap(), out)
+}
+
 /// gradient_as_bucket_view: every .grad is a slice of a bucket, and the gradient bytes on
-/// the device are exactly the parameters' (no second copy), for each rank.
+/// the device are exactly the parameters' (no second copy), for each rank. Without it, the
+/// gradients and the buckets each take the parameters' bytes.
 #[test]
 fn gradients_are_bucket_views_and_take_exactly_the_parameter_bytes() {
     let _l = lock();
-    let (x, t) = batch(DType::F32);
     for world in [2, 4] {
-        let base = memory::memory_by_category(CPU)
-            .unwrap()
-            .get(Category::Gradient);
-        let out = InProcessGroup::run(world, |g| {
-            let r = g.rank();
-            let ddp = Ddp::with_config(mlp(DType::F32, 0), g.clone(), small_buckets())?;
-            ddp.forward(&rows(&x, r, world))?
-                .mse_loss(&rows(&t, r, world))?
-                .backward()?;
-            ddp.finish()?;
-            let views = grads_live_in_buckets(&ddp);
-            // Every rank has finished its backward before anyone reads the device's bytes.
-            g.barrier()?;
-            let grad_bytes = memory::memory_by_category(CPU)?.get(Category::Gradient) - base;
-            g.barrier()?;
-            Ok((views, grad_bytes, ddp.parameter_bytes(), ddp.bucket_bytes()))
-        })
-        .unwrap();
-        for (views, grad_bytes, param_bytes, bucket_bytes) in out {
+        let (bytes, out) = gradient_bytes(world, small_buckets());
+        for (views, param_bytes, bucket_bytes) in out {
             assert!(views);
             assert_eq!(bucket_bytes, param_bytes);
+            assert_eq!(bytes, (world * param_bytes) as u64, "all ranks' gradients");
+        }
+        let copies = DdpConfig {
+            gradient_as_bucket_view: false,
+            ..small_buckets()
+        };
+        let (bytes, out) = gradient_bytes(world, copies);
+        for (views, param_bytes, _) in out {
+            assert!(!views);
             assert_eq!(
-                grad_bytes,
-                (world * param_bytes) as u64,
-                "all ranks' gradients"
+                bytes,
+                (2 * world * param_bytes) as u64,
+                "gradients and buckets"
             );
         }
+    }
+}
+
+/// A group that logs its all-reduces next to the test's own events.
+struct Logged {
+    inner: Arc<dyn ProcessGroup>,
+    log: Arc<Mutex<Vec<String>>>,
+}
+
+impl ProcessGroup for Logged {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn world_size(&self) -> usize {
+        self.inner.world_size()
+    }
+    fn backend_name(&self) -> &'static str {
+        "logged"
+    }
+    fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<()> {
+        self.log
+            .lock()
+            .unwrap()
+            .push(format!("all_reduce {}", x.numel()));
+        self.inner.all_reduce(x, op)
+    }
+    fn broadcast(&self, x: &Tensor, root: usize) -> Result<()> {
+        self.inner.broadcast(x, root)
+    }
+    fn reduce_scatter(&self, input: &Tensor, output: &Tensor, op: ReduceOp) -> Result<()> {
+        self.inner.reduce_scatter(input, output, op)
+    }
+    fn all_gather(&self, input: &Tensor, output: &Tensor) -> Result<()> {
+        self.inner.all_gather(input, output)
+    }
+    fn barrier(&self) -> Result<()> {
+        self.inner.barrier()
+    }
+}
+
+/// Two layers whose forward logs when backward reaches the first layer's output: the
+/// moment the second layer's gradients are complete and the first layer's are not begun.
+struct Marked {
+    a: Linear,
+    b: Linear,
+    log: Arc<Mutex<Vec<String>>>,
+}
+
+impl Module for Marked {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.a.forward(x)?;
+        let log = self.log.clone();
+        h.register_hook(move |_| {
+            log.lock().unwrap().push("backward reaches layer a".into());
+            Ok(None)
+        });
+        self.b.forward(&h.relu()?)
+    }
+    fn named_parameters(&self) -> Vec<(String, Tensor)> {
+        let named = |prefix: &str, l: &Linear| {
+            l.named_parameters()
+                .into_iter()
+                .map(|(n, p)| (format!("{prefix}.{n}"), p))
+                .collect::<Vec<_>>()
+        };
+        [named("a", &self.a), named("b", &self.b)].concat()
+    }
+}
+
+/// Overlap: the second layer's bucket is reduced from the gradient hooks before backward
+/// has begun the first layer.
+#[test]
+fn buckets_are_reduced_during_backward_as_they_complete() {
+    let _l = lock();
+    let (x, t) = batch(DType::F32);
+    let logs = InProcessGroup::run(2, |g| {
+        let log: Arc<Mutex<Vec<String>>> = Arc::default();
+        let logged: Arc<dyn ProcessGroup> = Arc::new(Logged {
+            inner: g.clone(),
+            log: log.clone(),
+        });
+        let mut rng = Generator::new(0);
+        let model = Marked {
+            a: Linear::new(IN, 16, true, CPU, &mut rng)?,
+            b: Linear::new(16, OUT, true, CPU, &mut rng)?,
+            log: log.clone(),
+        };
+        let ddp = Ddp::with_config(model, logged, small_buckets())?;
+        let r = g.rank();
+        ddp.forward(&rows(&x, r, 2))?
+            .mse_loss(&rows(&t, r, 2))?
+            .backward()?;
+        ddp.finish()?;
+        let log = log.lock().unwrap().clone();
+        Ok(log)
+    })
+    .unwrap();
+    // Buckets in reverse order: b.* (3 + 48 elements), then a.* (16 + 80).
+    let want = ["all_reduce 51", "backward reaches layer a", "all_reduce 96"];
+    for log in logs {
+        assert_eq!(log, want);
     }
 }
 

@@ -3,9 +3,10 @@
 //! - construction broadcasts every parameter from rank 0 (so replicas start equal) and
 //!   buckets the trainable ones (`buckets.rs`: reverse parameter order, 1 MiB then 25 MiB,
 //!   one dtype per bucket);
-//! - each `.grad` is a view into its bucket's flat buffer (`gradient_as_bucket_view`): the
-//!   forward binds the views, backward accumulates into them in place, so no second copy of
-//!   the gradients exists and the buckets' bytes count as `gradient`;
+//! - each `.grad` is a view into its bucket's flat buffer (`gradient_as_bucket_view`, on by
+//!   default): the forward binds the views, backward accumulates into them in place, so no
+//!   second copy of the gradients exists and the buckets' bytes count as `gradient` (off,
+//!   gradients are copied into the bucket and back: twice the gradient bytes);
 //! - a post-accumulate-grad hook on every parameter marks it ready; once a bucket's members
 //!   are all ready, it is averaged across ranks at once (buckets strictly in index order, the
 //!   same on every rank), while backward goes on with earlier layers;
@@ -36,6 +37,10 @@ pub struct DdpConfig {
     pub bucket_cap_bytes: usize,
     /// The cap of the first bucket (PyTorch: 1 MiB).
     pub first_bucket_bytes: usize,
+    /// Each `.grad` is a view into its bucket (true, the default here; PyTorch's default is
+    /// false). False keeps gradients in tensors of their own and copies them into the
+    /// bucket and back around the reduction: a second copy of every gradient.
+    pub gradient_as_bucket_view: bool,
 }
 
 impl Default for DdpConfig {
@@ -43,6 +48,7 @@ impl Default for DdpConfig {
         DdpConfig {
             bucket_cap_bytes: DEFAULT_BUCKET_BYTES_CAP,
             first_bucket_bytes: DEFAULT_FIRST_BUCKET_BYTES,
+            gradient_as_bucket_view: true,
         }
     }
 }
@@ -61,6 +67,7 @@ struct State {
     params: Vec<Tensor>,
     items: Vec<BucketItem>,
     caps: [usize; 2],
+    as_views: bool,
     buckets: Vec<Bucket>,
     /// Parameter → (bucket, position in it).
     slot_of: Vec<(usize, usize)>,
@@ -111,6 +118,7 @@ impl<M: Module> Ddp<M> {
             params,
             items,
             caps,
+            as_views: cfg.gradient_as_bucket_view,
             buckets: Vec::new(),
             slot_of: Vec::new(),
             require_sync: true,
@@ -153,6 +161,13 @@ impl<M: Module> Ddp<M> {
             state: &self.state,
             before,
         }
+    }
+
+    /// Runs `f` on the wrapped module as a forward of DDP: for a model whose training forward
+    /// is not `Module::forward` (`Gpt::forward_loss`).
+    pub fn forward_with<R>(&self, f: impl FnOnce(&M) -> Result<R>) -> Result<R> {
+        self.lock().prepare()?;
+        f(&self.module)
     }
 
     /// The handle a `Trainer` uses to switch synchronisation per micro-batch and to check
@@ -279,7 +294,7 @@ impl State {
         let old = std::mem::replace(&mut self.buckets, buckets);
         self.slot_of = slot_of;
         for i in 0..self.params.len() {
-            if self.params[i].grad().is_some() {
+            if self.as_views && self.params[i].grad().is_some() {
                 self.bind_view(i)?;
             }
         }
@@ -327,7 +342,9 @@ impl State {
             return Err(self.unused_error());
         }
         self.maybe_rebuild()?;
-        self.bind_all_views()?;
+        if self.as_views {
+            self.bind_all_views()?;
+        }
         if self.require_sync {
             self.arm();
         }
@@ -373,11 +390,24 @@ impl State {
         if !self.rebuilt {
             self.arrival.push(i);
         }
-        if leaf.grad().is_some_and(|g| !self.is_bucket_view(i, &g)) {
-            self.bind_view(i)?;
-        }
+        self.into_bucket(i, leaf)?;
         self.pending[self.slot_of[i].0] -= 1;
         self.launch_ready()
+    }
+
+    /// Puts parameter i's finished gradient in its bucket: as the view itself, or copied.
+    fn into_bucket(&self, i: usize, leaf: &Tensor) -> Result<()> {
+        let Some(g) = leaf.grad() else {
+            return Ok(());
+        };
+        if self.as_views {
+            if !self.is_bucket_view(i, &g) {
+                self.bind_view(i)?;
+            }
+            return Ok(());
+        }
+        let _g = no_grad();
+        self.view_of(i)?.copy_(&g.detach())
     }
 
     /// Averages the complete buckets at the front of the queue, in index order.
@@ -385,10 +415,24 @@ impl State {
         while self.next_bucket < self.buckets.len() && self.pending[self.next_bucket] == 0 {
             let b = &self.buckets[self.next_bucket];
             self.group.all_reduce(&b.flat, ReduceOp::Avg)?;
+            if !self.as_views {
+                self.copy_back(self.next_bucket)?;
+            }
             self.next_bucket += 1;
         }
         if self.next_bucket == self.buckets.len() {
             self.armed = false;
+        }
+        Ok(())
+    }
+
+    /// Without bucket views: the averaged values go back into each member's own `.grad`.
+    fn copy_back(&self, b: usize) -> Result<()> {
+        let _g = no_grad();
+        for (k, &m) in self.buckets[b].members.iter().enumerate() {
+            if let Some(g) = self.params[m].grad() {
+                g.copy_(&self.buckets[b].view(k, &self.params[m])?)?;
+            }
         }
         Ok(())
     }
