@@ -390,13 +390,13 @@ impl State {
         if !self.rebuilt {
             self.arrival.push(i);
         }
-        self.into_bucket(i, leaf)?;
+        self.put_in_bucket(i, leaf)?;
         self.pending[self.slot_of[i].0] -= 1;
         self.launch_ready()
     }
 
     /// Puts parameter i's finished gradient in its bucket: as the view itself, or copied.
-    fn into_bucket(&self, i: usize, leaf: &Tensor) -> Result<()> {
+    fn put_in_bucket(&self, i: usize, leaf: &Tensor) -> Result<()> {
         let Some(g) = leaf.grad() else {
             return Ok(());
         };
