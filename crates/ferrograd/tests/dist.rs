@@ -700,9 +700,19 @@ fn grads_live_in_buckets<M: Module>(ddp: &Ddp<M>) -> bool {
             .all(|g| g.category() == Some(Category::Gradient))
 }
 
-/// The gradient bytes on the device after one backward on every rank, and each rank's
-/// (gradients in buckets, parameter bytes, bucket bytes).
-fn gradient_bytes(world: usize, cfg: DdpConfig) -> (u64, Vec<(bool, usize, usize)>) {
+/// What one rank reports after its backward.
+struct RankBytes {
+    /// Every .grad lives in a bucket.
+    views: bool,
+    param_bytes: usize,
+    bucket_bytes: usize,
+    /// The rank's own gradient bytes, from its memory scope.
+    scoped_gradient: u64,
+}
+
+/// The gradient bytes on the device after one backward on every rank, and what each rank
+/// reports.
+fn gradient_bytes(world: usize, cfg: DdpConfig) -> (u64, Vec<RankBytes>) {
     let (x, t) = batch(DType::F32);
     let base = memory::memory_by_category(CPU)
         .unwrap()
@@ -710,6 +720,11 @@ fn gradient_bytes(world: usize, cfg: DdpConfig) -> (u64, Vec<(bool, usize, usize
     let bytes = Mutex::new(0);
     let out = InProcessGroup::run(world, |g| {
         let r = g.rank();
+        let scoped = || -> Result<u64> {
+            let m = memory::scope_memory(CPU, r as u16)?;
+            Ok(m.by_category.get(Category::Gradient))
+        };
+        let scoped_base = scoped()?;
         let ddp = Ddp::with_config(mlp(DType::F32, 0), g.clone(), cfg.clone())?;
         ddp.forward(&rows(&x, r, world))?
             .mse_loss(&rows(&t, r, world))?
@@ -722,11 +737,12 @@ fn gradient_bytes(world: usize, cfg: DdpConfig) -> (u64, Vec<(bool, usize, usize
                 memory::memory_by_category(CPU)?.get(Category::Gradient) - base;
         }
         g.barrier()?;
-        Ok((
-            grads_live_in_buckets(&ddp),
-            ddp.parameter_bytes(),
-            ddp.bucket_bytes(),
-        ))
+        Ok(RankBytes {
+            views: grads_live_in_buckets(&ddp),
+            param_bytes: ddp.parameter_bytes(),
+            bucket_bytes: ddp.bucket_bytes(),
+            scoped_gradient: scoped()? - scoped_base,
+        })
     })
     .unwrap();
     (bytes.into_inner().unwrap(), out)
@@ -740,21 +756,30 @@ fn gradients_are_bucket_views_and_take_exactly_the_parameter_bytes() {
     let _l = lock();
     for world in [2, 4] {
         let (bytes, out) = gradient_bytes(world, small_buckets());
-        for (views, param_bytes, bucket_bytes) in out {
-            assert!(views);
-            assert_eq!(bucket_bytes, param_bytes);
-            assert_eq!(bytes, (world * param_bytes) as u64, "all ranks' gradients");
+        for o in out {
+            assert!(o.views);
+            assert_eq!(o.bucket_bytes, o.param_bytes);
+            assert_eq!(
+                o.scoped_gradient, o.param_bytes as u64,
+                "the rank's own gradients"
+            );
+            assert_eq!(
+                bytes,
+                (world * o.param_bytes) as u64,
+                "all ranks' gradients"
+            );
         }
         let copies = DdpConfig {
             gradient_as_bucket_view: false,
             ..small_buckets()
         };
         let (bytes, out) = gradient_bytes(world, copies);
-        for (views, param_bytes, _) in out {
-            assert!(!views);
+        for o in out {
+            assert!(!o.views);
+            assert_eq!(o.scoped_gradient, 2 * o.param_bytes as u64);
             assert_eq!(
                 bytes,
-                (2 * world * param_bytes) as u64,
+                (2 * world * o.param_bytes) as u64,
                 "gradients and buckets"
             );
         }
@@ -922,6 +947,13 @@ fn zero1_matches_adamw_in_one_process_and_holds_a_shard_of_the_state() {
                 let on_device =
                     memory::memory_by_category(CPU)?.get(Category::OptimizerState) - base;
                 g.barrier()?;
+                let scoped = memory::scope_memory(CPU, r as u16)?;
+                let own = scoped.by_category.get(Category::OptimizerState);
+                assert_eq!(
+                    own,
+                    opt.state_bytes() as u64,
+                    "rank {r}'s scope holds its state"
+                );
                 Ok((
                     values(&model),
                     opt.state_bytes(),

@@ -8,7 +8,9 @@
 //! deposits), and all ranks finish reading (only then does each write its own buffer, so no
 //! rank overwrites an input another is still reading). A rank that returns an error or
 //! panics marks the group failed, and every waiting rank returns an error naming it; a rank
-//! that never arrives is a timeout error naming it.
+//! that never arrives is a timeout error naming it. Each rank's thread runs in the memory
+//! scope of its rank, so `memory::scope_memory(device, rank)` gives that rank's bytes by
+//! category and its peak, although all ranks share the device's allocator.
 
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -16,6 +18,7 @@ use std::time::{Duration, Instant};
 use super::group::{ProcessGroup, ReduceOp, check_buffer, check_root, check_split};
 use crate::autograd::no_grad;
 use crate::base::{Error, Result};
+use crate::memory;
 use crate::tensor::{DType, Tensor};
 
 /// How long a rank waits for the others at one collective before giving up.
@@ -266,6 +269,8 @@ fn run_rank<T>(
         shared: &shared,
         rank,
     };
+    // Each rank's allocations are told apart on the device they share (`scope_memory`).
+    let _scope = u16::try_from(rank).ok().map(memory::enter_scope);
     let group: Arc<dyn ProcessGroup> = Arc::new(InProcessGroup {
         rank,
         shared: Arc::clone(&shared),

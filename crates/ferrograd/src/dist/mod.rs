@@ -11,10 +11,12 @@
 //!
 //! Not here yet: an NCCL group for CUDA devices and a torchrun-compatible rendezvous.
 //!
-//! Memory: the CPU has one allocator for all in-process ranks, so its statistics and category
-//! sums are the total over ranks (each rank holds its own replica, gradients and state);
-//! per-rank figures are those totals divided by the world size when ranks are symmetric, or
-//! what a rank's own objects report (`Ddp::bucket_bytes`, `Zero1::state_bytes`).
+//! Memory: in-process ranks share their device's allocator, so its statistics and category
+//! sums are totals over the ranks (each holds its own replica, gradients and state). Each
+//! rank's thread allocates in the memory scope of its rank: `memory::scope_memory(device,
+//! rank)` is that rank's bytes by category and its own peak (the ranks' sums add up to at
+//! most `memory_allocated`: a parallel kernel's scratch, taken on a worker thread, counts in
+//! the totals only).
 
 mod buckets;
 mod ddp;

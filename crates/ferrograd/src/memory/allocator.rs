@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::caching::SegmentInfo;
+use super::scope::{self, ScopeMemory};
 use super::recorder::{self, Action, Origin, Record, SnapshotBlock, SnapshotSegment};
 use super::stats::{DeviceStats, Pool};
 use crate::base::Device;
@@ -82,6 +83,8 @@ struct LiveBlock {
     saved_refs: u32,
     /// The op that asked, and (while recording) the module and call site.
     origin: Origin,
+    /// The scope of the thread that allocated it (see `scope`).
+    scope: Option<u16>,
 }
 
 impl LiveBlock {
@@ -101,6 +104,18 @@ struct State {
     categories_at_peak: CategoryBytes,
     live: HashMap<u64, LiveBlock>,
     next_id: u64,
+    /// Per-scope sums, indexed by scope id.
+    scopes: Vec<ScopeMemory>,
+}
+
+impl State {
+    fn scope_mut(&mut self, id: Option<u16>) -> Option<&mut ScopeMemory> {
+        let i = usize::from(id?);
+        if self.scopes.len() <= i {
+            self.scopes.resize(i + 1, ScopeMemory::default());
+        }
+        self.scopes.get_mut(i)
+    }
 }
 
 /// One device's allocator.
@@ -128,6 +143,7 @@ impl Allocator {
                 categories_at_peak: CategoryBytes::default(),
                 live: HashMap::new(),
                 next_id: 1,
+                scopes: Vec::new(),
             }),
         })
     }
@@ -176,12 +192,17 @@ impl Allocator {
             st.categories_at_peak = st.categories;
         }
         let (size, addr) = (block.size, block.addr);
+        let scope = scope::current();
+        if let Some(s) = st.scope_mut(scope) {
+            s.add(category, size as u64);
+        }
         let live = LiveBlock {
             block,
             requested,
             base: category,
             saved_refs: 0,
             origin,
+            scope,
         };
         if recording {
             self.record_block(st, Action::Alloc, &live, category);
@@ -201,6 +222,9 @@ impl Allocator {
         let st = &mut *st;
         if let Some(b) = st.live.remove(&id) {
             st.categories.sub(b.category(), b.block.size as u64);
+            if let Some(s) = st.scope_mut(b.scope) {
+                s.sub(b.category(), b.block.size as u64);
+            }
             if recording {
                 self.record_block(st, Action::Free, &b, b.category());
             }
@@ -349,6 +373,11 @@ impl Allocator {
             if before != after {
                 st.categories.sub(before, b.block.size as u64);
                 st.categories.add(after, b.block.size as u64);
+                let (scope, size) = (b.scope, b.block.size as u64);
+                if let Some(s) = st.scopes.get_mut(scope.map_or(usize::MAX, usize::from)) {
+                    s.sub(before, size);
+                    s.add(after, size);
+                }
                 if recording && b.block.size > 0 {
                     recorder::record(Record {
                         action: Action::Relabel { from: before },
@@ -430,6 +459,12 @@ impl Allocator {
         let mut st = self.lock();
         st.stats.reset_peak();
         st.categories_at_peak = st.categories;
+        st.scopes.iter_mut().for_each(ScopeMemory::reset_peak);
+    }
+    /// The bytes of scope `id` (zeros for a scope that allocated nothing).
+    pub fn scope_memory(&self, id: u16) -> ScopeMemory {
+        let st = self.lock();
+        st.scopes.get(usize::from(id)).copied().unwrap_or_default()
     }
     pub fn reset_accumulated_memory_stats(&self) {
         self.lock().stats.reset_accumulated();

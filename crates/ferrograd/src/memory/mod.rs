@@ -7,6 +7,7 @@ mod caching;
 mod device_memory;
 mod host;
 pub mod recorder;
+mod scope;
 mod stats;
 mod summary;
 
@@ -18,6 +19,7 @@ pub use allocator::{Allocation, Allocator, MemInfo, Policy, PolicyBlock, Segment
 pub use caching::{BlockInfo, CachingPolicy, SegmentInfo, StreamId};
 pub use device_memory::{DeviceMemory, SimulatedDevice, Unopened};
 pub use host::HostPolicy;
+pub use scope::{ScopeGuard, ScopeMemory, enter_scope};
 pub use stats::{DeviceStats, Pool, SMALL_SIZE, Stat, StatArray};
 
 use crate::base::Device;
@@ -120,6 +122,11 @@ pub fn memory_stats(device: Device) -> Result<std::collections::BTreeMap<String,
 /// Live bytes per category; the sum equals `memory_allocated`.
 pub fn memory_by_category(device: Device) -> Result<CategoryBytes> {
     Ok(allocator(device)?.by_category())
+}
+/// The bytes that threads in scope `id` allocated on `device` (a data-parallel rank's, for
+/// in-process ranks): by category now, and the scope's own peak with its categories.
+pub fn scope_memory(device: Device, id: u16) -> Result<ScopeMemory> {
+    Ok(allocator(device)?.scope_memory(id))
 }
 /// A readable table of the statistics and the category breakdown.
 pub fn memory_summary(device: Device) -> Result<String> {
