@@ -456,7 +456,23 @@ fn run() -> Res<()> {
         "loss": m.loss,
     });
     println!("{line}");
+    print_kernel_times();
     Ok(())
+}
+
+/// With FERROGRAD_KERNEL_TIMES=1 on a GPU: the kernels of the whole run, the most time first.
+fn print_kernel_times() {
+    let rows = ferrograd::backend::cuda::take_kernel_times();
+    let total: f64 = rows.iter().map(|r| r.seconds).sum();
+    for r in rows.iter().take(60) {
+        eprintln!(
+            "{:>9.3} ms {:>5.1}% {:>7} calls  {}",
+            r.seconds * 1e3,
+            100.0 * r.seconds / total,
+            r.calls,
+            r.name
+        );
+    }
 }
 
 fn main() {

@@ -2,8 +2,10 @@
 //! f64 reference of the same rounded inputs on the CPU, across every head dim it covers and
 //! sequence lengths inside, at and past its 64-row tiles; against PyTorch's
 //! `scaled_dot_product_attention` fixture; against the composed attention inside the GPT
-//! model under autocast; the memory it keeps (to the byte); a bit-identical backward from
-//! run to run; and unaligned operands. Needs a CUDA device: without one every test fails.
+//! model under autocast; dropout on the probabilities against the composed path's dropout
+//! with the same generator state (the same mask); the memory it keeps (to the byte); a
+//! bit-identical backward from run to run; and unaligned operands. Needs a CUDA device:
+//! without one every test fails.
 #![cfg(feature = "gpu-tests")]
 
 mod common;
@@ -13,8 +15,8 @@ use std::sync::{Mutex, MutexGuard};
 use common::fixture_file::{self, FixtureFile};
 use ferrograd::amp::{AmpDType, autocast};
 use ferrograd::memory;
-use ferrograd::nn::{Gpt, GptConfig, Module};
-use ferrograd::ops::causal_attention_supported;
+use ferrograd::nn::{Gpt, GptConfig, Module, causal_mask};
+use ferrograd::ops::{causal_attention_dropout_supported, causal_attention_supported};
 use ferrograd::{DType, Device, Generator, Tensor};
 
 const GPU: Device = Device::Cuda(0);
@@ -242,6 +244,132 @@ fn other_dtypes_and_head_dims_are_left_to_the_composed_path() {
     assert!(err.contains("compose"), "{err}");
 }
 
+/// softmax(q kᵀ / √D, causal).dropout(p, rng) v spelled out with ops (the model's composed
+/// path), on qkv's device and dtype: (B, T, 3C) → (B, T, C).
+fn composed_with_dropout(qkv: &Tensor, h: usize, p: f64, rng: &mut Generator) -> Tensor {
+    let &[b, t, c3] = qkv.shape() else {
+        panic!("qkv is (B, T, 3C)")
+    };
+    let (c, d) = (c3 / 3, c3 / 3 / h);
+    let x = qkv
+        .reshape(&[b, t, 3, h, d])
+        .unwrap()
+        .permute(&[2, 0, 3, 1, 4])
+        .unwrap();
+    let head = |i: usize| x.narrow(0, i, 1).unwrap().squeeze(0).unwrap();
+    let (q, k, v) = (head(0), head(1), head(2));
+    let att = q
+        .matmul(&k.transpose(-2, -1).unwrap())
+        .unwrap()
+        .mul_scalar(1.0 / (d as f64).sqrt())
+        .unwrap()
+        .masked_fill(&causal_mask(t, qkv.device()).unwrap(), f64::NEG_INFINITY)
+        .unwrap()
+        .softmax(-1)
+        .unwrap()
+        .dropout(p, true, rng)
+        .unwrap();
+    att.matmul(&v)
+        .unwrap()
+        .transpose(1, 2)
+        .unwrap()
+        .reshape(&[b, t, c])
+        .unwrap()
+}
+
+#[test]
+fn dropout_on_the_probabilities_draws_the_composed_paths_mask() {
+    let _l = lock();
+    for (i, &(b, t, h, d, p)) in [
+        (2, 70, 2, 64, 0.2),
+        (1, 129, 3, 32, 0.5),
+        (1, 33, 1, 128, 0.1),
+    ]
+    .iter()
+    .enumerate()
+    {
+        assert!(causal_attention_dropout_supported(GPU, DType::BF16, d));
+        let c = h * d;
+        let qkv = randn(&[b, t, 3 * c], 60 + i as u64)
+            .to_dtype(DType::BF16)
+            .unwrap()
+            .to_dtype(DType::F64)
+            .unwrap();
+        let gout = randn(&[b, t, c], 70 + i as u64);
+        // The reference: the composed path in f64 on the CPU, the mask from the same seed.
+        let x = qkv.detach().requires_grad_(true).unwrap();
+        let want = composed_with_dropout(&x, h, p, &mut Generator::new(9 + i as u64));
+        want.mul(&gout)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let want_grad = x.grad().expect("a gradient");
+
+        let y = qkv
+            .to_dtype(DType::BF16)
+            .unwrap()
+            .to_device(GPU)
+            .unwrap()
+            .requires_grad_(true)
+            .unwrap();
+        let before = memory::memory_allocated(GPU).unwrap();
+        let out = y
+            .causal_attention_dropout(h, p, &mut Generator::new(9 + i as u64))
+            .unwrap();
+        // Still only the output and one log-sum-exp per query: no mask is stored.
+        let grown = memory::memory_allocated(GPU).unwrap() - before;
+        let blocks = |bytes: usize| bytes.div_ceil(512) * 512;
+        assert_eq!(
+            grown,
+            (blocks(b * t * c * 2) + blocks(b * h * t * 4)) as u64
+        );
+        let g = gout.to_dtype(DType::BF16).unwrap().to_device(GPU).unwrap();
+        out.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
+        let what = format!("B{b} T{t} H{h} D{d} p{p}");
+        let eo = relative_error(&out.to_dtype(DType::F64).unwrap(), &want);
+        let eg = relative_error(
+            &y.grad().expect("a gradient").to_dtype(DType::F64).unwrap(),
+            &want_grad,
+        );
+        assert!(
+            eo <= 2.0 * tolerance(DType::BF16),
+            "{what}: out error {eo:.2e}"
+        );
+        assert!(
+            eg <= 4.0 * tolerance(DType::BF16),
+            "{what}: gradient error {eg:.2e}"
+        );
+        // Another seed is another mask: the comparison above could fail.
+        let other = y
+            .detach()
+            .causal_attention_dropout(h, p, &mut Generator::new(1000))
+            .unwrap();
+        let eo = relative_error(&other.to_dtype(DType::F64).unwrap(), &want);
+        assert!(
+            eo > 0.1,
+            "{what}: another seed gave the same output ({eo:.2e})"
+        );
+    }
+}
+
+#[test]
+fn dropout_probabilities_outside_zero_to_one_are_errors() {
+    let _l = lock();
+    let x = randn(&[1, 4, 3 * 16], 13)
+        .to_dtype(DType::BF16)
+        .unwrap()
+        .to_device(GPU)
+        .unwrap();
+    for p in [1.0, -0.1, f64::NAN] {
+        let err = x
+            .causal_attention_dropout(1, p, &mut Generator::new(1))
+            .unwrap_err();
+        assert!(err.to_string().contains("[0, 1)"), "{p}: {err}");
+    }
+}
+
 fn config() -> GptConfig {
     GptConfig {
         vocab_size: 61,
@@ -257,7 +385,11 @@ fn config() -> GptConfig {
 
 /// Loss and gradients of the model under bf16 autocast on the GPU, fused or composed.
 fn model_loss_and_grads(fused: bool) -> (f64, Vec<(String, Tensor)>) {
-    let mut model = Gpt::new(config(), GPU).unwrap();
+    model_loss_and_grads_with(config(), fused)
+}
+
+fn model_loss_and_grads_with(config: GptConfig, fused: bool) -> (f64, Vec<(String, Tensor)>) {
+    let mut model = Gpt::new(config, GPU).unwrap();
     model.set_fused_attention(fused);
     assert_eq!(model.attention_fused(DType::BF16), fused);
     let ids: Vec<i64> = (0..2 * 150).map(|i| (i * 13 + 5) % 61).collect();
@@ -287,6 +419,25 @@ fn the_model_computes_the_same_with_the_fused_and_the_composed_attention() {
     let _l = lock();
     let (fused_loss, fused) = model_loss_and_grads(true);
     let (composed_loss, composed) = model_loss_and_grads(false);
+    assert!(
+        (fused_loss - composed_loss).abs() < 1e-2,
+        "{fused_loss} vs {composed_loss}"
+    );
+    for ((name, a), (_, b)) in fused.iter().zip(&composed) {
+        let e = relative_error(a, &b.to_device(CPU).unwrap());
+        assert!(e < 5e-2, "{name}: {e:.2e}");
+    }
+}
+
+#[test]
+fn the_model_with_dropout_computes_the_same_fused_and_composed() {
+    let _l = lock();
+    let config = GptConfig {
+        dropout: 0.2,
+        ..config()
+    };
+    let (fused_loss, fused) = model_loss_and_grads_with(config.clone(), true);
+    let (composed_loss, composed) = model_loss_and_grads_with(config, false);
     assert!(
         (fused_loss - composed_loss).abs() < 1e-2,
         "{fused_loss} vs {composed_loss}"

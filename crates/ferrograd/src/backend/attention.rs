@@ -42,6 +42,20 @@ pub struct Attention<'a> {
     pub lse: &'a Storage,
     pub scale: f64,
     pub causal: bool,
+    /// Dropout on the probabilities (before they multiply v); lse stays that of the
+    /// undropped scores.
+    pub dropout: Option<AttentionDropout>,
+}
+
+/// Inverted dropout on the attention probabilities, drawn as the dropout op draws a mask over
+/// the (B, H, T, T) probabilities: probability (b, h, i, j), element n = ((b·H + h)·T + i)·T + j,
+/// is kept where the uniform draw of element n under `key` (backend/philox.rs) is below `keep`,
+/// and scaled by 1/keep. Backward replays the same mask from the key: nothing is stored.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct AttentionDropout {
+    pub key: u64,
+    /// 1 - p, in (0, 1].
+    pub keep: f64,
 }
 
 /// gq, gk, gv (three (B, H, T, D) layouts into one storage, fully overwritten) from the
@@ -56,6 +70,8 @@ pub struct AttentionBackward<'a> {
     pub grads: Heads<'a>,
     pub scale: f64,
     pub causal: bool,
+    /// The forward's dropout, replayed.
+    pub dropout: Option<AttentionDropout>,
 }
 
 /// The attention kernels of one device. Arguments arrive validated (entry functions below).
@@ -63,6 +79,9 @@ pub trait AttentionKernels {
     /// Whether the fused kernels cover this dtype and head dim (callers fall back to the
     /// unfused composition of matmul, softmax and matmul when they don't).
     fn supports_attention(&self, dtype: DType, head_dim: usize) -> bool;
+    /// Whether the fused kernels also apply dropout to the probabilities (where they do not,
+    /// attention with dropout composes matmul, softmax, dropout and matmul).
+    fn supports_attention_dropout(&self) -> bool;
     fn attention(&self, a: &Attention) -> Result<()>;
     fn attention_backward(&self, a: &AttentionBackward) -> Result<()>;
 }
@@ -75,6 +94,7 @@ pub fn attention(a: &Attention) -> Result<()> {
     check::on_device(FORWARD, a.lse.device(), [a.qkv.storage, a.out.storage])?;
     head_view(FORWARD, "out", &a.out, &shape, dtype)?;
     stats(FORWARD, a.lse, &shape, dtype)?;
+    dropout(FORWARD, a.dropout)?;
     check::distinct(
         FORWARD,
         &[a.qkv.storage, a.out.storage, a.lse],
@@ -109,6 +129,7 @@ pub fn attention_backward(a: &AttentionBackward) -> Result<()> {
     let rows = shape[0] * shape[1] * shape[2];
     check::dense(BACKWARD, "lse", &a.lse, rows, stats_dtype(dtype))?;
     stats(BACKWARD, a.delta, &shape, dtype)?;
+    dropout(BACKWARD, a.dropout)?;
     check::distinct(
         BACKWARD,
         &[
@@ -178,6 +199,20 @@ fn head_view(
     check::within(op, v)
 }
 
+/// A dropout's keep probability must be in (0, 1] (p = 1 drops everything: no softmax to take).
+fn dropout(op: &'static str, d: Option<AttentionDropout>) -> Result<()> {
+    match d {
+        Some(d) if !(d.keep > 0.0 && d.keep <= 1.0) => Err(Error::invalid(
+            op,
+            format!(
+                "the dropout's keep probability 1 - p must be in (0, 1], got {}",
+                d.keep
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
 /// lse or delta: (B, H, T) of the statistics' dtype.
 fn stats(op: &'static str, s: &Storage, shape: &[usize; 4], dtype: DType) -> Result<()> {
     check::out(op, s, shape[0] * shape[1] * shape[2], stats_dtype(dtype))
@@ -195,4 +230,10 @@ pub fn stats_dtype(dtype: DType) -> DType {
 /// Whether `device`'s backend has fused attention for this dtype and head dim.
 pub fn supported(device: crate::base::Device, dtype: DType, head_dim: usize) -> bool {
     backend(device).is_ok_and(|b| b.supports_attention(dtype, head_dim))
+}
+
+/// Whether it also applies dropout to the probabilities there.
+pub fn supported_with_dropout(device: crate::base::Device, dtype: DType, head_dim: usize) -> bool {
+    backend(device)
+        .is_ok_and(|b| b.supports_attention(dtype, head_dim) && b.supports_attention_dropout())
 }

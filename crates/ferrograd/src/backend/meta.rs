@@ -235,6 +235,9 @@ impl AttentionKernels for MetaBackend {
             None => true,
         }
     }
+    fn supports_attention_dropout(&self) -> bool {
+        !matches!(planning_target(), Some(MetaTarget::Host))
+    }
     fn attention(&self, _: &Attention) -> Result<()> {
         Ok(())
     }

@@ -1,15 +1,16 @@
 //! Multi-head causal self-attention, as in GPT-2: one projection to q, k, v (c_attn), scaled
 //! dot-product attention per head with future positions masked out, and an output projection
 //! (c_proj). Two paths with the same results: the fused kernel (`Tensor::causal_attention`,
-//! which never stores the (B, nh, T, T) probabilities) wherever the device has it and no
-//! dropout acts on the probabilities, else the composition of matmul, masked fill, softmax,
-//! dropout and matmul, which runs on every device. In both, the heads are views of the
-//! c_attn output, never copies.
+//! which never stores the (B, nh, T, T) probabilities) wherever the device has it — with
+//! dropout on the probabilities where its kernels apply it (the GPU's: the same mask as the
+//! composed path draws) — else the composition of matmul, masked fill, softmax, dropout and
+//! matmul, which runs on every device. In both, the heads are views of the c_attn output,
+//! never copies.
 
 use super::state::prefixed;
 use super::{Dropout, Linear, Module};
 use crate::base::{Error, Result};
-use crate::ops::causal_attention_supported;
+use crate::ops::{causal_attention_dropout_supported, causal_attention_supported};
 use crate::tensor::{Device, Tensor};
 
 #[derive(Clone)]
@@ -36,13 +37,16 @@ pub fn causal_mask(t: usize, device: Device) -> Result<Tensor> {
 impl CausalSelfAttention {
     /// Whether a forward on `device` in `dtype` runs the fused kernel (else the composed path).
     pub fn runs_fused(&self, device: Device, dtype: crate::base::DType) -> bool {
-        let dropout_acts = self.attn_dropout.training && self.attn_dropout.p > 0.0;
         let c = self.c_attn.weight.shape().first().copied().unwrap_or(0) / 3;
-        self.fused
-            && !dropout_acts
-            && self.n_head > 0
-            && c.is_multiple_of(self.n_head)
-            && causal_attention_supported(device, dtype, c / self.n_head)
+        if !self.fused || self.n_head == 0 || !c.is_multiple_of(self.n_head) {
+            return false;
+        }
+        let d = c / self.n_head;
+        if self.attn_dropout.acts() {
+            self.attn_dropout.p < 1.0 && causal_attention_dropout_supported(device, dtype, d)
+        } else {
+            causal_attention_supported(device, dtype, d)
+        }
     }
 
     /// x: (B, T, C) → (B, T, C), with `mask` (T', T') for some T' ≥ T: the causal mask (1
@@ -65,7 +69,13 @@ impl CausalSelfAttention {
         let hs = c / nh;
         let qkv = self.c_attn.forward(x)?;
         if self.runs_fused(qkv.device(), qkv.dtype()) {
-            let y = qkv.causal_attention(nh)?;
+            let y = if self.attn_dropout.acts() {
+                let p = self.attn_dropout.p;
+                self.attn_dropout
+                    .with_generator(|rng| qkv.causal_attention_dropout(nh, p, rng))?
+            } else {
+                qkv.causal_attention(nh)?
+            };
             return self.resid_dropout.forward(&self.c_proj.forward(&y)?);
         }
         // (B, T, 3C) → (B, T, 3, nh, hs) → (3, B, nh, T, hs): views.

@@ -38,6 +38,17 @@ impl Dropout {
         self.rng.lock().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// Whether it drops anything now (training with p > 0).
+    pub fn acts(&self) -> bool {
+        self.training && self.p > 0.0
+    }
+
+    /// Runs `f` with this layer's generator (for ops that draw their own mask, such as the
+    /// fused attention's).
+    pub(crate) fn with_generator<R>(&self, f: impl FnOnce(&mut Generator) -> R) -> R {
+        f(&mut self.rng.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
     /// Continues from a state taken with `generator_state`.
     pub fn set_generator_state(&self, state: Generator) {
         *self.rng.lock().unwrap_or_else(|e| e.into_inner()) = state;

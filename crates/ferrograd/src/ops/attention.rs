@@ -9,9 +9,9 @@
 use super::stats_dtype;
 use crate::autograd::{SavedTensor, record};
 use crate::backend::View;
-use crate::backend::attention::{self, Attention, AttentionBackward, Heads};
+use crate::backend::attention::{self, Attention, AttentionBackward, AttentionDropout, Heads};
 use crate::base::{Error, Layout, Result};
-use crate::tensor::Tensor;
+use crate::tensor::{Generator, Tensor};
 
 const OP: &str = "causal_attention";
 
@@ -65,8 +65,52 @@ impl Tensor {
     /// kernel does not cover are an error here: check `causal_attention_supported` first and
     /// compose matmul, softmax and matmul otherwise (`nn::CausalSelfAttention` does).
     pub fn causal_attention(&self, n_head: usize) -> Result<Tensor> {
+        self.fused_attention(n_head, None)
+    }
+
+    /// `causal_attention` with inverted dropout of probability `p` on the attention
+    /// probabilities (before they multiply v), the mask keyed by the next draw of `rng`: the
+    /// same mask as `softmax(...).dropout(p, true, rng)` on the composed path's (B, H, T, T)
+    /// probabilities, made inside the kernels and replayed by backward from its key, so no
+    /// mask is ever stored. `p` in [0, 1); p = 0 is `causal_attention`. Devices whose kernels
+    /// have no dropout are an error here: check `causal_attention_dropout_supported`.
+    pub fn causal_attention_dropout(
+        &self,
+        n_head: usize,
+        p: f64,
+        rng: &mut Generator,
+    ) -> Result<Tensor> {
+        if !(0.0..1.0).contains(&p) {
+            return Err(Error::invalid(
+                OP,
+                format!("the dropout probability must be in [0, 1), got {p}"),
+            ));
+        }
+        if p == 0.0 {
+            return self.causal_attention(n_head);
+        }
+        let d = geometry(self.shape(), n_head)?.d;
+        if !attention::supported_with_dropout(self.device(), self.dtype(), d) {
+            return Err(Error::invalid(
+                OP,
+                format!(
+                    "{} has no fused attention with dropout for {} with head dim {d}; compose \
+                     matmul, softmax, dropout and matmul instead",
+                    self.device(),
+                    self.dtype()
+                ),
+            ));
+        }
+        let dropout = AttentionDropout {
+            key: rng.next_u64(),
+            keep: 1.0 - p,
+        };
+        self.fused_attention(n_head, Some(dropout))
+    }
+
+    fn fused_attention(&self, n_head: usize, dropout: Option<AttentionDropout>) -> Result<Tensor> {
         if let Some([x]) = super::autocast::cast_lower([self])? {
-            return x.causal_attention(n_head);
+            return x.fused_attention(n_head, dropout);
         }
         super::check_float(OP, self)?;
         let g = geometry(self.shape(), n_head)?;
@@ -101,6 +145,7 @@ impl Tensor {
             lse: lse.storage(),
             scale,
             causal: true,
+            dropout,
         })?;
         let saved_out = out.detach();
         Ok(record(OP, &[self], out, move |_, _| {
@@ -110,10 +155,20 @@ impl Tensor {
                 lse: SavedTensor::new(&lse),
                 geometry: g,
                 scale,
+                dropout,
             };
             move |g: &Tensor, _: &[bool]| Ok(vec![Some(saved.backward(g)?)])
         }))
     }
+}
+
+/// Whether `causal_attention_dropout` runs on this device for this dtype and head dim.
+pub fn causal_attention_dropout_supported(
+    device: crate::base::Device,
+    dtype: crate::base::DType,
+    head_dim: usize,
+) -> bool {
+    attention::supported_with_dropout(device, dtype, head_dim)
 }
 
 /// Whether `causal_attention` runs on this device for this dtype and head dim.
@@ -156,6 +211,7 @@ struct Saved {
     lse: SavedTensor,
     geometry: Geometry,
     scale: f64,
+    dropout: Option<AttentionDropout>,
 }
 
 impl Saved {
@@ -194,6 +250,7 @@ impl Saved {
             },
             scale: self.scale,
             causal: true,
+            dropout: self.dropout,
         })?;
         Ok(grads)
     }

@@ -19,7 +19,7 @@ mod select;
 mod softmax;
 mod unary;
 
-pub use attention::causal_attention_supported;
+pub use attention::{causal_attention_dropout_supported, causal_attention_supported};
 pub(crate) use matmul::matmul_acc_into;
 pub use unary::GeluApprox;
 

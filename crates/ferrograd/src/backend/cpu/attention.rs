@@ -25,12 +25,30 @@ impl AttentionKernels for CpuBackend {
     fn supports_attention(&self, dtype: DType, head_dim: usize) -> bool {
         dtype.is_float() && head_dim > 0
     }
+    fn supports_attention_dropout(&self) -> bool {
+        false
+    }
     fn attention(&self, a: &Attention) -> Result<()> {
+        no_dropout("attention", a.dropout.is_some())?;
         by_dtype!(a.qkv.storage.dtype(), "attention", forward(a))
     }
     fn attention_backward(&self, a: &AttentionBackward) -> Result<()> {
+        no_dropout("attention_backward", a.dropout.is_some())?;
         by_dtype!(a.qkv.storage.dtype(), "attention_backward", backward(a))
     }
+}
+
+/// The CPU kernels have no dropout on the probabilities (the model composes the attention
+/// when dropout acts there).
+fn no_dropout(op: &'static str, dropout: bool) -> Result<()> {
+    if dropout {
+        return Err(Error::invalid(
+            op,
+            "the CPU's fused attention has no dropout on the probabilities; compose matmul, \
+             softmax, dropout and matmul instead",
+        ));
+    }
+    Ok(())
 }
 
 /// Calls `f::<T, A>` with the storage type T and the computing type A (f64 for f64, else f32).

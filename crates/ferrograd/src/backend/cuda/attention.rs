@@ -7,14 +7,15 @@
 //!
 //! Shapes: q, k, v, out, gout and the gradients (B, H, T, D) by strides, unit stride along D;
 //! lse and delta (B, H, T) dense f32. No temporaries: forward writes out and lse, backward
-//! writes delta, then dK/dV, then dQ.
+//! writes delta, then dK/dV, then dQ. Dropout on the probabilities runs in the kernels' twins
+//! (Philox in-kernel, the mask replayed in backward from its key; none is stored).
 
 use cudarc::driver::{DeviceRepr, LaunchConfig};
 
 use super::launch::{Arg, Module, addr, launch};
 use super::{CudaDevice, ptr};
 use crate::backend::View;
-use crate::backend::attention::{Attention, AttentionBackward, AttentionKernels};
+use crate::backend::attention::{Attention, AttentionBackward, AttentionDropout, AttentionKernels};
 use crate::base::{DType, Error, Layout, Result};
 
 /// Threads per CTA (WARPS · 32 in attention.cu) and rows per CTA tile (BM).
@@ -104,7 +105,7 @@ impl Heads {
     }
     /// Whether every row starts on a 16-byte boundary of a 16-byte-aligned buffer.
     fn aligned(&self, base: u64) -> bool {
-        base % 16 == 0
+        base.is_multiple_of(16)
             && [self.offset, self.sb, self.sh, self.st]
                 .iter()
                 .all(|v| v % 8 == 0)
@@ -122,18 +123,23 @@ struct Problem {
     scale: f32,
     scale_log2: f32,
     vec: i32,
+    /// Kept where the 24-bit draw is below this: ceil(keep · 2²⁴), as `u < keep` for
+    /// u = draw / 2²⁴.
+    threshold: u32,
+    key: u64,
+    inv_keep: f32,
     pad: i32,
 }
 
-// SAFETY: #[repr(C)], four i32, two f32 and two i32, laid out as `struct Problem` (32 bytes).
+// SAFETY: #[repr(C)]: four i32, two f32, i32, u32, u64, f32, i32, laid out as
+// `struct Problem` (48 bytes; the u64 falls on offset 32, so no implicit padding).
 unsafe impl DeviceRepr for Problem {}
 
 impl Problem {
     fn new(
         op: &'static str,
         q: &Layout,
-        scale: f64,
-        causal: bool,
+        (scale, causal, dropout): (f64, bool, Option<AttentionDropout>),
         views: &[(u64, Heads)],
     ) -> Result<Problem> {
         let s = q.shape();
@@ -158,6 +164,9 @@ impl Problem {
             scale: scale as f32,
             scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
             vec: i32::from(views.iter().all(|(base, h)| h.aligned(*base))),
+            threshold: dropout.map_or(0, |d| (d.keep * 16_777_216.0).ceil() as u32),
+            key: dropout.map_or(0, |d| d.key),
+            inv_keep: dropout.map_or(1.0, |d| (1.0 / d.keep) as f32),
             pad: 0,
         })
     }
@@ -180,6 +189,16 @@ impl Problem {
     }
 }
 
+/// The kernel's name: each has a twin that applies dropout.
+fn kernel(name: &'static str, dropout: Option<AttentionDropout>) -> &'static str {
+    match (name, dropout.is_some()) {
+        ("attn_fwd", true) => "attn_fwd_dropout",
+        ("attn_bwd_dkdv", true) => "attn_bwd_dkdv_dropout",
+        ("attn_bwd_dq", true) => "attn_bwd_dq_dropout",
+        (name, _) => name,
+    }
+}
+
 /// A view's base address (offset 0) and its heads.
 fn operand(v: &View) -> Result<(u64, Heads)> {
     Ok((ptr(v.storage)?, Heads::of(v.layout)))
@@ -188,6 +207,9 @@ fn operand(v: &View) -> Result<(u64, Heads)> {
 impl AttentionKernels for CudaDevice {
     fn supports_attention(&self, dtype: DType, head_dim: usize) -> bool {
         supports(dtype, head_dim)
+    }
+    fn supports_attention_dropout(&self) -> bool {
+        true
     }
     fn attention(&self, a: &Attention) -> Result<()> {
         forward(self, a)
@@ -201,7 +223,7 @@ fn forward(d: &CudaDevice, a: &Attention) -> Result<()> {
     const OP: &str = "attention";
     let [q, k, v] = a.qkv.views().map(|v| operand(&v));
     let (q, k, v, out) = (q?, k?, v?, operand(&a.out)?);
-    let p = Problem::new(OP, a.qkv.q, a.scale, a.causal, &[q, k, v, out])?;
+    let p = Problem::new(OP, a.qkv.q, (a.scale, a.causal, a.dropout), &[q, k, v, out])?;
     if p.is_empty() {
         return Ok(());
     }
@@ -216,7 +238,7 @@ fn forward(d: &CudaDevice, a: &Attention) -> Result<()> {
         Arg::Ptr(ptr(a.lse)?),
         Arg::Struct(&p),
     ];
-    launch(d, m, "attn_fwd", p.tiles(), &args)
+    launch(d, m, kernel("attn_fwd", a.dropout), p.tiles(), &args)
 }
 
 fn backward(d: &CudaDevice, a: &AttentionBackward) -> Result<()> {
@@ -228,8 +250,7 @@ fn backward(d: &CudaDevice, a: &AttentionBackward) -> Result<()> {
     let p = Problem::new(
         OP,
         a.qkv.q,
-        a.scale,
-        a.causal,
+        (a.scale, a.causal, a.dropout),
         &[q, k, v, gq, gk, gv, out, gout],
     )?;
     if p.is_empty() {
@@ -267,7 +288,7 @@ fn backward(d: &CudaDevice, a: &AttentionBackward) -> Result<()> {
         Arg::Struct(&gv.1),
         Arg::Struct(&p),
     ]);
-    launch(d, m, "attn_bwd_dkdv", p.tiles(), &dkdv)?;
+    launch(d, m, kernel("attn_bwd_dkdv", a.dropout), p.tiles(), &dkdv)?;
 
     let mut dq = vec![Arg::Ptr(q.0)];
     dq.extend(heads);
@@ -280,5 +301,5 @@ fn backward(d: &CudaDevice, a: &AttentionBackward) -> Result<()> {
         Arg::Struct(&gq.1),
         Arg::Struct(&p),
     ]);
-    launch(d, m, "attn_bwd_dq", p.tiles(), &dq)
+    launch(d, m, kernel("attn_bwd_dq", a.dropout), p.tiles(), &dq)
 }

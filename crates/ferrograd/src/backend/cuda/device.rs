@@ -210,9 +210,15 @@ impl CudaDevice {
             return Ok(());
         }
         self.bind()?;
-        // SAFETY: ptr..ptr+bytes is a live block handed out by this device's allocator.
-        unsafe { result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }
-            .map_err(|e| self.err("memset", e))
+        super::timing::timed(
+            self,
+            || "memset".into(),
+            || {
+                // SAFETY: ptr..ptr+bytes is a live block handed out by this device's allocator.
+                unsafe { result::memset_d8_async(ptr, 0, bytes, self.stream.cu_stream()) }
+                    .map_err(|e| self.err("memset", e))
+            },
+        )
     }
 
     /// Copies host bytes to `ptr` and waits (the host buffer is borrowed).
@@ -223,9 +229,15 @@ impl CudaDevice {
         self.bind()?;
         // SAFETY: the destination block holds at least bytes.len() bytes; we synchronize before
         // the borrowed source can go away.
-        unsafe { result::memcpy_htod_async(ptr, bytes, self.stream.cu_stream()) }
-            .map_err(|e| self.err("copy to device", e))?;
-        self.synchronize()
+        super::timing::timed(
+            self,
+            || "copy to device (synchronising)".into(),
+            || {
+                unsafe { result::memcpy_htod_async(ptr, bytes, self.stream.cu_stream()) }
+                    .map_err(|e| self.err("copy to device", e))?;
+                self.synchronize()
+            },
+        )
     }
 
     /// Copies `len` bytes at `ptr` to the host.
@@ -236,9 +248,15 @@ impl CudaDevice {
         }
         self.bind()?;
         // SAFETY: the source block holds len bytes; we synchronize before reading `out`.
-        unsafe { result::memcpy_dtoh_async(&mut out[..], ptr, self.stream.cu_stream()) }
-            .map_err(|e| self.err("copy to host", e))?;
-        self.synchronize()?;
+        super::timing::timed(
+            self,
+            || "copy to host (synchronising)".into(),
+            || {
+                unsafe { result::memcpy_dtoh_async(&mut out[..], ptr, self.stream.cu_stream()) }
+                    .map_err(|e| self.err("copy to host", e))?;
+                self.synchronize()
+            },
+        )?;
         Ok(out)
     }
 

@@ -124,8 +124,14 @@ pub(crate) fn launch(
     // stay allocated until the launch is queued: later users of a freed block are ordered
     // after it on this device's single stream), and the sizes and element counts passed
     // bound every access (the family validators checked them against the storages).
-    unsafe { b.launch(cfg) }.map_err(|e| d.err(&format!("launching {name}"), e))?;
-    Ok(())
+    super::timing::timed(
+        d,
+        || name.to_string(),
+        || {
+            unsafe { b.launch(cfg) }.map_err(|e| d.err(&format!("launching {name}"), e))?;
+            Ok(())
+        },
+    )
 }
 
 /// One block of BLOCK threads per row (rows > 0).

@@ -384,6 +384,12 @@ struct Batch {
     count: usize,
 }
 
+/// A GEMM's row in the kernel times: its shape and operand transposes.
+fn gemm_name(g: &Gemm, count: usize) -> String {
+    let t = |m: Matrix| if m.trans { "T" } else { "N" };
+    format!("gemm {}x{}x{} {}{} x{count}", g.m, g.n, g.k, t(g.a), t(g.b))
+}
+
 /// Issues one batch run, in pieces of at most i32::MAX products.
 fn gemm_batched(d: &CudaDevice, g: &Gemm, bt: &Batch) -> Result<()> {
     let op = |m: Matrix| {
@@ -409,34 +415,40 @@ fn gemm_batched(d: &CudaDevice, g: &Gemm, bt: &Batch) -> Result<()> {
         // address live device blocks (validated by the matmul family); the
         // output is a contiguous block of batch·m·n elements; alpha/beta are host scalars of
         // the compute type, alive for the call. m, n, k fit in i32 (check_cublas_sizes).
-        unsafe {
-            blas::gemm_strided_batched_ex(
-                *d.blas().handle(),
-                op(g.b),
-                op(g.a),
-                g.n as i32,
-                g.m as i32,
-                g.k as i32,
-                alpha,
-                at(bt.b, bt.step_b) as *const c_void,
-                g.ty.data,
-                g.b.ld,
-                bt.step_b,
-                at(bt.a, bt.step_a) as *const c_void,
-                g.ty.data,
-                g.a.ld,
-                bt.step_a,
-                beta,
-                at(bt.out, out_step) as *mut c_void,
-                g.ty.data,
-                g.n as i32,
-                out_step,
-                count as i32,
-                g.ty.compute,
-                cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-            )
-        }
-        .map_err(|e| d.err("cublasGemmStridedBatchedEx", e))?;
+        super::timing::timed(
+            d,
+            || gemm_name(g, count),
+            || {
+                unsafe {
+                    blas::gemm_strided_batched_ex(
+                        *d.blas().handle(),
+                        op(g.b),
+                        op(g.a),
+                        g.n as i32,
+                        g.m as i32,
+                        g.k as i32,
+                        alpha,
+                        at(bt.b, bt.step_b) as *const c_void,
+                        g.ty.data,
+                        g.b.ld,
+                        bt.step_b,
+                        at(bt.a, bt.step_a) as *const c_void,
+                        g.ty.data,
+                        g.a.ld,
+                        bt.step_a,
+                        beta,
+                        at(bt.out, out_step) as *mut c_void,
+                        g.ty.data,
+                        g.n as i32,
+                        out_step,
+                        count as i32,
+                        g.ty.compute,
+                        cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
+                .map_err(|e| d.err("cublasGemmStridedBatchedEx", e))
+            },
+        )?;
         start += count;
     }
     Ok(())

@@ -18,10 +18,12 @@ mod multi_tensor;
 mod optim;
 mod reduce;
 mod rows;
+mod timing;
 
 pub use device::{CudaDevice, allow_tf32, device, device_count, driver_present, set_allow_tf32};
 pub use info::{CudaInfo, GpuInfo, cuda_info};
 pub use memory::CudaMemory;
+pub use timing::{KernelTime, take_kernel_times};
 // What the planner asks of a GPU without one: the fused attention's coverage, cuBLAS's
 // workspace, which matmul operands cuBLAS needs copied, and the kernels' larger temporaries.
 pub(crate) use attention::supports as supports_attention;

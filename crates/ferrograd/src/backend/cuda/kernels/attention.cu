@@ -9,6 +9,9 @@
 // Operands: q, k, v, out, gout and the three gradients are (B, H, T, D) views with unit stride
 // along D, described by `Heads` (element offset and the b, h, t strides); lse and delta are
 // dense (B, H, T) f32. Kernels:
+// Each of attn_fwd, attn_bwd_dkdv and attn_bwd_dq has a twin with a `_dropout` suffix that
+// applies dropout to the probabilities (a compile-time switch: the plain kernels keep their
+// registers). Kernels:
 //   attn_fwd      one CTA per (64 queries, b·h): Q in registers, K/V tiles streamed through
 //                 shared memory, online softmax; writes out and lse = log Σ exp(scaled scores).
 //   attn_delta    delta = rowsum(gout ∘ out) per query, f32.
@@ -58,8 +61,35 @@ struct Problem {
     float scale;       // applied to q·k
     float scale_log2;  // scale · log2(e): scores in base 2, so exp is one exp2
     int vec;           // 1: every row start is 16-byte aligned (8-element loads)
+    u32 threshold;     // dropout on the probabilities: kept where a 24-bit draw is below it
+    u64 key;           // the dropout mask's Philox key
+    float inv_keep;    // 1 / (1 - p): the kept probabilities' scale
     int pad;
 };
+
+// Whether probability (query i, key j) of pair bh survives dropout. Its draw is the top 24
+// bits of word n % 4 of philox(n / 4, key) with n = (bh · T + i) · T + j: exactly the mask
+// the dropout op draws over the composed path's (B, H, T, T) probabilities.
+__device__ __forceinline__ u32 pick(const u32 w[4], u64 n) {
+    return (n & 2) ? ((n & 1) ? w[3] : w[2]) : ((n & 1) ? w[1] : w[0]);
+}
+
+__device__ __forceinline__ bool kept(const Problem& p, int bh, int i, int j) {
+    u64 n = ((u64)bh * p.t + i) * p.t + j;
+    u32 w[4];
+    philox4x32_10(n >> 2, p.key, w);
+    return (pick(w, n) >> 8) < p.threshold;
+}
+
+// kept() of (i, j) and (i, j + 1): one Philox call when both fall in one group of four.
+__device__ __forceinline__ void kept2(const Problem& p, int bh, int i, int j, bool k[2]) {
+    u64 n = ((u64)bh * p.t + i) * p.t + j;
+    u32 w[4];
+    philox4x32_10(n >> 2, p.key, w);
+    k[0] = (pick(w, n) >> 8) < p.threshold;
+    if (((n + 1) >> 2) != (n >> 2)) philox4x32_10((n + 1) >> 2, p.key, w);
+    k[1] = (pick(w, n + 1) >> 8) < p.threshold;
+}
 
 __device__ __forceinline__ i64 row_at(const Heads& v, int b, int h, i64 t) {
     return v.offset + (i64)b * v.sb + (i64)h * v.sh + t * v.st;
@@ -255,9 +285,8 @@ __device__ __forceinline__ int tile_index(const Problem& p) {
 
 // ---- forward ----------------------------------------------------------------------------------
 
-extern "C" __global__ void __launch_bounds__(THREADS)
-    attn_fwd(const u16* qkv, Heads qv, Heads kv, Heads vv, u16* out, Heads ov, float* lse,
-             Problem p) {
+template <bool DROP>
+__device__ __forceinline__ void attn_fwd_impl(const u16* qkv, Heads qv, Heads kv, Heads vv, u16* out, Heads ov, float* lse, Problem p) {
     __shared__ alignas(16) u16 sq[BM * LDS];
     __shared__ alignas(16) u16 sk[BN * LDS];
     __shared__ alignas(16) u16 sv[BN * LDS];
@@ -343,6 +372,19 @@ extern "C" __global__ void __launch_bounds__(THREADS)
             o[j][2] *= alpha[1];
             o[j][3] *= alpha[1];
         }
+        // Dropout acts on what multiplies V, not on the normaliser l (scaled at the end).
+        if (DROP) {
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    bool k[2];
+                    kept2(p, bh, row0 + i * 8, k0 + j * 8 + 2 * t4, k);
+                    if (!k[0]) s[j][2 * i] = 0.f;
+                    if (!k[1]) s[j][2 * i + 1] = 0.f;
+                }
+            }
+        }
         acc_times_rows<BN>(o, s, sv, lane);
     }
 
@@ -350,12 +392,22 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
         l[i] = quad_sum(l[i]);
-        inv[i] = l[i] > 0.f ? 1.f / l[i] : 0.f;
+        inv[i] = l[i] > 0.f ? (DROP ? p.inv_keep : 1.f) / l[i] : 0.f;
         int row = row0 + i * 8;
         if (t4 == 0 && row < p.t)
             lse[(i64)bh * p.t + row] = l[i] > 0.f ? (m[i] + log2f(l[i])) * LN2 : neg_inf();
     }
     store_rows(out, ov, b, h, q0 + warp * 16, o, inv[0], inv[1], p, lane);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    attn_fwd(const u16* qkv, Heads qv, Heads kv, Heads vv, u16* out, Heads ov, float* lse, Problem p) {
+    attn_fwd_impl<false>(qkv, qv, kv, vv, out, ov, lse, p);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    attn_fwd_dropout(const u16* qkv, Heads qv, Heads kv, Heads vv, u16* out, Heads ov, float* lse, Problem p) {
+    attn_fwd_impl<true>(qkv, qv, kv, vv, out, ov, lse, p);
 }
 
 // ---- backward -------------------------------------------------------------------------------
@@ -384,10 +436,8 @@ extern "C" __global__ void attn_delta(const u16* out, Heads ov, const u16* gout,
 // Warp w owns keys k0 + 16w .. k0 + 16w + 15, so nothing is shared between warps but the
 // tiles. Works on transposed products (keys as rows): Sᵀ = K Qᵀ, dV += Pᵀ dO,
 // dPᵀ = V dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ Q.
-extern "C" __global__ void __launch_bounds__(THREADS)
-    attn_bwd_dkdv(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov,
-                  const float* lse, const float* delta, u16* grads, Heads gkv, Heads gvv,
-                  Problem p) {
+template <bool DROP>
+__device__ __forceinline__ void attn_bwd_dkdv_impl(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov, const float* lse, const float* delta, u16* grads, Heads gkv, Heads gvv, Problem p) {
     __shared__ alignas(16) u16 sk[BM * LDS];
     __shared__ alignas(16) u16 sv[BM * LDS];
     __shared__ alignas(16) u16 sq[BQ * LDS];
@@ -438,7 +488,28 @@ extern "C" __global__ void __launch_bounds__(THREADS)
                 pt[j][e] = v;
             }
         }
-        acc_times_rows<BQ>(dv, pt, sdo, lane);
+        // With dropout: M (the kept mask, as 0 or 1/(1 - p)); dV takes (P ∘ M)ᵀ dO and the
+        // probabilities' gradient is dP̃ ∘ M.
+        float mk[BQ / 8][4];
+        if (DROP) {
+#pragma unroll
+            for (int j = 0; j < BQ / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    int q = q0 + j * 8 + 2 * t4 + (e & 1);
+                    int key = key0 + (e >> 1) * 8;
+                    mk[j][e] = (q < p.t && key < p.t && kept(p, bh, q, key)) ? p.inv_keep : 0.f;
+                }
+            }
+            float pm[BQ / 8][4];
+#pragma unroll
+            for (int j = 0; j < BQ / 8; ++j)
+#pragma unroll
+                for (int e = 0; e < 4; ++e) pm[j][e] = pt[j][e] * mk[j][e];
+            acc_times_rows<BQ>(dv, pm, sdo, lane);
+        } else {
+            acc_times_rows<BQ>(dv, pt, sdo, lane);
+        }
 
         // dSᵀ = Pᵀ ∘ (dPᵀ − delta).
         float ds[BQ / 8][4];
@@ -448,7 +519,8 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 int qi = j * 8 + 2 * t4 + (e & 1);
-                ds[j][e] = pt[j][e] * (ds[j][e] - sd[qi]);
+                float dp = DROP ? ds[j][e] * mk[j][e] : ds[j][e];
+                ds[j][e] = pt[j][e] * (dp - sd[qi]);
             }
         }
         acc_times_rows<BQ>(dk, ds, sq, lane);
@@ -457,11 +529,20 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     store_rows(grads, gvv, b, h, k0 + warp * 16, dv, 1.f, 1.f, p, lane);
 }
 
+extern "C" __global__ void __launch_bounds__(THREADS)
+    attn_bwd_dkdv(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov, const float* lse, const float* delta, u16* grads, Heads gkv, Heads gvv, Problem p) {
+    attn_bwd_dkdv_impl<false>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gkv, gvv, p);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    attn_bwd_dkdv_dropout(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov, const float* lse, const float* delta, u16* grads, Heads gkv, Heads gvv, Problem p) {
+    attn_bwd_dkdv_impl<true>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gkv, gvv, p);
+}
+
 // dQ of 64 queries: every key tile they see. S = Q Kᵀ, P from lse, dP = dO Vᵀ,
 // dS = P ∘ (dP − delta), dQ += dS K.
-extern "C" __global__ void __launch_bounds__(THREADS)
-    attn_bwd_dq(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov,
-                const float* lse, const float* delta, u16* grads, Heads gqv, Problem p) {
+template <bool DROP>
+__device__ __forceinline__ void attn_bwd_dq_impl(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov, const float* lse, const float* delta, u16* grads, Heads gqv, Problem p) {
     __shared__ alignas(16) u16 sq[BM * LDS];
     __shared__ alignas(16) u16 sdo[BM * LDS];
     __shared__ alignas(16) u16 sk[BNQ * LDS];
@@ -511,6 +592,18 @@ extern "C" __global__ void __launch_bounds__(THREADS)
         }
         float ds[BNQ / 8][4];
         rows_times_rows_t<BNQ>(ds, wdo, sv, lane);
+        if (DROP) {
+#pragma unroll
+            for (int j = 0; j < BNQ / 8; ++j) {
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    bool k[2];
+                    kept2(p, bh, row0 + i * 8, k0 + j * 8 + 2 * t4, k);
+                    ds[j][2 * i] = k[0] ? ds[j][2 * i] * p.inv_keep : 0.f;
+                    ds[j][2 * i + 1] = k[1] ? ds[j][2 * i + 1] * p.inv_keep : 0.f;
+                }
+            }
+        }
 #pragma unroll
         for (int j = 0; j < BNQ / 8; ++j)
 #pragma unroll
@@ -518,4 +611,14 @@ extern "C" __global__ void __launch_bounds__(THREADS)
         acc_times_rows<BNQ>(dq, ds, sk, lane);
     }
     store_rows(grads, gqv, b, h, q0 + warp * 16, dq, p.scale, p.scale, p, lane);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    attn_bwd_dq(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov, const float* lse, const float* delta, u16* grads, Heads gqv, Problem p) {
+    attn_bwd_dq_impl<false>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gqv, p);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    attn_bwd_dq_dropout(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov, const float* lse, const float* delta, u16* grads, Heads gqv, Problem p) {
+    attn_bwd_dq_impl<true>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gqv, p);
 }

@@ -311,3 +311,18 @@ __device__ double block_max(double v, double* sh) {
     __syncthreads();
     return r;
 }
+
+// ---- counter-based random numbers -----------------------------------------------------
+
+// Philox 4x32-10, as backend/philox.rs: the four words for `counter` under `key`.
+__device__ __forceinline__ void philox4x32_10(u64 counter, u64 key, u32 c[4]) {
+    c[0] = (u32)counter; c[1] = (u32)(counter >> 32); c[2] = 0; c[3] = 0;
+    u32 k0 = (u32)key, k1 = (u32)(key >> 32);
+    for (int round = 0; round < 10; round++) {
+        if (round > 0) { k0 += 0x9E3779B9u; k1 += 0xBB67AE85u; }
+        u32 hi0 = __umulhi(0xD2511F53u, c[0]), lo0 = 0xD2511F53u * c[0];
+        u32 hi1 = __umulhi(0xCD9E8D57u, c[2]), lo1 = 0xCD9E8D57u * c[2];
+        u32 n0 = hi1 ^ c[1] ^ k0, n2 = hi0 ^ c[3] ^ k1;
+        c[0] = n0; c[1] = lo1; c[2] = n2; c[3] = lo0;
+    }
+}
