@@ -19,6 +19,10 @@ pub struct TrainArgs {
     /// cpu, cuda, cuda:N
     #[arg(long, default_value = "cpu")]
     pub(crate) device: String,
+    /// Data-parallel ranks on the CPU: N threads, each with its own batches and a replica of
+    /// the model, gradients averaged by DDP (logs and saved state from rank 0).
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=256))]
+    ranks: u64,
     /// Total optimizer steps (the learning-rate schedule's length).
     #[arg(long, default_value_t = 800)]
     max_steps: u64,
@@ -228,6 +232,7 @@ impl TrainArgs {
             fused_attention: self.attention == AttentionPath::Fused,
             interrupt: Some(signals()?.stop.clone()),
             memory_trace,
+            ranks: self.ranks as usize,
         })
     }
 }
@@ -384,6 +389,36 @@ fn say(bar: &ProgressBar, line: &str) {
     }
 }
 
+/// Each rank's peak by category, side by side (data-parallel runs).
+fn render_ranks(s: &JobSummary) -> String {
+    if s.ranks.is_empty() {
+        return String::new();
+    }
+    let mut out = format!("\n{:<18}", "peak per rank");
+    for r in &s.ranks {
+        out += &format!("{:>12}", format!("rank {}", r.rank));
+    }
+    out += &format!("\n{:<18}", "total");
+    for r in &s.ranks {
+        out += &format!("{:>12}", format_size(r.peak_bytes));
+    }
+    let names = s.ranks[0].by_category_at_peak.keys();
+    for name in names {
+        if s.ranks
+            .iter()
+            .all(|r| r.by_category_at_peak.get(name) == Some(&0))
+        {
+            continue;
+        }
+        out += &format!("\n  {name:<16}");
+        for r in &s.ranks {
+            let b = r.by_category_at_peak.get(name).copied().unwrap_or(0);
+            out += &format!("{:>12}", format_size(b));
+        }
+    }
+    out
+}
+
 fn render(s: &JobSummary, log: &[String]) -> String {
     let mut out = String::new();
     for line in log {
@@ -412,6 +447,7 @@ fn render(s: &JobSummary, log: &[String]) -> String {
     for (name, bytes) in s.by_category_at_peak.iter().filter(|(_, b)| **b > 0) {
         out += &format!(" {name} {}", format_size(*bytes));
     }
+    out += &render_ranks(s);
     out += &format!("\n\nsample:\n{}\n", s.sample);
     out
 }

@@ -743,3 +743,29 @@ fn plan_refuses_what_train_refuses_with_the_same_words() {
     let err = stderr_of(&plan_args(&["--fit-budget", "1GiB"]));
     assert!(err.contains("plan --budget"), "{err}");
 }
+
+/// `--ranks 2` trains on two in-process ranks and reports each rank's peak by category, in
+/// the report side by side and in the JSON; on a GPU it is refused, pointing to NCCL.
+#[test]
+fn ranks_train_data_parallel_on_the_cpu() {
+    let out = ferrograd(&[SMALL, &["--ranks", "2", "--json"]].concat());
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let ranks = v["ranks"].as_array().unwrap();
+    assert_eq!(ranks.len(), 2);
+    for r in ranks {
+        assert!(r["by_category_at_peak"]["gradient"].as_u64().unwrap() > 0);
+    }
+    let report = ferrograd(&[SMALL, &["--ranks", "2"]].concat());
+    let text = String::from_utf8_lossy(&report.stdout);
+    assert!(
+        text.contains("peak per rank") && text.contains("rank 1"),
+        "{text}"
+    );
+    let err = stderr_of(&[SMALL, &["--ranks", "2", "--device", "cuda"]].concat());
+    assert!(err.contains("NCCL") && err.contains("--ranks"), "{err}");
+}

@@ -416,7 +416,7 @@ fn trainer_step(
     let run = |model: &dyn Module, rank: usize, parts: usize, sync| -> Result<Stepped> {
         let mut trainer = Trainer::new(sgd(model), config.clone(), CPU)?;
         if let Some(s) = sync {
-            trainer = trainer.with_grad_sync(s);
+            trainer = trainer.with_grad_sync(s)?;
         }
         let accum = config.accum;
         let (xr, tr) = (rows(x, rank, parts), rows(t, rank, parts));
@@ -1104,4 +1104,104 @@ fn ddp_starts_with_the_rebuild_assignment_of_the_reverse_order() {
             vec!["0.bias", "0.weight"]
         ]
     );
+}
+
+// ---- the main job on in-process ranks -------------------------------------------------
+
+fn rank_job(ranks: usize) -> ferrograd::job::TrainJob {
+    ferrograd::job::TrainJob {
+        text: ferrograd::data::default_corpus()
+            .chars()
+            .take(20_000)
+            .collect(),
+        model: ferrograd::nn::GptConfig {
+            vocab_size: 0,
+            block_size: 16,
+            n_layer: 1,
+            n_head: 2,
+            n_embd: 16,
+            dropout: 0.0,
+            bias: true,
+            seed: 0,
+        },
+        batch_size: 4,
+        max_steps: 6,
+        warmup_steps: 2,
+        eval_every: 0,
+        eval_batches: 1,
+        sample_chars: 10,
+        ranks,
+        ..ferrograd::job::TrainJob::default()
+    }
+}
+
+/// `train --ranks 2`: every rank's peak is measured in its own scope; a rank holds one
+/// replica's parameters, its gradients only in the buckets (as many bytes as the
+/// parameters) and the AdamW moments (twice).
+#[test]
+fn the_job_on_two_ranks_reports_each_ranks_peak_by_category() {
+    let _l = lock();
+    let mut steps = 0;
+    let summary = ferrograd::job::run(&rank_job(2), &mut |e| {
+        if let ferrograd::job::Event::Step(_) = e {
+            steps += 1;
+        }
+    })
+    .unwrap();
+    assert_eq!(steps, 6, "rank 0 reports every step once");
+    assert!(summary.final_loss < summary.initial_loss);
+    assert_eq!(summary.ranks.len(), 2);
+    let param_bytes = summary.params as u64 * 4;
+    for r in &summary.ranks {
+        let at = &r.by_category_at_peak;
+        assert_eq!(at["parameter"], param_bytes, "rank {}", r.rank);
+        assert_eq!(at["gradient"], param_bytes, "rank {}", r.rank);
+        assert_eq!(at["optimizer_state"], 2 * param_bytes, "rank {}", r.rank);
+        assert_eq!(r.peak_bytes, at.values().sum::<u64>());
+    }
+    assert!(summary.peak_bytes >= summary.ranks.iter().map(|r| r.peak_bytes).max().unwrap());
+}
+
+/// State saved by a 2-rank run resumes on 1 and on 4 ranks (DDP keeps the whole optimizer
+/// state on every rank).
+#[test]
+fn the_job_saved_on_two_ranks_resumes_on_any_number() {
+    let _l = lock();
+    let dir = std::env::temp_dir().join(format!("ferrograd-dist-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("state.safetensors");
+    let first = ferrograd::job::TrainJob {
+        stop_after: Some(3),
+        save: Some(path.clone()),
+        ..rank_job(2)
+    };
+    ferrograd::job::run(&first, &mut |_| {}).unwrap();
+    for ranks in [1, 4] {
+        let next = ferrograd::job::TrainJob {
+            resume: Some(path.clone()),
+            ..rank_job(ranks)
+        };
+        let s = ferrograd::job::run(&next, &mut |_| {}).unwrap();
+        assert_eq!((s.steps, s.step_reached), (3, 6), "{ranks} ranks");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_job_refuses_ranks_where_they_cannot_run() {
+    let _l = lock();
+    let on_gpu = ferrograd::job::TrainJob {
+        device: Device::Cuda(0),
+        ..rank_job(2)
+    };
+    let err = ferrograd::job::run(&on_gpu, &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("NCCL") && err.contains("--ranks"), "{err}");
+    let mut in_backward = rank_job(2);
+    in_backward.trainer.step_in_backward = true;
+    let err = ferrograd::job::run(&in_backward, &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("--step-in-backward"), "{err}");
 }

@@ -56,6 +56,12 @@ impl Default for DdpConfig {
 /// A module whose gradients are averaged over a process group.
 pub struct Ddp<M: Module> {
     module: M,
+    reducer: Reducer,
+}
+
+/// The part of DDP that does the work, apart from the module: buckets, hooks, reductions
+/// (PyTorch's name for it). Call `prepare_forward` before each training forward.
+pub struct Reducer {
     state: Arc<Mutex<State>>,
 }
 
@@ -84,20 +90,21 @@ struct State {
     rebuilt: bool,
 }
 
-impl<M: Module> Ddp<M> {
-    /// Wraps `module` with PyTorch's defaults.
-    pub fn new(module: M, group: Arc<dyn ProcessGroup>) -> Result<Ddp<M>> {
-        Ddp::with_config(module, group, DdpConfig::default())
-    }
-
-    pub fn with_config(module: M, group: Arc<dyn ProcessGroup>, cfg: DdpConfig) -> Result<Ddp<M>> {
+impl Reducer {
+    /// Broadcasts `module`'s parameters from rank 0, buckets the trainable ones and hooks
+    /// them. The module stays the caller's (`Ddp` owns one; a training job may keep its own).
+    pub fn new(
+        module: &dyn Module,
+        group: Arc<dyn ProcessGroup>,
+        cfg: DdpConfig,
+    ) -> Result<Reducer> {
         if cfg.bucket_cap_bytes == 0 || cfg.first_bucket_bytes == 0 {
             return Err(Error::invalid(
                 "DDP",
                 "bucket caps must be above zero bytes",
             ));
         }
-        broadcast_parameters(&module, &*group)?;
+        broadcast_parameters(module, &*group)?;
         let (names, params): (Vec<String>, Vec<Tensor>) = module
             .named_parameters()
             .into_iter()
@@ -132,23 +139,17 @@ impl<M: Module> Ddp<M> {
         state.install_buckets(assignment)?;
         let state = Arc::new(Mutex::new(state));
         install_hooks(&state)?;
-        Ok(Ddp { module, state })
-    }
-
-    pub fn module(&self) -> &M {
-        &self.module
-    }
-
-    pub fn module_mut(&mut self) -> &mut M {
-        &mut self.module
-    }
-
-    pub fn into_inner(self) -> M {
-        self.module
+        Ok(Reducer { state })
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
         lock(&self.state)
+    }
+
+    /// Call before each training forward: reports a synchronised backward that left buckets
+    /// unreduced, rebuilds the buckets once, binds the gradient views and arms the counters.
+    pub fn prepare_forward(&self) -> Result<()> {
+        self.lock().prepare()
     }
 
     /// Gradients accumulate locally (no reduction) until the guard is dropped; the first
@@ -161,13 +162,6 @@ impl<M: Module> Ddp<M> {
             state: &self.state,
             before,
         }
-    }
-
-    /// Runs `f` on the wrapped module as a forward of DDP: for a model whose training forward
-    /// is not `Module::forward` (`Gpt::forward_loss`).
-    pub fn forward_with<R>(&self, f: impl FnOnce(&M) -> Result<R>) -> Result<R> {
-        self.lock().prepare()?;
-        f(&self.module)
     }
 
     /// The handle a `Trainer` uses to switch synchronisation per micro-batch and to check
@@ -202,11 +196,74 @@ impl<M: Module> Ddp<M> {
     }
 }
 
+impl<M: Module> Ddp<M> {
+    /// Wraps `module` with PyTorch's defaults.
+    pub fn new(module: M, group: Arc<dyn ProcessGroup>) -> Result<Ddp<M>> {
+        Ddp::with_config(module, group, DdpConfig::default())
+    }
+
+    pub fn with_config(module: M, group: Arc<dyn ProcessGroup>, cfg: DdpConfig) -> Result<Ddp<M>> {
+        let reducer = Reducer::new(&module, group, cfg)?;
+        Ok(Ddp { module, reducer })
+    }
+
+    pub fn module(&self) -> &M {
+        &self.module
+    }
+
+    pub fn module_mut(&mut self) -> &mut M {
+        &mut self.module
+    }
+
+    pub fn into_inner(self) -> M {
+        self.module
+    }
+
+    /// The bucketing and reduction state (buckets, no_sync, the Trainer's handle).
+    pub fn reducer(&self) -> &Reducer {
+        &self.reducer
+    }
+
+    /// Runs `f` on the wrapped module as a forward of DDP: for a model whose training forward
+    /// is not `Module::forward` (`Gpt::forward_loss`).
+    pub fn forward_with<R>(&self, f: impl FnOnce(&M) -> Result<R>) -> Result<R> {
+        self.reducer.prepare_forward()?;
+        f(&self.module)
+    }
+
+    /// See `Reducer::no_sync`.
+    pub fn no_sync(&self) -> NoSync<'_> {
+        self.reducer.no_sync()
+    }
+
+    /// See `Reducer::grad_sync`.
+    pub fn grad_sync(&self) -> Arc<dyn GradSync> {
+        self.reducer.grad_sync()
+    }
+
+    /// See `Reducer::finish`.
+    pub fn finish(&self) -> Result<()> {
+        self.reducer.finish()
+    }
+
+    pub fn bucket_names(&self) -> Vec<Vec<String>> {
+        self.reducer.bucket_names()
+    }
+
+    pub fn bucket_bytes(&self) -> usize {
+        self.reducer.bucket_bytes()
+    }
+
+    pub fn buckets_rebuilt(&self) -> bool {
+        self.reducer.buckets_rebuilt()
+    }
+}
+
 impl<M: Module> Module for Ddp<M> {
     /// x: whatever the wrapped module takes. Binds the gradient views and, when gradients
     /// will be synchronised, arms the bucket counters for the coming backward.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        self.lock().prepare()?;
+        self.reducer.prepare_forward()?;
         self.module.forward(x)
     }
 

@@ -54,6 +54,24 @@ struct Shared {
 }
 
 impl Shared {
+    fn new(world: usize, timeout: Duration) -> Result<Arc<Shared>> {
+        if world == 0 {
+            return Err(Error::invalid(
+                "InProcessGroup::run",
+                "a group needs at least one rank",
+            ));
+        }
+        Ok(Arc::new(Shared {
+            world,
+            timeout,
+            state: Mutex::new(Exchange {
+                deposits: vec![None; world],
+                ..Exchange::default()
+            }),
+            cv: Condvar::new(),
+        }))
+    }
+
     fn lock(&self) -> MutexGuard<'_, Exchange> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -102,46 +120,31 @@ impl InProcessGroup {
         timeout: Duration,
         f: impl Fn(Arc<dyn ProcessGroup>) -> Result<T> + Sync,
     ) -> Result<Vec<T>> {
-        if world == 0 {
-            return Err(Error::invalid(
-                "InProcessGroup::run",
-                "a group needs at least one rank",
-            ));
-        }
-        let shared = Arc::new(Shared {
-            world,
-            timeout,
-            state: Mutex::new(Exchange {
-                deposits: vec![None; world],
-                ..Exchange::default()
-            }),
-            cv: Condvar::new(),
-        });
+        let shared = Shared::new(world, timeout)?;
         let results = std::thread::scope(|s| {
-            let handles: Vec<_> = (0..world)
-                .map(|rank| {
-                    let (shared, f) = (Arc::clone(&shared), &f);
-                    std::thread::Builder::new()
-                        .name(format!("rank-{rank}"))
-                        .spawn_scoped(s, move || run_rank(rank, shared, f))
-                })
+            let handles: Vec<_> = (0..world).map(|r| spawn_rank(s, r, &shared, &f)).collect();
+            join_ranks(handles)
+        });
+        first_failure(&shared, results)
+    }
+
+    /// As `run`, but rank 0 runs `leader` on the calling thread (which may then hold what
+    /// cannot cross threads, such as a progress callback), the others run `others`.
+    pub fn run_with_leader<T: Send>(
+        world: usize,
+        timeout: Duration,
+        leader: impl FnOnce(Arc<dyn ProcessGroup>) -> Result<T>,
+        others: impl Fn(Arc<dyn ProcessGroup>) -> Result<T> + Sync,
+    ) -> Result<Vec<T>> {
+        let shared = Shared::new(world, timeout)?;
+        let results = std::thread::scope(|s| {
+            let handles: Vec<_> = (1..world)
+                .map(|r| spawn_rank(s, r, &shared, &others))
                 .collect();
-            handles
-                .into_iter()
-                .enumerate()
-                .map(|(rank, h)| match h {
-                    Ok(h) => h.join().unwrap_or_else(|_| {
-                        Err(Error::invalid(
-                            "InProcessGroup::run",
-                            format!("rank {rank} panicked"),
-                        ))
-                    }),
-                    Err(e) => Err(Error::invalid(
-                        "InProcessGroup::run",
-                        format!("could not start the thread of rank {rank}: {e}"),
-                    )),
-                })
-                .collect::<Vec<_>>()
+            let first = run_rank(0, Arc::clone(&shared), leader);
+            let mut all = vec![first];
+            all.extend(join_ranks(handles));
+            all
         });
         first_failure(&shared, results)
     }
@@ -260,10 +263,46 @@ impl InProcessGroup {
     }
 }
 
+type Spawned<'s, T> = std::io::Result<std::thread::ScopedJoinHandle<'s, Result<T>>>;
+
+fn spawn_rank<'s, 'e: 's, T: Send + 's>(
+    s: &'s std::thread::Scope<'s, 'e>,
+    rank: usize,
+    shared: &Arc<Shared>,
+    f: &'s (impl Fn(Arc<dyn ProcessGroup>) -> Result<T> + Sync),
+) -> Spawned<'s, T> {
+    let shared = Arc::clone(shared);
+    std::thread::Builder::new()
+        .name(format!("rank-{rank}"))
+        .spawn_scoped(s, move || run_rank(rank, shared, f))
+}
+
+/// The spawned ranks' results, in order (a panic or a thread that did not start is an error).
+fn join_ranks<T>(handles: Vec<Spawned<'_, T>>) -> Vec<Result<T>> {
+    handles
+        .into_iter()
+        .map(|h| match h {
+            Ok(h) => {
+                let name = h.thread().name().unwrap_or("a rank").to_string();
+                h.join().unwrap_or_else(|_| {
+                    Err(Error::invalid(
+                        "InProcessGroup::run",
+                        format!("{name} panicked"),
+                    ))
+                })
+            }
+            Err(e) => Err(Error::invalid(
+                "InProcessGroup::run",
+                format!("could not start a rank's thread: {e}"),
+            )),
+        })
+        .collect()
+}
+
 fn run_rank<T>(
     rank: usize,
     shared: Arc<Shared>,
-    f: &(impl Fn(Arc<dyn ProcessGroup>) -> Result<T> + Sync),
+    f: impl FnOnce(Arc<dyn ProcessGroup>) -> Result<T>,
 ) -> Result<T> {
     let _guard = FailOnPanic {
         shared: &shared,

@@ -28,7 +28,7 @@ pub use buckets::{
     Bucket, BucketItem, DEFAULT_BUCKET_BYTES_CAP, DEFAULT_FIRST_BUCKET_BYTES, bucket_assignment,
     initial_assignment, rebuilt_assignment,
 };
-pub use ddp::{Ddp, DdpConfig, NoSync};
+pub use ddp::{Ddp, DdpConfig, NoSync, Reducer};
 pub use group::{ProcessGroup, ReduceOp};
 pub use in_process::{DEFAULT_TIMEOUT, InProcessGroup};
 pub use zero1::Zero1;

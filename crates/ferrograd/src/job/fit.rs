@@ -58,7 +58,7 @@ fn plan_with_data(
         let mut rng = Generator::new(job.seed);
         evaluate(&mut model, data, &eval_job, 0, device)?;
         for _ in 0..steps {
-            train_step(&mut trainer, &mut model, data, job, &mut rng, device)?;
+            train_step(&mut trainer, &mut model, None, data, job, &mut rng, device)?;
         }
         if evaluates_between {
             evaluate(&mut model, data, &eval_job, steps, device)?;

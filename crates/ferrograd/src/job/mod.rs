@@ -6,6 +6,7 @@
 //! can watch every step.
 
 mod budget;
+mod data_parallel;
 mod fit;
 mod optimizer;
 mod sample;
@@ -22,6 +23,7 @@ use serde::Serialize;
 pub use budget::{
     Alternative, BatchSteps, FIT_RULE, Fitted, alternatives, choose_for_budget, fit_budget,
 };
+pub use data_parallel::RankPeak;
 pub use fit::{check_fits, plan_job, target_of};
 pub use optimizer::{JobOptimizer, OptimizerChoice, OptimizerSettings};
 pub use sample::sample_text;
@@ -31,6 +33,7 @@ pub use trace::{MemoryTraceSettings, TraceRun, TraceWritten};
 use crate::autograd::{LeakCheck, LeakReport, no_grad};
 use crate::base::{DType, Error, Result};
 use crate::data::{Split, TextDataset};
+use crate::dist::{DdpConfig, Reducer};
 use crate::memory;
 use crate::nn::{Gpt, GptConfig, Module};
 use crate::optim::{Optimizer, WarmupCosine};
@@ -85,6 +88,8 @@ pub struct TrainJob {
     pub interrupt: Option<Arc<AtomicBool>>,
     /// Record the first steps with the memory recorder and write the trace files.
     pub memory_trace: Option<MemoryTraceSettings>,
+    /// Data-parallel ranks (threads on the CPU, gradients averaged by DDP); 1: one process.
+    pub ranks: usize,
 }
 
 impl Default for TrainJob {
@@ -123,6 +128,7 @@ impl Default for TrainJob {
             fused_attention: true,
             interrupt: None,
             memory_trace: None,
+            ranks: 1,
         }
     }
 }
@@ -195,6 +201,9 @@ pub struct JobSummary {
     pub leak_check: Option<LeakSummary>,
     pub device: String,
     pub sample: String,
+    /// Each rank's peak by category (data-parallel runs only).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub ranks: Vec<RankPeak>,
 }
 
 /// The leak check's verdict in the summary: each leak as its category, rate, holder and fix.
@@ -233,9 +242,24 @@ impl From<&LeakReport> for LeakSummary {
     }
 }
 
-/// Builds the model, runs the steps and returns the summary.
+/// Builds the model, runs the steps and returns the summary (rank 0's, on several ranks).
 pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummary> {
     check_settings(job)?;
+    if job.ranks > 1 {
+        return data_parallel::run_ranks(job, on_event);
+    }
+    run_replica(job, None, on_event)
+}
+
+/// The run on one process, or as one rank of `group` (only rank 0 evaluates, samples and
+/// saves; the caller gives the others a callback that ignores their events).
+fn run_replica(
+    job: &TrainJob,
+    group: Option<data_parallel::Group>,
+    on_event: &mut dyn FnMut(&Event),
+) -> Result<JobSummary> {
+    let rank = group.as_ref().map_or(0, |g| g.rank());
+    let leader = rank == 0;
     if let Some(path) = &job.save {
         crate::io::check_output_path(path)?;
     }
@@ -246,9 +270,13 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
     check_text_length(&data, job.model.block_size)?;
     let plan = check_fits(job, &data)?;
     let (mut model, mut trainer) = build(job, &data, job.device)?;
-    let mut data_rng = Generator::new(job.seed ^ 0xDA7A);
+    let mut data_rng = Generator::new(data_parallel::data_seed(job.seed, rank));
     if let Some(path) = &job.resume {
         load_training_state(path, &model, &mut trainer, &mut data_rng, data.tokenizer())?;
+        if !leader {
+            let seed = data_parallel::resumed_data_seed(job.seed, rank, trainer.step_index());
+            data_rng = Generator::new(seed);
+        }
         if trainer.step_index() >= job.max_steps {
             return Err(Error::AlreadyFinished {
                 path: path.display().to_string(),
@@ -256,6 +284,13 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
                 max_steps: job.max_steps,
             });
         }
+    }
+    let reducer = group
+        .as_ref()
+        .map(|g| Reducer::new(&model, Arc::clone(g), DdpConfig::default()))
+        .transpose()?;
+    if let Some(r) = &reducer {
+        trainer = trainer.with_grad_sync(r.grad_sync())?;
     }
     let start_step = trainer.step_index();
     let params = model.config.num_params();
@@ -271,13 +306,16 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
         fused_attention: model.attention_fused(compute_dtype),
     });
     memory::reset_peak_memory_stats(job.device)?;
-    let initial_eval = evaluate(&mut model, &data, job, start_step, job.device)?;
+    if let Some(g) = &group {
+        // No rank may reset the shared peaks once another has started.
+        g.barrier()?;
+    }
+    let initial_eval = evaluate_on(leader, &mut model, &data, job, start_step)?;
     on_event(&Event::Eval(initial_eval.clone()));
     let end = job
         .stop_after
         .map_or(job.max_steps, |n| (start_step + n).min(job.max_steps));
-    let mut leak_check = job
-        .detect_leaks
+    let mut leak_check = (job.detect_leaks && leader)
         .then(|| LeakCheck::new(job.device))
         .transpose()?;
     let started = Instant::now();
@@ -295,7 +333,7 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
         {
             let step = trainer.step_index();
             let detail = match &job.save {
-                Some(path) => {
+                Some(path) if leader => {
                     save_training_state(path, &model, &mut trainer, &data_rng, data.tokenizer())?;
                     on_event(&Event::Saved {
                         step,
@@ -307,18 +345,23 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
                         path.display()
                     )
                 }
+                Some(_) => "rank 0 saves the state".to_string(),
                 None => "nothing was saved (no --save was given)".to_string(),
             };
             return Err(Error::Interrupted { step, detail });
         }
-        let report = train_step(
+        let mut report = train_step(
             &mut trainer,
             &mut model,
+            reducer.as_ref(),
             &data,
             job,
             &mut data_rng,
             job.device,
         )?;
+        if let Some(g) = &group {
+            data_parallel::group_report(&mut report, &**g)?;
+        }
         if let Some(check) = &mut leak_check {
             check.mark_step();
         }
@@ -333,10 +376,11 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
             on_event(&Event::MemoryTraced(t.finish(job.device)?));
         }
         if job.eval_every > 0 && step % job.eval_every == 0 && step < end {
-            let e = evaluate(&mut model, &data, job, step, job.device)?;
+            let e = evaluate_on(leader, &mut model, &data, job, step)?;
             on_event(&Event::Eval(e));
         }
         if let Some(path) = &job.save
+            && leader
             && job.save_every > 0
             && step % job.save_every == 0
             && step < end
@@ -347,6 +391,10 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
                 path: path.clone(),
             });
         }
+    }
+    if let Some(g) = &group {
+        // Every rank's steps are done: its peak is final.
+        g.barrier()?;
     }
     let seconds = started.elapsed().as_secs_f64();
     if let Some(t) = tracing.take() {
@@ -359,8 +407,15 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
     let alloc = memory::allocator(job.device)?;
     let (peak_bytes, at_peak) = (alloc.max_memory_allocated(), alloc.by_category_at_peak());
     let peak_reserved_bytes = alloc.max_memory_reserved();
-    let final_eval = evaluate(&mut model, &data, job, trainer.step_index(), job.device)?;
+    let ranks = match &group {
+        Some(g) if leader => data_parallel::rank_peaks(job.device, g.world_size())?,
+        _ => Vec::new(),
+    };
+    let final_eval = evaluate_on(leader, &mut model, &data, job, trainer.step_index())?;
     on_event(&Event::Eval(final_eval.clone()));
+    if !leader {
+        return Ok(follower_summary(final_eval));
+    }
     if let Some(path) = &job.save {
         save_training_state(path, &model, &mut trainer, &data_rng, data.tokenizer())?;
         on_event(&Event::Saved {
@@ -395,7 +450,52 @@ pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummar
         leak_check: leak_report.as_ref().map(LeakSummary::from),
         device: job.device.to_string(),
         sample,
+        ranks,
     })
+}
+
+/// Evaluation by the leader; the other ranks' parameters are the same, so they skip it.
+fn evaluate_on(
+    leader: bool,
+    model: &mut Gpt,
+    data: &TextDataset,
+    job: &TrainJob,
+    step: u64,
+) -> Result<EvalReport> {
+    if leader {
+        return evaluate(model, data, job, step, job.device);
+    }
+    Ok(EvalReport {
+        step,
+        train_loss: f64::NAN,
+        val_loss: f64::NAN,
+    })
+}
+
+/// What a rank other than 0 returns (its caller keeps rank 0's summary only).
+fn follower_summary(eval: EvalReport) -> JobSummary {
+    JobSummary {
+        initial_loss: f64::NAN,
+        final_loss: f64::NAN,
+        initial_eval: eval.clone(),
+        final_eval: eval,
+        steps: 0,
+        step_reached: 0,
+        tokens_per_s: 0.0,
+        seconds: 0.0,
+        params: 0,
+        optimizer: String::new(),
+        step_in_backward: None,
+        peak_bytes: 0,
+        predicted_peak_bytes: 0,
+        predicted_peak_reserved_bytes: 0,
+        by_category_at_peak: Default::default(),
+        peak_reserved_bytes: 0,
+        leak_check: None,
+        device: String::new(),
+        sample: String::new(),
+        ranks: Vec::new(),
+    }
 }
 
 /// The vocabulary the model is built with: the tokenizer's, or a larger one the job asks for
@@ -442,16 +542,21 @@ fn build(
     Ok((model, trainer))
 }
 
-/// One training step on a batch drawn from `rng`.
+/// One training step on a batch drawn from `rng` (each forward prepared by the DDP reducer
+/// when data-parallel).
 fn train_step(
     trainer: &mut Trainer<JobOptimizer>,
     model: &mut Gpt,
+    reducer: Option<&Reducer>,
     data: &TextDataset,
     job: &TrainJob,
     rng: &mut Generator,
     device: Device,
 ) -> Result<StepReport> {
     trainer.step(|_| {
+        if let Some(r) = reducer {
+            r.prepare_forward()?;
+        }
         let (x, y) = data.batch(
             Split::Train,
             job.batch_size,

@@ -9,8 +9,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::caching::SegmentInfo;
-use super::scope::{self, ScopeMemory};
 use super::recorder::{self, Action, Origin, Record, SnapshotBlock, SnapshotSegment};
+use super::scope::{self, ScopeMemory};
 use super::stats::{DeviceStats, Pool};
 use crate::base::Device;
 use crate::base::{Category, CategoryBytes};

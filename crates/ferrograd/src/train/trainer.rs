@@ -266,10 +266,17 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
     }
 
     /// Runs data-parallel: gradients are reduced by `sync` (e.g. `Ddp::grad_sync`) during the
-    /// backward of each step's last micro-batch, before unscale, clip and step.
-    pub fn with_grad_sync(mut self, sync: Arc<dyn GradSync>) -> Trainer<O> {
+    /// backward of each step's last micro-batch, before unscale, clip and step. A step in
+    /// backward is refused: each parameter would step before its gradient is averaged.
+    pub fn with_grad_sync(mut self, sync: Arc<dyn GradSync>) -> Result<Trainer<O>> {
+        if self.config.step_in_backward {
+            return Err(Error::invalid(
+                "Trainer",
+                "step in backward cannot run data-parallel: each parameter would step on its own rank's gradient before the ranks average them",
+            ));
+        }
         self.grad_sync = Some(sync);
-        self
+        Ok(self)
     }
 
     pub fn config(&self) -> &TrainerConfig {
