@@ -1205,3 +1205,33 @@ fn the_job_refuses_ranks_where_they_cannot_run() {
         .to_string();
     assert!(err.contains("--step-in-backward"), "{err}");
 }
+
+/// Clipping and the GradScaler's unscale write the bucket views in place: after a step with
+/// both (gradients zeroed in place, not freed) every .grad still lives in a bucket, so no
+/// second copy of the gradients was made.
+#[test]
+fn clipping_and_unscaling_keep_gradients_in_their_buckets() {
+    let _l = lock();
+    let (x, t) = batch(DType::F32);
+    let config = TrainerConfig {
+        clip: Some(0.05),
+        amp: Some(DType::F16),
+        set_to_none: false,
+        ..TrainerConfig::default()
+    };
+    let out = InProcessGroup::run(2, |g| {
+        let r = g.rank();
+        let ddp = Ddp::with_config(mlp(DType::F32, 0), g.clone(), small_buckets())?;
+        let mut trainer =
+            Trainer::new(sgd(&ddp), config.clone(), CPU)?.with_grad_sync(ddp.grad_sync())?;
+        let report = trainer.step(|_| {
+            let loss = ddp.forward(&rows(&x, r, 2))?.mse_loss(&rows(&t, r, 2))?;
+            Ok(MicroBatch { loss, tokens: 1 })
+        })?;
+        Ok((report.stepped, grads_live_in_buckets(&ddp)))
+    })
+    .unwrap();
+    for (stepped, in_buckets) in out {
+        assert!(stepped && in_buckets);
+    }
+}

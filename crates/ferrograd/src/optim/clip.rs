@@ -134,7 +134,7 @@ fn partials(g: &Tensor, p: f64) -> Result<Vec<Tensor>> {
     Ok(vec![as_f64(powered.sum_all()?)?])
 }
 
-/// g ← g · coef, in place when the gradient owns its storage (the usual case), else by
+/// g ← g · coef, in place when the gradient is contiguous (the usual case), else by
 /// replacing the parameter's gradient.
 fn scale_in_place(p: &Tensor, g: &Tensor, coef: f64) -> Result<()> {
     if owns_storage(g) {
@@ -152,8 +152,10 @@ fn assign(p: &Tensor, g: &Tensor, value: Tensor) -> Result<()> {
     }
 }
 
+/// Whether `t` can be written in place: contiguous, all of its storage or a slice of one
+/// (a data-parallel gradient that is a view into its bucket stays one).
 fn owns_storage(t: &Tensor) -> bool {
-    t.is_contiguous() && t.layout().offset() == 0 && t.numel() == t.storage().len()
+    t.is_contiguous()
 }
 
 /// `op(x)` as a fresh temporary, no autograd.

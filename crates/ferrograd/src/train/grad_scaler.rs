@@ -370,8 +370,12 @@ impl GradScaler {
         }
         let inv_scale = (1.0 / self.scale as f64) as f32;
         let mut per_device: Vec<(Device, Vec<Tensor>)> = Vec::new();
+        let covered = covered_storages(&pairs);
         for (p, g) in pairs {
-            let g = owned_grad(p, g)?;
+            let g = match covered.iter().find(|c| c.shares_storage(&g)) {
+                Some(whole) => whole.clone(),
+                None => owned_grad(p, g)?,
+            };
             match per_device.iter_mut().find(|(d, _)| *d == g.device()) {
                 Some((_, v)) => v.push(g),
                 None => per_device.push((g.device(), vec![g])),
@@ -426,6 +430,39 @@ fn check_grad_dtype(index: usize, g: &Tensor) -> Result<()> {
         }),
         _ => Ok(()),
     }
+}
+
+/// Storages that these gradients are contiguous, disjoint slices of and cover whole (the
+/// buckets of data-parallel training, whose slices are the gradients): each is unscaled as
+/// one tensor, so the gradients stay views instead of being copied out.
+fn covered_storages(pairs: &[(&Tensor, Tensor)]) -> Vec<Tensor> {
+    let mut groups: Vec<(Tensor, Vec<(usize, usize)>)> = Vec::new();
+    for (_, g) in pairs {
+        let owns = g.layout().offset() == 0 && g.numel() == g.storage().len();
+        if owns || !g.is_contiguous() {
+            continue;
+        }
+        let span = (g.layout().offset(), g.numel());
+        match groups.iter_mut().find(|(t, _)| t.shares_storage(g)) {
+            Some((_, spans)) => spans.push(span),
+            None => groups.push((g.clone(), vec![span])),
+        }
+    }
+    groups
+        .into_iter()
+        .filter_map(|(g, mut spans)| {
+            spans.sort_unstable();
+            let mut end = 0;
+            for (start, n) in spans {
+                if start != end {
+                    return None;
+                }
+                end = start + n;
+            }
+            let len = g.storage().len();
+            (end == len).then(|| g.with_layout(crate::tensor::Layout::contiguous(&[len])))
+        })
+        .collect()
 }
 
 /// The gradient as a tensor owning its whole storage (the fused op writes whole storages): a
