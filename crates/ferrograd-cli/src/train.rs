@@ -23,6 +23,10 @@ pub struct TrainArgs {
     /// the model, gradients averaged by DDP (logs and saved state from rank 0).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=256))]
     ranks: u64,
+    /// ZeRO stage: 0 (DDP: every rank keeps all of AdamW's state) or 1 (each rank keeps the
+    /// moments of its 1/N shard; gradients reduce-scattered, parameters all-gathered).
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=1))]
+    zero: u8,
     /// Total optimizer steps (the learning-rate schedule's length).
     #[arg(long, default_value_t = 800)]
     max_steps: u64,
@@ -233,6 +237,7 @@ impl TrainArgs {
             interrupt: Some(signals()?.stop.clone()),
             memory_trace,
             ranks: self.ranks as usize,
+            zero: self.zero == 1,
         })
     }
 }

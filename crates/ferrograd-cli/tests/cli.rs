@@ -745,7 +745,8 @@ fn plan_refuses_what_train_refuses_with_the_same_words() {
 }
 
 /// `--ranks 2` trains on two in-process ranks and reports each rank's peak by category, in
-/// the report side by side and in the JSON; on a GPU it is refused, pointing to NCCL.
+/// the report side by side and in the JSON; `--zero 1` shards AdamW's state; on a GPU it is
+/// refused, pointing to NCCL.
 #[test]
 fn ranks_train_data_parallel_on_the_cpu() {
     let out = ferrograd(&[SMALL, &["--ranks", "2", "--json"]].concat());
@@ -765,6 +766,12 @@ fn ranks_train_data_parallel_on_the_cpu() {
     assert!(
         text.contains("peak per rank") && text.contains("rank 1"),
         "{text}"
+    );
+    let zero = ferrograd(&[SMALL, &["--ranks", "2", "--zero", "1", "--json"]].concat());
+    assert!(
+        zero.status.success(),
+        "{}",
+        String::from_utf8_lossy(&zero.stderr)
     );
     let err = stderr_of(&[SMALL, &["--ranks", "2", "--device", "cuda"]].concat());
     assert!(err.contains("NCCL") && err.contains("--ranks"), "{err}");

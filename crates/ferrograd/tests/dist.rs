@@ -1235,3 +1235,44 @@ fn clipping_and_unscaling_keep_gradients_in_their_buckets() {
         assert!(stepped && in_buckets);
     }
 }
+
+/// `train --ranks 2 --zero 1` takes the same steps as DDP (the same average of the same
+/// batches, AdamW elementwise), with each rank holding half of AdamW's moments.
+#[test]
+fn the_job_with_zero1_matches_ddp_with_half_the_optimizer_state_per_rank() {
+    let _l = lock();
+    let ddp = ferrograd::job::run(&rank_job(2), &mut |_| {}).unwrap();
+    let zero = ferrograd::job::TrainJob {
+        zero: true,
+        ..rank_job(2)
+    };
+    let mut losses = Vec::new();
+    let sharded = ferrograd::job::run(&zero, &mut |e| {
+        if let ferrograd::job::Event::Step(r) = e {
+            losses.push(r.loss);
+        }
+    })
+    .unwrap();
+    assert_eq!(losses.len(), 6);
+    let rel = (sharded.final_loss - ddp.final_loss).abs() / ddp.final_loss;
+    assert!(rel < 1e-5, "{} vs {}", sharded.final_loss, ddp.final_loss);
+    let per_rank = 2 * (sharded.params.div_ceil(2) * 4) as u64;
+    for r in &sharded.ranks {
+        assert_eq!(
+            r.by_category_at_peak["optimizer_state"], per_rank,
+            "rank {}",
+            r.rank
+        );
+    }
+    let clip = ferrograd::job::TrainJob {
+        trainer: TrainerConfig {
+            clip: Some(1.0),
+            ..TrainerConfig::default()
+        },
+        ..zero.clone()
+    };
+    let err = ferrograd::job::run(&clip, &mut |_| {})
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("clipping"), "{err}");
+}

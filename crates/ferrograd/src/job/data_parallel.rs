@@ -1,6 +1,6 @@
 //! The main job on several in-process ranks (`ferrograd train --ranks N`, CPU): N threads,
 //! each a replica of the model with its own batches, gradients averaged by DDP over the
-//! in-process group. Rank 0 reports, evaluates, samples and saves; every rank's peak memory
+//! in-process group (or, with `--zero 1`, reduce-scattered by ZeRO-1's sharded AdamW). Rank 0 reports, evaluates, samples and saves; every rank's peak memory
 //! by category is measured in its own memory scope. Not here: the single-process loop itself
 //! (`run_replica` in mod.rs runs as each rank).
 
@@ -52,6 +52,11 @@ fn check_ranks(job: &TrainJob) -> Result<()> {
     if job.memory_trace.is_some() {
         return refuse(
             "--memory-trace records the process's allocator, which the ranks share; trace a run without --ranks",
+        );
+    }
+    if job.zero && (job.save.is_some() || job.resume.is_some()) {
+        return refuse(
+            "--zero 1 spreads AdamW's state over the ranks, and saving or resuming sharded state is not supported yet; leave out --save/--resume, or train without --zero",
         );
     }
     if u16::try_from(job.ranks).is_err() {

@@ -53,7 +53,7 @@ fn plan_with_data(
         ..job.clone()
     };
     plan::plan(target, options, |device| {
-        let (mut model, mut trainer) = build(job, data, device)?;
+        let (mut model, mut trainer) = build(job, data, device, None)?;
         model.train(true);
         let mut rng = Generator::new(job.seed);
         evaluate(&mut model, data, &eval_job, 0, device)?;

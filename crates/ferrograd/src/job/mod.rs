@@ -90,6 +90,8 @@ pub struct TrainJob {
     pub memory_trace: Option<MemoryTraceSettings>,
     /// Data-parallel ranks (threads on the CPU, gradients averaged by DDP); 1: one process.
     pub ranks: usize,
+    /// Shard AdamW's moments over the ranks (ZeRO-1) instead of averaging by DDP.
+    pub zero: bool,
 }
 
 impl Default for TrainJob {
@@ -129,6 +131,7 @@ impl Default for TrainJob {
             interrupt: None,
             memory_trace: None,
             ranks: 1,
+            zero: false,
         }
     }
 }
@@ -245,7 +248,7 @@ impl From<&LeakReport> for LeakSummary {
 /// Builds the model, runs the steps and returns the summary (rank 0's, on several ranks).
 pub fn run(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Result<JobSummary> {
     check_settings(job)?;
-    if job.ranks > 1 {
+    if job.ranks > 1 || job.zero {
         return data_parallel::run_ranks(job, on_event);
     }
     run_replica(job, None, on_event)
@@ -260,7 +263,10 @@ fn run_replica(
 ) -> Result<JobSummary> {
     let rank = group.as_ref().map_or(0, |g| g.rank());
     let leader = rank == 0;
-    if let Some(path) = &job.save {
+    // Only rank 0 writes the state: the others must not race it probing the folder.
+    if let Some(path) = &job.save
+        && leader
+    {
         crate::io::check_output_path(path)?;
     }
     if let Some(t) = &job.memory_trace {
@@ -269,7 +275,8 @@ fn run_replica(
     let data = TextDataset::new(&job.text)?;
     check_text_length(&data, job.model.block_size)?;
     let plan = check_fits(job, &data)?;
-    let (mut model, mut trainer) = build(job, &data, job.device)?;
+    let zero = group.as_ref().filter(|_| job.zero);
+    let (mut model, mut trainer) = build(job, &data, job.device, zero)?;
     let mut data_rng = Generator::new(data_parallel::data_seed(job.seed, rank));
     if let Some(path) = &job.resume {
         load_training_state(path, &model, &mut trainer, &mut data_rng, data.tokenizer())?;
@@ -285,8 +292,10 @@ fn run_replica(
             });
         }
     }
+    // ZeRO-1 reduces the gradients in its own step; otherwise DDP averages them in backward.
     let reducer = group
         .as_ref()
+        .filter(|_| !job.zero)
         .map(|g| Reducer::new(&model, Arc::clone(g), DdpConfig::default()))
         .transpose()?;
     if let Some(r) = &reducer {
@@ -516,10 +525,12 @@ fn model_vocab(job: &TrainJob, data: &TextDataset) -> Result<usize> {
 
 /// The model and trainer of `job` on `device`, built as every run builds them (the planner
 /// builds them on the meta device).
+/// With `zero`, the optimizer is AdamW sharded over that group (ZeRO-1).
 fn build(
     job: &TrainJob,
     data: &TextDataset,
     device: Device,
+    zero: Option<&data_parallel::Group>,
 ) -> Result<(Gpt, Trainer<JobOptimizer>)> {
     let mut cfg = job.model.clone();
     cfg.vocab_size = model_vocab(job, data)?;
@@ -527,8 +538,10 @@ fn build(
     let mut model = Gpt::new(cfg, device)?;
     model.set_fused_attention(job.fused_attention);
     let settings = optimizer_settings(job);
-    let trainer = Trainer::for_model(&mut model, trainer_config(job)?, device, |p| {
-        JobOptimizer::new(p, &settings)
+    let named = model.named_parameters();
+    let trainer = Trainer::for_model(&mut model, trainer_config(job)?, device, |p| match zero {
+        None => JobOptimizer::new(p, &settings),
+        Some(g) => JobOptimizer::zero1(with_names(&named, p), &settings, Arc::clone(g)),
     })?;
     if !model.parameters().iter().any(|p| p.requires_grad()) {
         return Err(Error::invalid(
@@ -540,6 +553,23 @@ fn build(
         ));
     }
     Ok((model, trainer))
+}
+
+/// The trainable parameters `params` with their names in `named`.
+fn with_names(
+    named: &[(String, crate::tensor::Tensor)],
+    params: Vec<crate::tensor::Tensor>,
+) -> Vec<(String, crate::tensor::Tensor)> {
+    params
+        .into_iter()
+        .map(|p| {
+            let name = named
+                .iter()
+                .find(|(_, q)| q.shares_storage(&p))
+                .map_or_else(String::new, |(n, _)| n.clone());
+            (name, p)
+        })
+        .collect()
 }
 
 /// One training step on a batch drawn from `rng` (each forward prepared by the DDP reducer

@@ -1,11 +1,13 @@
 //! The main job's optimizer: AdamW (the default) or SGD with momentum, chosen by
-//! `--optimizer`, behind one type so the `Trainer`, the step in backward and the saved state
-//! handle both.
+//! `--optimizer`, or AdamW with its state sharded over data-parallel ranks (`--zero 1`),
+//! behind one type so the `Trainer`, the step in backward and the saved state handle all.
 
 use std::str::FromStr;
+use std::sync::Arc;
 
 use crate::autograd::GradProduct;
 use crate::base::{Error, Result};
+use crate::dist::{ProcessGroup, Zero1};
 use crate::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use crate::tensor::Tensor;
 
@@ -58,6 +60,8 @@ impl std::fmt::Display for OptimizerChoice {
 pub enum JobOptimizer {
     AdamW(Adam),
     Sgd(Sgd),
+    /// AdamW sharded over the ranks of a group (ZeRO-1).
+    Zero1(Zero1),
 }
 
 /// The settings a run's optimizer is built from.
@@ -74,15 +78,7 @@ impl JobOptimizer {
     /// The chosen optimizer over `params`.
     pub fn new(params: Vec<Tensor>, s: &OptimizerSettings) -> Result<JobOptimizer> {
         Ok(match s.choice {
-            OptimizerChoice::AdamW => {
-                let cfg = AdamConfig {
-                    lr: s.lr,
-                    betas: (0.9, 0.99),
-                    weight_decay: s.weight_decay,
-                    ..AdamConfig::default()
-                };
-                JobOptimizer::AdamW(Adam::adamw(params, cfg)?)
-            }
+            OptimizerChoice::AdamW => JobOptimizer::AdamW(Adam::adamw(params, adamw_config(s))?),
             OptimizerChoice::Sgd => {
                 let cfg = SgdConfig {
                     lr: s.lr,
@@ -95,9 +91,28 @@ impl JobOptimizer {
         })
     }
 
+    /// AdamW over `named` with its state sharded over `group`'s ranks.
+    pub fn zero1(
+        named: Vec<(String, Tensor)>,
+        s: &OptimizerSettings,
+        group: Arc<dyn ProcessGroup>,
+    ) -> Result<JobOptimizer> {
+        if s.choice != OptimizerChoice::AdamW {
+            return Err(Error::invalid(
+                "train",
+                "--zero 1 shards AdamW's moments; it cannot run with --optimizer sgd",
+            ));
+        }
+        Ok(JobOptimizer::Zero1(Zero1::adamw(
+            named,
+            adamw_config(s),
+            group,
+        )?))
+    }
+
     pub fn choice(&self) -> OptimizerChoice {
         match self {
-            JobOptimizer::AdamW(_) => OptimizerChoice::AdamW,
+            JobOptimizer::AdamW(_) | JobOptimizer::Zero1(_) => OptimizerChoice::AdamW,
             JobOptimizer::Sgd(_) => OptimizerChoice::Sgd,
         }
     }
@@ -106,6 +121,7 @@ impl JobOptimizer {
         match self {
             JobOptimizer::AdamW(o) => o,
             JobOptimizer::Sgd(o) => o,
+            JobOptimizer::Zero1(o) => o,
         }
     }
 
@@ -113,7 +129,18 @@ impl JobOptimizer {
         match self {
             JobOptimizer::AdamW(o) => o,
             JobOptimizer::Sgd(o) => o,
+            JobOptimizer::Zero1(o) => o,
         }
+    }
+}
+
+/// The run's AdamW: betas (0.9, 0.99).
+fn adamw_config(s: &OptimizerSettings) -> AdamConfig {
+    AdamConfig {
+        lr: s.lr,
+        betas: (0.9, 0.99),
+        weight_decay: s.weight_decay,
+        ..AdamConfig::default()
     }
 }
 
@@ -148,6 +175,10 @@ impl Optimizer for JobOptimizer {
 
     fn gradient_free(&self) -> Option<&'static str> {
         self.inner().gradient_free()
+    }
+
+    fn reduces_gradients_in_step(&self) -> bool {
+        self.inner().reduces_gradients_in_step()
     }
 
     fn accumulate_product(

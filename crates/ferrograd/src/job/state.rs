@@ -232,7 +232,16 @@ fn optimizer_tensors(o: &mut JobOptimizer) -> Result<Vec<(String, Tensor)>> {
     match o {
         JobOptimizer::AdamW(a) => adam_tensors(a),
         JobOptimizer::Sgd(s) => Ok(sgd_tensors(s)),
+        JobOptimizer::Zero1(_) => Err(sharded_state()),
     }
+}
+
+/// ZeRO-1's moments are spread over the ranks; the state file holds one process's.
+fn sharded_state() -> Error {
+    Error::invalid(
+        "training state",
+        "ZeRO-1's optimizer state is sharded over the ranks and is not saved or loaded yet; train without --zero to save or resume",
+    )
 }
 
 fn adam_tensors(o: &Adam) -> Result<Vec<(String, Tensor)>> {
@@ -272,6 +281,7 @@ fn optimizer_states(
     Ok(match o {
         JobOptimizer::AdamW(a) => SavedStates::AdamW(adam_states(a, tensors, device, bad)?),
         JobOptimizer::Sgd(s) => SavedStates::Sgd(momentum_buffers(s, tensors, bad)?),
+        JobOptimizer::Zero1(_) => return Err(sharded_state()),
     })
 }
 
@@ -404,6 +414,7 @@ fn state_indices(o: &mut JobOptimizer) -> Vec<usize> {
         JobOptimizer::Sgd(s) => (0..s.params().len())
             .filter(|&i| s.momentum_buffer(i).is_some())
             .collect(),
+        JobOptimizer::Zero1(_) => Vec::new(),
     }
 }
 
