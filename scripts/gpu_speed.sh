@@ -4,13 +4,14 @@
 # twin, each in its own process; prints one markdown table last (and the raw lines above it).
 #
 # Usage: scripts/gpu_speed.sh [PYTHON_WITH_TORCH]
-# Environment: ROWS (space-separated subset of: attention gpt2-bf16 gpt2-f32
+# Environment: ROWS (space-separated subset of: attention gpt2-bf16 gpt2-bf16-v50304
+#   gpt2-bf16-b16 gpt2-f32
 #   main-job gpt-10m gpt-10m-dropout; default all), OUT (a folder for the raw log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${1:-python3}"
 B=.bin
-ROWS="${ROWS:-attention gpt2-bf16 gpt2-f32 main-job gpt-10m gpt-10m-dropout}"
+ROWS="${ROWS:-attention gpt2-bf16 gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-f32 main-job gpt-10m gpt-10m-dropout}"
 LOG="${OUT:-/tmp}/gpu_speed.log"
 : >"$LOG"
 TABLE=()
@@ -32,18 +33,25 @@ row_attention() {
 }
 
 # gpt2 rows: ours (strategies bench) against PyTorch's strategies.py with extra flags.
+# gpt2_row NAME STRATEGY FLAGS_BOTH TORCH_FLAGS TORCH_NAME
 gpt2_row() {
-  local name=$1 strategy=$2 torch_flags=$3 torch_name=$4 batch=${5:-8} a p
-  a=$(run "$B/strategies" --model gpt2 --strategy "$strategy" --device cuda --batch "$batch" --seq 1024 --steps 5 --warmup 3)
-  p=$(run "$PY" benches/pytorch/strategies.py --model gpt2 --strategy "$strategy" --device cuda --batch "$batch" --seq 1024 --steps 5 --warmup 3 $torch_flags)
+  local name=$1 strategy=$2 both=$3 torch_flags=$4 torch_name=$5 a p
+  a=$(run "$B/strategies" --model gpt2 --strategy "$strategy" --device cuda --seq 1024 --steps 5 --warmup 3 $both)
+  p=$(run "$PY" benches/pytorch/strategies.py --model gpt2 --strategy "$strategy" --device cuda --seq 1024 --steps 5 --warmup 3 $both $torch_flags)
   TABLE+=("| $name, step ms (peak) | $(field "$a" step_ms) ($(mib "$(field "$a" peak_bytes)")) | $(field "$p" step_ms) ($(mib "$(field "$p" peak_bytes)")) $torch_name | $(ratio "$(field "$a" step_ms)" "$(field "$p" step_ms)") |")
 }
 
+COMPILED="--sdpa --compile --fused-adam"
 row_gpt2-bf16() {
-  gpt2_row "GPT-2 124M B8 T1024 bf16" bf16 "--sdpa --compile --fused-adam" "torch.compile+SDPA+fused AdamW"
-  gpt2_row "GPT-2 124M B8 T1024 bf16" bf16 "--sdpa" "eager+SDPA"
+  gpt2_row "GPT-2 124M B8 T1024 bf16" bf16 "--batch 8" "$COMPILED" "torch.compile+SDPA+fused AdamW"
+  gpt2_row "GPT-2 124M B8 T1024 bf16" bf16 "--batch 8" "--sdpa" "eager+SDPA"
 }
-row_gpt2-f32() { gpt2_row "GPT-2 124M B8 T1024 f32" baseline "--sdpa" "eager+SDPA"; }
+# The vocabulary padded to a multiple of 64 (nanoGPT's and llm.c's 50304) on both sides.
+row_gpt2-bf16-v50304() {
+  gpt2_row "GPT-2 124M B8 T1024 bf16, vocab 50304" bf16 "--batch 8 --vocab 50304" "$COMPILED" "torch.compile+SDPA+fused AdamW"
+}
+row_gpt2-bf16-b16() { gpt2_row "GPT-2 124M B16 T1024 bf16" bf16 "--batch 16" "$COMPILED" "torch.compile+SDPA+fused AdamW"; }
+row_gpt2-f32() { gpt2_row "GPT-2 124M B8 T1024 f32" baseline "--batch 8" "--sdpa" "eager+SDPA"; }
 
 # ferrograd train against benches/pytorch/gpt_step.py on the same flags.
 train_row() {

@@ -20,7 +20,7 @@ memory by fusing the optimizer step into the backward pass").
 
 Usage: python benches/pytorch/strategies.py --model mlp|gpt2|tiny-gpt --strategy S
        [--device cpu|cuda] [--steps 10] [--warmup 3] [--dim 10000] [--batch B] [--seq T]
-       [--sdpa] [--compile] [--fused-adam]
+       [--vocab V] [--sdpa] [--compile] [--fused-adam]
 --sdpa, --compile and --fused-adam give the fastest PyTorch configuration to compare speed
 against (its peak is then no longer the same-math comparison).
 """
@@ -181,7 +181,9 @@ def build(a, dev):
             return torch.optim.SGD(params, lr=1e-3, momentum=0.9, **kw)
 
         return model, loss_of, make_opt
-    cfg = GPT_CONFIGS[a.model]
+    cfg = dict(GPT_CONFIGS[a.model])
+    if a.vocab is not None:
+        cfg["vocab"] = a.vocab
     model = Gpt(**cfg).to(dev)
     if a.strategy == "recompute":
         model.recompute = True
@@ -281,6 +283,7 @@ def main():
     ap.add_argument("--dim", type=int, default=10000)
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--seq", type=int, default=None)
+    ap.add_argument("--vocab", type=int, default=None, help="the GPT's vocabulary (e.g. 50304)")
     ap.add_argument("--sdpa", action="store_true", help="GPT attention through F.scaled_dot_product_attention")
     ap.add_argument("--compile", action="store_true", help="torch.compile the GPT model")
     ap.add_argument("--fused-adam", action="store_true", help="AdamW(fused=True)")

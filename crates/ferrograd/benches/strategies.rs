@@ -28,7 +28,7 @@
 //! Usage: cargo bench -p ferrograd --bench strategies -- --model mlp|gpt2|tiny-gpt
 //!   --strategy baseline|bf16|f16|recompute|accum4|freeze|step-in-backward|step-in-backward-fused
 //!   [--device cpu|cuda]
-//!   [--steps 10] [--warmup 3] [--dim 10000] [--batch B] [--seq T]
+//!   [--steps 10] [--warmup 3] [--dim 10000] [--batch B] [--seq T] [--vocab V]
 //! Prints a human line on stderr and one JSON line on stdout.
 
 use std::sync::Arc;
@@ -114,6 +114,9 @@ struct Args {
     dim: usize,
     batch: usize,
     seq: usize,
+    /// The GPT's vocabulary, when not the model's own (GPT-2's 50257 padded to 50304, as
+    /// nanoGPT and llm.c pad it, gives the head's GEMMs 16-byte-aligned rows).
+    vocab: Option<usize>,
 }
 
 /// The value after flag `flag`, parsed.
@@ -127,7 +130,7 @@ fn parse_args() -> Res<Args> {
     let argv: Vec<String> = std::env::args().skip(1).collect();
     let (mut model, mut strategy, mut device) = (None, None, Device::Cpu);
     let (mut steps, mut warmup) = (10, 3);
-    let (mut dim, mut batch, mut seq) = (10000, None, None);
+    let (mut dim, mut batch, mut seq, mut vocab) = (10000, None, None, None);
     let mut it = argv.iter();
     while let Some(flag) = it.next() {
         match flag.as_str() {
@@ -141,9 +144,10 @@ fn parse_args() -> Res<Args> {
             "--dim" => dim = value(flag, it.next())?,
             "--batch" => batch = Some(value(flag, it.next())?),
             "--seq" => seq = Some(value(flag, it.next())?),
+            "--vocab" => vocab = Some(value(flag, it.next())?),
             other => {
                 return Err(format!(
-                    "unknown flag '{other}': use --model, --strategy, --device, --steps, --warmup, --dim, --batch, --seq"
+                    "unknown flag '{other}': use --model, --strategy, --device, --steps, --warmup, --dim, --batch, --seq, --vocab"
                 )
                 .into());
             }
@@ -180,6 +184,7 @@ fn parse_args() -> Res<Args> {
         dim,
         batch,
         seq: seq.unwrap_or(default_seq),
+        vocab,
     })
 }
 
@@ -259,6 +264,7 @@ fn gpt(a: &Args) -> Res<(LossFn, Adam)> {
     };
     let cfg = GptConfig {
         dropout: 0.0,
+        vocab_size: a.vocab.unwrap_or(cfg.vocab_size),
         ..cfg
     };
     let (vocab, n_layer) = (cfg.vocab_size, cfg.n_layer);
@@ -353,6 +359,9 @@ fn step<O: Optimizer + Send + 'static>(
 
 struct Measured {
     step_ms: f64,
+    /// How long the host took to queue a step (up to its last synchronisation): near
+    /// `step_ms`, the step is bound by the host, not the GPU.
+    host_ms: f64,
     peak_bytes: u64,
     reserved_bytes: u64,
     loss: f64,
@@ -376,17 +385,22 @@ fn measure<O: Optimizer + Send + 'static>(
 ) -> Res<Measured> {
     let dev = a.device;
     let mut times = Vec::with_capacity(a.steps);
+    let mut host = Vec::with_capacity(a.steps);
     let mut last = f64::NAN;
     for i in 0..a.warmup + a.steps {
         if i == a.warmup {
             memory::reset_peak_memory_stats(dev)?;
+            // Kernel times (FERROGRAD_KERNEL_TIMES=1) of the measured steps only.
+            ferrograd::backend::cuda::take_kernel_times();
         }
         ferrograd::backend::synchronize(dev)?;
         let t0 = Instant::now();
         let loss = step(a.strategy, &loss_of, &mut driver)?;
+        let queued = t0.elapsed().as_secs_f64() * 1e3;
         ferrograd::backend::synchronize(dev)?;
         if i >= a.warmup {
             times.push(t0.elapsed().as_secs_f64() * 1e3);
+            host.push(queued);
         }
         last = match loss {
             Ok(v) => v,
@@ -394,8 +408,10 @@ fn measure<O: Optimizer + Send + 'static>(
         };
     }
     times.sort_by(f64::total_cmp);
+    host.sort_by(f64::total_cmp);
     Ok(Measured {
         step_ms: times[times.len() / 2],
+        host_ms: host[host.len() / 2],
         peak_bytes: memory::max_memory_allocated(dev)?,
         reserved_bytes: memory::max_memory_reserved(dev)?,
         loss: last,
@@ -451,6 +467,7 @@ fn run() -> Res<()> {
         "seq": if a.model == "mlp" { None } else { Some(a.seq) },
         "steps": a.steps,
         "step_ms": m.step_ms,
+        "host_ms": m.host_ms,
         "peak_bytes": m.peak_bytes,
         "reserved_bytes": m.reserved_bytes,
         "loss": m.loss,

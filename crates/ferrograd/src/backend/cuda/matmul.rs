@@ -387,7 +387,15 @@ struct Batch {
 /// A GEMM's row in the kernel times: its shape and operand transposes.
 fn gemm_name(g: &Gemm, count: usize) -> String {
     let t = |m: Matrix| if m.trans { "T" } else { "N" };
-    format!("gemm {}x{}x{} {}{} x{count}", g.m, g.n, g.k, t(g.a), t(g.b))
+    format!(
+        "gemm {}x{}x{} {}{} x{count} {:?}",
+        g.m,
+        g.n,
+        g.k,
+        t(g.a),
+        t(g.b),
+        g.ty.data
+    )
 }
 
 /// Issues one batch run, in pieces of at most i32::MAX products.
