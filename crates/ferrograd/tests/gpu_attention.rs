@@ -32,6 +32,15 @@ fn randn(shape: &[usize], seed: u64) -> Tensor {
     Tensor::randn_with(shape, DType::F64, CPU, &mut Generator::new(seed)).unwrap()
 }
 
+/// `randn` rounded to bf16 on the GPU.
+fn randn_gpu_bf16(shape: &[usize], seed: u64) -> Tensor {
+    randn(shape, seed)
+        .to_dtype(DType::BF16)
+        .unwrap()
+        .to_device(GPU)
+        .unwrap()
+}
+
 /// max |got − want| / max |want|: half-precision kernels round the probabilities and the
 /// score gradients to 16 bits before their products, so errors scale with the largest value.
 fn relative_error(got: &Tensor, want: &Tensor) -> f64 {
@@ -158,11 +167,7 @@ fn matches_pytorch_in_bf16_and_f16() {
 #[test]
 fn backward_is_bit_identical_from_run_to_run() {
     let _l = lock();
-    let qkv = randn(&[2, 200, 3 * 128], 7)
-        .to_dtype(DType::BF16)
-        .unwrap()
-        .to_device(GPU)
-        .unwrap();
+    let qkv = randn_gpu_bf16(&[2, 200, 3 * 128], 7);
     let gout = randn(&[2, 200, 128], 8);
     let (_, a) = attention_and_grad(&qkv, &gout, 2);
     let (_, b) = attention_and_grad(&qkv, &gout, 2);
@@ -175,11 +180,7 @@ fn unaligned_operands_give_the_same_bits_as_aligned_ones() {
     let _l = lock();
     let (b, t, c) = (1, 90, 128);
     let n = b * t * 3 * c;
-    let flat = randn(&[n + 1], 9)
-        .to_dtype(DType::BF16)
-        .unwrap()
-        .to_device(GPU)
-        .unwrap();
+    let flat = randn_gpu_bf16(&[n + 1], 9);
     // One element in: every row starts 2 bytes off a 16-byte boundary.
     let shifted = flat
         .narrow(0, 1, n)
@@ -212,11 +213,7 @@ fn forward_keeps_the_output_and_one_log_sum_exp_per_query() {
     let _l = lock();
     let (b, t, h, d) = (2, 128, 4, 16);
     let c = h * d;
-    let qkv = randn(&[b, t, 3 * c], 11)
-        .to_dtype(DType::BF16)
-        .unwrap()
-        .to_device(GPU)
-        .unwrap()
+    let qkv = randn_gpu_bf16(&[b, t, 3 * c], 11)
         .requires_grad_(true)
         .unwrap();
     let before = memory::memory_allocated(GPU).unwrap();
@@ -357,11 +354,7 @@ fn dropout_on_the_probabilities_draws_the_composed_paths_mask() {
 #[test]
 fn dropout_probabilities_outside_zero_to_one_are_errors() {
     let _l = lock();
-    let x = randn(&[1, 4, 3 * 16], 13)
-        .to_dtype(DType::BF16)
-        .unwrap()
-        .to_device(GPU)
-        .unwrap();
+    let x = randn_gpu_bf16(&[1, 4, 3 * 16], 13);
     for p in [1.0, -0.1, f64::NAN] {
         let err = x
             .causal_attention_dropout(1, p, &mut Generator::new(1))

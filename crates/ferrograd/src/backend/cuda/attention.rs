@@ -37,27 +37,24 @@ macro_rules! module {
 /// The head dims with a kernel build: multiples of 16 up to 128.
 const HEAD_DIMS: [usize; 8] = [16, 32, 48, 64, 80, 96, 112, 128];
 
-static BF16: [Module; 8] = [
-    module!("BF16", 16),
-    module!("BF16", 32),
-    module!("BF16", 48),
-    module!("BF16", 64),
-    module!("BF16", 80),
-    module!("BF16", 96),
-    module!("BF16", 112),
-    module!("BF16", 128),
-];
+/// One module per head dim of `HEAD_DIMS`, for element type `$elem`.
+macro_rules! modules {
+    ($elem:literal) => {
+        [
+            module!($elem, 16),
+            module!($elem, 32),
+            module!($elem, 48),
+            module!($elem, 64),
+            module!($elem, 80),
+            module!($elem, 96),
+            module!($elem, 112),
+            module!($elem, 128),
+        ]
+    };
+}
 
-static F16: [Module; 8] = [
-    module!("F16", 16),
-    module!("F16", 32),
-    module!("F16", 48),
-    module!("F16", 64),
-    module!("F16", 80),
-    module!("F16", 96),
-    module!("F16", 112),
-    module!("F16", 128),
-];
+static BF16: [Module; 8] = modules!("BF16");
+static F16: [Module; 8] = modules!("F16");
 
 /// Whether the fused kernels cover `dtype` and `head_dim` on a GPU. A free function, so the
 /// planner can ask without a GPU.
