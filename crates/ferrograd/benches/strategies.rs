@@ -362,6 +362,10 @@ struct Measured {
     /// How long the host took to queue a step (up to its last synchronisation): near
     /// `step_ms`, the step is bound by the host, not the GPU.
     host_ms: f64,
+    /// Host waits on the GPU per step, and their milliseconds: host_ms less these is the
+    /// host's own work.
+    waits_per_step: f64,
+    wait_ms: f64,
     peak_bytes: u64,
     reserved_bytes: u64,
     loss: f64,
@@ -386,6 +390,7 @@ fn measure<O: Optimizer + Send + 'static>(
     let dev = a.device;
     let mut times = Vec::with_capacity(a.steps);
     let mut host = Vec::with_capacity(a.steps);
+    let (mut waits, mut waited) = (0u64, 0f64);
     let mut last = f64::NAN;
     for i in 0..a.warmup + a.steps {
         if i == a.warmup {
@@ -394,13 +399,17 @@ fn measure<O: Optimizer + Send + 'static>(
             ferrograd::backend::cuda::take_kernel_times();
         }
         ferrograd::backend::synchronize(dev)?;
+        ferrograd::backend::cuda::take_host_waits();
         let t0 = Instant::now();
         let loss = step(a.strategy, &loss_of, &mut driver)?;
         let queued = t0.elapsed().as_secs_f64() * 1e3;
+        let (n, secs) = ferrograd::backend::cuda::take_host_waits();
         ferrograd::backend::synchronize(dev)?;
         if i >= a.warmup {
             times.push(t0.elapsed().as_secs_f64() * 1e3);
             host.push(queued);
+            waits += n;
+            waited += secs * 1e3;
         }
         last = match loss {
             Ok(v) => v,
@@ -412,6 +421,8 @@ fn measure<O: Optimizer + Send + 'static>(
     Ok(Measured {
         step_ms: times[times.len() / 2],
         host_ms: host[host.len() / 2],
+        waits_per_step: waits as f64 / a.steps as f64,
+        wait_ms: waited / a.steps as f64,
         peak_bytes: memory::max_memory_allocated(dev)?,
         reserved_bytes: memory::max_memory_reserved(dev)?,
         loss: last,
@@ -468,6 +479,8 @@ fn run() -> Res<()> {
         "steps": a.steps,
         "step_ms": m.step_ms,
         "host_ms": m.host_ms,
+        "host_waits_per_step": m.waits_per_step,
+        "host_wait_ms": m.wait_ms,
         "peak_bytes": m.peak_bytes,
         "reserved_bytes": m.reserved_bytes,
         "loss": m.loss,

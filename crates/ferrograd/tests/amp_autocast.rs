@@ -17,7 +17,7 @@ use ferrograd::amp::{
     AmpDType, autocast, autocast_disabled, autocast_dtype, is_autocast_enabled, set_autocast,
     try_autocast,
 };
-use ferrograd::autograd::{CustomFunction, FunctionCtx, apply_custom};
+use ferrograd::autograd::{BackwardOptions, CustomFunction, FunctionCtx, apply_custom};
 use ferrograd::memory::{self, CategoryBytes};
 use ferrograd::ops::GeluApprox;
 use ferrograd::{Category, DType, Device, Error, Generator, Result, Tensor, no_grad};
@@ -588,4 +588,158 @@ fn tiny_gpt_trains_under_bf16() {
     let f32_step = gpt_step(None, CPU);
     let bf16_step = gpt_step(Some(AmpDType::BF16), CPU);
     assert_steps_agree(&bf16_step, &f32_step);
+}
+
+// ---- the fused classifier: half logits read in place, their gradient written into them ---
+
+/// (logits leaf bf16 (n, c), targets with one ignored row) for the classifier tests.
+fn classifier_case(n: usize, c: usize) -> (Tensor, Tensor) {
+    let z = randn(&[n, c], 21)
+        .mul_scalar(3.0)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    let mut t: Vec<i64> = (0..n as i64).map(|i| (i * 7) % c as i64).collect();
+    t[1] = -100;
+    (z, Tensor::from_vec(t, &[n], CPU).unwrap())
+}
+
+/// What PyTorch's autocast computes: an f32 copy of the logits, its cross-entropy, and the
+/// f32 gradient cast back to bf16. Returns (loss f32, gradient bf16).
+fn classifier_by_explicit_casts(z: &Tensor, t: &Tensor) -> (Vec<f32>, Vec<half::bf16>) {
+    let z = z.detach().requires_grad_(true).unwrap();
+    let loss = z
+        .to_dtype(DType::F32)
+        .unwrap()
+        .cross_entropy(t, -100)
+        .unwrap();
+    loss.backward().unwrap();
+    (
+        loss.to_vec::<f32>().unwrap(),
+        z.grad().unwrap().to_vec::<half::bf16>().unwrap(),
+    )
+}
+
+#[test]
+fn cross_entropy_of_half_logits_makes_no_f32_copy_and_overwrites_them_with_their_gradient() {
+    let _l = lock();
+    let (n, c) = (64, 100);
+    let (z, t) = classifier_case(n, c);
+    let (want_loss, want_grad) = classifier_by_explicit_casts(&z, &t);
+    let amp = autocast(AmpDType::BF16);
+    // An op output that only the graph will hold once the caller drops it (as a model's
+    // logits are dropped after the loss).
+    let base = snap();
+    let logits = z.mul_scalar(1.0).unwrap();
+    let loss = logits.cross_entropy(&t, -100).unwrap();
+    assert_eq!(loss.dtype(), DType::F32);
+    // The logits (now saved), one log-sum-exp per row and the loss: no (n, c) f32 copy.
+    assert_usage(
+        "after the loss",
+        base,
+        &[
+            (Category::SavedActivation, n * c * BF16 + n * F32),
+            (Category::Temporary, F32),
+        ],
+    );
+    drop(logits);
+    loss.backward().unwrap();
+    drop(amp);
+    assert_eq!(loss.to_vec::<f32>().unwrap(), want_loss);
+    assert_eq!(
+        z.grad().unwrap().to_vec::<half::bf16>().unwrap(),
+        want_grad,
+        "the gradient must equal the f32 gradient rounded to bf16"
+    );
+}
+
+#[test]
+fn the_logits_gradient_takes_the_logits_buffer_when_nothing_else_reads_them() {
+    let _l = lock();
+    let (n, k, c) = (64, 4, 100);
+    let x = param(&[n, k], 22);
+    let w = param(&[c, k], 23);
+    let t = classifier_case(n, c).1;
+    // f16: the CPU's bf16 GEMM widens its operands to f32, which would hide what is measured.
+    let _amp = autocast(AmpDType::F16);
+    // A head GEMM's logits, dropped by the caller after the loss as a training step does.
+    let logits = x.linear(&w, None).unwrap();
+    let loss = logits.cross_entropy(&t, -100).unwrap();
+    drop(logits);
+    memory::reset_peak_memory_stats(CPU).unwrap();
+    let before = memory::memory_allocated(CPU).unwrap();
+    loss.backward().unwrap();
+    // The backward's own blocks are dx, dW and their bf16 forms (a few (n, k) and (c, k)
+    // blocks): a fresh (n, c) block for the logits' gradient would exceed that bound.
+    let grew = memory::max_memory_allocated(CPU).unwrap() - before;
+    let logits_block = (n * c * 2) as u64;
+    assert!(
+        grew < logits_block / 2,
+        "the backward's peak grew by {grew} bytes: the gradient did not reuse the logits ({logits_block} bytes)"
+    );
+    assert!(x.grad().is_some() && w.grad().is_some());
+}
+
+#[test]
+fn logits_that_the_caller_keeps_or_a_retained_graph_needs_are_not_overwritten() {
+    let _l = lock();
+    let (z, t) = classifier_case(16, 9);
+    let (_, want_grad) = classifier_by_explicit_casts(&z, &t);
+    let _amp = autocast(AmpDType::BF16);
+    let logits = z.mul_scalar(1.0).unwrap();
+    let values = logits.to_vec::<half::bf16>().unwrap();
+    let loss = logits.cross_entropy(&t, -100).unwrap();
+    let keep = BackwardOptions {
+        retain_graph: true,
+        ..Default::default()
+    };
+    loss.backward_with(keep).unwrap();
+    assert_eq!(
+        logits.to_vec::<half::bf16>().unwrap(),
+        values,
+        "kept logits"
+    );
+    assert_eq!(z.grad().unwrap().to_vec::<half::bf16>().unwrap(), want_grad);
+    // The retained graph runs again on intact logits (the caller's handle dropped now).
+    drop(logits);
+    z.set_grad(None).unwrap();
+    loss.backward().unwrap();
+    assert_eq!(z.grad().unwrap().to_vec::<half::bf16>().unwrap(), want_grad);
+}
+
+#[test]
+fn logits_with_padded_rows_are_read_in_place_and_give_the_contiguous_results() {
+    let _l = lock();
+    let (n, c, ld) = (12, 10, 16);
+    let t = classifier_case(n, c).1;
+    // Rows 16 apart, the layout of a GPU head GEMM's padded output.
+    let block = randn(&[n, ld], 24).requires_grad_(true).unwrap();
+    let padded = block.narrow(1, 0, c).unwrap();
+    assert_eq!(padded.strides(), &[ld as isize, 1]);
+    let dense = padded
+        .detach()
+        .contiguous()
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    let a = padded.cross_entropy(&t, -100).unwrap();
+    let b = dense.cross_entropy(&t, -100).unwrap();
+    assert_eq!(a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+    a.backward().unwrap();
+    b.backward().unwrap();
+    let got = block.grad().unwrap().to_vec::<f32>().unwrap();
+    let want = dense.grad().unwrap().to_vec::<f32>().unwrap();
+    for r in 0..n {
+        assert_eq!(
+            &got[r * ld..r * ld + c],
+            &want[r * c..(r + 1) * c],
+            "row {r}"
+        );
+        assert!(
+            got[r * ld + c..(r + 1) * ld].iter().all(|&v| v == 0.0),
+            "padding of row {r}"
+        );
+    }
 }

@@ -268,6 +268,46 @@ fn a_gpu_plan_has_the_caching_allocators_rounding_and_cublas_workspace() {
     assert_eq!(host.by_category_at_peak.get(Category::Workspace), 0);
 }
 
+/// Row strides of the logits `wide_head` made, in order.
+static ROW_STRIDES: Mutex<Vec<isize>> = Mutex::new(Vec::new());
+
+/// GPT-2's head in bf16: (16, 768) @ (50257, 768)ᵀ without a bias.
+fn wide_head(device: Device) -> ferrograd::Result<()> {
+    let x = Tensor::zeros(&[16, 768], DType::BF16, device)?;
+    let w = Tensor::zeros(&[50257, 768], DType::BF16, device)?;
+    let logits = x.linear(&w, None)?;
+    assert_eq!(logits.shape(), &[16, 50257]);
+    ROW_STRIDES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(logits.strides()[0]);
+    Ok(())
+}
+
+#[test]
+fn a_wide_unaligned_gemm_output_gets_aligned_rows_on_a_gpu_only() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    ROW_STRIDES
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .clear();
+    let gpu = Target::Cuda { capacity: 80 << 30 };
+    let gpu = plan::plan(gpu, PlanOptions::default(), wide_head).unwrap();
+    let host = plan::plan(Target::Cpu, PlanOptions::default(), wide_head).unwrap();
+    // On a GPU the rows are padded to 128 bytes (50304 bf16 elements, as nanoGPT pads its
+    // vocabulary), so cuBLAS runs its aligned kernels; the host keeps contiguous rows.
+    assert_eq!(*ROW_STRIDES.lock().unwrap(), [50304, 50257]);
+    let (x, w): (u64, u64) = (16 * 768 * 2, 50257 * 768 * 2);
+    // The caching allocator rounds blocks over 10 MiB to 2 MiB, the rest to 512 bytes.
+    let w_block = w.next_multiple_of(2 << 20);
+    assert_eq!(
+        gpu.peak_allocated,
+        x + w_block + 16 * 50304 * 2 + (32 << 20)
+    );
+    // The host's bf16 product runs on f32 widenings of all three blocks.
+    assert_eq!(host.peak_allocated, 3 * (x + w + 16 * 50257 * 2));
+}
+
 #[test]
 fn a_plan_larger_than_the_gpu_says_so_with_what_it_would_need() {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());

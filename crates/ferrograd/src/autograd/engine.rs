@@ -307,6 +307,32 @@ fn add_to_buffer(buffers: &mut HashMap<usize, Tensor>, key: usize, g: Tensor) ->
     Ok(())
 }
 
+thread_local! {
+    /// Set while a backward runs for the last time: its saved values are freed right after.
+    static LAST_RUN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks the running backward as its node's last until dropped.
+struct LastRun(bool);
+
+impl LastRun {
+    fn enter(last: bool) -> LastRun {
+        LastRun(LAST_RUN.with(|l| l.replace(last)))
+    }
+}
+
+impl Drop for LastRun {
+    fn drop(&mut self) {
+        LAST_RUN.with(|l| l.set(self.0));
+    }
+}
+
+/// True inside a backward whose saved values are freed as soon as it returns (no
+/// retain_graph): it may overwrite a saved buffer that nothing else shares.
+pub(crate) fn saved_values_released_after_this_backward() -> bool {
+    LAST_RUN.with(|l| l.get())
+}
+
 /// Runs one node: its output's hooks and retain_grad, then its backward. Without
 /// retain_graph the closure (and with it every saved tensor) is dropped right after.
 fn run_node(
@@ -344,11 +370,15 @@ fn run_node(
             node.retained.store(true, Ordering::Relaxed);
         }
         let f = slot.as_mut().ok_or_else(|| Error::autograd(RELEASED))?;
+        let _last = LastRun::enter(false);
         f(&grad, needs)?
     } else {
         let mut f = slot.take().ok_or_else(|| Error::autograd(RELEASED))?;
         drop(slot);
-        let grads = f(&grad, needs)?;
+        let grads = {
+            let _last = LastRun::enter(true);
+            f(&grad, needs)?
+        };
         drop(f);
         grads
     };

@@ -11,7 +11,8 @@ use crate::base::DType;
 use crate::base::Result;
 
 /// Mean over targets != ignore_index of -log softmax(logits)[target] (NaN when all are
-/// ignored). logits (R, C) contiguous; targets I64 (R) contiguous, each in [0, C) or
+/// ignored). logits (R, C) rows of unit stride, evenly spaced (contiguous, or padded to the
+/// GEMM's aligned row stride); targets I64 (R) contiguous, each in [0, C) or
 /// ignore_index (else `Error::Index` naming it); loss () and lse (R) of any float dtype.
 pub struct CrossEntropy<'a> {
     pub logits: View<'a>,
@@ -21,14 +22,17 @@ pub struct CrossEntropy<'a> {
     pub ignore_index: i64,
 }
 
-/// glogits (R, C) = (softmax - onehot) · gloss / count, zero rows where the target is ignored.
-/// lse (R) as saved by the forward; gloss () of any float dtype.
+/// glogits (R, C) = (softmax - onehot) · gloss / count, zero rows where the target is ignored,
+/// computed in f32 precision or wider and rounded once to the logits' dtype (what an f32
+/// softmax followed by a cast gives). lse (R) as saved by the forward; gloss () of any float
+/// dtype. glogits has the logits' row layout and may be the logits themselves (the fused
+/// classifier overwrites logits nothing else reads).
 pub struct CrossEntropyBackward<'a> {
     pub logits: View<'a>,
     pub targets: View<'a>,
     pub lse: View<'a>,
     pub gloss: View<'a>,
-    pub glogits: &'a Storage,
+    pub glogits: View<'a>,
     pub ignore_index: i64,
 }
 
@@ -67,22 +71,42 @@ pub fn cross_entropy(a: &CrossEntropy) -> Result<()> {
 
 pub fn cross_entropy_backward(a: &CrossEntropyBackward) -> Result<()> {
     const OP: &str = "cross_entropy_backward";
-    let device = a.glogits.device();
+    let device = a.glogits.storage.device();
     let ins = [a.logits, a.targets, a.lse, a.gloss];
     check::on_device(OP, device, ins.iter().map(|v| v.storage))?;
-    let (rows, c) = logits_and_targets(OP, &a.logits, &a.targets)?;
+    let (rows, _) = logits_and_targets(OP, &a.logits, &a.targets)?;
     check::dense_float(OP, "lse", &a.lse, rows)?;
     check::dense_float(OP, "the loss gradient", &a.gloss, 1)?;
-    check::out(OP, a.glogits, rows * c, a.logits.storage.dtype())?;
+    check::same_dtype(OP, a.logits.storage.dtype(), a.glogits.storage.dtype())?;
+    let same_rows = a.glogits.layout.shape() == a.logits.layout.shape()
+        && a.glogits.layout.row_stride() == a.logits.layout.row_stride();
+    if !same_rows {
+        return Err(crate::base::Error::invalid(
+            OP,
+            "the logits' gradient must have the logits' shape and row stride",
+        ));
+    }
+    check::within(OP, &a.glogits)?;
     backend(device)?.cross_entropy_backward(a)
 }
 
-/// (R, C) of float logits read as rows of their last dim, with R contiguous I64 targets.
+/// (R, C) of float logits read as evenly spaced rows of their last dim, with R contiguous
+/// I64 targets.
 fn logits_and_targets(op: &'static str, logits: &View, targets: &View) -> Result<(usize, usize)> {
     let dtype = logits.storage.dtype();
     check::float(op, dtype)?;
     let (rows, c) = rows_cols(logits.layout);
-    check::dense(op, "the logits", logits, rows * c, dtype)?;
+    if logits.layout.row_stride().is_none() {
+        return Err(crate::base::Error::invalid(
+            op,
+            format!(
+                "the logits must be rows of unit stride, evenly spaced; got shape {:?} strides {:?} (make them contiguous)",
+                logits.layout.shape(),
+                logits.layout.strides()
+            ),
+        ));
+    }
+    check::within(op, logits)?;
     check::dense(op, "the targets", targets, rows, DType::I64)?;
     Ok((rows, c))
 }

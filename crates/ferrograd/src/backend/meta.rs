@@ -202,6 +202,13 @@ impl MatmulKernels for MetaBackend {
         };
         Ok(())
     }
+    /// The target's row alignment, so a plan for a GPU pads the same outputs.
+    fn out_row_align(&self, dtype: DType) -> usize {
+        match planning_target() {
+            Some(MetaTarget::Cuda) => super::cuda::out_row_align(dtype),
+            _ => 1,
+        }
+    }
 }
 
 impl RowKernels for MetaBackend {

@@ -85,6 +85,45 @@ pub fn broadcast_shape(op: &'static str, a: &[usize], b: &[usize]) -> Result<Vec
     Ok(out)
 }
 
+/// Strides of `new` viewing the same elements as (`old`, `strides`) without a copy, or None
+/// when a merged run of dims is not evenly spaced. Old dims are grouped from the right into
+/// runs that step as one; each run must cover exactly a run of new dims.
+fn view_strides(old: &[usize], strides: &[isize], new: &[usize]) -> Option<Vec<isize>> {
+    if old.contains(&0) || new.contains(&0) {
+        return Some(contiguous_strides(new));
+    }
+    let mut out = vec![0isize; new.len()];
+    let mut view_d = new.len() as isize - 1;
+    let mut base = strides.last().copied().unwrap_or(1);
+    let (mut old_numel, mut new_numel) = (1usize, 1usize);
+    for d in (0..old.len()).rev() {
+        old_numel *= old[d];
+        let run_ends = d == 0 || (old[d - 1] != 1 && strides[d - 1] != old_numel as isize * base);
+        if !run_ends {
+            continue;
+        }
+        while view_d >= 0 && (new_numel < old_numel || new[view_d as usize] == 1) {
+            out[view_d as usize] = new_numel as isize * base;
+            new_numel *= new[view_d as usize];
+            view_d -= 1;
+        }
+        if new_numel != old_numel {
+            return None;
+        }
+        if d > 0 {
+            base = strides[d - 1];
+            old_numel = 1;
+            new_numel = 1;
+        }
+    }
+    // Leading size-1 dims of the new shape take any stride.
+    while view_d >= 0 {
+        out[view_d as usize] = 1;
+        view_d -= 1;
+    }
+    Some(out)
+}
+
 impl Layout {
     pub fn contiguous(shape: &[usize]) -> Self {
         Layout {
@@ -224,17 +263,40 @@ impl Layout {
         })
     }
 
-    /// A reshape that keeps the storage, possible when the layout is contiguous.
+    /// A reshape that keeps the storage, when one exists: each run of old dims that step
+    /// through memory as one (a contiguous tensor, or rows padded to an aligned stride) may be
+    /// split or merged freely; dims are never merged across a gap (PyTorch's `view` rule).
     pub fn reshape_view(&self, shape: &[usize]) -> Option<Layout> {
         if self.is_contiguous() {
-            Some(Layout {
+            return Some(Layout {
                 shape: shape.to_vec(),
                 strides: contiguous_strides(shape),
                 offset: self.offset,
-            })
-        } else {
-            None
+            });
         }
+        let strides = view_strides(&self.shape, &self.strides, shape)?;
+        Some(Layout {
+            shape: shape.to_vec(),
+            strides,
+            offset: self.offset,
+        })
+    }
+
+    /// The storage step between consecutive rows of the last dim, when every element is
+    /// reached as `offset + row · step + col` (a contiguous tensor, or rows padded to an
+    /// aligned stride: the layout the GEMM gives wide outputs); None otherwise.
+    pub fn row_stride(&self) -> Option<usize> {
+        let (&cols, lead) = self.shape.split_last()?;
+        let cols_ok = cols <= 1 || self.strides[self.rank() - 1] == 1;
+        let rows: usize = lead.iter().product();
+        if !cols_ok {
+            return None;
+        }
+        if rows <= 1 {
+            return Some(cols);
+        }
+        let merged = view_strides(lead, &self.strides[..lead.len()], &[rows])?;
+        usize::try_from(merged[0]).ok().filter(|&s| s >= cols)
     }
 
     /// Storage offsets of every element in row-major order.
@@ -329,5 +391,40 @@ mod tests {
             .unwrap();
         assert_eq!(l.strides(), &[0, 1, 0]);
         assert_eq!(l.offsets().take(5).collect::<Vec<_>>(), vec![0, 0, 0, 0, 1]);
+    }
+
+    /// Rows padded to a stride of 8: (6, 5) views as (2, 3, 5) and back, but merging a row
+    /// with its neighbour crosses the gap.
+    #[test]
+    fn padded_rows_reshape_as_views_without_crossing_the_gap() {
+        let padded = Layout::new(vec![6, 5], vec![8, 1], 3);
+        assert_eq!(padded.row_stride(), Some(8));
+        let split = padded.reshape_view(&[2, 3, 5]).unwrap();
+        assert_eq!(split.strides(), &[24, 8, 1]);
+        assert_eq!(split.offset(), 3);
+        assert_eq!(split.row_stride(), Some(8));
+        assert_eq!(split.reshape_view(&[6, 5]).unwrap().strides(), &[8, 1]);
+        assert_eq!(
+            padded.reshape_view(&[6, 5, 1]).unwrap().strides(),
+            &[8, 1, 1]
+        );
+        assert!(padded.reshape_view(&[30]).is_none());
+        assert!(padded.reshape_view(&[3, 10]).is_none());
+        let offsets: Vec<usize> = split.offsets().collect();
+        let direct: Vec<usize> = padded.offsets().collect();
+        assert_eq!(offsets, direct);
+    }
+
+    #[test]
+    fn row_stride_needs_unit_columns_and_evenly_spaced_rows() {
+        assert_eq!(Layout::contiguous(&[4, 7]).row_stride(), Some(7));
+        assert_eq!(Layout::contiguous(&[7]).row_stride(), Some(7));
+        let t = Layout::contiguous(&[4, 7]).permute(&[1, 0]).unwrap();
+        assert_eq!(t.row_stride(), None);
+        // (2, 3, 5) whose batch step is not 3 rows: not one row stride.
+        assert_eq!(
+            Layout::new(vec![2, 3, 5], vec![40, 8, 1], 0).row_stride(),
+            None
+        );
     }
 }

@@ -15,17 +15,32 @@ impl Tensor {
     /// against (B, T) (the class dim is LAST, as in language models, not PyTorch's
     /// (N, C, d1...)). Targets equal to `ignore_index` (PyTorch's default is -100) count
     /// neither in the sum nor in the mean; when all are ignored the loss is NaN, as PyTorch's.
-    /// Returns a 0-dim tensor in the logits' dtype.
+    /// Returns a 0-dim tensor in the logits' dtype (f32 under autocast, which computes the
+    /// loss in f32 as PyTorch's autocast does: f16/bf16 logits are read as they are, without
+    /// an f32 copy, and their gradient is rounded once from f32).
     #[track_caller]
     pub fn cross_entropy(&self, targets: &Tensor, ignore_index: i64) -> Result<Tensor> {
         let _site = crate::memory::recorder::CallSite::enter();
-        if let Some([x]) = super::autocast::cast_f32([self])? {
-            return x.cross_entropy(targets, ignore_index);
-        }
+        let low = matches!(self.dtype(), DType::F16 | DType::BF16);
+        let loss_dtype = match crate::amp::autocast_dtype() {
+            Some(_) if low => DType::F32,
+            Some(_) => {
+                if let Some([x]) = super::autocast::cast_f32([self])? {
+                    return x.cross_entropy(targets, ignore_index);
+                }
+                self.dtype()
+            }
+            None => self.dtype(),
+        };
         let rows = check_args(self, targets)?;
-        let x = self.detached_contiguous()?;
+        // Evenly spaced rows (contiguous, or the head GEMM's padded rows) are read in place.
+        let x = if self.layout().row_stride().is_some() {
+            self.detach()
+        } else {
+            self.contiguous_copy()?
+        };
         let t = targets.detached_contiguous()?;
-        let loss = Tensor::output_uninit(&[], self.dtype(), self.device(), "cross_entropy")?;
+        let loss = Tensor::output_uninit(&[], loss_dtype, self.device(), "cross_entropy")?;
         let lse = Tensor::output_uninit(
             &[rows],
             stats_dtype(self.dtype()),
@@ -40,32 +55,55 @@ impl Tensor {
             ignore_index,
         })?;
         Ok(record("cross_entropy", &[self], loss, |_, _| {
-            let (x, t, lse) = (
-                SavedTensor::new(&x),
-                SavedTensor::new(&t),
-                SavedTensor::new(&lse),
-            );
+            let (t, lse) = (SavedTensor::new(&t), SavedTensor::new(&lse));
+            let mut x = Some(SavedTensor::new(&x));
             move |g: &Tensor, _: &[bool]| {
                 let g = g.detached_contiguous()?;
-                let (x, t, lse) = (x.get(), t.get(), lse.get());
-                let gx = Tensor::output_uninit(
-                    x.shape(),
-                    x.dtype(),
-                    x.device(),
-                    "cross_entropy_backward",
-                )?;
+                let saved = x.as_ref().ok_or_else(|| {
+                    crate::base::Error::autograd("cross_entropy's saved logits were consumed")
+                })?;
+                let gx = logits_grad_buffer(saved.get())?;
+                let (xt, t, lse) = (saved.get(), t.get(), lse.get());
                 loss::cross_entropy_backward(&CrossEntropyBackward {
-                    logits: x.view(),
+                    logits: xt.view(),
                     targets: t.view(),
                     lse: lse.view(),
                     gloss: g.view(),
-                    glogits: gx.storage(),
+                    glogits: gx.view(),
                     ignore_index,
                 })?;
+                if gx.storage().same(xt.storage()) {
+                    // The logits became their gradient: nothing may read them as logits again.
+                    xt.storage().bump_version();
+                    x = None;
+                }
                 Ok(vec![Some(gx)])
             }
         }))
     }
+}
+
+/// Where the logits' gradient goes: into the logits themselves when nothing else can read
+/// them (the graph frees them after this backward and no tensor shares their buffer: the
+/// usual training step, which drops the logits after the loss), else a fresh buffer with
+/// the logits' row layout. Reusing the buffer saves an (N, C) allocation at the step's
+/// largest point, as llm.c's fused classifier does.
+fn logits_grad_buffer(x: &Tensor) -> Result<Tensor> {
+    if crate::autograd::saved_values_released_after_this_backward() && x.owns_its_storage_alone() {
+        return Ok(x.clone());
+    }
+    let l = x.layout();
+    let span = if x.numel() == 0 {
+        0
+    } else {
+        l.max_offset() - l.offset() + 1
+    };
+    let block = Tensor::output_uninit(&[span], x.dtype(), x.device(), "cross_entropy_backward")?;
+    Ok(block.with_layout(crate::tensor::Layout::new(
+        l.shape().to_vec(),
+        l.strides().to_vec(),
+        0,
+    )))
 }
 
 /// Checks dtypes, devices and shapes; returns the number of rows (targets).

@@ -5,7 +5,7 @@
 //! Under create_graph the same three products are recorded ops on the saved values with their
 //! history (`recorded_grads`), and no sink is offered anything.
 
-use super::matmul::matmul_forward;
+use super::matmul::{matmul_forward, matmul_forward_aligned};
 use crate::autograd::{GradProduct, ProductForm, SavedTensor, is_grad_enabled, record};
 use crate::backend::{BinaryOp, ReduceOp, elementwise};
 use crate::base::{Error, Result};
@@ -49,7 +49,12 @@ impl Tensor {
         // A copy only when strided; recorded then, so the saved input keeps its history.
         let x_in = self.contiguous()?;
         let x2 = x_in.detach().reshape(&[rows, k])?;
-        let out = matmul_forward(&x2, &weight.t_view()?)?;
+        // Without a bias the output may have padded rows (aligned GEMMs); the bias is added
+        // in place over a contiguous output.
+        let out = match bias {
+            None => matmul_forward_aligned(&x2, &weight.t_view()?)?,
+            Some(_) => matmul_forward(&x2, &weight.t_view()?)?,
+        };
         if let Some(b) = bias {
             super::check_pair("linear", self, b)?;
             let lb = b.broadcast_layout(out.shape())?;
@@ -64,7 +69,13 @@ impl Tensor {
         }
         let mut shape = self.shape().to_vec();
         shape[rank - 1] = weight.shape()[0];
-        let out = out.with_layout(crate::tensor::Layout::contiguous(&shape));
+        let layout = out.layout().reshape_view(&shape).ok_or_else(|| {
+            Error::shape(
+                "linear",
+                "the (rows, out) product does not view as (..., out)",
+            )
+        })?;
+        let out = out.with_layout(layout);
         let inputs: Vec<&Tensor> = match bias {
             Some(b) => vec![self, weight, b],
             None => vec![self, weight],

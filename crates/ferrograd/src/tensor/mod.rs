@@ -49,6 +49,12 @@ impl Tensor {
         }))
     }
 
+    /// True when no other tensor or view shares this tensor's buffer (an op may then reuse
+    /// the buffer for its result once it no longer needs the values).
+    pub(crate) fn owns_its_storage_alone(&self) -> bool {
+        Arc::strong_count(&self.0) == 1 && Arc::strong_count(&self.0.storage) == 1
+    }
+
     /// A new view of this tensor's storage (no autograd history: callers record it).
     pub(crate) fn with_layout(&self, layout: Layout) -> Tensor {
         Tensor::from_storage(Arc::clone(&self.0.storage), layout)

@@ -29,6 +29,12 @@ pub trait Elem: num_traits::Float + Send + Sync + Default + 'static {
     }
     /// exp of an f64 intermediate whose result is stored at this type's precision.
     fn exp_of(d: f64) -> f64;
+    /// `v` rounded to f32 and then to this type: what an f32 computation followed by a cast
+    /// stores (f64 keeps `v`).
+    #[inline(always)]
+    fn round_through_f32(v: f64) -> Self {
+        Self::from_f64(v as f32 as f64)
+    }
     /// ln and tanh at this type's precision: f64 through std, the narrower types through
     /// the vector-friendly `ln_f32` and `tanh_f32` (at most 1 ulp of f32 each).
     #[inline(always)]
@@ -67,6 +73,10 @@ macro_rules! impl_elem {
         #[inline(always)]
         fn exp_of(d: f64) -> f64 {
             d.exp()
+        }
+        #[inline(always)]
+        fn round_through_f32(v: f64) -> Self {
+            v
         }
         #[inline(always)]
         fn ln_v(self) -> Self {

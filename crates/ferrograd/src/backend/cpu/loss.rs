@@ -9,9 +9,7 @@ use rayon::prelude::*;
 
 use super::CpuBackend;
 use super::data::{CpuData, Elem, per_float_variant};
-use super::rows::{
-    Inputs, dispatch, map_indices, map_rows, max_and_log_sum, row, store_f64, typed_mut,
-};
+use super::rows::{Inputs, dispatch, map_indices, max_and_log_sum, store_f64, typed_mut};
 use super::{read, write};
 use crate::backend::loss::{
     CrossEntropy, CrossEntropyBackward, LossKernels, MseLoss, MseLossBackward,
@@ -62,18 +60,60 @@ fn check_targets(targets: &[i64], classes: usize, ignore_index: i64) -> Result<(
     }
 }
 
+/// The elements a row-strided (R, C) view spans from its offset: (R - 1)·ld + C.
+fn rows_span(rows: usize, c: usize, ld: usize) -> usize {
+    if rows == 0 { 0 } else { (rows - 1) * ld + c }
+}
+
+/// Row `r` of rows `ld` apart.
+fn strided_row<T>(v: &[T], r: usize, c: usize, ld: usize) -> &[T] {
+    &v[r * ld..r * ld + c]
+}
+
+/// (rows, classes, row stride) of the logits (validated by the family).
+fn logit_rows(v: &View) -> Result<(usize, usize, usize)> {
+    let (rows, c) = rows_cols(v.layout);
+    let ld = v
+        .layout
+        .row_stride()
+        .ok_or_else(|| Error::invalid("cross_entropy", "the logits' rows are not evenly spaced"))?;
+    Ok((rows, c, ld))
+}
+
+/// The logits' elements from their offset, as a slice of T.
+fn logit_slice<'a, T: Elem>(d: &'a CpuData, v: &View) -> Result<&'a [T]> {
+    let (rows, c, ld) = logit_rows(v)?;
+    let off = v.layout.offset();
+    let any: &dyn std::any::Any = match d {
+        CpuData::F32(v) => v,
+        CpuData::F64(v) => v,
+        CpuData::F16(v) => v,
+        CpuData::BF16(v) => v,
+        CpuData::I64(v) => v,
+        CpuData::U8(v) => v,
+    };
+    let all = any.downcast_ref::<Vec<T>>().ok_or_else(|| {
+        Error::invalid(
+            "cross_entropy",
+            "the logits' storage is not of the logits' dtype",
+        )
+    })?;
+    Ok(&all[off..off + rows_span(rows, c, ld)])
+}
+
 fn cross_entropy<T: Elem>(a: &CrossEntropy) -> Result<()> {
     const OP: &str = "cross_entropy";
     let ignore_index = a.ignore_index;
-    let views = [a.logits, a.targets];
-    let ins = Inputs::read(&views)?;
-    let (rows, c) = rows_cols(a.logits.layout);
-    let x = ins.slice::<T>(OP, 0, rows * c)?;
-    let t = ins.i64s(OP, 1, rows)?;
+    let (rows, c, ld) = logit_rows(&a.logits)?;
+    let tv = [a.targets];
+    let ins = Inputs::read(&tv)?;
+    let t = ins.i64s(OP, 0, rows)?;
     check_targets(t, c, ignore_index)?;
+    let xd = read(a.logits.storage)?;
+    let x = logit_slice::<T>(&xd, &a.logits)?;
     // Per row: log-sum-exp (saved for backward) and -log p(target) (0 when ignored).
     let per_row = map_indices(rows, rows * c, |r| {
-        let xr = row(x, r, c);
+        let xr = strided_row(x, r, c, ld);
         let (max, log_sum) = max_and_log_sum(xr);
         let lse = max + log_sum;
         let nll = if t[r] == ignore_index {
@@ -83,6 +123,7 @@ fn cross_entropy<T: Elem>(a: &CrossEntropy) -> Result<()> {
         };
         (lse, nll)
     });
+    drop(xd);
     let count = t.iter().filter(|&&v| v != ignore_index).count();
     // 0 / 0 = NaN when every target is ignored, as PyTorch's mean reduction.
     let loss = per_row.iter().map(|p| p.1).sum::<f64>() / count as f64;
@@ -91,32 +132,67 @@ fn cross_entropy<T: Elem>(a: &CrossEntropy) -> Result<()> {
     store_f64(OP, a.lse, &lse)
 }
 
+/// One gradient row from its logits row: (softmax - onehot)·scale, rounded through f32 (as an
+/// f32 softmax and a cast would), zeros for an ignored target. `x` may be `out` itself.
+fn grad_row<T: Elem>(
+    out: &mut [T],
+    x: Option<&[T]>,
+    target: i64,
+    ignore: i64,
+    lse: f64,
+    scale: f64,
+) {
+    if target == ignore {
+        out.fill(T::zero());
+        return;
+    }
+    for j in 0..out.len() {
+        let v = x.map_or(out[j], |x| x[j]);
+        let p = T::exp_of(v.to_f64() - lse);
+        let hot = if j as i64 == target { 1.0 } else { 0.0 };
+        out[j] = T::round_through_f32((p - hot) * scale);
+    }
+}
+
 fn cross_entropy_backward<T: Elem>(a: &CrossEntropyBackward) -> Result<()> {
     const OP: &str = "cross_entropy_backward";
     let ignore_index = a.ignore_index;
-    let views = [a.logits, a.targets, a.lse, a.gloss];
+    let (rows, c, ld) = logit_rows(&a.logits)?;
+    let views = [a.targets, a.lse, a.gloss];
     let ins = Inputs::read(&views)?;
-    let (rows, c) = rows_cols(a.logits.layout);
-    let x = ins.slice::<T>(OP, 0, rows * c)?;
-    let t = ins.i64s(OP, 1, rows)?;
+    let t = ins.i64s(OP, 0, rows)?;
     check_targets(t, c, ignore_index)?;
-    let lse = ins.f64s(OP, 2, rows)?;
-    let gloss = ins.f64s(OP, 3, 1)?[0];
+    let lse = ins.f64s(OP, 1, rows)?;
+    let gloss = ins.f64s(OP, 2, 1)?[0];
     let count = t.iter().filter(|&&v| v != ignore_index).count();
     let scale = gloss / count as f64;
-    write(a.glogits, |d| {
-        let gx = typed_mut::<T>(OP, d, rows * c)?;
-        map_rows(gx, rows, c, |r, gr, _| {
-            if t[r] == ignore_index {
-                gr.fill(T::zero());
-                return;
-            }
-            for (j, (o, &v)) in gr.iter_mut().zip(row(x, r, c)).enumerate() {
-                let p = T::exp_of(v.to_f64() - lse[r]);
-                let hot = if j as i64 == t[r] { 1.0 } else { 0.0 };
-                *o = T::from_f64((p - hot) * scale);
-            }
-        });
+    let (goff, span) = (a.glogits.layout.offset(), rows_span(rows, c, ld));
+    let in_place = a.glogits.storage.same(a.logits.storage);
+    let xd = if in_place {
+        None
+    } else {
+        Some(read(a.logits.storage)?)
+    };
+    let x = xd
+        .as_ref()
+        .map(|d| logit_slice::<T>(d, &a.logits))
+        .transpose()?;
+    write(a.glogits.storage, |d| {
+        let all = typed_mut::<T>(OP, d, a.glogits.storage.len())?;
+        let gx = &mut all[goff..goff + span];
+        let each = |r: usize, gr: &mut [T]| {
+            let xr = x.map(|x| strided_row(x, r, c, ld));
+            grad_row(&mut gr[..c], xr, t[r], ignore_index, lse[r], scale);
+        };
+        if rows * c >= 1 << 15 {
+            gx.par_chunks_mut(ld)
+                .enumerate()
+                .for_each(|(r, gr)| each(r, gr));
+        } else {
+            gx.chunks_mut(ld)
+                .enumerate()
+                .for_each(|(r, gr)| each(r, gr));
+        }
         Ok(())
     })
 }

@@ -261,9 +261,13 @@ impl CudaDevice {
     }
 
     pub fn synchronize(&self) -> Result<()> {
-        self.stream
+        let t0 = std::time::Instant::now();
+        let r = self
+            .stream
             .synchronize()
-            .map_err(|e| self.err("synchronize", e))
+            .map_err(|e| self.err("synchronize", e));
+        super::timing::count_wait(t0.elapsed().as_nanos() as u64);
+        r
     }
 
     /// (free, total) bytes as the driver reports them.

@@ -62,6 +62,13 @@ fn targets(d: &CudaDevice, t: &View, classes: usize, ignore_index: i64) -> Resul
     Ok((addr(t)?, count))
 }
 
+/// Elements between the logits' rows (validated by the family).
+fn row_stride(v: &View) -> Result<usize> {
+    v.layout
+        .row_stride()
+        .ok_or_else(|| Error::invalid("cross_entropy", "the logits' rows are not evenly spaced"))
+}
+
 /// The per-row losses the cross entropy sums (the planner counts the same block).
 pub(crate) fn nll_scratch_bytes(rows: usize) -> usize {
     rows * 8
@@ -72,6 +79,7 @@ fn cross_entropy(d: &CudaDevice, a: &CrossEntropy) -> Result<()> {
     let ignore_index = a.ignore_index;
     let s = suffix(OP, a.logits.storage.dtype())?;
     let (rows, c) = rows_cols(a.logits.layout);
+    let ld = row_stride(&a.logits)?;
     let x = addr(&a.logits)?;
     let (loss, lk) = (ptr(a.loss)?, float_code(OP, a.loss.dtype())?);
     let (lse, sk) = (ptr(a.lse)?, float_code(OP, a.lse.dtype())?);
@@ -82,6 +90,7 @@ fn cross_entropy(d: &CudaDevice, a: &CrossEntropy) -> Result<()> {
     if rows > 0 {
         let args = [
             Arg::Ptr(x),
+            i64_of(ld),
             Arg::Ptr(t),
             i64_of(rows),
             i64_of(c),
@@ -125,16 +134,18 @@ fn cross_entropy_backward(d: &CudaDevice, a: &CrossEntropyBackward) -> Result<()
     let ignore_index = a.ignore_index;
     let s = suffix(OP, a.logits.storage.dtype())?;
     let (rows, c) = rows_cols(a.logits.layout);
+    let ld = row_stride(&a.logits)?;
     let x = addr(&a.logits)?;
     let (lse, lk) = (addr(&a.lse)?, float_code(OP, a.lse.storage.dtype())?);
     let (gloss, gk) = (addr(&a.gloss)?, float_code(OP, a.gloss.storage.dtype())?);
-    let gx = ptr(a.glogits)?;
+    let gx = addr(&a.glogits)?;
     let (t, count) = targets(d, &a.targets, c, ignore_index)?;
     if rows * c == 0 {
         return Ok(());
     }
     let args = [
         Arg::Ptr(x),
+        i64_of(ld),
         Arg::Ptr(t),
         Arg::Ptr(lse),
         Arg::I32(lk),

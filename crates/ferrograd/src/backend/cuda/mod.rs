@@ -23,13 +23,15 @@ mod timing;
 pub use device::{CudaDevice, allow_tf32, device, device_count, driver_present, set_allow_tf32};
 pub use info::{CudaInfo, GpuInfo, cuda_info};
 pub use memory::CudaMemory;
-pub use timing::{KernelTime, take_kernel_times};
+pub use timing::{KernelTime, take_host_waits, take_kernel_times};
 // What the planner asks of a GPU without one: the fused attention's coverage, cuBLAS's
 // workspace, which matmul operands cuBLAS needs copied, and the kernels' larger temporaries.
 pub(crate) use attention::supports as supports_attention;
 pub(crate) use launch::temp_bytes;
 pub(crate) use loss::nll_scratch_bytes;
-pub(crate) use matmul::{WORKSPACE_BYTES as CUBLAS_WORKSPACE_BYTES, operand_copy_shape};
+pub(crate) use matmul::{
+    WORKSPACE_BYTES as CUBLAS_WORKSPACE_BYTES, operand_copy_shape, out_row_align,
+};
 pub(crate) use reduce::scratch_bytes as reduce_scratch_bytes;
 pub(crate) use rows::param_scratch_bytes as layer_norm_param_scratch_bytes;
 

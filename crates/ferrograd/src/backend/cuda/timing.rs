@@ -5,6 +5,7 @@
 //! kernels; they are not the step time. Off (the default), it costs one flag test per launch.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
 use std::time::Instant;
 
@@ -20,6 +21,25 @@ pub struct KernelTime {
 }
 
 static TIMES: Mutex<Option<HashMap<String, (u64, f64)>>> = Mutex::new(None);
+
+/// Host waits on the device (stream synchronisations, including those of copies to the host):
+/// how many, and their nanoseconds. Always counted (an atomic add per wait), so a step's time
+/// can be split into the host's own work and its waits.
+static WAITS: AtomicU64 = AtomicU64::new(0);
+static WAIT_NS: AtomicU64 = AtomicU64::new(0);
+
+/// Adds one host wait of `ns` nanoseconds.
+pub(crate) fn count_wait(ns: u64) {
+    WAITS.fetch_add(1, Ordering::Relaxed);
+    WAIT_NS.fetch_add(ns, Ordering::Relaxed);
+}
+
+/// (host waits on the device, seconds waited) since the last call, and resets both.
+pub fn take_host_waits() -> (u64, f64) {
+    let n = WAITS.swap(0, Ordering::Relaxed);
+    let ns = WAIT_NS.swap(0, Ordering::Relaxed);
+    (n, ns as f64 * 1e-9)
+}
 
 fn enabled() -> bool {
     static ON: OnceLock<bool> = OnceLock::new();

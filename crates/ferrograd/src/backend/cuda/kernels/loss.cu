@@ -8,14 +8,17 @@
 
 // ---- cross-entropy ---------------------------------------------------------------------------
 
+// Rows of the logits (and of their gradient) are `ld` elements apart: c, or c padded to the
+// GEMM's aligned row stride.
+
 // Per row: lse (kind lk) and -log p(target) into nll (0 when ignored). Targets were checked on
 // the host; the range test only keeps a bad one from reading out of bounds.
 template <typename T>
-__device__ void cross_entropy_fwd(const T* x, const i64* t, i64 rows, i64 c, i64 ignore, void* lse,
-                                  int lk, double* nll) {
+__device__ void cross_entropy_fwd(const T* x, i64 ld, const i64* t, i64 rows, i64 c, i64 ignore,
+                                  void* lse, int lk, double* nll) {
     __shared__ double sh[BLOCK];
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
-        const T* xr = x + r * c;
+        const T* xr = x + r * ld;
         double m = NEG_INF;
         for (i64 j = threadIdx.x; j < c; j += BLOCK) m = fmax(m, to_d(xr[j]));
         m = block_max(m, sh);
@@ -31,15 +34,22 @@ __device__ void cross_entropy_fwd(const T* x, const i64* t, i64 rows, i64 c, i64
     }
 }
 
+// The logits' gradient rounds as an f32 softmax's followed by a cast would: through f32.
+template <typename T> __device__ __forceinline__ T round_grad(double v) {
+    return from_d<T>((double)(float)v);
+}
+template <> __device__ __forceinline__ double round_grad<double>(double v) { return v; }
+
 // glogits = (softmax - onehot) · gloss / count per row, zero rows where the target is ignored.
+// gx may be x itself: each element is read, then written, by the same thread.
 template <typename T>
-__device__ void cross_entropy_bwd(const T* x, const i64* t, const void* lse, int lk,
+__device__ void cross_entropy_bwd(const T* x, i64 ld, const i64* t, const void* lse, int lk,
                                   const void* gloss, int gk, double count, T* gx, i64 rows, i64 c,
                                   i64 ignore) {
     const double scale = load_f64(gloss, gk, 0) / count;
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
-        const T* xr = x + r * c;
-        T* outr = gx + r * c;
+        const T* xr = x + r * ld;
+        T* outr = gx + r * ld;
         const i64 tr = t[r];
         if (tr == ignore) {
             for (i64 j = threadIdx.x; j < c; j += blockDim.x) outr[j] = from_d<T>(0.0);
@@ -49,7 +59,7 @@ __device__ void cross_entropy_bwd(const T* x, const i64* t, const void* lse, int
         for (i64 j = threadIdx.x; j < c; j += blockDim.x) {
             const double p = exp(to_d(xr[j]) - l);
             const double hot = j == tr ? 1.0 : 0.0;
-            outr[j] = from_d<T>((p - hot) * scale);
+            outr[j] = round_grad<T>((p - hot) * scale);
         }
     }
 }
@@ -93,15 +103,15 @@ __device__ void mse_bwd(const T* x, const T* y, const void* g, int gk, T* gx, i6
 
 #define LOSS_KERNELS(S, T)                                                                         \
     extern "C" __global__ void __launch_bounds__(BLOCK)                                            \
-        cross_entropy_fwd_##S(const T* x, const i64* t, i64 rows, i64 c, i64 ignore, void* lse,    \
-                              int lk, double* nll) {                                               \
-        cross_entropy_fwd<T>(x, t, rows, c, ignore, lse, lk, nll);                                 \
+        cross_entropy_fwd_##S(const T* x, i64 ld, const i64* t, i64 rows, i64 c, i64 ignore,       \
+                              void* lse, int lk, double* nll) {                                    \
+        cross_entropy_fwd<T>(x, ld, t, rows, c, ignore, lse, lk, nll);                             \
     }                                                                                              \
-    extern "C" __global__ void cross_entropy_bwd_##S(const T* x, const i64* t, const void* lse,    \
-                                                     int lk, const void* gloss, int gk,            \
-                                                     double count, T* gx, i64 rows, i64 c,         \
+    extern "C" __global__ void cross_entropy_bwd_##S(const T* x, i64 ld, const i64* t,             \
+                                                     const void* lse, int lk, const void* gloss,   \
+                                                     int gk, double count, T* gx, i64 rows, i64 c, \
                                                      i64 ignore) {                                 \
-        cross_entropy_bwd<T>(x, t, lse, lk, gloss, gk, count, gx, rows, c, ignore);                \
+        cross_entropy_bwd<T>(x, ld, t, lse, lk, gloss, gk, count, gx, rows, c, ignore);            \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(BLOCK)                                            \
         mse_partial_##S(const T* x, const T* y, i64 n, double* part) {                             \
