@@ -12,7 +12,7 @@ build() {
   export CARGO_PROFILE_RELEASE_DEBUG=0 CARGO_PROFILE_RELEASE_STRIP=true
   rm -rf "$BIN" && mkdir -p "$BIN/tests"
   cargo build --release -p ferrograd-cli
-  cp target/release/ferrograd "$BIN/"
+  cp "${CARGO_TARGET_DIR:-target}/release/ferrograd" "$BIN/"
   cargo test --release -p ferrograd --features gpu-tests --no-run --message-format=json 2>/dev/null \
     | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 \
     | grep -E '/(gpu_[a-z_]+|golden_ops|golden_rows|gpt)-[0-9a-f]+$' \

@@ -237,6 +237,36 @@ fn cross_entropy_rejects_a_bad_target_on_the_gpu() {
     }
 }
 
+/// A training step's ids and targets come from the host: their range checks use the host
+/// copy the upload kept, so neither the forward nor the backward waits for the GPU.
+#[test]
+fn uploaded_ids_and_targets_are_checked_without_waiting_for_the_gpu() {
+    let w = randn(&[20, 16], 26)
+        .to_device(GPU)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    let x = ids(&[3, 7, 3, 0, 19, 3], &[2, 3]).to_device(GPU).unwrap();
+    let t = ids(&[1, 2, -100, 4, 5, 15], &[2, 3])
+        .to_device(GPU)
+        .unwrap();
+    ferrograd::backend::synchronize(GPU).unwrap();
+    ferrograd::backend::cuda::take_host_waits();
+    let loss = w.embedding(&x).unwrap().cross_entropy(&t, -100).unwrap();
+    loss.backward().unwrap();
+    let (waits, _) = ferrograd::backend::cuda::take_host_waits();
+    assert_eq!(waits, 0, "the step waited for the GPU {waits} times");
+    // The same values changed on the device: the host copy is stale, the check reads back
+    // and still names the bad id.
+    x.fill_(20.0).unwrap();
+    match w.embedding(&x) {
+        Err(Error::Index { detail, .. }) => assert!(detail.contains("index 20"), "{detail}"),
+        other => panic!("expected an index error, got {other:?}"),
+    }
+    let (waits, _) = ferrograd::backend::cuda::take_host_waits();
+    assert!(waits >= 1, "a changed id buffer must be read back");
+}
+
 #[test]
 fn cross_entropy_in_half_precision() {
     for dt in [DType::F16, DType::BF16] {

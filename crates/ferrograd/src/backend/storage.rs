@@ -2,7 +2,7 @@
 //! views of it (`Arc<Storage>`); dropping the last view frees the bytes in the allocator.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Arc, OnceLock, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 use super::cpu::CpuData;
 use crate::base::Result;
@@ -25,6 +25,11 @@ pub struct Storage {
     data: RwLock<BackendData>,
     /// Bumped by every in-place write, so autograd can tell that a saved tensor changed.
     version: AtomicU64,
+    /// The I64 values a device buffer was uploaded with. While no in-place write has changed
+    /// the buffer (version 0), kernels check ids and class targets against these instead of
+    /// reading the device back: a training step's token ids come from the host, and each
+    /// read-back would stall the host until the GPU caught up.
+    uploaded_i64: OnceLock<Arc<[i64]>>,
 }
 
 impl Storage {
@@ -54,7 +59,22 @@ impl Storage {
             len,
             data: RwLock::new(data),
             version: AtomicU64::new(0),
+            uploaded_i64: OnceLock::new(),
         })
+    }
+
+    /// Remembers the I64 values this fresh buffer was just uploaded with.
+    pub(crate) fn remember_upload(&self, values: Arc<[i64]>) {
+        if self.dtype == DType::I64 && values.len() == self.len && self.version() == 0 {
+            let _ = self.uploaded_i64.set(values);
+        }
+    }
+
+    /// The values the buffer was uploaded with, if no in-place write has changed it since.
+    pub(crate) fn uploaded_i64s(&self) -> Option<&[i64]> {
+        (self.version() == 0)
+            .then(|| self.uploaded_i64.get().map(|v| &v[..]))
+            .flatten()
     }
 
     pub fn device(&self) -> Device {

@@ -36,6 +36,9 @@ macro_rules! host_float {
         }
     };
 }
+
+/// Most I64 elements an upload keeps a host copy of (8 MiB): token ids and targets.
+const MAX_REMEMBERED_IDS: usize = 1 << 20;
 impl HostElem for f32 {
     const DTYPE: DType = DType::F32;
     fn to_host(v: Vec<Self>) -> HostValues {
@@ -148,9 +151,19 @@ impl Tensor {
             ));
         }
         let be = backend::backend(device)?;
+        // Ids and targets sent to a GPU keep a host copy for their range checks.
+        let remembered = match (&values, device, dtype) {
+            (HostValues::I64(v), Device::Cuda(_), DType::I64) if v.len() <= MAX_REMEMBERED_IDS => {
+                Some(Arc::<[i64]>::from(v.as_slice()))
+            }
+            _ => None,
+        };
         let storage = Storage::new(device, dtype, len, Category::Input, "from_vec", |addr| {
             be.upload(dtype, values, addr)
         })?;
+        if let Some(v) = remembered {
+            storage.remember_upload(v);
+        }
         Ok(Tensor::from_storage(
             Arc::new(storage),
             Layout::contiguous(shape),

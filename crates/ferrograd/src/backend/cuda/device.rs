@@ -227,15 +227,17 @@ impl CudaDevice {
             return Ok(());
         }
         self.bind()?;
-        // SAFETY: the destination block holds at least bytes.len() bytes; we synchronize before
-        // the borrowed source can go away.
+        // No wait for the device: from pageable host memory (a Vec, never registered here)
+        // the driver copies the bytes into its own staging buffer before returning, so the
+        // source may go away at once, and the copy stays in stream order with the kernels.
         super::timing::timed(
             self,
-            || "copy to device (synchronising)".into(),
+            || "copy to device".into(),
             || {
+                // SAFETY: the destination block holds at least bytes.len() bytes; the source
+                // is pageable, consumed before the call returns (see above).
                 unsafe { result::memcpy_htod_async(ptr, bytes, self.stream.cu_stream()) }
-                    .map_err(|e| self.err("copy to device", e))?;
-                self.synchronize()
+                    .map_err(|e| self.err("copy to device", e))
             },
         )
     }

@@ -228,12 +228,16 @@ pub(crate) fn upload_words<T: bytemuck::Pod>(
     Ok(t)
 }
 
-/// The I64 values of a validated view (any layout, inside its storage), in row-major order,
-/// read back to the host.
+/// The I64 values of a validated view (any layout, inside its storage), in row-major order:
+/// from the host copy of an unchanged upload when there is one, else read back (which waits
+/// for the device).
 pub(crate) fn host_i64s(d: &CudaDevice, v: &View) -> Result<Vec<i64>> {
     let l = v.layout;
     if l.numel() == 0 {
         return Ok(Vec::new());
+    }
+    if let Some(uploaded) = v.storage.uploaded_i64s() {
+        return Ok(l.offsets().map(|o| uploaded[o]).collect());
     }
     // The span of storage elements the layout reaches (stride 0 reads one element).
     let (mut lo, mut hi) = (l.offset() as isize, l.offset() as isize);
