@@ -31,7 +31,7 @@ run() {
     name=$(basename "$t"); log=$(mktemp)
     if "$t" --test-threads=1 >"$log" 2>&1; then status=PASS; pass=$((pass + 1)); else status=FAIL; fail=$((fail + 1)); fi
     printf '%-18s %s  %s\n' "$name" "$status" "$(grep -E '^test result' "$log" | tail -1)"
-    if [ "$status" = FAIL ]; then grep -E -A3 -e '--- FAILED|panicked|^failures:' "$log" | head -40; fi
+    if [ "$status" = FAIL ]; then grep -E -A3 -e '--- FAILED|panicked|^failures:' "$log" | head -40 || true; fi
     [ -n "${OUT:-}" ] && cp "$log" "$OUT/$name.log"
   done
   echo "gpu test binaries: $pass passed, $fail failed"

@@ -3,7 +3,11 @@
 //! shared prelude kernels/prelude.cuh); operands travel as `Strided` views whose dims the host
 //! has already merged where memory allows, so contiguous operands index as a flat array.
 
-use super::launch::{Arg, Module, Strided, dev_ptr, dtype_code, grid, launch, suffix, temp};
+use cudarc::driver::LaunchConfig;
+
+use super::launch::{
+    Arg, Module, Strided, dev_ptr, dtype_code, grid, i64_of, launch, suffix, temp,
+};
 use super::{CudaDevice, codes};
 use crate::backend::check::within as check_bounds;
 use crate::backend::{BinaryOp, ElementwiseKernels, HostValues, Storage, UnaryOp, View};
@@ -323,6 +327,19 @@ pub(crate) fn binary_inplace(d: &CudaDevice, op: BinaryOp, dst: &Storage, src: V
         ),
     };
     let (code, p) = binary_code(op);
+    if scratch.is_none()
+        && let Some((rows, cols)) = row_broadcast(&ss, n)
+    {
+        return inplace_rows(
+            d,
+            suffix,
+            (code, p),
+            dst,
+            sp + ss.offset as u64 * dt.size_in_bytes() as u64,
+            rows,
+            cols,
+        );
+    }
     // inplace_*(int, double, S*, const S*, Strided, i64); src is the view or the n-element
     // scratch copy, kept alive past the launch.
     let args = [
@@ -336,6 +353,43 @@ pub(crate) fn binary_inplace(d: &CudaDevice, op: BinaryOp, dst: &Storage, src: V
     launch(d, &KERNELS, &format!("inplace_{suffix}"), grid(n), &args)?;
     drop(scratch);
     Ok(())
+}
+
+/// (rows, cols) when src is one row broadcast over dst's n elements (a bias): merged dims
+/// (rows, cols) with strides (0, 1).
+fn row_broadcast(ss: &Strided, n: usize) -> Option<(usize, usize)> {
+    let (rows, cols) = (ss.shape[0] as usize, ss.shape[1] as usize);
+    let row = ss.rank == 2 && ss.strides[0] == 0 && ss.strides[1] == 1;
+    // The row stripes go on the grid's y dim, which holds at most 65535 blocks.
+    let fits = rows.div_ceil(16) <= 65_535;
+    (row && fits && rows * cols == n).then_some((rows, cols))
+}
+
+/// dst (rows, cols) op= the row at `src` (inplace_rows_* in kernels/elementwise.cu).
+fn inplace_rows(
+    d: &CudaDevice,
+    suffix: &str,
+    (code, p): (i32, f64),
+    dst: &Storage,
+    src: u64,
+    rows: usize,
+    cols: usize,
+) -> Result<()> {
+    const STRIPE: usize = 16; // ROW_STRIPE
+    let cfg = LaunchConfig {
+        grid_dim: (cols.div_ceil(256) as u32, rows.div_ceil(STRIPE) as u32, 1),
+        block_dim: (256, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let args = [
+        Arg::I32(code),
+        Arg::F64(p),
+        Arg::Ptr(dev_ptr(d, "binary_inplace", dst)?),
+        Arg::Ptr(src),
+        i64_of(rows),
+        i64_of(cols),
+    ];
+    launch(d, &KERNELS, &format!("inplace_rows_{suffix}"), cfg, &args)
 }
 
 impl ElementwiseKernels for CudaDevice {

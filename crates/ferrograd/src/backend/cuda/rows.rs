@@ -221,13 +221,13 @@ fn layer_norm_param_grads(
         Arg::Ptr(p.gb),
         Arg::I32(p.kind),
     ];
-    launch(
-        d,
-        &KERNELS,
-        "layer_norm_params_finish",
-        CudaDevice::grid_1d(n),
-        &args,
-    )
+    // 32 columns per block, 32 lanes of chunks per column (kernels/rows.cu).
+    let cfg = LaunchConfig {
+        grid_dim: (n.div_ceil(32) as u32, 1, 1),
+        block_dim: (32, 32, 1),
+        shared_mem_bytes: 0,
+    };
+    launch(d, &KERNELS, "layer_norm_params_finish", cfg, &args)
 }
 
 #[cfg(test)]

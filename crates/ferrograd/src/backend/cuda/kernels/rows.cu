@@ -134,18 +134,35 @@ __device__ void layer_norm_params(const T* x, const T* gy, const void* mean, con
     part[(chunks + c) * n + j] = gb;
 }
 
-// Stage 2: column j adds its chunk partials in chunk order; gw / gb (kind ok) may be null.
-extern "C" __global__ void layer_norm_params_finish(const double* part, i64 chunks, i64 n,
-                                                    void* gw, void* gb, int ok) {
-    const i64 step = (i64)gridDim.x * blockDim.x;
-    for (i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x; j < n; j += step) {
-        double a = 0.0, b = 0.0;
-        for (i64 c = 0; c < chunks; ++c) {
+// Stage 2: column j adds its chunk partials; gw / gb (kind ok) may be null. A block of
+// 32 x 32 threads takes 32 columns: lane ty sums chunks ty, ty + 32, ... of column tx (the
+// reads of a warp are 32 adjacent columns), then lane 0 adds the 32 lane sums in lane
+// order. A fixed partition, so the sums are reproducible; and 32 times the parallelism of
+// one thread per column, which left the GPU waiting on one long chain of loads per column.
+extern "C" __global__ void __launch_bounds__(1024)
+    layer_norm_params_finish(const double* part, i64 chunks, i64 n, void* gw, void* gb, int ok) {
+    __shared__ double sa[32][33];
+    __shared__ double sb[32][33];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const i64 j = (i64)blockIdx.x * 32 + tx;
+    double a = 0.0, b = 0.0;
+    if (j < n) {
+        for (i64 c = ty; c < chunks; c += 32) {
             a += part[c * n + j];
             b += part[(chunks + c) * n + j];
         }
-        if (gw) store_f64(gw, ok, j, a);
-        if (gb) store_f64(gb, ok, j, b);
+    }
+    sa[ty][tx] = a;
+    sb[ty][tx] = b;
+    __syncthreads();
+    if (ty == 0 && j < n) {
+        double ta = 0.0, tb = 0.0;
+        for (int l = 0; l < 32; ++l) {
+            ta += sa[l][tx];
+            tb += sb[l][tx];
+        }
+        if (gw) store_f64(gw, ok, j, ta);
+        if (gb) store_f64(gb, ok, j, tb);
     }
 }
 
