@@ -267,6 +267,31 @@ fn uploaded_ids_and_targets_are_checked_without_waiting_for_the_gpu() {
     assert!(waits >= 1, "a changed id buffer must be read back");
 }
 
+/// A head 1500 wide (unaligned, ≥ 1024) runs at the padded width 1504 on the GPU: the
+/// logits, a view with rows 1504 apart, and all gradients equal the CPU's (which pads
+/// nothing), through the cross-entropy (the padded input gradient) and through an ordinary
+/// consumer (the plain one).
+#[test]
+fn a_wide_unaligned_head_runs_padded_with_the_cpus_results() {
+    let _tf32 = TF32.read().unwrap_or_else(|e| e.into_inner());
+    let (x, w) = (randn(&[2, 24, 40], 27), randn(&[1500, 40], 28));
+    let targets: Vec<i64> = (0..48).map(|i| (i * 31) % 1500).collect();
+    let t = ids(&targets, &[2, 24]);
+    let logits = x
+        .to_device(GPU)
+        .unwrap()
+        .linear(&w.to_device(GPU).unwrap(), None)
+        .unwrap();
+    assert_eq!(logits.strides(), &[24 * 1504, 1504, 1]);
+    compare(
+        "padded head, cross-entropy",
+        &[x.clone(), w.clone(), t],
+        TOL,
+        |v| v[0].linear(&v[1], None)?.cross_entropy(&v[2], -100),
+    );
+    compare("padded head", &[x, w], TOL, |v| v[0].linear(&v[1], None));
+}
+
 #[test]
 fn cross_entropy_in_half_precision() {
     for dt in [DType::F16, DType::BF16] {

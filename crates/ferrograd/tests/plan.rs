@@ -294,15 +294,17 @@ fn a_wide_unaligned_gemm_output_gets_aligned_rows_on_a_gpu_only() {
     let gpu = Target::Cuda { capacity: 80 << 30 };
     let gpu = plan::plan(gpu, PlanOptions::default(), wide_head).unwrap();
     let host = plan::plan(Target::Cpu, PlanOptions::default(), wide_head).unwrap();
-    // On a GPU the rows are padded to 128 bytes (50304 bf16 elements, as nanoGPT pads its
-    // vocabulary), so cuBLAS runs its aligned kernels; the host keeps contiguous rows.
+    // On a GPU the product runs 50304 wide (128-byte rows, as nanoGPT pads its vocabulary),
+    // so cuBLAS runs its aligned kernels; the host keeps contiguous rows.
     assert_eq!(*ROW_STRIDES.lock().unwrap(), [50304, 50257]);
     let (x, w): (u64, u64) = (16 * 768 * 2, 50257 * 768 * 2);
-    // The caching allocator rounds blocks over 10 MiB to 2 MiB, the rest to 512 bytes.
+    // The caching allocator rounds blocks over 10 MiB to 2 MiB, the rest to 512 bytes. The
+    // product runs at the padded width on w with zero rows appended, a temporary.
     let w_block = w.next_multiple_of(2 << 20);
+    let padded_w_block = (50304 * 768 * 2u64).next_multiple_of(2 << 20);
     assert_eq!(
         gpu.peak_allocated,
-        x + w_block + 16 * 50304 * 2 + (32 << 20)
+        x + w_block + padded_w_block + 16 * 50304 * 2 + (32 << 20)
     );
     // The host's bf16 product runs on f32 widenings of all three blocks.
     assert_eq!(host.peak_allocated, 3 * (x + w + 16 * 50257 * 2));

@@ -16,8 +16,7 @@ pub struct MatmulSpec {
 }
 
 /// Batched `out = a @ b + beta·out` where a: (..., m, k), b: (..., k, n) with equal batch
-/// dims and out (batch, m, n) with rows `out_ld` elements apart (n when contiguous; wider
-/// when the GEMM wants aligned rows, see `MatmulKernels::out_row_align`). beta = 0 does not read `out` (a NaN there does not
+/// dims and out (batch, m, n) contiguous. beta = 0 does not read `out` (a NaN there does not
 /// survive); beta != 0 accumulates into a live buffer (the fused SGD step writes a weight
 /// gradient straight into the momentum buffer).
 pub struct Matmul<'a> {
@@ -25,49 +24,36 @@ pub struct Matmul<'a> {
     pub a: View<'a>,
     pub b: View<'a>,
     pub out: &'a Storage,
-    pub out_ld: usize,
     pub beta: f64,
 }
 
 /// The matmul kernels of one device.
 pub trait MatmulKernels {
     fn matmul(&self, m: &Matmul) -> Result<()>;
-    /// Elements a wide output's rows should be padded to a multiple of, for `dtype`: 1 where
-    /// any row stride is as fast (the CPU). cuBLAS runs an unaligned leading dimension (GPT-2's
-    /// 50257-wide logits) on slow kernels, so CUDA asks for 128-byte rows.
+    /// Elements a wide GEMM dim should be padded to a multiple of, for `dtype`: 1 where any
+    /// width is as fast (the CPU). cuBLAS runs an unaligned N or K (GPT-2's 50257-wide
+    /// logits) on slow kernels, so CUDA asks for 128-byte rows (ops/aligned_gemm.rs pads).
     fn out_row_align(&self, _dtype: DType) -> usize {
         1
     }
 }
 
-/// `out = a @ b` into a fresh contiguous output.
+/// `out = a @ b` into a fresh output.
 pub fn matmul(spec: &MatmulSpec, a: View, b: View, out: &Storage) -> Result<()> {
-    matmul_rows(spec, a, b, out, spec.n)
-}
-
-/// `out = a @ b` into a fresh output whose rows are `out_ld` ≥ n elements apart.
-pub fn matmul_rows(
-    spec: &MatmulSpec,
-    a: View,
-    b: View,
-    out: &Storage,
-    out_ld: usize,
-) -> Result<()> {
     let m = Matmul {
         spec: *spec,
         a,
         b,
         out,
-        out_ld,
         beta: 0.0,
     };
     validate(&m)?;
     backend(out.device())?.matmul(&m)
 }
 
-/// Elements a fresh (m, n) output's rows are apart on `device`: n, or n rounded up to the
-/// backend's row alignment when rows are wide enough for the padding to be negligible.
-pub fn out_row_stride(device: crate::base::Device, dtype: DType, n: usize) -> Result<usize> {
+/// The width a GEMM dim of n is padded to on `device`: n, or n rounded up to the backend's
+/// alignment when n is wide enough (≥ 1024) for the padding to be negligible.
+pub fn padded_gemm_width(device: crate::base::Device, dtype: DType, n: usize) -> Result<usize> {
     let align = backend(device)?.out_row_align(dtype);
     Ok(if align > 1 && n >= 1024 {
         n.next_multiple_of(align)
@@ -84,7 +70,6 @@ pub fn matmul_acc(spec: &MatmulSpec, a: View, b: View, out: &Storage, beta: f64)
         a,
         b,
         out,
-        out_ld: spec.n,
         beta,
     };
     validate(&m)?;
@@ -109,17 +94,15 @@ fn validate(g: &Matmul) -> Result<()> {
         && lb.shape()[rb - 2..] == [s.k, s.n]
         && la.shape()[..ra - 2] == lb.shape()[..rb - 2]
         && la.shape()[..ra - 2].iter().product::<usize>() == s.batch
-        && g.out_ld >= s.n
-        && g.out.len() == s.batch * s.m * g.out_ld;
+        && g.out.len() == s.batch * s.m * s.n;
     if !ok {
         return Err(Error::shape(
             OP,
             format!(
-                "operands {:?} @ {:?} into {} elements (rows {} apart) do not match ({} x {}x{} @ {}x{})",
+                "operands {:?} @ {:?} into {} elements do not match ({} x {}x{} @ {}x{})",
                 la.shape(),
                 lb.shape(),
                 g.out.len(),
-                g.out_ld,
                 s.batch,
                 s.m,
                 s.k,

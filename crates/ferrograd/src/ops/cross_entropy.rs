@@ -92,13 +92,17 @@ fn logits_grad_buffer(x: &Tensor) -> Result<Tensor> {
     if crate::autograd::saved_values_released_after_this_backward() && x.owns_its_storage_alone() {
         return Ok(x.clone());
     }
+    // Whole rows, padding included: the head's input gradient zeroes the padding in place
+    // and reads the block at its padded width (ops/aligned_gemm.rs).
     let l = x.layout();
-    let span = if x.numel() == 0 {
-        0
-    } else {
-        l.max_offset() - l.offset() + 1
-    };
-    let block = Tensor::output_uninit(&[span], x.dtype(), x.device(), "cross_entropy_backward")?;
+    let ld = l.row_stride().unwrap_or(1);
+    let rows = x.numel() / x.shape().last().copied().unwrap_or(1).max(1);
+    let block = Tensor::output_uninit(
+        &[rows * ld],
+        x.dtype(),
+        x.device(),
+        "cross_entropy_backward",
+    )?;
     Ok(block.with_layout(crate::tensor::Layout::new(
         l.shape().to_vec(),
         l.strides().to_vec(),

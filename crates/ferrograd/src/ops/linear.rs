@@ -5,7 +5,8 @@
 //! Under create_graph the same three products are recorded ops on the saved values with their
 //! history (`recorded_grads`), and no sink is offered anything.
 
-use super::matmul::{matmul_forward, matmul_forward_aligned};
+use super::aligned_gemm;
+use super::matmul::matmul_forward;
 use crate::autograd::{GradProduct, ProductForm, SavedTensor, is_grad_enabled, record};
 use crate::backend::{BinaryOp, ReduceOp, elementwise};
 use crate::base::{Error, Result};
@@ -49,11 +50,15 @@ impl Tensor {
         // A copy only when strided; recorded then, so the saved input keeps its history.
         let x_in = self.contiguous()?;
         let x2 = x_in.detach().reshape(&[rows, k])?;
-        // Without a bias the output may have padded rows (aligned GEMMs); the bias is added
-        // in place over a contiguous output.
-        let out = match bias {
-            None => matmul_forward_aligned(&x2, &weight.t_view()?)?,
-            Some(_) => matmul_forward(&x2, &weight.t_view()?)?,
+        // Without a bias a wide unaligned output is computed at an aligned width
+        // (ops/aligned_gemm.rs); a bias is added in place over a contiguous output.
+        let padded = match bias {
+            None => aligned_gemm::forward(&x2, weight)?,
+            Some(_) => None,
+        };
+        let out = match padded {
+            Some(out) => out,
+            None => matmul_forward(&x2, &weight.t_view()?)?,
         };
         if let Some(b) = bias {
             super::check_pair("linear", self, b)?;
@@ -102,7 +107,9 @@ impl Tensor {
                     return Ok(grads);
                 }
                 let gx = match (&w, n[0]) {
-                    (Some(w), true) => Some(matmul_forward(&g2, w.get())?.reshape(&x_shape)?),
+                    (Some(w), true) => {
+                        Some(aligned_gemm::input_grad(&g2, w.get())?.reshape(&x_shape)?)
+                    }
                     _ => None,
                 };
                 let gw = match (&x, n[1]) {

@@ -64,30 +64,13 @@ pub(crate) fn matmul_forward(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     Ok(out)
 }
 
-/// `a @ b` for 2-D a (m, k), b (k, n), no autograd, with the output's rows padded to the
-/// device's GEMM row alignment when n is wide and unaligned (GPT-2's 50257-wide logits run
-/// on cuBLAS's fast kernels only with aligned rows). The result is a (m, n) view with row
-/// stride ≥ n; the padding is counted in the output's bytes.
-pub(crate) fn matmul_forward_aligned(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let (m, n) = (a.shape()[0], b.shape()[1]);
-    let ld = matmul::out_row_stride(a.device(), a.dtype(), n)?;
-    if a.dims() != 2 || b.dims() != 2 || ld == n || a.shape()[1] == 0 {
-        return matmul_forward(a, b);
-    }
-    super::check_pair("matmul", a, b)?;
-    super::check_float("matmul", a)?;
-    let k = a.shape()[1];
-    if b.shape()[0] != k {
-        return matmul_forward(a, b); // the plain path reports the mismatch
-    }
-    let block = Tensor::output_uninit(&[m, ld], a.dtype(), a.device(), "matmul")?;
-    let spec = MatmulSpec { batch: 1, m, n, k };
-    matmul::matmul_rows(&spec, a.view(), b.view(), block.storage(), ld)?;
-    Ok(block.with_layout(crate::tensor::Layout::new(
-        vec![m, n],
-        vec![ld as isize, 1],
-        0,
-    )))
+/// The width a wide, unaligned output dim is padded to on `device` (n itself elsewhere).
+pub(crate) fn padded_width(
+    device: crate::base::Device,
+    dtype: crate::base::DType,
+    n: usize,
+) -> Result<usize> {
+    matmul::padded_gemm_width(device, dtype, n)
 }
 
 /// `out ← a @ b + beta·out` for 2-D a (m, k), b (k, n) and a contiguous out (m, n), no

@@ -2,6 +2,7 @@
 //! allocate outputs through the device allocator and call the backend; `autograd::record`
 //! attaches the backward closure with what it saved.
 
+mod aligned_gemm;
 mod attention;
 mod autocast;
 mod binary;

@@ -39,19 +39,12 @@ pub(crate) fn matmul_acc(
     a: View,
     b: View,
     out: &Storage,
-    out_ld: usize,
     beta: f64,
 ) -> Result<()> {
     // Dtypes and shapes were validated by the family (backend/matmul.rs).
     let dtype = a.storage.dtype();
     let ty = GemmType::of(dtype)?;
     check_cublas_sizes(spec)?;
-    i32::try_from(out_ld).map_err(|_| {
-        Error::invalid(
-            "matmul",
-            format!("an output row stride of {out_ld} exceeds cuBLAS's 32-bit sizes"),
-        )
-    })?;
     let MatmulSpec { batch, m, n, k } = *spec;
     if batch * m * n == 0 {
         return Ok(());
@@ -81,7 +74,6 @@ pub(crate) fn matmul_acc(
         a: pa.matrix()?,
         b: pb.matrix()?,
         out: ptr(out)?,
-        out_ld,
         beta,
     };
     run_batches(d, &call, &pa.view(a), &pb.view(b))
@@ -343,8 +335,6 @@ struct Gemm {
     a: Matrix,
     b: Matrix,
     out: u64,
-    /// Elements between the output's rows (cuBLAS's ldc): n, or n padded to aligned rows.
-    out_ld: usize,
     /// Scale of the output's previous values (0: not read).
     beta: f64,
 }
@@ -374,7 +364,7 @@ fn run_batches(d: &CudaDevice, g: &Gemm, a: &View, b: &View) -> Result<()> {
         let batch = Batch {
             a: base_a + offa as u64 * size,
             b: base_b + offb as u64 * size,
-            out: g.out + (i * count * g.m * g.out_ld) as u64 * size,
+            out: g.out + (i * count * g.m * g.n) as u64 * size,
             step_a,
             step_b,
             count,
@@ -424,14 +414,14 @@ fn gemm_batched(d: &CudaDevice, g: &Gemm, bt: &Batch) -> Result<()> {
         (&one32 as *const f32 as _, &beta32 as *const f32 as _)
     };
     let size = g.ty.size as u64;
-    let out_step = (g.m * g.out_ld) as i64;
+    let out_step = (g.m * g.n) as i64;
     let mut start = 0usize;
     while start < bt.count {
         let count = (bt.count - start).min(i32::MAX as usize);
         let at = |base: u64, step: i64| base + (start as i64 * step) as u64 * size;
         // SAFETY: the operand addresses, leading dimensions and steps come from layouts that
         // address live device blocks (validated by the matmul family); the
-        // output is a block of batch·m·out_ld elements; alpha/beta are host scalars of
+        // output is a contiguous block of batch·m·n elements; alpha/beta are host scalars of
         // the compute type, alive for the call. m, n, k fit in i32 (check_cublas_sizes).
         super::timing::timed(
             d,
@@ -457,7 +447,7 @@ fn gemm_batched(d: &CudaDevice, g: &Gemm, bt: &Batch) -> Result<()> {
                         beta,
                         at(bt.out, out_step) as *mut c_void,
                         g.ty.data,
-                        g.out_ld as i32,
+                        g.n as i32,
                         out_step,
                         count as i32,
                         g.ty.compute,
@@ -474,14 +464,14 @@ fn gemm_batched(d: &CudaDevice, g: &Gemm, bt: &Batch) -> Result<()> {
 
 impl MatmulKernels for CudaDevice {
     fn matmul(&self, m: &Matmul) -> Result<()> {
-        matmul_acc(self, &m.spec, m.a, m.b, m.out, m.out_ld, m.beta)
+        matmul_acc(self, &m.spec, m.a, m.b, m.out, m.beta)
     }
     fn out_row_align(&self, dtype: DType) -> usize {
         out_row_align(dtype)
     }
 }
 
-/// 128-byte output rows (what cuBLAS's vectorised epilogues and TMA stores want).
+/// 128-byte rows: the alignment cuBLAS's fast kernels (TMA loads and stores) want of N and K.
 pub(crate) fn out_row_align(dtype: DType) -> usize {
     128 / dtype.size_in_bytes().max(1)
 }

@@ -1,0 +1,87 @@
+//! GEMMs of a linear layer whose output dim is wide and unaligned (GPT-2's 50257-wide
+//! vocabulary head). cuBLAS runs such an N (forward) or K (input gradient) on slow kernels,
+//! so on a device that asks for aligned rows (`MatmulKernels::out_row_align`) the product is
+//! computed at the padded width `vp`, as nanoGPT and llm.c pad their vocabulary, but without
+//! changing the parameter:
+//! - forward: out (rows, vp) = x (rows, k) @ wpᵀ, where wp (vp, k) is w with zero rows
+//!   appended (a temporary); the result is the (rows, n) view of it, rows vp apart, and its
+//!   padding columns hold exact zeros;
+//! - input gradient: dx = g (rows, vp) @ wp with g's padding columns set to zero first (they
+//!   lie outside every view of the gradient), so the padding adds exact zeros;
+//! - weight gradient: dw = gᵀ @ x at the true width n (that GEMM's M is n, which is fast).
+//! Elsewhere (the CPU) nothing is padded.
+
+use super::matmul::{matmul_forward, padded_width};
+use crate::backend::{View, elementwise};
+use crate::base::{Layout, Result};
+use crate::tensor::Tensor;
+
+/// `x2 @ wᵀ` for x2 (rows, k), w (n, k) at the padded width when the device wants it: a
+/// (rows, n) view with rows `vp` apart. None when no padding applies.
+pub(crate) fn forward(x2: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
+    let (rows, k, n) = (x2.shape()[0], x2.shape()[1], w.shape()[0]);
+    let vp = padded_width(w.device(), w.dtype(), n)?;
+    if vp == n || k == 0 || rows == 0 {
+        return Ok(None);
+    }
+    let wp = zero_padded_rows(w, vp)?;
+    let out = matmul_forward(x2, &wp.t_view()?)?;
+    Ok(Some(out.with_layout(Layout::new(
+        vec![rows, n],
+        vec![vp as isize, 1],
+        0,
+    ))))
+}
+
+/// dx = g2 @ w for g2 (rows, n), w (n, k): at the padded width when g2 is the padded layout
+/// `forward` makes (rows vp apart over a whole (rows, vp) block), else at the true width.
+pub(crate) fn input_grad(g2: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let (rows, n) = (g2.shape()[0], g2.shape()[1]);
+    let vp = padded_width(w.device(), w.dtype(), n)?;
+    let l = g2.layout();
+    let padded_block = vp != n
+        && rows > 0
+        && l.offset() == 0
+        && l.strides() == [vp as isize, 1]
+        && g2.storage().len() == rows * vp
+        && g2.dtype() == w.dtype();
+    if !padded_block {
+        return matmul_forward(g2, w);
+    }
+    zero_padding_columns(g2, vp)?;
+    let full = g2.with_layout(Layout::contiguous(&[rows, vp]));
+    matmul_forward(&full, &zero_padded_rows(w, vp)?)
+}
+
+/// w (n, k) with vp - n zero rows appended, as a fresh (vp, k) temporary.
+fn zero_padded_rows(w: &Tensor, vp: usize) -> Result<Tensor> {
+    let (n, k) = (w.shape()[0], w.shape()[1]);
+    let wp = Tensor::output(&[vp, k], w.dtype(), w.device(), "linear_padded_weight")?;
+    let rows = Layout::contiguous(&[n, k]);
+    elementwise::copy(
+        w.view(),
+        View {
+            storage: wp.storage(),
+            layout: &rows,
+        },
+    )?;
+    Ok(wp)
+}
+
+/// Zeroes columns n..vp of every row of g2's (rows, vp) block.
+fn zero_padding_columns(g2: &Tensor, vp: usize) -> Result<()> {
+    let (rows, n) = (g2.shape()[0], g2.shape()[1]);
+    let zero = Tensor::output(&[1], g2.dtype(), g2.device(), "linear_padding_zero")?;
+    let src = zero.layout().broadcast_to(&[rows, vp - n])?;
+    let pad = Layout::new(vec![rows, vp - n], vec![vp as isize, 1], n);
+    elementwise::copy(
+        View {
+            storage: zero.storage(),
+            layout: &src,
+        },
+        View {
+            storage: g2.storage(),
+            layout: &pad,
+        },
+    )
+}
