@@ -9,6 +9,7 @@
 //! - input gradient: dx = g (rows, vp) @ wp with g's padding columns set to zero first (they
 //!   lie outside every view of the gradient), so the padding adds exact zeros;
 //! - weight gradient: dw = gᵀ @ x at the true width n (that GEMM's M is n, which is fast).
+//!
 //! Elsewhere (the CPU) nothing is padded.
 
 use super::matmul::{matmul_forward, padded_width};
