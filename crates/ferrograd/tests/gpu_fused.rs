@@ -252,7 +252,14 @@ fn uploaded_ids_and_targets_are_checked_without_waiting_for_the_gpu() {
         .unwrap();
     ferrograd::backend::synchronize(GPU).unwrap();
     ferrograd::backend::cuda::take_host_waits();
-    let loss = w.embedding(&x).unwrap().cross_entropy(&t, -100).unwrap();
+    // Positions made by arange on the GPU keep their host copy too.
+    let pos = Tensor::arange(0.0, 3.0, 1.0, DType::I64, GPU).unwrap();
+    let h = w
+        .embedding(&x)
+        .unwrap()
+        .add(&w.embedding(&pos).unwrap())
+        .unwrap();
+    let loss = h.cross_entropy(&t, -100).unwrap();
     loss.backward().unwrap();
     let (waits, _) = ferrograd::backend::cuda::take_host_waits();
     assert_eq!(waits, 0, "the step waited for the GPU {waits} times");

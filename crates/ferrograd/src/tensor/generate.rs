@@ -34,6 +34,18 @@ impl Tensor {
     ) -> Result<Tensor> {
         let len = checked_numel(origin, shape)?;
         let be = backend::backend(device)?;
+        // Staged for a GPU before the block exists, so integer values (positions from
+        // arange) can keep their host copy for range checks (Storage::uploaded_i64s).
+        let (mut draw, mut staged) = match device {
+            Device::Cuda(_) => (None, Some(stage(len, draw)?)),
+            _ => (Some(draw), None),
+        };
+        let remembered = match (&staged, dtype) {
+            (Some(HostValues::F64(v)), DType::I64) => {
+                Some(v.iter().map(|&x| x as i64).collect::<Arc<[i64]>>())
+            }
+            _ => None,
+        };
         let storage = Storage::new(
             device,
             dtype,
@@ -44,14 +56,20 @@ impl Tensor {
                 Device::Meta => be.empty(dtype, len, addr),
                 Device::Cpu => {
                     let mut data = be.empty(dtype, len, addr)?;
-                    if let BackendData::Cpu(values) = &mut data {
+                    if let (BackendData::Cpu(values), Some(draw)) = (&mut data, draw.take()) {
                         fill_cpu(values, draw);
                     }
                     Ok(data)
                 }
-                Device::Cuda(_) => be.upload(dtype, stage(len, draw)?, addr),
+                Device::Cuda(_) => match staged.take() {
+                    Some(values) => be.upload(dtype, values, addr),
+                    None => be.empty(dtype, len, addr),
+                },
             },
         )?;
+        if let Some(v) = remembered {
+            storage.remember_upload(v);
+        }
         Ok(Tensor::from_storage(
             Arc::new(storage),
             Layout::contiguous(shape),
