@@ -290,10 +290,14 @@ fn a_wide_unaligned_head_runs_padded_with_the_cpus_results() {
         .linear(&w.to_device(GPU).unwrap(), None)
         .unwrap();
     assert_eq!(logits.strides(), &[24 * 1504, 1504, 1]);
+    // The input gradient sums 1500 products in f32 on each side in different orders: where
+    // the sum cancels, its rounding reaches ~1e-5 of the summed magnitudes (measured on an
+    // H200: 14 of 1920 values beyond 1e-5, the values shown within 2e-6 relative).
+    let sum_of_1500 = (2e-4, 1e-4);
     compare(
         "padded head, cross-entropy",
         &[x.clone(), w.clone(), t],
-        TOL,
+        sum_of_1500,
         |v| v[0].linear(&v[1], None)?.cross_entropy(&v[2], -100),
     );
     compare("padded head", &[x, w], TOL, |v| v[0].linear(&v[1], None));
