@@ -9,7 +9,7 @@ use rayon::prelude::*;
 
 use super::CpuBackend;
 use super::data::{CpuData, Elem, per_float_variant};
-use super::rows::{Inputs, dispatch, map_indices, max_and_log_sum, store_f64, typed_mut};
+use super::rows::{Inputs, dispatch, map_indices, max_and_log_sum, store_f64, typed, typed_mut};
 use super::{read, write};
 use crate::backend::loss::{
     CrossEntropy, CrossEntropyBackward, LossKernels, MseLoss, MseLossBackward,
@@ -84,15 +84,7 @@ fn logit_rows(v: &View) -> Result<(usize, usize, usize)> {
 fn logit_slice<'a, T: Elem>(d: &'a CpuData, v: &View) -> Result<&'a [T]> {
     let (rows, c, ld) = logit_rows(v)?;
     let off = v.layout.offset();
-    let any: &dyn std::any::Any = match d {
-        CpuData::F32(v) => v,
-        CpuData::F64(v) => v,
-        CpuData::F16(v) => v,
-        CpuData::BF16(v) => v,
-        CpuData::I64(v) => v,
-        CpuData::U8(v) => v,
-    };
-    let all = any.downcast_ref::<Vec<T>>().ok_or_else(|| {
+    let all = typed::<T>(d).ok_or_else(|| {
         Error::invalid(
             "cross_entropy",
             "the logits' storage is not of the logits' dtype",

@@ -122,15 +122,7 @@ impl<'a> Inputs<'a> {
     /// Input `i` as a contiguous slice of `len` elements of `T`.
     pub(super) fn slice<T: Elem>(&self, op: &'static str, i: usize, len: usize) -> Result<&[T]> {
         let r = self.range(op, i, len)?;
-        let any: &dyn Any = match self.data(i) {
-            CpuData::F32(v) => v,
-            CpuData::F64(v) => v,
-            CpuData::F16(v) => v,
-            CpuData::BF16(v) => v,
-            CpuData::I64(v) => v,
-            CpuData::U8(v) => v,
-        };
-        match any.downcast_ref::<Vec<T>>() {
+        match typed::<T>(self.data(i)) {
             Some(v) => Ok(&v[r]),
             None => Err(Error::DType {
                 op,
@@ -160,6 +152,19 @@ impl<'a> Inputs<'a> {
         let d = self.data(i);
         Ok(r.map(|k| d.get_f64(k)).collect())
     }
+}
+
+/// A host buffer as its elements, when they are of type `T`.
+pub(super) fn typed<T: Elem>(d: &CpuData) -> Option<&[T]> {
+    let any: &dyn Any = match d {
+        CpuData::F32(v) => v,
+        CpuData::F64(v) => v,
+        CpuData::F16(v) => v,
+        CpuData::BF16(v) => v,
+        CpuData::I64(v) => v,
+        CpuData::U8(v) => v,
+    };
+    any.downcast_ref::<Vec<T>>().map(Vec::as_slice)
 }
 
 /// An output buffer as a mutable slice of `T`, checked to hold `len` elements.
