@@ -471,8 +471,11 @@ impl State {
     fn launch_ready(&mut self) -> Result<()> {
         while self.next_bucket < self.buckets.len() && self.pending[self.next_bucket] == 0 {
             let b = &self.buckets[self.next_bucket];
-            self.group.all_reduce(&b.flat, ReduceOp::Avg)?;
-            if !self.as_views {
+            if self.as_views {
+                // The gradients are the bucket: nothing reads them before `finish`.
+                self.group.all_reduce_launch(&b.flat, ReduceOp::Avg)?;
+            } else {
+                self.group.all_reduce(&b.flat, ReduceOp::Avg)?;
                 self.copy_back(self.next_bucket)?;
             }
             self.next_bucket += 1;
@@ -501,6 +504,7 @@ impl State {
         if self.armed {
             return Err(self.unused_error());
         }
+        self.group.wait_launched()?;
         self.maybe_rebuild()
     }
 

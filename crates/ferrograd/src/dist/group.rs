@@ -28,6 +28,19 @@ pub trait ProcessGroup: Send + Sync {
     /// x: (n,) on every rank → the reduction over ranks, on every rank.
     fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<()>;
 
+    /// `all_reduce`, but later kernels are ordered after it only once `wait_launched` is
+    /// called: the communication overlaps whatever the caller queues meanwhile (DDP's
+    /// buckets against the rest of backward). Nothing may read or write x until then.
+    /// Groups whose collectives finish before returning need not override it.
+    fn all_reduce_launch(&self, x: &Tensor, op: ReduceOp) -> Result<()> {
+        self.all_reduce(x, op)
+    }
+
+    /// Every collective launched by `all_reduce_launch` is ordered before any later kernel.
+    fn wait_launched(&self) -> Result<()> {
+        Ok(())
+    }
+
     /// x: (n,) → root's x on every rank.
     fn broadcast(&self, x: &Tensor, root: usize) -> Result<()>;
 

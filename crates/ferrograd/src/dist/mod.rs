@@ -9,7 +9,7 @@
 //! - `ddp` — `Ddp`, the DistributedDataParallel wrapper around any module;
 //! - `zero1` — `Zero1`, AdamW with its state sharded over the ranks (ZeRO stage 1).
 //!
-//! Not here yet: an NCCL group for CUDA devices and a torchrun-compatible rendezvous.
+//! - `nccl` — `NcclGroup`, one process per GPU, collectives by NCCL on a stream of its own.
 //!
 //! Memory: in-process ranks share their device's allocator, so its statistics and category
 //! sums are totals over the ranks (each holds its own replica, gradients and state). Each
@@ -22,6 +22,7 @@ mod buckets;
 mod ddp;
 mod group;
 mod in_process;
+mod nccl;
 mod zero1;
 
 pub use buckets::{
@@ -31,6 +32,7 @@ pub use buckets::{
 pub use ddp::{Ddp, DdpConfig, NoSync, Reducer};
 pub use group::{ProcessGroup, ReduceOp};
 pub use in_process::{DEFAULT_TIMEOUT, InProcessGroup};
+pub use nccl::{NCCL_UNIQUE_ID_BYTES, NcclGroup, nccl_unique_id};
 pub use zero1::Zero1;
 
 use crate::base::Result;

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use serde::Serialize;
 
 use super::{Event, JobSummary, TrainJob};
+use crate::base::CategoryBytes;
 use crate::base::{Error, Result};
 use crate::dist::{DEFAULT_TIMEOUT, InProcessGroup, ProcessGroup, ReduceOp};
 use crate::memory;
@@ -36,14 +37,26 @@ pub(super) fn run_ranks(job: &TrainJob, on_event: &mut dyn FnMut(&Event)) -> Res
     Ok(out.swap_remove(0))
 }
 
-/// What data-parallel runs cannot do (yet), refused before any work.
+/// What in-process ranks cannot do, refused before any work.
 fn check_ranks(job: &TrainJob) -> Result<()> {
-    let refuse = |detail: &str| Err(Error::invalid("train", detail));
     if job.device != Device::Cpu {
-        return refuse(
-            "--ranks runs in-process ranks on the CPU; data parallelism on GPUs needs NCCL, which this build does not have yet: leave out --ranks, or use --device cpu",
-        );
+        return Err(Error::invalid(
+            "train",
+            "--ranks runs in-process ranks on the CPU; on GPUs, data parallelism runs over NCCL with one process per GPU: ferrograd launch --nproc-per-node N -- ferrograd train --device cuda ...",
+        ));
     }
+    if u16::try_from(job.ranks).is_err() {
+        return Err(Error::invalid(
+            "train",
+            "--ranks is limited to 65535 in-process ranks",
+        ));
+    }
+    check_shared(job)
+}
+
+/// What data-parallel runs cannot do (yet), in-process or launched.
+fn check_shared(job: &TrainJob) -> Result<()> {
+    let refuse = |detail: &str| Err(Error::invalid("train", detail));
     if job.trainer.step_in_backward {
         return refuse(
             "--step-in-backward cannot run with --ranks: each parameter would step on its own rank's gradient before the ranks average them",
@@ -58,9 +71,6 @@ fn check_ranks(job: &TrainJob) -> Result<()> {
         return refuse(
             "--zero 1 spreads AdamW's state over the ranks, and saving or resuming sharded state is not supported yet; leave out --save/--resume, or train without --zero",
         );
-    }
-    if u16::try_from(job.ranks).is_err() {
-        return refuse("--ranks is limited to 65535 in-process ranks");
     }
     Ok(())
 }
@@ -86,20 +96,56 @@ pub(super) fn group_report(report: &mut StepReport, group: &dyn ProcessGroup) ->
     Ok(())
 }
 
-/// Every rank's peak and its categories, from the ranks' memory scopes.
-pub(super) fn rank_peaks(device: Device, world: usize) -> Result<Vec<RankPeak>> {
-    (0..world)
-        .map(|rank| {
-            let id = u16::try_from(rank)
-                .map_err(|_| Error::invalid("train", "too many ranks to report"))?;
-            let m = memory::scope_memory(device, id)?;
-            Ok(RankPeak {
+/// Every rank's peak and its categories, gathered over the group (called by every rank).
+/// In-process ranks share an allocator, so each reads its own memory scope; a launched rank
+/// is a process of its own, whose allocator holds its bytes alone.
+pub(super) fn rank_peaks(device: Device, group: &dyn ProcessGroup) -> Result<Vec<RankPeak>> {
+    let (peak, at_peak) = if group.backend_name() == "in-process" {
+        let id = u16::try_from(group.rank())
+            .map_err(|_| Error::invalid("train", "too many ranks to report"))?;
+        let m = memory::scope_memory(device, id)?;
+        (m.peak, m.by_category_at_peak)
+    } else {
+        let a = memory::allocator(device)?;
+        (a.max_memory_allocated(), a.by_category_at_peak())
+    };
+    // One row per rank: the peak, then the categories; bytes are exact in f64 below 2^53.
+    let row: Vec<f64> = std::iter::once(peak)
+        .chain(at_peak.0)
+        .map(|b| b as f64)
+        .collect();
+    let (width, world) = (row.len(), group.world_size());
+    let mine = Tensor::from_vec_as(row, &[width], DType::F64, device)?;
+    let all = Tensor::zeros(&[world * width], DType::F64, device)?;
+    group.all_gather(&mine, &all)?;
+    let values = all.to_vec::<f64>()?;
+    Ok(values
+        .chunks(width)
+        .enumerate()
+        .map(|(rank, r)| {
+            let mut cats = CategoryBytes::default();
+            for (c, v) in cats.0.iter_mut().zip(&r[1..]) {
+                *c = *v as u64;
+            }
+            RankPeak {
                 rank,
-                peak_bytes: m.peak,
-                by_category_at_peak: m.by_category_at_peak.to_map(),
-            })
+                peak_bytes: r[0] as u64,
+                by_category_at_peak: cats.to_map(),
+            }
         })
-        .collect()
+        .collect())
+}
+
+/// The main job as one rank of a group of processes (launched by `ferrograd launch` or
+/// torchrun, one GPU each); returns this rank's summary (rank 0's is the full one).
+pub fn run_launched(
+    job: &TrainJob,
+    group: Arc<dyn ProcessGroup>,
+    on_event: &mut dyn FnMut(&Event),
+) -> Result<JobSummary> {
+    super::check_settings(job)?;
+    check_shared(job)?;
+    super::run_replica(job, Some(group), on_event)
 }
 
 /// A rank's handle on its group, shared by the loop's helpers.

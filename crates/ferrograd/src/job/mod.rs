@@ -23,7 +23,7 @@ use serde::Serialize;
 pub use budget::{
     Alternative, BatchSteps, FIT_RULE, Fitted, alternatives, choose_for_budget, fit_budget,
 };
-pub use data_parallel::RankPeak;
+pub use data_parallel::{RankPeak, run_launched};
 pub use fit::{check_fits, plan_job, target_of};
 pub use optimizer::{JobOptimizer, OptimizerChoice, OptimizerSettings};
 pub use sample::sample_text;
@@ -417,8 +417,8 @@ fn run_replica(
     let (peak_bytes, at_peak) = (alloc.max_memory_allocated(), alloc.by_category_at_peak());
     let peak_reserved_bytes = alloc.max_memory_reserved();
     let ranks = match &group {
-        Some(g) if leader => data_parallel::rank_peaks(job.device, g.world_size())?,
-        _ => Vec::new(),
+        Some(g) => data_parallel::rank_peaks(job.device, &**g)?,
+        None => Vec::new(),
     };
     let final_eval = evaluate_on(leader, &mut model, &data, job, trainer.step_index())?;
     on_event(&Event::Eval(final_eval.clone()));
