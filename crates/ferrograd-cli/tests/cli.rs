@@ -781,3 +781,36 @@ fn ranks_train_data_parallel_on_the_cpu() {
     let err = stderr_of(&[SMALL, &["--ranks", "2", "--device", "cuda"]].concat());
     assert!(err.contains("NCCL") && err.contains("--ranks"), "{err}");
 }
+
+#[test]
+fn zero_state_is_saved_whole_and_resumes_on_any_number_of_ranks() {
+    let dir = TestDir::new("cli-zero-state");
+    let state = dir.arg("zero.safetensors");
+    let first = small_with(&[("--max-steps", "2")]);
+    let out = ferrograd(
+        &[
+            &first[..],
+            &["--ranks", "2", "--zero", "1", "--save", &state],
+        ]
+        .concat(),
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    // The gathered state is plain AdamW's: one process without --zero resumes it, and so
+    // do four sharded ranks (each takes its new shard).
+    for extra in [&["--json"][..], &["--ranks", "4", "--zero", "1", "--json"]] {
+        let out = ferrograd(&[SMALL, &["--resume", &state], extra].concat());
+        assert!(
+            out.status.success(),
+            "{extra:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(v["steps"], 1, "{v}");
+        assert_eq!(v["step_reached"], 3, "{v}");
+        assert!(v["final_loss"].as_f64().unwrap().is_finite(), "{v}");
+    }
+}

@@ -7,12 +7,13 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use ferrograd::autograd::no_grad;
 use ferrograd::dist::{
     BucketItem, Ddp, DdpConfig, InProcessGroup, ProcessGroup, ReduceOp, Zero1, bucket_assignment,
 };
 use ferrograd::memory::{self, Category};
 use ferrograd::nn::{Linear, Module, Relu, Sequential};
-use ferrograd::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
+use ferrograd::optim::{Adam, AdamConfig, AdamState, Optimizer, Sgd, SgdConfig};
 use ferrograd::train::{MicroBatch, Trainer, TrainerConfig};
 use ferrograd::{DType, Device, Generator, Result, Tensor};
 
@@ -979,6 +980,92 @@ fn zero1_matches_adamw_in_one_process_and_holds_a_shard_of_the_state() {
             }
         }
     }
+}
+
+/// f64, whole batch on every rank (the average of equal gradients is exact): `steps` of
+/// Zero1 on `world` ranks, starting from `start` when given; rank 0's parameters and the
+/// whole state it gathered.
+fn zero1_run(
+    world: usize,
+    steps: usize,
+    start: Option<(Params, Vec<(usize, AdamState)>)>,
+) -> (Params, Vec<Option<AdamState>>) {
+    let (x, t) = batch(DType::F64);
+    let mut out = InProcessGroup::run(world, |g| {
+        let model = mlp(DType::F64, 0);
+        let mut opt = Zero1::adamw(model.named_parameters(), adam_cfg(), g.clone())?;
+        if let Some((params, states)) = &start {
+            let _g = no_grad();
+            for (p, v) in model.parameters().iter().zip(params) {
+                p.copy_(&Tensor::from_vec_as(v.clone(), p.shape(), DType::F64, CPU)?)?;
+            }
+            opt.load_state(states.clone())?;
+        }
+        for _ in 0..steps {
+            model.forward(&x)?.mse_loss(&t)?.backward()?;
+            opt.step()?;
+            opt.zero_grad()?;
+        }
+        Ok((values(&model), opt.gather_state()?))
+    })
+    .unwrap();
+    out.swap_remove(0)
+}
+
+#[test]
+fn zero1_state_gathers_whole_and_resumes_resharded() {
+    let _l = lock();
+    let (x, t) = batch(DType::F64);
+    let model = mlp(DType::F64, 0);
+    let mut adam = Adam::adamw(model.parameters(), adam_cfg()).unwrap();
+    let plain_step = |adam: &mut Adam| {
+        model
+            .forward(&x)
+            .unwrap()
+            .mse_loss(&t)
+            .unwrap()
+            .backward()
+            .unwrap();
+        adam.step().unwrap();
+        adam.zero_grad().unwrap();
+    };
+    for _ in 0..2 {
+        plain_step(&mut adam);
+    }
+    let (params, whole) = zero1_run(2, 2, None);
+    assert_close("parameters", &params, &values(&model), 1e-12);
+    for (i, st) in whole.iter().enumerate() {
+        let (got, want) = (st.as_ref().unwrap(), adam.state(i).unwrap());
+        assert_eq!(got.step, 2);
+        assert_eq!(got.exp_avg.shape(), want.exp_avg.shape());
+        let read = |t: &Tensor| vec![t.to_vec::<f64>().unwrap()];
+        assert_close("exp_avg", &read(&got.exp_avg), &read(&want.exp_avg), 1e-12);
+        assert_close(
+            "exp_avg_sq",
+            &read(&got.exp_avg_sq),
+            &read(&want.exp_avg_sq),
+            1e-12,
+        );
+    }
+    // Resumed on 4 ranks (other shards), one more step: as plain AdamW's third step.
+    let states: Vec<(usize, AdamState)> = whole
+        .into_iter()
+        .enumerate()
+        .map(|(i, s)| (i, s.unwrap()))
+        .collect();
+    let (resumed, again) = zero1_run(4, 1, Some((params, states.clone())));
+    plain_step(&mut adam);
+    assert_close("resumed parameters", &resumed, &values(&model), 1e-12);
+    assert_eq!(again[0].as_ref().unwrap().step, 3);
+    // A state holding some parameters of a dtype only cannot be sharded.
+    let err = InProcessGroup::run(2, |g| {
+        let model = mlp(DType::F64, 0);
+        let mut opt = Zero1::adamw(model.named_parameters(), adam_cfg(), g)?;
+        opt.load_state(states[..1].to_vec())
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(err.contains("every parameter of a dtype"), "{err}");
 }
 
 #[test]

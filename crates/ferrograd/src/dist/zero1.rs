@@ -95,6 +95,103 @@ impl Zero1 {
         self.steps
     }
 
+    /// Whether a step has made the moments (every shard has them after the first step).
+    pub fn has_state(&self) -> bool {
+        self.shards.iter().all(|s| s.state.is_some())
+    }
+
+    /// Every parameter's AdamW state, gathered whole from the ranks' shards: what plain
+    /// AdamW over the same parameters would hold, so a saved state resumes on any number of
+    /// ranks, sharded or not. A collective: every rank calls it; each gets the whole state.
+    pub fn gather_state(&self) -> Result<Vec<Option<AdamState>>> {
+        let _g = no_grad();
+        let mut out: Vec<Option<AdamState>> = vec![None; self.params.len()];
+        for s in &self.shards {
+            let Some(st) = &s.state else { continue };
+            let exp_avg = self.gather_flat(s, &st.exp_avg)?;
+            let exp_avg_sq = self.gather_flat(s, &st.exp_avg_sq)?;
+            for (k, &m) in s.members.iter().enumerate() {
+                let p = &self.params[m];
+                let cut = |flat: &Tensor| {
+                    flat.narrow(0, s.offsets[k], p.numel())?
+                        .reshape(p.shape())?
+                        .contiguous_owned()
+                };
+                out[m] = Some(AdamState {
+                    exp_avg: cut(&exp_avg)?,
+                    exp_avg_sq: cut(&exp_avg_sq)?,
+                    step: st.step,
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// The shards of every rank, end to end: (world · shard,).
+    fn gather_flat(&self, s: &Shard, own: &Tensor) -> Result<Tensor> {
+        let world = self.group.world_size();
+        let flat = Tensor::alloc(
+            &[world * s.shard],
+            own.dtype(),
+            own.device(),
+            Category::OptimizerState,
+            "zero1_gathered_state",
+        )?;
+        self.group.all_gather(own, &flat)?;
+        Ok(flat)
+    }
+
+    /// Takes this rank's shard of a whole state (as `gather_state` gives, or plain AdamW
+    /// saved): the moments of every parameter of a dtype, or of none of them.
+    pub fn load_state(&mut self, states: Vec<(usize, AdamState)>) -> Result<()> {
+        let _g = no_grad();
+        let mut by_param: Vec<Option<AdamState>> = vec![None; self.params.len()];
+        for (i, st) in states {
+            let slot = by_param.get_mut(i).ok_or_else(|| {
+                Error::invalid("ZeRO-1", format!("no parameter {i} to take a state"))
+            })?;
+            *slot = Some(st);
+        }
+        let rank = self.group.rank();
+        for k in 0..self.shards.len() {
+            let s = &self.shards[k];
+            let given: Vec<&AdamState> = s
+                .members
+                .iter()
+                .filter_map(|&m| by_param[m].as_ref())
+                .collect();
+            if given.is_empty() {
+                continue;
+            }
+            if given.len() != s.members.len() || given.iter().any(|g| g.step != given[0].step) {
+                return Err(Error::invalid(
+                    "ZeRO-1",
+                    "a sharded AdamW takes the moments of every parameter of a dtype at one step count; the state holds some of them only",
+                ));
+            }
+            let step = given[0].step;
+            let pick = |f: fn(&AdamState) -> &Tensor| -> Result<Tensor> {
+                let flat = self.flatten(s, |m| match &by_param[m] {
+                    Some(st) => Ok(f(st).clone()),
+                    None => Err(Error::invalid("ZeRO-1", "missing moment")),
+                })?;
+                let own = flat
+                    .narrow(0, rank * s.shard, s.shard)?
+                    .contiguous_owned()?;
+                own.set_category(Category::OptimizerState);
+                Ok(own)
+            };
+            let state = AdamState {
+                exp_avg: pick(|st| &st.exp_avg)?,
+                exp_avg_sq: pick(|st| &st.exp_avg_sq)?,
+                step,
+            };
+            self.steps = step;
+            self.shards[k].state = Some(state);
+        }
+        Ok(())
+    }
+
     /// The flat vector (world · shard,) of `members`' values picked by `value` (zeros in the
     /// padding), as a temporary.
     fn flatten(&self, s: &Shard, value: impl Fn(usize) -> Result<Tensor>) -> Result<Tensor> {

@@ -67,11 +67,6 @@ fn check_shared(job: &TrainJob) -> Result<()> {
             "--memory-trace records the process's allocator, which the ranks share; trace a run without --ranks",
         );
     }
-    if job.zero && (job.save.is_some() || job.resume.is_some()) {
-        return refuse(
-            "--zero 1 spreads AdamW's state over the ranks, and saving or resuming sharded state is not supported yet; leave out --save/--resume, or train without --zero",
-        );
-    }
     Ok(())
 }
 

@@ -342,6 +342,11 @@ fn run_replica(
         {
             let step = trainer.step_index();
             let detail = match &job.save {
+                // ZeRO-1's state is gathered from every rank at a step they all reach; an
+                // interrupt may find the ranks at different points.
+                Some(_) if job.zero => {
+                    "nothing was saved: with --zero 1 the state is saved at --save-every steps and at the end".to_string()
+                }
                 Some(path) if leader => {
                     save_training_state(path, &model, &mut trainer, &data_rng, data.tokenizer())?;
                     on_event(&Event::Saved {
@@ -389,16 +394,19 @@ fn run_replica(
             on_event(&Event::Eval(e));
         }
         if let Some(path) = &job.save
-            && leader
             && job.save_every > 0
             && step % job.save_every == 0
             && step < end
         {
-            save_training_state(path, &model, &mut trainer, &data_rng, data.tokenizer())?;
-            on_event(&Event::Saved {
-                step,
-                path: path.clone(),
-            });
+            if leader {
+                save_training_state(path, &model, &mut trainer, &data_rng, data.tokenizer())?;
+                on_event(&Event::Saved {
+                    step,
+                    path: path.clone(),
+                });
+            } else {
+                state::gather_for_save(&mut trainer)?;
+            }
         }
     }
     if let Some(g) = &group {
@@ -423,6 +431,9 @@ fn run_replica(
     let final_eval = evaluate_on(leader, &mut model, &data, job, trainer.step_index())?;
     on_event(&Event::Eval(final_eval.clone()));
     if !leader {
+        if job.save.is_some() {
+            state::gather_for_save(&mut trainer)?;
+        }
         return Ok(follower_summary(final_eval));
     }
     if let Some(path) = &job.save {

@@ -232,22 +232,34 @@ fn optimizer_tensors(o: &mut JobOptimizer) -> Result<Vec<(String, Tensor)>> {
     match o {
         JobOptimizer::AdamW(a) => adam_tensors(a),
         JobOptimizer::Sgd(s) => Ok(sgd_tensors(s)),
-        JobOptimizer::Zero1(_) => Err(sharded_state()),
+        // A collective: the other ranks gather with rank 0 (`gather_for_save`).
+        JobOptimizer::Zero1(z) => {
+            let whole = z.gather_state()?;
+            adam_state_tensors(whole.iter().map(Option::as_ref))
+        }
     }
 }
 
-/// ZeRO-1's moments are spread over the ranks; the state file holds one process's.
-fn sharded_state() -> Error {
-    Error::invalid(
-        "training state",
-        "ZeRO-1's optimizer state is sharded over the ranks and is not saved or loaded yet; train without --zero to save or resume",
-    )
+/// What a rank other than 0 does while rank 0 saves: its part of the collectives that make
+/// the whole state (ZeRO-1's shards gathered); nothing for a replicated optimizer.
+pub fn gather_for_save(trainer: &mut Trainer<JobOptimizer>) -> Result<()> {
+    trainer.with_optimizer(|o| match o {
+        JobOptimizer::Zero1(z) => z.gather_state().map(drop),
+        _ => Ok(()),
+    })?
 }
 
 fn adam_tensors(o: &Adam) -> Result<Vec<(String, Tensor)>> {
+    adam_state_tensors((0..o.params().len()).map(|i| o.state(i)))
+}
+
+/// AdamW's moments and step counts, by parameter index (a sharded AdamW's gathered whole).
+fn adam_state_tensors<'a>(
+    states: impl Iterator<Item = Option<&'a AdamState>>,
+) -> Result<Vec<(String, Tensor)>> {
     let mut v = Vec::new();
-    for i in 0..o.params().len() {
-        if let Some(s) = o.state(i) {
+    for (i, s) in states.enumerate() {
+        if let Some(s) = s {
             v.push((format!("optim.{i}.exp_avg"), s.exp_avg.clone()));
             v.push((format!("optim.{i}.exp_avg_sq"), s.exp_avg_sq.clone()));
             let step = Tensor::from_vec(vec![s.step as i64], &[], Device::Cpu)?;
@@ -279,9 +291,13 @@ fn optimizer_states(
     bad: &dyn Fn(String) -> Error,
 ) -> Result<SavedStates> {
     Ok(match o {
-        JobOptimizer::AdamW(a) => SavedStates::AdamW(adam_states(a, tensors, device, bad)?),
+        JobOptimizer::AdamW(a) => {
+            SavedStates::AdamW(adam_states(a.params(), tensors, device, bad)?)
+        }
         JobOptimizer::Sgd(s) => SavedStates::Sgd(momentum_buffers(s, tensors, bad)?),
-        JobOptimizer::Zero1(_) => return Err(sharded_state()),
+        JobOptimizer::Zero1(z) => {
+            SavedStates::AdamW(adam_states(z.params(), tensors, device, bad)?)
+        }
     })
 }
 
@@ -290,6 +306,7 @@ fn restore(o: &mut JobOptimizer, states: SavedStates) -> Result<()> {
         (JobOptimizer::AdamW(a), SavedStates::AdamW(v)) => {
             v.into_iter().try_for_each(|(i, s)| a.set_state(i, s))
         }
+        (JobOptimizer::Zero1(z), SavedStates::AdamW(v)) => z.load_state(v),
         (JobOptimizer::Sgd(s), SavedStates::Sgd(v)) => v
             .into_iter()
             .try_for_each(|(i, b)| s.set_momentum_buffer(i, &b)),
@@ -325,13 +342,13 @@ fn momentum_buffers(
 
 /// Every parameter's saved AdamW state, checked against the parameter, on its device.
 fn adam_states(
-    o: &Adam,
+    params: &[Tensor],
     tensors: &HashMap<String, Tensor>,
     device: Device,
     bad: &dyn Fn(String) -> Error,
 ) -> Result<Vec<(usize, AdamState)>> {
     let mut out = Vec::new();
-    for (i, p) in o.params().iter().enumerate() {
+    for (i, p) in params.iter().enumerate() {
         let key = |s: &str| format!("optim.{i}.{s}");
         let (Some(m), Some(v), Some(step)) = (
             tensors.get(&key("exp_avg")),
@@ -414,6 +431,7 @@ fn state_indices(o: &mut JobOptimizer) -> Vec<usize> {
         JobOptimizer::Sgd(s) => (0..s.params().len())
             .filter(|&i| s.momentum_buffer(i).is_some())
             .collect(),
+        JobOptimizer::Zero1(z) if z.has_state() => (0..z.params().len()).collect(),
         JobOptimizer::Zero1(_) => Vec::new(),
     }
 }
