@@ -15,7 +15,7 @@ use rayon::prelude::*;
 use super::CpuBackend;
 use super::data::{CpuData, Elem, with_float};
 use super::elementwise::PAR_MIN;
-use super::vmath::simd_fn;
+use super::vmath::{lane_sum, simd_fn};
 use super::{CpuRead, read, write};
 use crate::backend::rows::{LayerNorm, LayerNormBackward, RowKernels, Softmax, SoftmaxBackward};
 use crate::backend::{Storage, View, rows_cols};
@@ -267,7 +267,7 @@ pub(super) fn max_and_log_sum<T: Elem>(x: &[T]) -> (f64, f64) {
         .iter()
         .map(|&v| v.to_f64())
         .fold(f64::NEG_INFINITY, f64::max);
-    let sum: f64 = x.iter().map(|&v| T::exp_of(v.to_f64() - max)).sum();
+    let sum = lane_sum(x.len(), |j| T::exp_of(x[j].to_f64() - max));
     (max, sum.ln())
 }
 
@@ -303,13 +303,13 @@ fn softmax_row<T: Elem>(log: bool, x: &[T], y: &mut [T], buf: &mut Vec<f64>) {
     buf.clear();
     buf.extend(x.iter().map(|&v| v.to_f64() - max));
     if log {
-        let log_sum = buf.iter().map(|&d| T::exp_of(d)).sum::<f64>().ln();
+        let log_sum = lane_sum(buf.len(), |j| T::exp_of(buf[j])).ln();
         y.iter_mut()
             .zip(buf.iter())
             .for_each(|(o, d)| *o = T::from_f64(d - log_sum));
     } else {
         buf.iter_mut().for_each(|d| *d = T::exp_of(*d));
-        let inv = 1.0 / buf.iter().sum::<f64>();
+        let inv = 1.0 / lane_sum(buf.len(), |j| buf[j]);
         y.iter_mut()
             .zip(buf.iter())
             .for_each(|(o, e)| *o = T::from_f64(e * inv));
@@ -339,12 +339,12 @@ fn softmax_backward<T: Elem>(a: &SoftmaxBackward) -> Result<()> {
 fn softmax_backward_row<T: Elem>(log: bool, y: &[T], gy: &[T], gx: &mut [T]) {
     let pairs = || y.iter().zip(gy).map(|(&a, &b)| (a.to_f64(), b.to_f64()));
     if log {
-        let s: f64 = gy.iter().map(|&g| g.to_f64()).sum();
+        let s = lane_sum(gy.len(), |j| gy[j].to_f64());
         gx.iter_mut()
             .zip(pairs())
             .for_each(|(o, (y, g))| *o = T::from_f64(g - T::exp_of(y) * s));
     } else {
-        let s: f64 = pairs().map(|(y, g)| y * g).sum();
+        let s = lane_sum(y.len(), |j| y[j].to_f64() * gy[j].to_f64());
         gx.iter_mut()
             .zip(pairs())
             .for_each(|(o, (y, g))| *o = T::from_f64(y * (g - s)));
@@ -389,18 +389,23 @@ fn layer_norm_row<T: Elem>(
     y: &mut [T],
 ) -> (f64, f64) {
     let n = x.len() as f64;
-    let mean = x.iter().map(|&v| v.to_f64()).sum::<f64>() / n;
-    let var = x.iter().map(|&v| (v.to_f64() - mean).powi(2)).sum::<f64>() / n;
+    let mean = lane_sum(x.len(), |j| x[j].to_f64()) / n;
+    let var = lane_sum(x.len(), |j| (x[j].to_f64() - mean).powi(2)) / n;
     let rstd = 1.0 / (var + eps).sqrt();
-    for (j, (o, &v)) in y.iter_mut().zip(x).enumerate() {
-        let mut h = (v.to_f64() - mean) * rstd;
-        if let Some(w) = w {
-            h *= w[j].to_f64();
-        }
-        if let Some(b) = b {
-            h += b[j].to_f64();
-        }
-        *o = T::from_f64(h);
+    // One loop per case, no branch inside: each vectorises.
+    let xhat = |v: T| (v.to_f64() - mean) * rstd;
+    let out = y.iter_mut().zip(x);
+    match (w, b) {
+        (Some(w), Some(b)) => out
+            .zip(w.iter().zip(b))
+            .for_each(|((o, &v), (&w, &b))| *o = T::from_f64(xhat(v) * w.to_f64() + b.to_f64())),
+        (Some(w), None) => out
+            .zip(w)
+            .for_each(|((o, &v), &w)| *o = T::from_f64(xhat(v) * w.to_f64())),
+        (None, Some(b)) => out
+            .zip(b)
+            .for_each(|((o, &v), &b)| *o = T::from_f64(xhat(v) + b.to_f64())),
+        (None, None) => out.for_each(|(o, &v)| *o = T::from_f64(xhat(v))),
     }
     (mean, rstd)
 }
@@ -460,18 +465,18 @@ fn layer_norm_backward_row<T: Elem>(
     gh: &mut Vec<f64>,
 ) {
     let n = x.len() as f64;
-    let xhat = |j: usize| (x[j].to_f64() - s.mean) * s.rstd;
+    let xhat = |v: T| (v.to_f64() - s.mean) * s.rstd;
     gh.clear();
-    gh.extend(
-        gy.iter()
-            .enumerate()
-            .map(|(j, &g)| g.to_f64() * w.map_or(1.0, |w| w[j].to_f64())),
-    );
-    let mean_g = gh.iter().sum::<f64>() / n;
-    let mean_gx = gh.iter().enumerate().map(|(j, g)| g * xhat(j)).sum::<f64>() / n;
-    for (j, o) in gx.iter_mut().enumerate() {
-        *o = T::from_f64(s.rstd * (gh[j] - mean_g - xhat(j) * mean_gx));
+    match w {
+        Some(w) => gh.extend(gy.iter().zip(w).map(|(&g, &w)| g.to_f64() * w.to_f64())),
+        None => gh.extend(gy.iter().map(|&g| g.to_f64())),
     }
+    let (gh, x) = (&gh[..x.len()], &x[..]);
+    let mean_g = lane_sum(gh.len(), |j| gh[j]) / n;
+    let mean_gx = lane_sum(gh.len(), |j| gh[j] * xhat(x[j])) / n;
+    gx.iter_mut()
+        .zip(gh.iter().zip(x))
+        .for_each(|(o, (&g, &v))| *o = T::from_f64(s.rstd * (g - mean_g - xhat(v) * mean_gx)));
 }
 
 /// (Σ_r gy x̂, Σ_r gy) per column. Fixed blocks of rows are summed in parallel, then the
