@@ -4,7 +4,7 @@ heads split as views exactly as GPT-2's attention does, forward and forward + ba
 milliseconds per call and TFLOP/s counted the same way. Prints one JSON line.
 
 Usage: python benches/pytorch/attention.py [--batch 8] [--heads 12] [--seq 1024] [--head-dim 64]
-       [--dtype bf16|f16] [--iters 50]
+       [--dtype bf16|f16|f32] [--iters 50] [--device cuda|cpu]
 """
 import argparse
 import json
@@ -14,15 +14,20 @@ import torch
 import torch.nn.functional as F
 
 
-def median_ms(fn, iters):
+def sync(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def median_ms(fn, iters, device):
     for _ in range(3):
         fn()
     times = []
     for _ in range(iters):
-        torch.cuda.synchronize()
+        sync(device)
         t0 = time.perf_counter()
         fn()
-        torch.cuda.synchronize()
+        sync(device)
         times.append((time.perf_counter() - t0) * 1e3)
     times.sort()
     return times[len(times) // 2]
@@ -36,12 +41,13 @@ def main():
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--device", default="cuda")
     a = p.parse_args()
     b, h, t, d = a.batch, a.heads, a.seq, a.head_dim
-    dtype = torch.float16 if a.dtype == "f16" else torch.bfloat16
+    dtype = {"f16": torch.float16, "f32": torch.float32}.get(a.dtype, torch.bfloat16)
     c = h * d
-    qkv = torch.randn(b, t, 3 * c, device="cuda", dtype=dtype, requires_grad=True)
-    gout = torch.randn(b, h, t, d, device="cuda", dtype=dtype)
+    qkv = torch.randn(b, t, 3 * c, device=a.device, dtype=dtype, requires_grad=True)
+    gout = torch.randn(b, h, t, d, device=a.device, dtype=dtype)
 
     def attention():
         q, k, v = qkv.split(c, dim=2)
@@ -53,8 +59,8 @@ def main():
         qkv.grad = None
 
     with torch.no_grad():
-        fwd = median_ms(attention, a.iters)
-    fb = median_ms(both, a.iters)
+        fwd = median_ms(attention, a.iters, a.device)
+    fb = median_ms(both, a.iters, a.device)
     flops = 4.0 * b * h * t * t * d / 2.0
     print(json.dumps({"impl": "pytorch", "batch": b, "heads": h, "seq": t, "head_dim": d,
                       "dtype": a.dtype, "fwd_ms": round(fwd, 4), "fwd_bwd_ms": round(fb, 4),

@@ -4,7 +4,7 @@
 //! it). The PyTorch twin is benches/pytorch/attention.py (scaled_dot_product_attention).
 //!
 //! Usage: cargo bench -p ferrograd --bench attention -- [--batch 8] [--heads 12] [--seq 1024]
-//!   [--head-dim 64] [--dtype bf16|f16] [--iters 50] [--device cuda]
+//!   [--head-dim 64] [--dtype bf16|f16|f32] [--iters 50] [--device cuda|cpu]
 //! Prints one JSON line.
 
 use std::time::Instant;
@@ -52,6 +52,7 @@ fn main() -> ferrograd::Result<()> {
     let iters = arg("--iters", 50usize);
     let dtype: DType = match arg("--dtype", "bf16".to_string()).as_str() {
         "f16" => DType::F16,
+        "f32" => DType::F32,
         _ => DType::BF16,
     };
     let dev: Device = arg("--device", "cuda".to_string()).parse()?;

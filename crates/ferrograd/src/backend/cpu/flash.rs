@@ -125,16 +125,58 @@ fn scores<A: Elem>(
     }
 }
 
+/// Lanes of the row reductions below: independent chains fill the vector registers where one
+/// serial chain would wait on every addition.
+const LANES: usize = 8;
+
+/// x folded by `f` (max or +) over `LANES` partial results, then the tail: a fixed order, so
+/// the result does not depend on the instruction set.
+#[inline(always)]
+fn lane_fold<A: Elem>(x: &[A], init: A, f: impl Fn(A, A) -> A) -> A {
+    let mut acc = [init; LANES];
+    let mut chunks = x.chunks_exact(LANES);
+    for c in &mut chunks {
+        for (a, &v) in acc.iter_mut().zip(c) {
+            *a = f(*a, v);
+        }
+    }
+    let tail = chunks.remainder().iter().fold(init, |a, &v| f(a, v));
+    let [a0, a1, a2, a3, a4, a5, a6, a7] = acc;
+    f(f(f(f(a0, a4), f(a1, a5)), f(f(a2, a6), f(a3, a7))), tail)
+}
+
+/// x · y over `LANES` partial sums.
+#[inline(always)]
+fn dot<A: Elem>(x: &[A], y: &[A]) -> A {
+    let mut acc = [A::zero(); LANES];
+    let (xc, yc) = (x.chunks_exact(LANES), y.chunks_exact(LANES));
+    let tail = xc
+        .remainder()
+        .iter()
+        .zip(yc.remainder())
+        .fold(A::zero(), |a, (&u, &v)| a + u * v);
+    for (cx, cy) in xc.zip(yc) {
+        for l in 0..LANES {
+            acc[l] = acc[l] + cx[l] * cy[l];
+        }
+    }
+    lane_fold(&acc, A::zero(), |a, b| a + b) + tail
+}
+
 /// acc += c · x
 #[inline(always)]
 fn axpy<A: Elem>(acc: &mut [A], c: A, x: &[A]) {
     acc.iter_mut().zip(x).for_each(|(a, &v)| *a = *a + c * v);
 }
 
-/// Whether query i sees key j (j < n, the tile's keys, is the caller's).
+/// How many of the n keys of the tile starting at key j0 query i sees (a prefix of them).
 #[inline(always)]
-fn visible(dims: HeadDims, i: usize, j: usize) -> bool {
-    !dims.causal || j <= i
+fn visible(dims: HeadDims, i: usize, j0: usize, n: usize) -> usize {
+    if dims.causal {
+        (i + 1).saturating_sub(j0).min(n)
+    } else {
+        n
+    }
 }
 
 /// Forward: o (T, D) = softmax(scale · q kᵀ, causal) v, and lse (T), each query's
@@ -156,12 +198,8 @@ fn forward_loops<A: Elem>(h: &Head<A>, dims: HeadDims, o: &mut [A], lse: &mut [A
             scores(q, &h.kt, ts, j0, n, scale, &mut s);
             for r in 0..R {
                 let sr = &mut s[r][..n];
-                for (j, x) in sr.iter_mut().enumerate() {
-                    if !visible(dims, i0 + r, j0 + j) {
-                        *x = A::neg_infinity();
-                    }
-                }
-                let m_new = sr.iter().fold(m[r], |a, &b| a.max(b));
+                sr[visible(dims, i0 + r, j0, n)..].fill(A::neg_infinity());
+                let m_new = m[r].max(lane_fold(sr, A::neg_infinity(), A::max));
                 // A row that sees nothing yet keeps m = −inf; its exps stay 0 (no NaN).
                 let shift = if m_new == A::neg_infinity() {
                     A::zero()
@@ -170,7 +208,7 @@ fn forward_loops<A: Elem>(h: &Head<A>, dims: HeadDims, o: &mut [A], lse: &mut [A
                 };
                 let alpha = (m[r] - shift).exp_v();
                 sr.iter_mut().for_each(|x| *x = (*x - shift).exp_v());
-                l[r] = l[r] * alpha + sr.iter().fold(A::zero(), |a, &b| a + b);
+                l[r] = l[r] * alpha + lane_fold(sr, A::zero(), |a, b| a + b);
                 acc[r * d..(r + 1) * d]
                     .iter_mut()
                     .for_each(|x| *x = *x * alpha);
@@ -227,10 +265,7 @@ fn backward_loops<A: Elem>(h: &Head<A>, dims: HeadDims, saved: Saved<A>, g: Head
         let mut lse = [A::zero(); R];
         for r in 0..rows {
             let at = (i0 + r) * d..(i0 + r + 1) * d;
-            delta[r] = go[at.clone()]
-                .iter()
-                .zip(&saved.o[at])
-                .fold(A::zero(), |a, (&x, &y)| a + x * y);
+            delta[r] = dot(&go[at.clone()], &saved.o[at]);
             lse[r] = saved.lse[i0 + r];
         }
         let n_keys = dims.keys(i0 + R - 1);
@@ -240,13 +275,15 @@ fn backward_loops<A: Elem>(h: &Head<A>, dims: HeadDims, saved: Saved<A>, g: Head
             // ds first holds dp = go_i · v_j.
             scores(gor, &h.vt, ts, j0, n, A::one(), &mut ds);
             for r in 0..R {
+                // Exps of every key, then a select: no branch in the loop, so it vectorises.
+                let seen = if r < rows {
+                    visible(dims, i0 + r, j0, n)
+                } else {
+                    0
+                };
                 for j in 0..n {
-                    let seen = r < rows && visible(dims, i0 + r, j0 + j);
-                    let pj = if seen {
-                        (p[r][j] - lse[r]).exp_v()
-                    } else {
-                        A::zero()
-                    };
+                    let e = (p[r][j] - lse[r]).exp_v();
+                    let pj = if j < seen { e } else { A::zero() };
                     p[r][j] = pj;
                     ds[r][j] = pj * (ds[r][j] - delta[r]) * scale;
                 }

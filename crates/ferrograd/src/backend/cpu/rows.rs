@@ -471,7 +471,7 @@ fn layer_norm_backward_row<T: Elem>(
         Some(w) => gh.extend(gy.iter().zip(w).map(|(&g, &w)| g.to_f64() * w.to_f64())),
         None => gh.extend(gy.iter().map(|&g| g.to_f64())),
     }
-    let (gh, x) = (&gh[..x.len()], &x[..]);
+    let gh = &gh[..x.len()];
     let mean_g = lane_sum(gh.len(), |j| gh[j]) / n;
     let mean_gx = lane_sum(gh.len(), |j| gh[j] * xhat(x[j])) / n;
     gx.iter_mut()
