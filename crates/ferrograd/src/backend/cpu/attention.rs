@@ -218,7 +218,9 @@ fn backward<T: Elem, A: Elem>(a: &AttentionBackward) -> Result<()> {
 
 // ---- results --------------------------------------------------------------------------------
 
-/// Writes each pair's (T, D) blocks into the (B, H, T, D) layouts of one storage.
+/// Writes each pair's (T, D) blocks into the (B, H, T, D) layouts of one storage: one batch
+/// per task where the batches' rows lie in disjoint ranges of the storage (always, for the
+/// outputs and gradients the attention op makes), else on this thread.
 fn scatter<T: Elem, A: Elem, const N: usize>(
     op: &'static str,
     storage: &Storage,
@@ -226,20 +228,61 @@ fn scatter<T: Elem, A: Elem, const N: usize>(
     blocks: &[[&[A]; N]],
     g: Geometry,
 ) -> Result<()> {
-    let d = g.dims.d;
     write(storage, |data| {
         let len = data.len();
         let out = typed_mut::<T>(op, data, len)?;
-        for (bh, pair) in blocks.iter().enumerate() {
-            for (layout, block) in layouts.iter().zip(pair) {
-                for (t, src) in block.chunks_exact(d).enumerate() {
-                    let at = g.row(layout, bh, t);
-                    for (o, &v) in out[at..at + d].iter_mut().zip(src) {
-                        *o = T::from_f64(Elem::to_f64(v));
-                    }
-                }
+        let heads = g.heads;
+        let batch = |b: usize, chunk: &mut [T], base: usize| {
+            for bh in b * heads..(b + 1) * heads {
+                write_pair(chunk, base, layouts, &blocks[bh], g, bh);
             }
+        };
+        match batch_span(layouts, g) {
+            Some(span) => out
+                .par_chunks_mut(span)
+                .take(blocks.len() / heads)
+                .enumerate()
+                .for_each(|(b, chunk)| batch(b, chunk, b * span)),
+            None => (0..blocks.len() / heads).for_each(|b| batch(b, out, 0)),
         }
         Ok(())
     })
+}
+
+/// Pair bh's blocks into `out`, which starts at element `base` of the storage.
+fn write_pair<T: Elem, A: Elem, const N: usize>(
+    out: &mut [T],
+    base: usize,
+    layouts: &[&Layout; N],
+    pair: &[&[A]; N],
+    g: Geometry,
+    bh: usize,
+) {
+    let d = g.dims.d;
+    for (layout, block) in layouts.iter().zip(pair) {
+        for (t, src) in block.chunks_exact(d).enumerate() {
+            let at = g.row(layout, bh, t) - base;
+            for (o, &v) in out[at..at + d].iter_mut().zip(src) {
+                *o = T::from_f64(Elem::to_f64(v));
+            }
+        }
+    }
+}
+
+/// The batch stride S when every layout keeps batch b's rows inside [b·S, (b+1)·S).
+fn batch_span<const N: usize>(layouts: &[&Layout; N], g: Geometry) -> Option<usize> {
+    let span = usize::try_from(layouts[0].strides()[0]).ok()?;
+    let (t, d) = (g.dims.t, g.dims.d);
+    let fits = |l: &&Layout| {
+        let s = l.strides();
+        let (sh, st) = (usize::try_from(s[1]).ok(), usize::try_from(s[2]).ok());
+        let end = match (sh, st) {
+            (Some(sh), Some(st)) if t > 0 && g.heads > 0 => {
+                l.offset() + (g.heads - 1) * sh + (t - 1) * st + d
+            }
+            _ => return false,
+        };
+        usize::try_from(s[0]) == Ok(span) && end <= span
+    };
+    (span > 0 && layouts.iter().all(fits)).then_some(span)
 }
