@@ -233,8 +233,9 @@ fn scatter<T: Elem, A: Elem, const N: usize>(
         let out = typed_mut::<T>(op, data, len)?;
         let heads = g.heads;
         let batch = |b: usize, chunk: &mut [T], base: usize| {
-            for bh in b * heads..(b + 1) * heads {
-                write_pair(chunk, base, layouts, &blocks[bh], g, bh);
+            let pairs = blocks.iter().enumerate().skip(b * heads).take(heads);
+            for (bh, pair) in pairs {
+                write_pair(chunk, base, layouts, pair, g, bh);
             }
         };
         match batch_span(layouts, g) {
