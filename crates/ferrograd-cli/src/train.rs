@@ -5,7 +5,9 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
+use anyhow::bail;
 use clap::{Parser, ValueEnum};
+use ferrograd::dist::LaunchEnv;
 use ferrograd::job::{self, Event, JobSummary, MemoryTraceSettings, OptimizerChoice, TrainJob};
 use ferrograd::memory::format_size;
 use ferrograd::nn::Recompute;
@@ -242,6 +244,37 @@ impl TrainArgs {
     }
 }
 
+/// This process is one rank of several (started by torchrun or `ferrograd launch`): ranks in
+/// separate processes reduce gradients over NCCL, so they need CUDA devices.
+fn check_multi_process(args: &TrainArgs, env: &LaunchEnv) -> anyhow::Result<()> {
+    let (rank, world) = (env.rank, env.world_size);
+    let device = args.device.parse::<Device>()?;
+    if !matches!(device, Device::Cuda(_)) {
+        bail!(
+            "this process is rank {rank} of {world} (RANK and WORLD_SIZE are set, as torchrun and `ferrograd launch` do) but --device is {device}: ranks in separate processes talk over NCCL, which needs CUDA devices (--device cuda; each rank takes cuda:LOCAL_RANK). For data-parallel training on the CPU, run one process with --ranks N (ranks as threads)"
+        );
+    }
+    if args.ranks > 1 {
+        bail!(
+            "--ranks {} runs ranks as threads of one process, but this process is already rank {rank} of {world} of a multi-process run: drop --ranks",
+            args.ranks
+        );
+    }
+    join_nccl_ranks(env)
+}
+
+/// Where the multi-process CUDA path starts: rank 0 makes the NCCL unique id,
+/// `ferrograd::dist::share_unique_id` gives it to every rank through the rendezvous store,
+/// and each rank builds its communicator on cuda:LOCAL_RANK. Until the NCCL process group
+/// exists, this refuses with what works instead.
+fn join_nccl_ranks(env: &LaunchEnv) -> anyhow::Result<()> {
+    bail!(
+        "rank {} of {}: multi-process training over NCCL is not available in this version; train in one process instead (--ranks N runs data-parallel ranks as threads)",
+        env.rank,
+        env.world_size
+    )
+}
+
 /// Flags raised by SIGINT and SIGTERM. The first signal asks the run to stop at the next step
 /// boundary (saving its state if --save is given); a second one exits at once.
 struct Signals {
@@ -285,6 +318,9 @@ pub fn interrupted_exit_code() -> Option<u8> {
 }
 
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
+    if let Some(env) = LaunchEnv::from_env()? {
+        check_multi_process(&args, &env)?;
+    }
     let mut job = args.to_job()?;
     if let Some(budget) = args.fit_budget {
         job = crate::plan::fit_to_budget(job, budget, args.json)?;
