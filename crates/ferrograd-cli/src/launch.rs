@@ -93,9 +93,9 @@ pub fn run(a: LaunchArgs) -> anyhow::Result<()> {
         }
     }
     let outcome = supervise(&mut ranks, &stop);
-    if outcome.is_err() {
-        stop_all(&mut ranks, Duration::from_secs(a.grace_period));
-    }
+    // After success too: what a finished rank left running would hold its output pipes open
+    // (and outlive the launch).
+    stop_all(&mut ranks, Duration::from_secs(a.grace_period));
     for r in &mut ranks {
         r.copiers.drain(..).for_each(|h| drop(h.join()));
     }

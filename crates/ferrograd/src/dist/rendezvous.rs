@@ -231,13 +231,6 @@ impl Rendezvous {
     }
 }
 
-impl Drop for Rendezvous {
-    fn drop(&mut self) {
-        // Explicit: the store stops with its host (after `close`, it already has).
-        drop(self.server.take());
-    }
-}
-
 /// Connects this rank to the store, naming rank 0 (or torchrun's agent) when nothing answers.
 fn connect(env: &LaunchEnv, deadline: Instant, timeout: Duration) -> Result<StoreClient> {
     let stream: TcpStream = connect_until(&env.master_addr, env.master_port, deadline)

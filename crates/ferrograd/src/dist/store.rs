@@ -153,7 +153,7 @@ impl StoreClient {
         let mut buf = vec![cmd::GET];
         put_bytes(&mut buf, wire_key(key).as_bytes());
         self.send(&buf)?;
-        self.answer(|s| read_bytes(s))
+        self.answer(read_bytes)
     }
 
     /// Adds `delta` to the integer at `key` (0 when unset) and returns the sum.
@@ -168,7 +168,7 @@ impl StoreClient {
     /// Whether every key is set, without waiting.
     pub fn check(&mut self, keys: &[&str]) -> Result<bool> {
         self.send(&keys_command(cmd::CHECK, keys))?;
-        match self.answer(|s| read_array::<1>(s))?[0] {
+        match self.answer(read_array::<1>)?[0] {
             READY => Ok(true),
             NOT_READY => Ok(false),
             b => Err(self.protocol_error(format!("CHECK answered {b}"))),
@@ -179,9 +179,7 @@ impl StoreClient {
     /// connection unusable (the server still owes the answer).
     pub fn wait(&mut self, keys: &[&str], timeout: Duration) -> Result<()> {
         self.send(&keys_command(cmd::WAIT, keys))?;
-        let answer = self.answer_within(timeout.max(Duration::from_millis(1)), |s| {
-            read_array::<1>(s)
-        });
+        let answer = self.answer_within(timeout.max(ONE_MS), read_array::<1>);
         match answer {
             Ok([STOP_WAITING]) => Ok(()),
             Ok([b]) => Err(self.protocol_error(format!("WAIT answered {b}"))),
