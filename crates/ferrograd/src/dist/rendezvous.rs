@@ -49,9 +49,11 @@ impl Rendezvous {
     /// unless torchrun's agent hosts one.
     pub fn join(env: &LaunchEnv, timeout: Duration) -> Result<Rendezvous> {
         let deadline = Instant::now() + timeout;
-        let server = match env.use_agent_store || env.rank != 0 {
-            true => None,
-            false => Some(StoreServer::bind(&env.master_addr, env.master_port)?),
+        let hosts = env.rank == 0 && !env.use_agent_store;
+        let server = if hosts {
+            Some(StoreServer::bind(&env.master_addr, env.master_port)?)
+        } else {
+            None
         };
         let client = connect(env, deadline, timeout)?;
         let mut rdv = Rendezvous {
@@ -113,8 +115,12 @@ impl Rendezvous {
         self.client
             .set(&format!("{prefix}/{}", self.env.rank), b"1")?;
         let deadline = Instant::now() + self.timeout;
-        self.await_ranks(&prefix, deadline, |_, _| Ok(()))
-            .map_err(|missing| self.missing_error(&missing, &format!("reach barrier {name:?}")))?
+        self.await_ranks(
+            &prefix,
+            deadline,
+            &format!("reach barrier {name:?}"),
+            |_, _| Ok(()),
+        )
     }
 
     /// Leaves the rendezvous. Rank 0, when it hosts the store, keeps it up until every rank
@@ -127,9 +133,10 @@ impl Rendezvous {
         match self.server.take() {
             Some(server) => {
                 let deadline = Instant::now() + self.timeout;
-                let left = self.await_ranks(&prefix, deadline, |_, _| Ok(()));
+                let left =
+                    self.await_ranks(&prefix, deadline, "leave the rendezvous", |_, _| Ok(()));
                 server.stop();
-                left.map_err(|missing| self.missing_error(&missing, "leave the rendezvous"))?
+                left
             }
             None if !self.env.use_agent_store => {
                 self.client.await_close(self.timeout);
@@ -150,7 +157,7 @@ impl Rendezvous {
         let me = self.env.rank;
         self.client
             .set(&format!("{prefix}/{me}"), world.to_string().as_bytes())?;
-        self.await_ranks(&prefix, deadline, |rank, value| {
+        self.await_ranks(&prefix, deadline, "join the rendezvous", |rank, value| {
             let theirs = String::from_utf8_lossy(value);
             if theirs == world.to_string() {
                 return Ok(());
@@ -162,43 +169,34 @@ impl Rendezvous {
                 ),
             ))
         })
-        .map_err(|missing| self.missing_error(&missing, "join the rendezvous"))?
     }
 
     /// Waits until `prefix/<rank>` is set for every rank, giving each value to `seen` as it
-    /// arrives; `Err(missing ranks)` at the deadline. Polls one rank at a time, in rank
-    /// order, so each rank sends one small CHECK per poll whatever the world size.
+    /// arrives; at the deadline, an error naming the ranks that did not `what`. Polls one
+    /// rank at a time, in rank order, so each rank sends one small CHECK per poll whatever
+    /// the world size.
     fn await_ranks(
         &mut self,
         prefix: &str,
         deadline: Instant,
+        what: &str,
         mut seen: impl FnMut(usize, &[u8]) -> Result<()>,
-    ) -> std::result::Result<Result<()>, Vec<usize>> {
+    ) -> Result<()> {
         let mut pause = POLL_MIN;
         for rank in 0..self.env.world_size {
             let key = format!("{prefix}/{rank}");
-            loop {
-                match self.client.check(&[&key]) {
-                    Err(e) => return Ok(Err(e)),
-                    Ok(true) => break,
-                    Ok(false) if Instant::now() >= deadline => {
-                        return Err(self.still_missing(prefix, rank));
-                    }
-                    Ok(false) => {
-                        std::thread::sleep(pause);
-                        pause = (pause * 2).min(POLL_MAX);
-                    }
+            while !self.client.check(&[&key])? {
+                if Instant::now() >= deadline {
+                    let missing = self.still_missing(prefix, rank);
+                    return Err(missing_ranks_error(&self.env, &missing, what, self.timeout));
                 }
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(POLL_MAX);
             }
-            let value = match self.client.get(&key, self.timeout) {
-                Ok(v) => v,
-                Err(e) => return Ok(Err(e)),
-            };
-            if let Err(e) = seen(rank, &value) {
-                return Ok(Err(e));
-            }
+            let value = self.client.get(&key, self.timeout)?;
+            seen(rank, &value)?;
         }
-        Ok(Ok(()))
+        Ok(())
     }
 
     /// The ranks from `first` on whose `prefix/<rank>` key is still unset.
@@ -224,10 +222,6 @@ impl Rendezvous {
                 ),
             )
         })
-    }
-
-    fn missing_error(&self, missing: &[usize], what: &str) -> Error {
-        missing_ranks_error(&self.env, missing, what, self.timeout)
     }
 }
 
