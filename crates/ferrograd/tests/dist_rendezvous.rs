@@ -329,3 +329,30 @@ fn only_rank_zero_brings_bytes_to_a_broadcast() {
     let mut rdv = Rendezvous::join(&rank_env(0, 1, port, false), T).unwrap();
     assert!(err_of(rdv.broadcast_bytes("k", None)).contains("must pass Some"));
 }
+
+#[test]
+fn two_processes_with_the_same_rank_are_refused() {
+    let port = free_port();
+    let results: Vec<Result<(), String>> = std::thread::scope(|s| {
+        let handles: Vec<_> = [0, 1, 1]
+            .into_iter()
+            .map(|r| {
+                s.spawn(move || {
+                    let joined = Rendezvous::join(&rank_env(r, 2, port, false), T);
+                    joined
+                        .map_err(|e| e.to_string())?
+                        .close()
+                        .map_err(|e| e.to_string())
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let errors: Vec<&String> = results.iter().filter_map(|r| r.as_ref().err()).collect();
+    assert_eq!(errors.len(), 1, "{results:?}");
+    assert!(
+        errors[0].contains("as rank 1 (RANK=1 twice)"),
+        "{}",
+        errors[0]
+    );
+}

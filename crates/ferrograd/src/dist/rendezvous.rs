@@ -67,6 +67,17 @@ impl Rendezvous {
         };
         let joins = format!("{}/joins/{}", rdv.root(), env.rank);
         let session = rdv.client.add(&joins, 1)?;
+        if same_rank_twice(env, session) {
+            return Err(Error::distributed(
+                CONTEXT,
+                format!(
+                    "two processes joined the rendezvous at {} as rank {} (RANK={} twice); give every process its own RANK",
+                    env.endpoint(),
+                    env.rank,
+                    env.rank
+                ),
+            ));
+        }
         rdv.namespace = format!("{}/{session}", rdv.root());
         if let Err(e) = rdv.announce(deadline) {
             if rdv.server.is_some() {
@@ -223,6 +234,12 @@ impl Rendezvous {
             )
         })
     }
+}
+
+/// Rank 0's store is new at every join, so a second join of one rank in it is a second
+/// process with the same RANK. (An agent store outlives joins: there the count is a session.)
+fn same_rank_twice(env: &LaunchEnv, session: i64) -> bool {
+    !env.use_agent_store && session > 1
 }
 
 /// Connects this rank to the store, naming rank 0 (or torchrun's agent) when nothing answers.
