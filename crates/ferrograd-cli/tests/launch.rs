@@ -139,6 +139,7 @@ fn sigterm_to_the_launch_stops_every_rank() {
         .args(["launch", "--nproc-per-node", "2", "--", "sh", "-c"])
         .arg(r#"sleep 60 & echo "sleeper $!"; wait"#)
         .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let mut lines = BufReader::new(launch.stdout.take().unwrap()).lines();
@@ -150,7 +151,9 @@ fn sigterm_to_the_launch_stops_every_rank() {
         .status()
         .unwrap();
     assert!(killed.success());
-    assert_eq!(launch.wait().unwrap().code(), Some(143));
+    let out = launch.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(143));
+    assert!(text(&out.stderr).contains("stopped by a signal"));
     for pid in sleepers {
         assert!(gone_soon(pid), "process {pid} outlived the launch");
     }
