@@ -27,6 +27,9 @@ enum Command {
     Demo(DemoArgs),
     /// Devices, their memory, and library versions.
     Info,
+    /// Start N processes on this machine, one per rank, with the variables torchrun sets
+    /// (RANK, WORLD_SIZE, MASTER_ADDR, ...): `ferrograd launch --nproc-per-node 2 -- CMD...`.
+    Launch(crate::launch::LaunchArgs),
 }
 
 #[derive(Args, Debug)]
@@ -59,6 +62,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Plan(a) => crate::plan::run(*a),
         Command::Demo(a) => run_demo(a),
         Command::Info => run_info(),
+        Command::Launch(a) => crate::launch::run(a),
     }
 }
 

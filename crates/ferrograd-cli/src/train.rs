@@ -5,7 +5,9 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
 
+use anyhow::bail;
 use clap::{Parser, ValueEnum};
+use ferrograd::dist::{LaunchEnv, NcclGroup, RENDEZVOUS_TIMEOUT};
 use ferrograd::job::{self, Event, JobSummary, MemoryTraceSettings, OptimizerChoice, TrainJob};
 use ferrograd::memory::format_size;
 use ferrograd::nn::Recompute;
@@ -242,6 +244,25 @@ impl TrainArgs {
     }
 }
 
+/// This process is one rank of several (started by torchrun or `ferrograd launch`): ranks in
+/// separate processes reduce gradients over NCCL, so they need CUDA devices.
+fn check_multi_process(args: &TrainArgs, env: &LaunchEnv) -> anyhow::Result<()> {
+    let (rank, world) = (env.rank, env.world_size);
+    let device = args.device.parse::<Device>()?;
+    if !matches!(device, Device::Cuda(_)) {
+        bail!(
+            "this process is rank {rank} of {world} (RANK and WORLD_SIZE are set, as torchrun and `ferrograd launch` do) but --device is {device}: ranks in separate processes talk over NCCL, which needs CUDA devices (--device cuda; each rank takes cuda:LOCAL_RANK). For data-parallel training on the CPU, run one process with --ranks N (ranks as threads)"
+        );
+    }
+    if args.ranks > 1 {
+        bail!(
+            "--ranks {} runs ranks as threads of one process, but this process is already rank {rank} of {world} of a multi-process run: drop --ranks",
+            args.ranks
+        );
+    }
+    Ok(())
+}
+
 /// Flags raised by SIGINT and SIGTERM. The first signal asks the run to stop at the next step
 /// boundary (saving its state if --save is given); a second one exits at once.
 struct Signals {
@@ -285,11 +306,19 @@ pub fn interrupted_exit_code() -> Option<u8> {
 }
 
 pub fn run(args: TrainArgs) -> anyhow::Result<()> {
+    let launched = LaunchEnv::from_env()?;
+    if let Some(env) = &launched {
+        check_multi_process(&args, env)?;
+    }
     let mut job = args.to_job()?;
+    if let Some(env) = &launched {
+        // One GPU per process, as torchrun's convention: the rank's LOCAL_RANK.
+        job.device = Device::Cuda(env.local_rank);
+    }
     if let Some(budget) = args.fit_budget {
         job = crate::plan::fit_to_budget(job, budget, args.json)?;
     }
-    match train(&args, &job) {
+    match train(&args, &job, launched.as_ref()) {
         Err(e) => match e.downcast_ref::<ferrograd::Error>() {
             // Not a failure: the run the state belongs to is complete.
             Some(done @ ferrograd::Error::AlreadyFinished { step, .. }) => {
@@ -311,14 +340,35 @@ pub fn run(args: TrainArgs) -> anyhow::Result<()> {
     }
 }
 
-fn train(args: &TrainArgs, job: &TrainJob) -> anyhow::Result<()> {
+/// The run of this process: alone, or as one rank of a launched run over NCCL (only rank 0
+/// shows progress and the report; the others print nothing unless they fail).
+fn train(args: &TrainArgs, job: &TrainJob, launched: Option<&LaunchEnv>) -> anyhow::Result<()> {
+    let Some(env) = launched else {
+        return report(args, job, |on_event| job::run(job, on_event));
+    };
+    let group = Arc::new(NcclGroup::join(env, RENDEZVOUS_TIMEOUT)?);
+    if env.rank != 0 {
+        job::run_launched(job, group, &mut |_| {})?;
+        return Ok(());
+    }
+    report(args, job, |on_event| {
+        job::run_launched(job, group, on_event)
+    })
+}
+
+/// Runs `run` with a progress bar fed by its events, then prints the end report or JSON.
+fn report(
+    args: &TrainArgs,
+    job: &TrainJob,
+    run: impl FnOnce(&mut dyn FnMut(&Event)) -> ferrograd::Result<JobSummary>,
+) -> anyhow::Result<()> {
     let bar = ProgressBar::new(job.max_steps);
     bar.set_style(
         ProgressStyle::with_template("{bar:30} {pos}/{len} {msg} [{elapsed} < {eta}]")?
             .progress_chars("=> "),
     );
     let mut log = Vec::new();
-    let summary = job::run(job, &mut |e| match e {
+    let summary = run(&mut |e| match e {
         Event::Started {
             params,
             start_step,

@@ -29,7 +29,9 @@
 //!    recomputation policy).
 //! 10. `dist` — data parallelism: the `ProcessGroup` contract and an in-process group (ranks
 //!     as threads, deterministic reductions), `Ddp` (bucketed all-reduce from gradient hooks,
-//!     gradients as views into the buckets) and `Zero1` (AdamW state sharded over ranks).
+//!     gradients as views into the buckets) and `Zero1` (AdamW state sharded over ranks);
+//!     for multi-process runs, `LaunchEnv` (the torchrun variables) and a `Rendezvous` over
+//!     PyTorch's TCPStore protocol that shares rank 0's NCCL unique id.
 //! 11. `train` — memory strategies, one small file each (accumulation, freezing, step in
 //!     backward, the `GradScaler`), composed by the `Trainer` with the model's recomputation
 //!     policy and, when data-parallel, the gradient synchronisation.

@@ -93,6 +93,14 @@ pub enum Error {
     #[error("cannot save to {path}: {detail}")]
     OutputPath { path: String, detail: String },
 
+    /// Launching or joining a multi-process run went wrong: the torchrun variables, the
+    /// rendezvous, a rank that did not arrive. `context` names the step that failed.
+    #[error("{context}: {detail}")]
+    Distributed {
+        context: &'static str,
+        detail: String,
+    },
+
     #[error(
         "{path} was saved by a run with --optimizer {saved}, and this run uses --optimizer {requested}: resume with --optimizer {saved}, or start without --resume"
     )]
@@ -114,6 +122,13 @@ impl Error {
     pub(crate) fn invalid(op: &'static str, detail: impl Into<String>) -> Self {
         Error::InvalidArgument {
             op,
+            detail: detail.into(),
+        }
+    }
+
+    pub(crate) fn distributed(context: &'static str, detail: impl Into<String>) -> Self {
+        Error::Distributed {
+            context,
             detail: detail.into(),
         }
     }

@@ -7,9 +7,17 @@
 //!   whole data-parallel logic on the CPU with it;
 //! - `buckets` — PyTorch's bucket assignment and the flat buffers gradients live in;
 //! - `ddp` — `Ddp`, the DistributedDataParallel wrapper around any module;
-//! - `zero1` — `Zero1`, AdamW with its state sharded over the ranks (ZeRO stage 1).
-//!
-//! - `nccl` — `NcclGroup`, one process per GPU, collectives by NCCL on a stream of its own.
+//! - `zero1` — `Zero1`, AdamW with its state sharded over the ranks (ZeRO stage 1);
+//! - `launch_env` — `LaunchEnv`, a rank's place in a multi-process run, from the torchrun
+//!   variables (RANK, LOCAL_RANK, WORLD_SIZE, ..., MASTER_ADDR, MASTER_PORT);
+//! - `store` / `store_server` — a client of PyTorch's TCPStore wire protocol (torchrun's
+//!   agent hosts one) and a minimal server for the same commands, which rank 0 starts
+//!   otherwise;
+//! - `rendezvous` — `Rendezvous`: processes meet at the store, check their world sizes,
+//!   broadcast bytes from rank 0 and pass barriers; `share_unique_id` gives every rank
+//!   rank 0's NCCL unique id;
+//! - `nccl` — `NcclGroup`, one process per GPU, collectives by NCCL on a stream of its own;
+//!   `NcclGroup::join` meets the other ranks through the rendezvous first.
 //!
 //! Memory: in-process ranks share their device's allocator, so its statistics and category
 //! sums are totals over the ranks (each holds its own replica, gradients and state). Each
@@ -22,7 +30,11 @@ mod buckets;
 mod ddp;
 mod group;
 mod in_process;
+mod launch_env;
 mod nccl;
+mod rendezvous;
+mod store;
+mod store_server;
 mod zero1;
 
 pub use buckets::{
@@ -32,7 +44,11 @@ pub use buckets::{
 pub use ddp::{Ddp, DdpConfig, NoSync, Reducer};
 pub use group::{ProcessGroup, ReduceOp};
 pub use in_process::{DEFAULT_TIMEOUT, InProcessGroup};
-pub use nccl::{NCCL_UNIQUE_ID_BYTES, NcclGroup, nccl_unique_id};
+pub use launch_env::{LAUNCH_VARS, LaunchEnv};
+pub use nccl::{NcclGroup, nccl_unique_id};
+pub use rendezvous::{NCCL_UNIQUE_ID_BYTES, RENDEZVOUS_TIMEOUT, Rendezvous, share_unique_id};
+pub use store::StoreClient;
+pub use store_server::StoreServer;
 pub use zero1::Zero1;
 
 use crate::base::Result;

@@ -6,8 +6,9 @@
 //! only at `wait_launched`, so DDP's bucket reductions overlap the rest of backward.
 //!
 //! Tensors on the CPU (a logged loss, a rebuilt bucket order) are staged through the GPU and
-//! copied back after the stream is synchronised. Not here: how ranks meet and share NCCL's
-//! unique id (the rendezvous), which is the caller's.
+//! copied back after the stream is synchronised. `NcclGroup::join` is the whole start of a
+//! launched rank: rank 0 makes NCCL's unique id, the rendezvous hands it to every rank, each
+//! joins the communicator on the GPU of its LOCAL_RANK.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -16,13 +17,12 @@ use cudarc::driver::CudaStream;
 use cudarc::nccl::{result as nccl, sys};
 
 use super::group::{ProcessGroup, ReduceOp, check_buffer, check_root, check_split};
+use super::launch_env::LaunchEnv;
+use super::rendezvous::{NCCL_UNIQUE_ID_BYTES, share_unique_id};
 use crate::autograd::no_grad;
 use crate::backend::cuda::{self, CudaDevice};
 use crate::base::{Error, Result};
 use crate::tensor::{DType, Device, Tensor};
-
-/// The 128 bytes every rank passes to `NcclGroup::new`; rank 0 makes them.
-pub const NCCL_UNIQUE_ID_BYTES: usize = 128;
 
 /// A communicator handle; NCCL allows calls on it from any thread, one at a time, which the
 /// group's callers guarantee (collectives are issued in one order by one thread per rank).
@@ -117,6 +117,21 @@ impl NcclGroup {
             stream,
             launched: AtomicBool::new(false),
         })
+    }
+
+    /// This process's rank of a launched run (`ferrograd launch`, torchrun): NCCL's unique id
+    /// shared through the rendezvous within `timeout`, the communicator joined on GPU
+    /// LOCAL_RANK.
+    pub fn join(env: &LaunchEnv, timeout: std::time::Duration) -> Result<NcclGroup> {
+        // A machine without the GPU says so before anything waits on the other ranks.
+        cuda::device(env.local_rank)?;
+        let mine = if env.rank == 0 {
+            Some(nccl_unique_id()?)
+        } else {
+            None
+        };
+        let id = share_unique_id(env, mine.as_ref(), timeout)?;
+        NcclGroup::new(env.rank, env.world_size, env.local_rank, id)
     }
 
     /// The GPU this rank's collectives run on.
