@@ -31,7 +31,8 @@
 //!     as threads, deterministic reductions), `Ddp` (bucketed all-reduce from gradient hooks,
 //!     gradients as views into the buckets) and `Zero1` (AdamW state sharded over ranks);
 //!     for multi-process runs, `LaunchEnv` (the torchrun variables) and a `Rendezvous` over
-//!     PyTorch's TCPStore protocol that shares rank 0's NCCL unique id.
+//!     PyTorch's TCPStore protocol that shares rank 0's NCCL unique id, and `NcclGroup` (a
+//!     process per GPU, collectives on a communication stream of its own).
 //! 11. `train` — memory strategies, one small file each (accumulation, freezing, step in
 //!     backward, the `GradScaler`), composed by the `Trainer` with the model's recomputation
 //!     policy and, when data-parallel, the gradient synchronisation.
