@@ -163,10 +163,41 @@ fn dot<A: Elem>(x: &[A], y: &[A]) -> A {
     lane_fold(&acc, A::zero(), |a, b| a + b) + tail
 }
 
-/// acc += c · x
+/// Columns of the register block in `weighted_rows`: one 256-bit vector of f32.
+const C: usize = 8;
+
+/// acc_r (D) += Σ_{j<n} w[r][j] · x_{j0+j} for the R rows of acc (R, D), over x (T, D): a
+/// tile of probabilities times v, or of score gradients times k. Each block of C columns of
+/// the R rows is summed in registers over the n keys, then added to acc once.
 #[inline(always)]
-fn axpy<A: Elem>(acc: &mut [A], c: A, x: &[A]) {
-    acc.iter_mut().zip(x).for_each(|(a, &v)| *a = *a + c * v);
+fn weighted_rows<A: Elem>(acc: &mut [A], w: &[[A; TILE]; R], x: &[A], j0: usize, n: usize) {
+    let d = acc.len() / R;
+    let whole = d / C * C;
+    for c0 in (0..whole).step_by(C) {
+        let mut reg = [[A::zero(); C]; R];
+        for j in 0..n {
+            let xj: &[A; C] = x[(j0 + j) * d + c0..(j0 + j) * d + c0 + C]
+                .try_into()
+                .expect("a block of C columns");
+            for r in 0..R {
+                let wj = w[r][j];
+                for c in 0..C {
+                    reg[r][c] = reg[r][c] + wj * xj[c];
+                }
+            }
+        }
+        for (r, row) in reg.iter().enumerate() {
+            for (a, &v) in acc[r * d + c0..r * d + c0 + C].iter_mut().zip(row) {
+                *a = *a + v;
+            }
+        }
+    }
+    for c in whole..d {
+        for r in 0..R {
+            let sum = (0..n).fold(A::zero(), |s, j| s + w[r][j] * x[(j0 + j) * d + c]);
+            acc[r * d + c] = acc[r * d + c] + sum;
+        }
+    }
 }
 
 /// How many of the n keys of the tile starting at key j0 query i sees (a prefix of them).
@@ -214,12 +245,7 @@ fn forward_loops<A: Elem>(h: &Head<A>, dims: HeadDims, o: &mut [A], lse: &mut [A
                     .for_each(|x| *x = *x * alpha);
                 m[r] = m_new;
             }
-            for j in 0..n {
-                let vj = &h.v[(j0 + j) * d..(j0 + j + 1) * d];
-                for r in 0..R {
-                    axpy(&mut acc[r * d..(r + 1) * d], s[r][j], vj);
-                }
-            }
+            weighted_rows(&mut acc, &s, &h.v, j0, n);
         }
         for r in 0..R.min(t - i0) {
             let inv = A::one() / l[r];
@@ -288,12 +314,9 @@ fn backward_loops<A: Elem>(h: &Head<A>, dims: HeadDims, saved: Saved<A>, g: Head
                     ds[r][j] = pj * (ds[r][j] - delta[r]) * scale;
                 }
             }
+            weighted_rows(&mut dq[i0 * d..(i0 + R) * d], &ds, &h.k, j0, n);
             for j in 0..n {
                 let kr = (j0 + j) * d..(j0 + j + 1) * d;
-                let kj = &h.k[kr.clone()];
-                for r in 0..R {
-                    axpy(&mut dq[(i0 + r) * d..(i0 + r + 1) * d], ds[r][j], kj);
-                }
                 let (dk, dv) = (&mut g.dk[kr.clone()], &mut g.dv[kr]);
                 let dsj: [A; R] = std::array::from_fn(|r| ds[r][j]);
                 let pj: [A; R] = std::array::from_fn(|r| p[r][j]);
