@@ -247,17 +247,22 @@ impl<C: Float> AdamC<C> {
 
 fn adam_apply<T: Opmath>(k: &AdamScalars, g: &[T], p: &mut [T], m: &mut [T], v: &mut [T]) {
     let h = AdamC::new(k, T::c);
+    let step = |((p, g), (m, v)): ((&mut [T], &[T]), (&mut [T], &mut [T]))| {
+        for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
+            let (np, nm, nv) = h.update(g.up(), p.up(), m.up(), v.up());
+            *p = T::down(np);
+            *m = T::down(nm);
+            *v = T::down(nv);
+        }
+    };
+    // One chunk (a bias, a norm's weight): here, not handed to the pool and waited for.
+    if p.len() <= CHUNK {
+        return step(((p, g), (m, v)));
+    }
     p.par_chunks_mut(CHUNK)
         .zip(g.par_chunks(CHUNK))
         .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
-        .for_each(|((p, g), (m, v))| {
-            for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
-                let (np, nm, nv) = h.update(g.up(), p.up(), m.up(), v.up());
-                *p = T::down(np);
-                *m = T::down(nm);
-                *v = T::down(nv);
-            }
-        });
+        .for_each(step);
 }
 
 // ---- unscale with inf/NaN check --------------------------------------------------------------
