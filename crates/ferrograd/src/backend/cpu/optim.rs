@@ -245,9 +245,12 @@ impl<C: Float> AdamC<C> {
     }
 }
 
+/// Matching chunks of (param, grad) and (exp_avg, exp_avg_sq).
+type AdamChunk<'a, T> = ((&'a mut [T], &'a [T]), (&'a mut [T], &'a mut [T]));
+
 fn adam_apply<T: Opmath>(k: &AdamScalars, g: &[T], p: &mut [T], m: &mut [T], v: &mut [T]) {
     let h = AdamC::new(k, T::c);
-    let step = |((p, g), (m, v)): ((&mut [T], &[T]), (&mut [T], &mut [T]))| {
+    let step = |((p, g), (m, v)): AdamChunk<T>| {
         for (((p, &g), m), v) in p.iter_mut().zip(g).zip(m.iter_mut()).zip(v.iter_mut()) {
             let (np, nm, nv) = h.update(g.up(), p.up(), m.up(), v.up());
             *p = T::down(np);
