@@ -491,7 +491,10 @@ fn render(s: &JobSummary, log: &[String]) -> String {
         "peak memory {} allocated (planned {}{}), {} reserved (planned {}):",
         format_size(s.peak_bytes),
         format_size(s.predicted_peak_bytes),
-        if s.peak_bytes == s.predicted_peak_bytes {
+        if !s.ranks.is_empty() {
+            // The plan is one process's run; the ranks' peaks are below.
+            " for one process without data parallelism"
+        } else if s.peak_bytes == s.predicted_peak_bytes {
             ", exact"
         } else {
             ""

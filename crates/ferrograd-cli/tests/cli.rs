@@ -766,10 +766,18 @@ fn ranks_train_data_parallel_on_the_cpu() {
     for r in ranks {
         assert!(r["by_category_at_peak"]["gradient"].as_u64().unwrap() > 0);
     }
-    let report = ferrograd(&[SMALL, &["--ranks", "2"]].concat());
+    let report = ferrograd(&[SMALL, &["--ranks", "2", "--log-every", "1"]].concat());
     let text = String::from_utf8_lossy(&report.stdout);
     assert!(
         text.contains("peak per rank") && text.contains("rank 1"),
+        "{text}"
+    );
+    // Step lines go where the progress bar draws (stderr).
+    let log = String::from_utf8_lossy(&report.stderr);
+    let step_lines = log.lines().filter(|l| l.contains(" | rank peaks ")).count();
+    assert_eq!(step_lines, 3, "every step logs each rank's peak: {log}");
+    assert!(
+        text.contains("for one process without data parallelism"),
         "{text}"
     );
     let zero = ferrograd(&[SMALL, &["--ranks", "2", "--zero", "1", "--json"]].concat());

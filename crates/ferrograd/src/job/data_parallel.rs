@@ -82,12 +82,21 @@ pub(super) fn resumed_data_seed(seed: u64, rank: usize, step: u64) -> u64 {
     data_seed(seed, rank) ^ step.rotate_left(29)
 }
 
-/// The step as the whole group saw it: the loss averaged over ranks, the tokens of all.
-pub(super) fn group_report(report: &mut StepReport, group: &dyn ProcessGroup) -> Result<()> {
+/// The step as the whole group saw it: the loss averaged over ranks, the tokens of all,
+/// each rank's peak so far (every rank calls it: the peaks are gathered).
+pub(super) fn group_report(
+    report: &mut StepReport,
+    group: &dyn ProcessGroup,
+    device: Device,
+) -> Result<()> {
     let loss = Tensor::from_vec_as(vec![report.loss], &[1], DType::F64, Device::Cpu)?;
     group.all_reduce(&loss, ReduceOp::Avg)?;
     report.loss = loss.item()?;
     report.tokens *= group.world_size();
+    report.rank_peaks = rank_peaks(device, group)?
+        .into_iter()
+        .map(|r| r.peak_bytes)
+        .collect();
     Ok(())
 }
 

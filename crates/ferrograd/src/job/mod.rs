@@ -374,7 +374,7 @@ fn run_replica(
             job.device,
         )?;
         if let Some(g) = &group {
-            data_parallel::group_report(&mut report, &**g)?;
+            data_parallel::group_report(&mut report, &**g, job.device)?;
         }
         if let Some(check) = &mut leak_check {
             check.mark_step();

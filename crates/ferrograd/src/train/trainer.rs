@@ -135,6 +135,8 @@ pub struct StepReport {
     pub memory_allocated: u64,
     pub max_memory_allocated: u64,
     pub memory_reserved: u64,
+    /// With data parallelism, each rank's peak so far, in rank order (empty otherwise).
+    pub rank_peaks: Vec<u64>,
 }
 
 impl StepReport {
@@ -157,6 +159,14 @@ impl std::fmt::Display for StepReport {
             mb(self.max_memory_allocated),
             mb(self.memory_reserved)
         )?;
+        if !self.rank_peaks.is_empty() {
+            let peaks: Vec<String> = self
+                .rank_peaks
+                .iter()
+                .map(|&b| memory::format_size(b))
+                .collect();
+            write!(f, " | rank peaks {}", peaks.join(", "))?;
+        }
         if let Some(n) = self.grad_norm {
             write!(f, " | norm {n:.3}")?;
         }
@@ -344,6 +354,7 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
             memory_allocated: memory::memory_allocated(self.device)?,
             max_memory_allocated: memory::max_memory_allocated(self.device)?,
             memory_reserved: memory::memory_reserved(self.device)?,
+            rank_peaks: Vec::new(),
         };
         self.step += 1;
         Ok(report)
