@@ -75,20 +75,21 @@ fn sgd(m: &dyn Module) -> Sgd {
     Sgd::new(m.parameters(), cfg).unwrap()
 }
 
+/// One process, one step of `opt` on the whole batch (x, t), gradients cleared after it.
+fn whole_batch_step(model: &dyn Module, opt: &mut dyn Optimizer, x: &Tensor, t: &Tensor) {
+    let loss = model.forward(x).unwrap().mse_loss(t).unwrap();
+    loss.backward().unwrap();
+    opt.step().unwrap();
+    opt.zero_grad().unwrap();
+}
+
 /// One process, one SGD step on the whole batch: the parameters before and after.
 fn single_sgd_step(dtype: DType) -> (Params, Params) {
     let model = mlp(dtype, 0);
     let before = values(&model);
     let (x, t) = batch(dtype);
     let mut opt = sgd(&model);
-    model
-        .forward(&x)
-        .unwrap()
-        .mse_loss(&t)
-        .unwrap()
-        .backward()
-        .unwrap();
-    opt.step().unwrap();
+    whole_batch_step(&model, &mut opt, &x, &t);
     (before, values(&model))
 }
 
@@ -669,15 +670,7 @@ fn buckets_are_rebuilt_after_the_first_step_the_same_on_every_rank() {
     let model = Listed::new(dtype);
     let mut opt = sgd(&model);
     for _ in 0..2 {
-        model
-            .forward(&x)
-            .unwrap()
-            .mse_loss(&t)
-            .unwrap()
-            .backward()
-            .unwrap();
-        opt.step().unwrap();
-        opt.zero_grad().unwrap();
+        whole_batch_step(&model, &mut opt, &x, &t);
     }
     let params: Vec<_> = out.iter().map(|o| o.3.clone()).collect();
     assert_identical_on_ranks(&params);
@@ -909,15 +902,7 @@ fn single_adamw(dtype: DType) -> (Params, Params) {
     let (x, t) = batch(dtype);
     let mut opt = Adam::adamw(model.parameters(), adam_cfg()).unwrap();
     for _ in 0..ZERO_STEPS {
-        model
-            .forward(&x)
-            .unwrap()
-            .mse_loss(&t)
-            .unwrap()
-            .backward()
-            .unwrap();
-        opt.step().unwrap();
-        opt.zero_grad().unwrap();
+        whole_batch_step(&model, &mut opt, &x, &t);
     }
     (before, values(&model))
 }
@@ -1018,19 +1003,8 @@ fn zero1_state_gathers_whole_and_resumes_resharded() {
     let (x, t) = batch(DType::F64);
     let model = mlp(DType::F64, 0);
     let mut adam = Adam::adamw(model.parameters(), adam_cfg()).unwrap();
-    let plain_step = |adam: &mut Adam| {
-        model
-            .forward(&x)
-            .unwrap()
-            .mse_loss(&t)
-            .unwrap()
-            .backward()
-            .unwrap();
-        adam.step().unwrap();
-        adam.zero_grad().unwrap();
-    };
     for _ in 0..2 {
-        plain_step(&mut adam);
+        whole_batch_step(&model, &mut adam, &x, &t);
     }
     let (params, whole) = zero1_run(2, 2, None);
     assert_close("parameters", &params, &values(&model), 1e-12);
@@ -1054,7 +1028,7 @@ fn zero1_state_gathers_whole_and_resumes_resharded() {
         .map(|(i, s)| (i, s.unwrap()))
         .collect();
     let (resumed, again) = zero1_run(4, 1, Some((params, states.clone())));
-    plain_step(&mut adam);
+    whole_batch_step(&model, &mut adam, &x, &t);
     assert_close("resumed parameters", &resumed, &values(&model), 1e-12);
     assert_eq!(again[0].as_ref().unwrap().step, 3);
     // A state holding some parameters of a dtype only cannot be sharded.

@@ -25,6 +25,12 @@ pub trait ProcessGroup: Send + Sync {
     /// What carries the bytes, for reports ("in-process", "nccl").
     fn backend_name(&self) -> &'static str;
 
+    /// Whether the ranks are threads of this process, sharing its allocators (each rank's
+    /// bytes are then its memory scope's), rather than processes of their own.
+    fn ranks_share_process(&self) -> bool {
+        false
+    }
+
     /// x: (n,) on every rank → the reduction over ranks, on every rank.
     fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<()>;
 

@@ -395,6 +395,10 @@ impl ProcessGroup for InProcessGroup {
         "in-process"
     }
 
+    fn ranks_share_process(&self) -> bool {
+        true
+    }
+
     fn all_reduce(&self, x: &Tensor, op: ReduceOp) -> Result<()> {
         check_buffer("all_reduce", "buffer", x)?;
         let flat = |t: &Tensor| t.reshape(&[t.numel()]);

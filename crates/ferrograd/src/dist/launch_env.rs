@@ -18,15 +18,11 @@ pub const LAUNCH_VARS: [&str; 7] = [
     "TORCHELASTIC_USE_AGENT_STORE",
 ];
 
-/// The ones every rank must have (the agent-store flag is optional: false when unset).
-const REQUIRED: [&str; 6] = [
-    "RANK",
-    "LOCAL_RANK",
-    "WORLD_SIZE",
-    "LOCAL_WORLD_SIZE",
-    "MASTER_ADDR",
-    "MASTER_PORT",
-];
+/// The ones every rank must have: all but the last (the agent-store flag, false when unset).
+const REQUIRED: &[&str] = match LAUNCH_VARS.split_last() {
+    Some((_, required)) => required,
+    None => &[],
+};
 
 const CONTEXT: &str = "torchrun environment";
 

@@ -104,7 +104,7 @@ pub(super) fn group_report(
 /// In-process ranks share an allocator, so each reads its own memory scope; a launched rank
 /// is a process of its own, whose allocator holds its bytes alone.
 pub(super) fn rank_peaks(device: Device, group: &dyn ProcessGroup) -> Result<Vec<RankPeak>> {
-    let (peak, at_peak) = if group.backend_name() == "in-process" {
+    let (peak, at_peak) = if group.ranks_share_process() {
         let id = u16::try_from(group.rank())
             .map_err(|_| Error::invalid("train", "too many ranks to report"))?;
         let m = memory::scope_memory(device, id)?;

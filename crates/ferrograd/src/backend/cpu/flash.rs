@@ -10,7 +10,7 @@
 //! vectorisable `exp_f32` at f32.
 
 use super::data::Elem;
-use super::vmath::simd_fn;
+use super::vmath::{lane_fold, simd_fn};
 
 /// Keys per tile: one tile's scores for a block of queries stay in L1.
 const TILE: usize = 64;
@@ -125,42 +125,11 @@ fn scores<A: Elem>(
     }
 }
 
-/// Lanes of the row reductions below: independent chains fill the vector registers where one
-/// serial chain would wait on every addition.
-const LANES: usize = 8;
-
-/// x folded by `f` (max or +) over `LANES` partial results, then the tail: a fixed order, so
-/// the result does not depend on the instruction set.
-#[inline(always)]
-fn lane_fold<A: Elem>(x: &[A], init: A, f: impl Fn(A, A) -> A) -> A {
-    let mut acc = [init; LANES];
-    let mut chunks = x.chunks_exact(LANES);
-    for c in &mut chunks {
-        for (a, &v) in acc.iter_mut().zip(c) {
-            *a = f(*a, v);
-        }
-    }
-    let tail = chunks.remainder().iter().fold(init, |a, &v| f(a, v));
-    let [a0, a1, a2, a3, a4, a5, a6, a7] = acc;
-    f(f(f(f(a0, a4), f(a1, a5)), f(f(a2, a6), f(a3, a7))), tail)
-}
-
-/// x · y over `LANES` partial sums.
+/// x · y over the lane reduction's partial sums.
 #[inline(always)]
 fn dot<A: Elem>(x: &[A], y: &[A]) -> A {
-    let mut acc = [A::zero(); LANES];
-    let (xc, yc) = (x.chunks_exact(LANES), y.chunks_exact(LANES));
-    let tail = xc
-        .remainder()
-        .iter()
-        .zip(yc.remainder())
-        .fold(A::zero(), |a, (&u, &v)| a + u * v);
-    for (cx, cy) in xc.zip(yc) {
-        for l in 0..LANES {
-            acc[l] = acc[l] + cx[l] * cy[l];
-        }
-    }
-    lane_fold(&acc, A::zero(), |a, b| a + b) + tail
+    let y = &y[..x.len()];
+    lane_fold(x.len(), A::zero(), |j| x[j] * y[j], |a, b| a + b)
 }
 
 /// Columns of the register block in `weighted_rows`: one 256-bit vector of f32.
@@ -230,7 +199,7 @@ fn forward_loops<A: Elem>(h: &Head<A>, dims: HeadDims, o: &mut [A], lse: &mut [A
             for r in 0..R {
                 let sr = &mut s[r][..n];
                 sr[visible(dims, i0 + r, j0, n)..].fill(A::neg_infinity());
-                let m_new = m[r].max(lane_fold(sr, A::neg_infinity(), A::max));
+                let m_new = m[r].max(lane_fold(sr.len(), A::neg_infinity(), |j| sr[j], A::max));
                 // A row that sees nothing yet keeps m = −inf; its exps stay 0 (no NaN).
                 let shift = if m_new == A::neg_infinity() {
                     A::zero()
@@ -239,7 +208,7 @@ fn forward_loops<A: Elem>(h: &Head<A>, dims: HeadDims, o: &mut [A], lse: &mut [A
                 };
                 let alpha = (m[r] - shift).exp_v();
                 sr.iter_mut().for_each(|x| *x = (*x - shift).exp_v());
-                l[r] = l[r] * alpha + lane_fold(sr, A::zero(), |a, b| a + b);
+                l[r] = l[r] * alpha + lane_fold(sr.len(), A::zero(), |j| sr[j], |a, b| a + b);
                 acc[r * d..(r + 1) * d]
                     .iter_mut()
                     .for_each(|x| *x = *x * alpha);
