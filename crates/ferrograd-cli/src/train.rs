@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, OnceLock};
+use std::time::Instant;
 
 use anyhow::bail;
 use clap::{Parser, ValueEnum};
@@ -11,7 +12,7 @@ use ferrograd::dist::{LaunchEnv, NcclGroup, RENDEZVOUS_TIMEOUT};
 use ferrograd::job::{self, Event, JobSummary, MemoryTraceSettings, OptimizerChoice, TrainJob};
 use ferrograd::memory::format_size;
 use ferrograd::nn::Recompute;
-use ferrograd::train::TrainerConfig;
+use ferrograd::train::{StepReport, TrainerConfig};
 use ferrograd::{DType, Device};
 use indicatif::{ProgressBar, ProgressStyle};
 
@@ -368,6 +369,7 @@ fn report(
             .progress_chars("=> "),
     );
     let mut log = Vec::new();
+    let mut window = Window::new();
     let summary = run(&mut |e| match e {
         Event::Started {
             params,
@@ -393,12 +395,20 @@ fn report(
         }
         Event::Step(r) => {
             bar.set_position(r.step + 1);
-            if args.log_every > 0 && (r.step + 1) % args.log_every == 0 {
+            window.add(r.tokens);
+            let logged = args.log_every > 0 && (r.step + 1) % args.log_every == 0;
+            // Reading the loss waits for the device, so it is read only when shown.
+            let shown = !bar.is_hidden() && (r.step + 1) % BAR_EVERY == 0;
+            if !(logged || shown) {
+                return;
+            }
+            let r = window.close(r);
+            if logged {
                 say(&bar, &r.to_string());
             }
             bar.set_message(format!(
                 "loss {:.3} | {:.0} tok/s | mem {} (peak {})",
-                r.loss,
+                r.loss.value().unwrap_or(f64::NAN),
                 r.tokens_per_s(),
                 format_size(r.memory_allocated),
                 format_size(r.max_memory_allocated)
@@ -432,6 +442,40 @@ fn report(
         print!("{}", render(&summary, &log));
     }
     Ok(())
+}
+
+/// Steps between two updates of the progress bar's loss (each read waits for the device).
+const BAR_EVERY: u64 = 10;
+
+/// The steps since the last shown one: steps are queued on the device, not waited for, so a
+/// step's own time is the host's; the rate shown is the window's tokens over the wall time
+/// from the last shown step to this one's loss having been read.
+struct Window {
+    since: Instant,
+    tokens: usize,
+}
+
+impl Window {
+    fn new() -> Window {
+        Window {
+            since: Instant::now(),
+            tokens: 0,
+        }
+    }
+
+    fn add(&mut self, tokens: usize) {
+        self.tokens += tokens;
+    }
+
+    /// `r` with the window's tokens and time (after waiting for its loss); starts a new window.
+    fn close(&mut self, r: &StepReport) -> StepReport {
+        let _ = r.loss.value();
+        let mut shown = r.clone();
+        shown.tokens = std::mem::take(&mut self.tokens);
+        shown.seconds = self.since.elapsed().as_secs_f64();
+        self.since = Instant::now();
+        shown
+    }
 }
 
 /// A line above the progress bar, or on stderr when there is no bar (not a terminal), so

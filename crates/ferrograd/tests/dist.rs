@@ -1310,7 +1310,7 @@ fn the_job_with_zero1_matches_ddp_with_half_the_optimizer_state_per_rank() {
     let mut losses = Vec::new();
     let sharded = ferrograd::job::run(&zero, &mut |e| {
         if let ferrograd::job::Event::Step(r) = e {
-            losses.push(r.loss);
+            losses.push(r.loss.value().unwrap());
         }
     })
     .unwrap();

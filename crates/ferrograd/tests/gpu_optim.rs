@@ -8,7 +8,9 @@
 mod common;
 
 use common::{assert_close, on, regression_steps};
-use ferrograd::optim::{Adam, AdamConfig, Optimizer, clip_grad_norm, clip_grad_value};
+use ferrograd::optim::{
+    Adam, AdamConfig, Optimizer, clip_grad_norm, clip_grad_norm_queued, clip_grad_value,
+};
 use ferrograd::{Category, DType, Device, Generator, Tensor};
 
 const GPU: Device = Device::Cuda(0);
@@ -220,6 +222,29 @@ fn clip_grad_norm_matches_cpu() {
         let want = clip_grad_norm(&cpu, max_norm, p, true).unwrap();
         let got = clip_grad_norm(&gpu, max_norm, p, true).unwrap();
         // Per-gradient sums in another order on the GPU.
+        assert!(
+            (got - want).abs() <= 1e-6 * want,
+            "p = {p}: norm {got} on the GPU, {want} on the CPU"
+        );
+        for (i, (g, c)) in gpu.iter().zip(&cpu).enumerate() {
+            let (g, c) = (on(&g.grad().unwrap(), CPU), c.grad().unwrap());
+            assert_close(&format!("p = {p}: grad {i}"), &g, &c, 1e-6, 1e-5);
+        }
+    }
+}
+
+#[test]
+fn clip_grad_norm_queued_matches_cpu_without_reading_back() {
+    let grads = clip_grads();
+    for (p, max_norm) in [(2.0, 1.0), (1.0, 5.0), (3.0, 0.5), (2.0, 1e6)] {
+        let (cpu, gpu) = (with_grads(&grads, CPU), with_grads(&grads, GPU));
+        let want = clip_grad_norm(&cpu, max_norm, p, true).unwrap();
+        let readout = clip_grad_norm_queued(&gpu, max_norm, p).unwrap();
+        assert!(
+            !readout.is_read(),
+            "p = {p}: the norm was read before it was asked for"
+        );
+        let got = readout.value().unwrap();
         assert!(
             (got - want).abs() <= 1e-6 * want,
             "p = {p}: norm {got} on the GPU, {want} on the CPU"

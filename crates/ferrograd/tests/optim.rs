@@ -5,7 +5,7 @@
 
 use ferrograd::optim::{
     Adam, AdamConfig, AdamState, Optimizer, Sgd, SgdConfig, WarmupCosine, clip_grad_norm,
-    clip_grad_value,
+    clip_grad_norm_queued, clip_grad_value,
 };
 use ferrograd::{Category, DType, Device, Tensor};
 use safetensors::SafeTensors;
@@ -433,6 +433,50 @@ fn check_clip_norm(case: &str, norm_type: f64, max_norm: f64) {
     check_clipped(&st, case, &params);
     for (p, g) in params.iter().zip(&before) {
         assert!(p.grad().unwrap().shares_storage(g), "{case}: not in place");
+    }
+}
+
+/// The queued clip against PyTorch's fixture: the norm read afterwards, the gradients in place.
+fn check_clip_norm_queued(case: &str, norm_type: f64, max_norm: f64) {
+    let bytes = fixtures();
+    let st = SafeTensors::deserialize(&bytes).unwrap();
+    let params = clip_params(&st, case);
+    let before: Vec<Tensor> = params.iter().map(|p| p.grad().unwrap()).collect();
+    let readout = clip_grad_norm_queued(&params, max_norm, norm_type).unwrap();
+    // The ∞-norm takes the host path, whose norm is already read.
+    assert_eq!(readout.is_read(), norm_type.is_infinite(), "{case}");
+    let norm = readout.value().unwrap();
+    let want = load(&st, &format!("{case}.norm")).to_vec::<f32>().unwrap()[0] as f64;
+    assert!(
+        (norm - want).abs() <= 1e-6 * want,
+        "{case}: norm {norm} vs {want}"
+    );
+    check_clipped(&st, case, &params);
+    for (p, g) in params.iter().zip(&before) {
+        assert!(p.grad().unwrap().shares_storage(g), "{case}: not in place");
+    }
+}
+
+#[test]
+fn clip_grad_norm_queued_matches_pytorch() {
+    check_clip_norm_queued("clip_norm2", 2.0, 1.0);
+    check_clip_norm_queued("clip_norm1", 1.0, 2.0);
+    check_clip_norm_queued("clip_norm2_unclipped", 2.0, 1000.0);
+    check_clip_norm_queued("clip_norm_inf", f64::INFINITY, 0.5);
+}
+
+#[test]
+fn clip_grad_norm_queued_keeps_nan_and_refuses_bad_norm_types() {
+    let p = param(vec![0.0; 3]);
+    p.set_grad(grad_of(vec![f32::NAN, -3.0, 0.25])).unwrap();
+    let norm = clip_grad_norm_queued(std::slice::from_ref(&p), 1.0, 2.0).unwrap();
+    assert!(norm.value().unwrap().is_nan());
+    // Scaled by the NaN coefficient, as PyTorch does without error_if_nonfinite.
+    let g = p.grad().unwrap().to_vec::<f32>().unwrap();
+    assert!(g.iter().all(|v| v.is_nan()), "{g:?}");
+    for bad in [0.0, -1.0, f64::NAN] {
+        let err = clip_grad_norm_queued(std::slice::from_ref(&p), 1.0, bad).unwrap_err();
+        assert!(err.to_string().contains("norm_type"), "{err}");
     }
 }
 

@@ -70,7 +70,7 @@ fn run(job: &TrainJob) -> ferrograd::Result<Vec<f64>> {
     let mut losses = Vec::new();
     job::run(job, &mut |e| {
         if let Event::Step(r) = e {
-            losses.push(r.loss);
+            losses.push(r.loss.value().unwrap());
         }
     })?;
     Ok(losses)

@@ -410,13 +410,21 @@ impl State {
 
     fn bind_all_views(&self) -> Result<()> {
         for b in &self.buckets {
-            // A whole bucket without gradients (after zero_grad) is zeroed in one go.
-            if b.members.iter().all(|&m| self.params[m].grad().is_none()) {
+            if b.members.iter().any(|&m| self.params[m].grad().is_some()) {
+                b.members.iter().try_for_each(|&m| self.bind_view(m))?;
+            } else if self.require_sync {
+                // A whole bucket without gradients (after zero_grad(set_to_none)) before a
+                // synchronised backward: each member's first gradient is copied into its view
+                // by the hook, so zeroing the bucket and adding into it would be two wasted
+                // passes over the gradient bytes.
+            } else {
+                // no_sync: the gradients accumulate straight into the zeroed views.
                 let _g = no_grad();
                 b.flat.zero_()?;
+                b.members.iter().try_for_each(|&m| self.bind_view(m))?;
             }
         }
-        (0..self.params.len()).try_for_each(|i| self.bind_view(i))
+        Ok(())
     }
 
     fn arm(&mut self) {

@@ -14,7 +14,7 @@ use crate::base::CategoryBytes;
 use crate::base::{Error, Result};
 use crate::dist::{DEFAULT_TIMEOUT, InProcessGroup, ProcessGroup, ReduceOp};
 use crate::memory;
-use crate::tensor::{DType, Device, Tensor};
+use crate::tensor::{DType, Device, Readout, Tensor};
 use crate::train::StepReport;
 
 /// One rank's peak, for the summary.
@@ -83,45 +83,57 @@ pub(super) fn resumed_data_seed(seed: u64, rank: usize, step: u64) -> u64 {
 }
 
 /// The step as the whole group saw it: the loss averaged over ranks, the tokens of all,
-/// each rank's peak so far (every rank calls it: the peaks are gathered).
+/// each rank's peak so far (every rank calls it: the peaks are gathered). Both collectives
+/// are queued on the device; nothing waits until a log reads them.
 pub(super) fn group_report(
     report: &mut StepReport,
     group: &dyn ProcessGroup,
     device: Device,
 ) -> Result<()> {
-    let loss = Tensor::from_vec_as(vec![report.loss], &[1], DType::F64, Device::Cpu)?;
-    group.all_reduce(&loss, ReduceOp::Avg)?;
-    report.loss = loss.item()?;
+    if let Some(loss) = report.loss.tensor() {
+        let mean = loss.contiguous_copy()?;
+        group.all_reduce(&mean, ReduceOp::Avg)?;
+        report.loss = Readout::pending(mean);
+    }
     report.tokens *= group.world_size();
-    report.rank_peaks = rank_peaks(device, group)?
-        .into_iter()
-        .map(|r| r.peak_bytes)
-        .collect();
+    let (peak, _) = own_peak(device, group)?;
+    report.rank_peaks = Readout::pending(gather_rows(vec![peak as f64], device, group)?);
     Ok(())
 }
 
-/// Every rank's peak and its categories, gathered over the group (called by every rank).
-/// In-process ranks share an allocator, so each reads its own memory scope; a launched rank
-/// is a process of its own, whose allocator holds its bytes alone.
-pub(super) fn rank_peaks(device: Device, group: &dyn ProcessGroup) -> Result<Vec<RankPeak>> {
-    let (peak, at_peak) = if group.ranks_share_process() {
+/// This rank's peak so far and its categories at that moment. In-process ranks share an
+/// allocator, so each reads its own memory scope; a launched rank is a process of its own,
+/// whose allocator holds its bytes alone.
+fn own_peak(device: Device, group: &dyn ProcessGroup) -> Result<(u64, CategoryBytes)> {
+    if group.ranks_share_process() {
         let id = u16::try_from(group.rank())
             .map_err(|_| Error::invalid("train", "too many ranks to report"))?;
         let m = memory::scope_memory(device, id)?;
-        (m.peak, m.by_category_at_peak)
-    } else {
-        let a = memory::allocator(device)?;
-        (a.max_memory_allocated(), a.by_category_at_peak())
-    };
+        return Ok((m.peak, m.by_category_at_peak));
+    }
+    let a = memory::allocator(device)?;
+    Ok((a.max_memory_allocated(), a.by_category_at_peak()))
+}
+
+/// Every rank's `row` (the same length on each), gathered on the device in rank order.
+fn gather_rows(row: Vec<f64>, device: Device, group: &dyn ProcessGroup) -> Result<Tensor> {
+    let width = row.len();
+    let mine = Tensor::from_vec_as(row, &[width], DType::F64, device)?;
+    let all = Tensor::zeros(&[group.world_size() * width], DType::F64, device)?;
+    group.all_gather(&mine, &all)?;
+    Ok(all)
+}
+
+/// Every rank's peak and its categories, gathered over the group (called by every rank).
+pub(super) fn rank_peaks(device: Device, group: &dyn ProcessGroup) -> Result<Vec<RankPeak>> {
+    let (peak, at_peak) = own_peak(device, group)?;
     // One row per rank: the peak, then the categories; bytes are exact in f64 below 2^53.
     let row: Vec<f64> = std::iter::once(peak)
         .chain(at_peak.0)
         .map(|b| b as f64)
         .collect();
-    let (width, world) = (row.len(), group.world_size());
-    let mine = Tensor::from_vec_as(row, &[width], DType::F64, device)?;
-    let all = Tensor::zeros(&[world * width], DType::F64, device)?;
-    group.all_gather(&mine, &all)?;
+    let width = row.len();
+    let all = gather_rows(row, device, group)?;
     let values = all.to_vec::<f64>()?;
     Ok(values
         .chunks(width)

@@ -4,11 +4,12 @@
 //! reports the planned peak next to the measured one.
 //!
 //! The planned run is what the real run does up to its peak: the evaluation before training,
-//! the first two steps (the second is the first with optimizer state from the start, which
-//! every later step repeats byte for byte), and an evaluation after them when the run
-//! evaluates between steps.
+//! the first three steps, and an evaluation after them when the run evaluates between steps.
+//! The second step is the first with optimizer state from the start; the third is the first
+//! that runs while two earlier losses wait unread on the device (the first step's and the
+//! last one's, for the summary); every later step repeats it byte for byte.
 
-use super::{TrainJob, build, evaluate, train_step};
+use super::{Losses, TrainJob, build, evaluate, train_step};
 use crate::base::{Device, Error, Result};
 use crate::data::TextDataset;
 use crate::nn::Module;
@@ -45,7 +46,7 @@ fn plan_with_data(
     let to_run = job
         .stop_after
         .map_or(job.max_steps, |n| n.min(job.max_steps));
-    let steps = to_run.min(2);
+    let steps = to_run.min(3);
     let evaluates_between = job.eval_every > 0 && job.eval_every < to_run;
     // One batch per split: every evaluation batch takes the same bytes.
     let eval_job = TrainJob {
@@ -57,8 +58,10 @@ fn plan_with_data(
         model.train(true);
         let mut rng = Generator::new(job.seed);
         evaluate(&mut model, data, &eval_job, 0, device)?;
+        let mut losses = Losses::default();
         for _ in 0..steps {
-            train_step(&mut trainer, &mut model, None, data, job, &mut rng, device)?;
+            let report = train_step(&mut trainer, &mut model, None, data, job, &mut rng, device)?;
+            losses.see(&report);
         }
         if evaluates_between {
             evaluate(&mut model, data, &eval_job, steps, device)?;

@@ -37,7 +37,7 @@ use crate::dist::{DdpConfig, Reducer};
 use crate::memory;
 use crate::nn::{Gpt, GptConfig, Module};
 use crate::optim::{Optimizer, WarmupCosine};
-use crate::tensor::{Device, Generator};
+use crate::tensor::{Device, Generator, Readout};
 use crate::train::{InBackwardPath, MicroBatch, StepReport, Trainer, TrainerConfig};
 
 /// Everything a run needs; `Default` is the CPU run the README shows.
@@ -328,7 +328,7 @@ fn run_replica(
         .then(|| LeakCheck::new(job.device))
         .transpose()?;
     let started = Instant::now();
-    let (mut first, mut last, mut tokens) = (None, None, 0usize);
+    let (mut losses, mut tokens) = (Losses::default(), 0usize);
     let mut tracing = job
         .memory_trace
         .as_ref()
@@ -380,8 +380,7 @@ fn run_replica(
             check.mark_step();
         }
         tokens += report.tokens;
-        first.get_or_insert(report.loss);
-        last = Some(report.loss);
+        losses.see(&report);
         on_event(&Event::Step(report));
         let step = trainer.step_index();
         if tracing.as_ref().is_some_and(|t| step >= t.until)
@@ -413,6 +412,8 @@ fn run_replica(
         // Every rank's steps are done: its peak is final.
         g.barrier()?;
     }
+    // The steps were queued, not waited for: the time ends when the device is done.
+    crate::backend::synchronize(job.device)?;
     let seconds = started.elapsed().as_secs_f64();
     if let Some(t) = tracing.take() {
         on_event(&Event::MemoryTraced(t.finish(job.device)?));
@@ -451,8 +452,8 @@ fn run_replica(
         job.device,
     )?;
     Ok(JobSummary {
-        initial_loss: first.unwrap_or(f64::NAN),
-        final_loss: last.unwrap_or(f64::NAN),
+        initial_loss: losses.first()?,
+        final_loss: losses.last()?,
         initial_eval,
         final_eval,
         steps: trainer.step_index() - start_step,
@@ -472,6 +473,31 @@ fn run_replica(
         sample,
         ranks,
     })
+}
+
+/// The first and the latest step's loss of a run, kept on the device until the summary
+/// reads them (reading a loss waits for its step). The planner holds them as the loop does:
+/// they are bytes of the run.
+#[derive(Default)]
+pub(super) struct Losses {
+    first: Option<Readout>,
+    last: Option<Readout>,
+}
+
+impl Losses {
+    pub(super) fn see(&mut self, report: &StepReport) {
+        self.first.get_or_insert_with(|| report.loss.clone());
+        self.last = Some(report.loss.clone());
+    }
+
+    /// The first step's loss (NaN when no step ran).
+    fn first(&self) -> Result<f64> {
+        self.first.as_ref().map_or(Ok(f64::NAN), Readout::value)
+    }
+
+    fn last(&self) -> Result<f64> {
+        self.last.as_ref().map_or(Ok(f64::NAN), Readout::value)
+    }
 }
 
 /// Evaluation by the leader; the other ranks' parameters are the same, so they skip it.

@@ -4,11 +4,12 @@
 //! computed on each gradient's device and read back once per device; every gradient is then
 //! scaled in place by clamp(max_norm / (norm + 1e-6), max = 1). Returns the norm before
 //! clipping. f16/bf16 gradients are widened to f32 for the norm (their squares overflow).
+//! `clip_grad_norm_queued` does the same without reading the norm back (the Trainer's path).
 
 use crate::autograd::no_grad;
 use crate::backend::{BinaryOp, ReduceOp, UnaryOp, elementwise};
 use crate::base::{Error, Result};
-use crate::tensor::{DType, Device, Tensor};
+use crate::tensor::{DType, Device, Readout, Tensor};
 
 /// Added to the norm before dividing, as PyTorch does.
 const NORM_EPS: f64 = 1e-6;
@@ -25,10 +26,7 @@ pub fn clip_grad_norm(
     error_if_nonfinite: bool,
 ) -> Result<f64> {
     if norm_type.is_nan() || norm_type <= 0.0 {
-        return Err(Error::invalid(
-            "clip_grad_norm",
-            format!("norm_type must be a positive number or infinity, got {norm_type}"),
-        ));
+        return Err(bad_norm_type(norm_type));
     }
     let _g = no_grad();
     let pairs: Vec<(&Tensor, Tensor)> = params
@@ -55,6 +53,72 @@ pub fn clip_grad_norm(
         scale_in_place(p, g, coef)?;
     }
     Ok(total)
+}
+
+/// `clip_grad_norm` without waiting for the device, as torch's `clip_grad_norm_` (which
+/// returns the norm as a tensor): the partials, the norm, the coefficient and the scaling are
+/// all queued on the gradients' device, and the norm comes back as a `Readout` that waits only
+/// when read. Gradients on several devices, or the ∞-norm, take `clip_grad_norm`'s path (its
+/// norm already read). There is no `error_if_nonfinite` here: checking needs the host.
+pub fn clip_grad_norm_queued(params: &[Tensor], max_norm: f64, norm_type: f64) -> Result<Readout> {
+    let grads: Vec<Tensor> = params.iter().filter_map(Tensor::grad).collect();
+    let one_device = grads.windows(2).all(|w| w[0].device() == w[1].device());
+    if norm_type.is_infinite() || !one_device || grads.iter().all(|g| g.numel() == 0) {
+        let norm = clip_grad_norm(params, max_norm, norm_type, false)?;
+        return Ok(Readout::ready(vec![norm]));
+    }
+    if norm_type.is_nan() || norm_type <= 0.0 {
+        return Err(bad_norm_type(norm_type));
+    }
+    let _g = no_grad();
+    let mut parts = Vec::with_capacity(grads.len());
+    for g in grads.iter().filter(|g| g.numel() > 0) {
+        parts.extend(partials(g, norm_type)?);
+    }
+    // (1,) f64: Σ|g|^p, then its p-th root.
+    let sum = Tensor::cat(&parts, 0)?.sum_all()?.reshape(&[1])?;
+    let norm = if norm_type == 2.0 {
+        sum.sqrt()?
+    } else {
+        sum.pow_scalar(1.0 / norm_type)?
+    };
+    // clamp(max_norm / (norm + eps), max = 1), NaN kept, as on the host path.
+    let coef = norm
+        .add_scalar(NORM_EPS)?
+        .pow_scalar(-1.0)?
+        .mul_scalar(max_norm)?;
+    let coef = unary(
+        UnaryOp::Clamp {
+            lo: f64::NEG_INFINITY,
+            hi: 1.0,
+        },
+        &coef,
+        "clip_grad_norm",
+    )?;
+    let mut by_dtype: Vec<(DType, Tensor)> = Vec::new();
+    for (p, g) in params.iter().filter_map(|p| p.grad().map(|g| (p, g))) {
+        let c = match by_dtype.iter().find(|(d, _)| *d == g.dtype()) {
+            Some((_, c)) => c.clone(),
+            None => {
+                let c = coef.to_dtype(g.dtype())?;
+                by_dtype.push((g.dtype(), c.clone()));
+                c
+            }
+        };
+        if owns_storage(&g) {
+            g.mul_(&c)?;
+        } else {
+            p.set_grad(Some(g.mul(&c)?))?;
+        }
+    }
+    Ok(Readout::pending(norm))
+}
+
+fn bad_norm_type(norm_type: f64) -> Error {
+    Error::invalid(
+        "clip_grad_norm",
+        format!("norm_type must be a positive number or infinity, got {norm_type}"),
+    )
 }
 
 /// Clamps every gradient of `params` in place to [-clip_value, clip_value].

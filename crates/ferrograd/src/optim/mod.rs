@@ -8,7 +8,7 @@ mod schedule;
 mod sgd;
 
 pub use adam::{Adam, AdamConfig, AdamState};
-pub use clip::{clip_grad_norm, clip_grad_value};
+pub use clip::{clip_grad_norm, clip_grad_norm_queued, clip_grad_value};
 pub use schedule::WarmupCosine;
 pub use sgd::{Sgd, SgdConfig};
 

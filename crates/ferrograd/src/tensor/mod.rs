@@ -7,6 +7,7 @@ mod generate;
 mod meta;
 mod node;
 mod random;
+mod readout;
 mod saved;
 
 pub use crate::base::{DType, Device, Layout, broadcast_shape, contiguous_strides, resolve_dim};
@@ -19,6 +20,7 @@ pub use node::{BackwardFn, Edge, Node};
 pub(crate) use node::{live_nodes, set_tracking_step, start_tracking, stop_tracking, track};
 pub(crate) use random::with_default;
 pub use random::{Generator, get_rng_state, manual_seed, set_rng_state};
+pub use readout::Readout;
 pub use saved::SavedTensor;
 pub(crate) use saved::{RunningNode, take_pending as take_pending_saves};
 

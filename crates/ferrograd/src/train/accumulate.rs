@@ -7,9 +7,10 @@
 
 use super::GradScaler;
 use crate::amp::try_autocast;
+use crate::autograd::no_grad;
 use crate::base::{Error, Result};
 use crate::memory::recorder::{self, Phase};
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{DType, Readout, Tensor};
 
 /// The loss of one micro-batch and how many tokens (or samples) it covered.
 pub struct MicroBatch {
@@ -29,16 +30,17 @@ pub struct Accumulation<'a> {
 }
 
 /// What the micro-batches of one step added up to.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct Accumulated {
-    /// The mean of the micro-batch losses (unscaled; a host number).
-    pub mean_loss: f64,
+    /// The mean of the micro-batch losses (unscaled), still on the loss's device: reading it
+    /// waits for the step, so only logs read it.
+    pub mean_loss: Readout,
     pub tokens: usize,
 }
 
 /// Runs `forward(i)` for micro-batches `i = 0..N` (under autocast when asked) and
-/// backpropagates (loss / N)·scale after each; gradients accumulate in `.grad`. One sync per
-/// micro-batch reads its loss, as logging it would need anyway.
+/// backpropagates (loss / N)·scale after each; gradients accumulate in `.grad`. The losses
+/// are summed on their device: nothing here waits for it.
 pub fn accumulate(
     how: &Accumulation<'_>,
     mut forward: impl FnMut(usize) -> Result<MicroBatch>,
@@ -50,7 +52,7 @@ pub fn accumulate(
             "the number of micro-batches must be at least 1",
         ));
     }
-    let (mut total, mut tokens) = (0.0, 0usize);
+    let (mut total, mut tokens): (Option<Tensor>, usize) = (None, 0);
     for i in 0..n {
         let micro = {
             let _phase = recorder::phase_scope(Phase::Forward);
@@ -59,7 +61,7 @@ pub fn accumulate(
             forward(i)?
         };
         check_scalar(&micro.loss)?;
-        total += micro.loss.item()?;
+        total = Some(add_detached(total, &micro.loss)?);
         tokens += micro.tokens;
         let loss = micro.loss.mul_scalar(1.0 / n as f64)?;
         let loss = match how.scaler {
@@ -70,14 +72,32 @@ pub fn accumulate(
         let _phase = recorder::phase_scope(Phase::Backward);
         loss.backward()?;
     }
+    let mean = match total {
+        Some(t) if n > 1 => {
+            let _g = no_grad();
+            t.mul_scalar(1.0 / n as f64)?
+        }
+        Some(t) => t,
+        None => return Err(Error::autograd("accumulate ran no micro-batch")),
+    };
     Ok(Accumulated {
-        mean_loss: total / n as f64,
+        mean_loss: Readout::pending(mean),
         tokens,
     })
 }
 
+/// `total + loss`, outside the graph (the first loss is kept as it is, detached).
+fn add_detached(total: Option<Tensor>, loss: &Tensor) -> Result<Tensor> {
+    let _g = no_grad();
+    let loss = loss.detach();
+    match total {
+        Some(t) => t.add(&loss),
+        None => Ok(loss),
+    }
+}
+
 /// `accumulate` without autocast or scaler: `loss_of(i)` returns micro-batch i's loss.
-/// Returns the mean loss.
+/// Returns the mean loss (read back from its device).
 pub fn accumulate_gradients(
     n: usize,
     mut loss_of: impl FnMut(usize) -> Result<Tensor>,
@@ -92,7 +112,7 @@ pub fn accumulate_gradients(
             tokens: 0,
         })
     })?;
-    Ok(done.mean_loss)
+    done.mean_loss.value()
 }
 
 fn check_scalar(loss: &Tensor) -> Result<()> {

@@ -22,8 +22,8 @@ use crate::base::{Error, Result};
 use crate::dist::GradSync;
 use crate::memory::{self, CategoryBytes};
 use crate::nn::{Module, Recompute};
-use crate::optim::{Optimizer, WarmupCosine, clip_grad_norm};
-use crate::tensor::{DType, Device, Tensor};
+use crate::optim::{Optimizer, WarmupCosine, clip_grad_norm_queued};
+use crate::tensor::{DType, Device, Readout, Tensor};
 
 /// How a step is run. `Default` is plain f32 training: one micro-batch, no clipping.
 #[derive(Clone, Debug, PartialEq)]
@@ -119,11 +119,12 @@ impl TrainerConfig {
 pub struct StepReport {
     /// The step's index (0 for the first step of a run that started fresh).
     pub step: u64,
-    /// The mean of the micro-batch losses (unscaled).
-    pub loss: f64,
+    /// The mean of the micro-batch losses (unscaled), read from the device when looked at
+    /// (`report.loss.value()`): a loop that reads it every step waits for every step.
+    pub loss: Readout,
     pub lr: f64,
     /// The global gradient norm before clipping, when clipping.
-    pub grad_norm: Option<f64>,
+    pub grad_norm: Option<Readout>,
     /// False when a GradScaler skipped the step for inf/NaN gradients.
     pub stepped: bool,
     /// The loss scale after this step's update (f16 only).
@@ -131,12 +132,15 @@ pub struct StepReport {
     /// Which step in backward ran (None: the optimizer stepped after backward).
     pub in_backward: Option<InBackwardPath>,
     pub tokens: usize,
+    /// The host's time for the step: its work is queued on the device, not waited for, so
+    /// throughput is measured over many steps, ended by a read (see `Readout`).
     pub seconds: f64,
     pub memory_allocated: u64,
     pub max_memory_allocated: u64,
     pub memory_reserved: u64,
-    /// With data parallelism, each rank's peak so far, in rank order (empty otherwise).
-    pub rank_peaks: Vec<u64>,
+    /// With data parallelism, each rank's peak so far in bytes, in rank order (empty
+    /// otherwise); gathered on the device, read when looked at.
+    pub rank_peaks: Readout,
 }
 
 impl StepReport {
@@ -152,23 +156,23 @@ impl std::fmt::Display for StepReport {
             f,
             "step {:>5} | loss {:.4} | lr {:.2e} | {:.0} tok/s | mem {:.1} MiB (peak {:.1}, reserved {:.1})",
             self.step,
-            self.loss,
+            self.loss.value().unwrap_or(f64::NAN),
             self.lr,
             self.tokens_per_s(),
             mb(self.memory_allocated),
             mb(self.max_memory_allocated),
             mb(self.memory_reserved)
         )?;
-        if !self.rank_peaks.is_empty() {
-            let peaks: Vec<String> = self
-                .rank_peaks
+        let rank_peaks = self.rank_peaks.values().unwrap_or_default();
+        if !rank_peaks.is_empty() {
+            let peaks: Vec<String> = rank_peaks
                 .iter()
-                .map(|&b| memory::format_size(b))
+                .map(|&b| memory::format_size(b as u64))
                 .collect();
             write!(f, " | rank peaks {}", peaks.join(", "))?;
         }
-        if let Some(n) = self.grad_norm {
-            write!(f, " | norm {n:.3}")?;
+        if let Some(n) = &self.grad_norm {
+            write!(f, " | norm {:.3}", n.value().unwrap_or(f64::NAN))?;
         }
         if let Some(s) = self.scale {
             write!(f, " | scale {s}")?;
@@ -340,7 +344,6 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
         };
         let done = self.accumulate_synced(&how, loss_of)?;
         let (grad_norm, stepped) = self.finish_step()?;
-        crate::backend::synchronize(self.device)?;
         let report = StepReport {
             step: self.step,
             loss: done.mean_loss,
@@ -354,7 +357,7 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
             memory_allocated: memory::memory_allocated(self.device)?,
             max_memory_allocated: memory::max_memory_allocated(self.device)?,
             memory_reserved: memory::memory_reserved(self.device)?,
-            rank_peaks: Vec::new(),
+            rank_peaks: Readout::ready(Vec::new()),
         };
         self.step += 1;
         Ok(report)
@@ -382,7 +385,7 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
     }
 
     /// unscale → clip → step → update → zero_grad; returns (norm before clipping, stepped).
-    fn finish_step(&mut self) -> Result<(Option<f64>, bool)> {
+    fn finish_step(&mut self) -> Result<(Option<Readout>, bool)> {
         let Stepper::AfterBackward(opt) = &mut self.stepper else {
             // Every parameter already stepped inside backward and dropped its gradient.
             return Ok((None, true));
@@ -392,7 +395,8 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
             s.unscale_(opt)?;
         }
         let grad_norm = match self.config.clip {
-            Some(max) => Some(clip_grad_norm(opt.params(), max, 2.0, false)?),
+            // Queued on the device: the norm is read only if the step's report is shown.
+            Some(max) => Some(clip_grad_norm_queued(opt.params(), max, 2.0)?),
             None => None,
         };
         let stepped = match &mut self.scaler {
