@@ -5,13 +5,13 @@
 # torchrun is installed; prints tokens/s, step time, peak and DDP's overhead against the plain
 # run (N = 1 measures the whole data-parallel path on one GPU; with N GPUs tokens/s is the
 # whole group's). The GPU test binary tests/gpu_dist (collectives, DDP over NCCL) runs first.
-#   scripts/gpu_ddp.sh [NPROC] [STEPS]        (defaults: 1, 30)
+#   scripts/gpu_ddp.sh [NPROC] [STEPS]        (defaults: 1, 60)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0
 B=.bin
 N=${1:-1}
-STEPS=${2:-30}
+STEPS=${2:-60}
 LOG=${OUT:-/tmp}/gpu_ddp.log
 : >"$LOG"
 
@@ -28,6 +28,10 @@ run() { echo "\$ $*" >>"$LOG"; "$@" 2>>"$LOG" | tee -a "$LOG"; }
 echo "== tests/gpu_dist"
 "$B/tests/gpu_dist" --test-threads=1 2>&1 | tee -a "$LOG" | grep -E '^test |test result'
 
+# A first process on a fresh machine fills the driver's cache of compiled kernels; without
+# this warm-up the first measured run would pay for it.
+"$B/ferrograd" train --device cuda --amp bf16 --max-steps 2 --eval-every 0 --eval-batches 1 \
+  --sample-chars 0 --json $GPT2 >>"$LOG" 2>&1
 plain=$(run "$B/ferrograd" "${TRAIN[@]}")
 launched=$(run "$B/ferrograd" launch --nproc-per-node "$N" -- "$B/ferrograd" "${TRAIN[@]}")
 rows=("plain|$plain" "ferrograd launch, $N rank(s)|$launched")

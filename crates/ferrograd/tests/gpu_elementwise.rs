@@ -640,3 +640,62 @@ fn dropout_masks_made_on_the_gpu_equal_the_cpus() {
         mask.to_vec::<f64>().unwrap()
     );
 }
+
+// ---- 16-byte vector paths ---------------------------------------------------------------
+
+/// Contiguous, aligned operands take the kernels' 16-byte vector path; a view that starts one
+/// element in does not. Both must give the CPU's results, for lengths with and without a
+/// tail after the last whole vector.
+#[test]
+fn vector_and_scalar_paths_match_the_cpu() {
+    for dt in FLOATS {
+        for n in [1usize, 7, 8, 9, 4099, 65_543] {
+            let whole = randn(&[n + 1], dt, n as u64);
+            let other = randn(&[n + 1], dt, n as u64 + 7);
+            for (path, start) in [("vector", 0), ("unaligned", 1)] {
+                let x = whole.narrow(0, start, n).unwrap();
+                let y = other.narrow(0, start, n).unwrap();
+                let (gx, gy) = (
+                    gpu(&whole).narrow(0, start, n).unwrap(),
+                    gpu(&other).narrow(0, start, n).unwrap(),
+                );
+                let what = |op: &str| format!("{op} {dt} n={n} {path}");
+                check(
+                    &what("gelu"),
+                    &gx.gelu(GeluApprox::Tanh).unwrap(),
+                    &x.gelu(GeluApprox::Tanh).unwrap(),
+                );
+                check(&what("add"), &gx.add(&gy).unwrap(), &x.add(&y).unwrap());
+                // A fresh copy of the operand's whole buffer, then the same view of it.
+                let copy = |t: &Tensor| t.mul_scalar(1.0).unwrap().narrow(0, start, n).unwrap();
+                let (acc, gacc) = (copy(&whole), copy(&gpu(&whole)));
+                acc.mul_(&y).unwrap();
+                gacc.mul_(&gy).unwrap();
+                check(&what("mul_"), &gacc, &acc);
+                for to in [DType::F32, DType::BF16, DType::F16] {
+                    check(
+                        &what(&format!("cast to {to}")),
+                        &gx.to_dtype(to).unwrap(),
+                        &x.to_dtype(to).unwrap(),
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// A bias added in place over rows: 16-byte vectors along the row when the row length allows,
+/// per element otherwise.
+#[test]
+fn a_bias_added_over_rows_matches_the_cpu() {
+    for dt in FLOATS {
+        for (rows, cols) in [(33, 3072), (5, 8), (17, 13), (3, 2)] {
+            let x = randn(&[rows, cols], dt, cols as u64);
+            let b = randn(&[cols], dt, cols as u64 + 1);
+            let (gx, gb) = (gpu(&x), gpu(&b));
+            x.add_(&b).unwrap();
+            gx.add_(&gb).unwrap();
+            check(&format!("bias add {dt} ({rows}, {cols})"), &gx, &x);
+        }
+    }
+}

@@ -300,7 +300,11 @@ fn a_wide_unaligned_head_runs_padded_with_the_cpus_results() {
         sum_of_1500,
         |v| v[0].linear(&v[1], None)?.cross_entropy(&v[2], -100),
     );
-    compare("padded head", &[x, w], TOL, |v| v[0].linear(&v[1], None));
+    // The plain head's input gradient sums the same 1500 products (measured on an H200: 14
+    // of 1920 values beyond 1e-5, at most 9.3e-5 on a value of 18.4, 5e-6 relative).
+    compare("padded head", &[x, w], sum_of_1500, |v| {
+        v[0].linear(&v[1], None)
+    });
 }
 
 #[test]

@@ -466,6 +466,29 @@ fn clip_grad_norm_queued_matches_pytorch() {
 }
 
 #[test]
+fn clip_grad_norm_queued_scales_a_0_dim_gradient() {
+    let scalar = |v: f64| Tensor::scalar(v, DType::F32, Device::Cpu).unwrap();
+    let a = scalar(0.0).requires_grad_(true).unwrap();
+    a.set_grad(Some(scalar(3.0))).unwrap();
+    let b = param(vec![0.0]);
+    b.set_grad(grad_of(vec![4.0])).unwrap();
+    let norm = clip_grad_norm_queued(&[a.clone(), b.clone()], 1.0, 2.0).unwrap();
+    assert!((norm.value().unwrap() - 5.0).abs() < 1e-12);
+    let (ga, gb) = (a.grad().unwrap(), b.grad().unwrap());
+    assert_eq!(ga.shape(), &[] as &[usize]);
+    assert!(
+        (ga.item().unwrap() - 0.6).abs() < 1e-6,
+        "{}",
+        ga.item().unwrap()
+    );
+    assert!(
+        (gb.item().unwrap() - 0.8).abs() < 1e-6,
+        "{}",
+        gb.item().unwrap()
+    );
+}
+
+#[test]
 fn clip_grad_norm_queued_keeps_nan_and_refuses_bad_norm_types() {
     let p = param(vec![0.0; 3]);
     p.set_grad(grad_of(vec![f32::NAN, -3.0, 0.25])).unwrap();

@@ -94,7 +94,9 @@ pub fn clip_grad_norm_queued(params: &[Tensor], max_norm: f64, norm_type: f64) -
         },
         &coef,
         "clip_grad_norm",
-    )?;
+    )?
+    // 0-dim, so that it broadcasts to every gradient, a 0-dim one too.
+    .reshape(&[])?;
     let mut by_dtype: Vec<(DType, Tensor)> = Vec::new();
     for (p, g) in params.iter().filter_map(|p| p.grad().map(|g| (p, g))) {
         let c = match by_dtype.iter().find(|(d, _)| *d == g.dtype()) {

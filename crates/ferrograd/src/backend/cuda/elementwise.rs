@@ -40,7 +40,8 @@ fn launch_copy(
         let dst = dst + (ds.offset as u64) * dd.size_in_bytes() as u64;
         // cast_*(const S*, D*, i64): both views contiguous from their offsets.
         let args = [Arg::Ptr(src), Arg::Ptr(dst), Arg::I64(n as i64)];
-        return launch(d, &KERNELS, name, grid(n), &args);
+        // Eight elements per thread where the addresses allow (the kernel checks).
+        return launch(d, &KERNELS, name, grid(n.div_ceil(8)), &args);
     }
     // copy_strided(const void*, int, Strided, void*, int, Strided, int, i64)
     let args = [
@@ -271,7 +272,13 @@ pub(crate) fn unary(d: &CudaDevice, op: UnaryOp, x: View, out: &Storage) -> Resu
         Arg::Ptr(dev_ptr(d, "unary", out)?),
         Arg::I64(n as i64),
     ];
-    launch(d, &KERNELS, &format!("unary_{suffix}"), grid(n), &args)
+    launch(
+        d,
+        &KERNELS,
+        &format!("unary_{suffix}"),
+        vector_grid(n, dt),
+        &args,
+    )
 }
 
 pub(crate) fn binary(d: &CudaDevice, op: BinaryOp, a: View, b: View, out: &Storage) -> Result<()> {
@@ -300,7 +307,13 @@ pub(crate) fn binary(d: &CudaDevice, op: BinaryOp, a: View, b: View, out: &Stora
         Arg::Ptr(dev_ptr(d, "binary", out)?),
         Arg::I64(n as i64),
     ];
-    launch(d, &KERNELS, &format!("binary_{suffix}"), grid(n), &args)
+    launch(
+        d,
+        &KERNELS,
+        &format!("binary_{suffix}"),
+        vector_grid(n, dt),
+        &args,
+    )
 }
 
 pub(crate) fn binary_inplace(d: &CudaDevice, op: BinaryOp, dst: &Storage, src: View) -> Result<()> {
@@ -350,9 +363,17 @@ pub(crate) fn binary_inplace(d: &CudaDevice, op: BinaryOp, dst: &Storage, src: V
         Arg::Struct(&ss),
         Arg::I64(n as i64),
     ];
-    launch(d, &KERNELS, &format!("inplace_{suffix}"), grid(n), &args)?;
+    let cfg = vector_grid(n, dt);
+    launch(d, &KERNELS, &format!("inplace_{suffix}"), cfg, &args)?;
     drop(scratch);
     Ok(())
+}
+
+/// One thread per 16-byte vector of `n` elements of `dt`: the unary, binary and in-place
+/// kernels move contiguous, aligned operands as vectors and cover any n with grid-stride
+/// loops, so a strided operand is still done in full (a few elements per thread).
+fn vector_grid(n: usize, dt: DType) -> LaunchConfig {
+    grid(n.div_ceil(16 / dt.size_in_bytes()))
 }
 
 /// (rows, cols) when src is one row broadcast over dst's n elements (a bias): merged dims
@@ -376,20 +397,33 @@ fn inplace_rows(
     cols: usize,
 ) -> Result<()> {
     const STRIPE: usize = 16; // ROW_STRIPE
+    let dst_ptr = dev_ptr(d, "binary_inplace", dst)?;
+    // 16-byte vectors along the row when every row starts on a vector boundary.
+    let per_vector = 16 / dst.dtype().size_in_bytes();
+    let vectors = cols % per_vector == 0 && dst_ptr % 16 == 0 && src % 16 == 0;
+    let (threads, kernel) = if vectors {
+        (cols / per_vector, format!("inplace_rows_vec_{suffix}"))
+    } else {
+        (cols, format!("inplace_rows_{suffix}"))
+    };
     let cfg = LaunchConfig {
-        grid_dim: (cols.div_ceil(256) as u32, rows.div_ceil(STRIPE) as u32, 1),
+        grid_dim: (
+            threads.div_ceil(256) as u32,
+            rows.div_ceil(STRIPE) as u32,
+            1,
+        ),
         block_dim: (256, 1, 1),
         shared_mem_bytes: 0,
     };
     let args = [
         Arg::I32(code),
         Arg::F64(p),
-        Arg::Ptr(dev_ptr(d, "binary_inplace", dst)?),
+        Arg::Ptr(dst_ptr),
         Arg::Ptr(src),
         i64_of(rows),
         i64_of(cols),
     ];
-    launch(d, &KERNELS, &format!("inplace_rows_{suffix}"), cfg, &args)
+    launch(d, &KERNELS, &kernel, cfg, &args)
 }
 
 impl ElementwiseKernels for CudaDevice {
