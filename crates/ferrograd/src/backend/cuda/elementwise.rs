@@ -400,7 +400,8 @@ fn inplace_rows(
     let dst_ptr = dev_ptr(d, "binary_inplace", dst)?;
     // 16-byte vectors along the row when every row starts on a vector boundary.
     let per_vector = 16 / dst.dtype().size_in_bytes();
-    let vectors = cols % per_vector == 0 && dst_ptr % 16 == 0 && src % 16 == 0;
+    let vectors =
+        cols.is_multiple_of(per_vector) && dst_ptr.is_multiple_of(16) && src.is_multiple_of(16);
     let (threads, kernel) = if vectors {
         (cols / per_vector, format!("inplace_rows_vec_{suffix}"))
     } else {
