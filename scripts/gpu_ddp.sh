@@ -5,7 +5,7 @@
 # torchrun is installed; prints tokens/s, step time, peak and DDP's overhead against the plain
 # run (N = 1 measures the whole data-parallel path on one GPU; with N GPUs tokens/s is the
 # whole group's). The GPU test binary tests/gpu_dist (collectives, DDP over NCCL) runs first.
-#   scripts/gpu_ddp.sh [NPROC] [STEPS]        (defaults: 1, 60)
+#   [ROUNDS=2] scripts/gpu_ddp.sh [NPROC] [STEPS]        (defaults: 1, 60)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export NCCL_NVLS_ENABLE=0
@@ -32,23 +32,34 @@ echo "== tests/gpu_dist"
 # this warm-up the first measured run would pay for it.
 "$B/ferrograd" train --device cuda --amp bf16 --max-steps 2 --eval-every 0 --eval-batches 1 \
   --sample-chars 0 --json $GPT2 >>"$LOG" 2>&1
-plain=$(run "$B/ferrograd" "${TRAIN[@]}")
-launched=$(run "$B/ferrograd" launch --nproc-per-node "$N" -- "$B/ferrograd" "${TRAIN[@]}")
-rows=("plain|$plain" "ferrograd launch, $N rank(s)|$launched")
+# ROUNDS rounds of the three runs, alternating, so that drift hits each alike; each row
+# shows every round's tokens/s and their mean, and the overhead compares the means.
+ROUNDS=${ROUNDS:-2}
+names=(plain "ferrograd launch, $N rank(s)")
+cmds=("$B/ferrograd ${TRAIN[*]}" "$B/ferrograd launch --nproc-per-node $N -- $B/ferrograd ${TRAIN[*]}")
 if command -v torchrun >/dev/null; then
-  viatorch=$(run torchrun --standalone --nproc-per-node "$N" --no-python "$B/ferrograd" "${TRAIN[@]}")
-  rows+=("torchrun --no-python, $N rank(s)|$viatorch")
+  names+=("torchrun --no-python, $N rank(s)")
+  cmds+=("torchrun --standalone --nproc-per-node $N --no-python $B/ferrograd ${TRAIN[*]}")
 fi
+declare -A tps peak
+for round in $(seq "$ROUNDS"); do
+  for k in "${!cmds[@]}"; do
+    out=$(run ${cmds[$k]})
+    tps[$k]="${tps[$k]:-} $(field "$out" tokens_per_s)"
+    peak[$k]=$(field "$out" peak_bytes)
+  done
+done
 
-base=$(field "$plain" tokens_per_s)
+mean() { python3 -c "import sys; v=[float(x) for x in sys.argv[1:]]; print(f'{sum(v)/len(v):.0f}')" $1; }
+base=$(mean "${tps[0]}")
 echo
-echo "| run | tokens/s | peak (rank 0) | overhead against plain |"
+echo "| run | tokens/s, mean (each round) | peak (rank 0) | overhead against plain |"
 echo "|---|---:|---:|---:|"
-for r in "${rows[@]}"; do
-  name=${r%%|*} out=${r#*|}
-  tps=$(field "$out" tokens_per_s) peak=$(field "$out" peak_bytes)
+for k in "${!cmds[@]}"; do
+  m=$(mean "${tps[$k]}")
+  each=$(python3 -c "import sys; print(', '.join(f'{float(x):.0f}' for x in sys.argv[1:]))" ${tps[$k]})
   # Time per token against the plain run's.
-  over=$(python3 -c "print(f'{$base / $tps * 100 - 100:+.1f}%')" 2>/dev/null || echo -)
+  over=$(python3 -c "print(f'{$base / $m * 100 - 100:+.1f}%')" 2>/dev/null || echo -)
   [ "$N" != 1 ] && over="(N = $N: compare tokens/s per rank)"
-  echo "| $name | $tps | $peak | $over |"
+  echo "| ${names[$k]} | $m ($each) | ${peak[$k]} | $over |"
 done

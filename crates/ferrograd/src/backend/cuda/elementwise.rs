@@ -398,23 +398,21 @@ fn inplace_rows(
 ) -> Result<()> {
     const STRIPE: usize = 16; // ROW_STRIPE
     let dst_ptr = dev_ptr(d, "binary_inplace", dst)?;
-    // 16-byte vectors along the row when every row starts on a vector boundary.
+    // 16-byte vectors, one per thread over the flat rows, when every row starts on a vector
+    // boundary.
     let per_vector = 16 / dst.dtype().size_in_bytes();
     let vectors =
         cols.is_multiple_of(per_vector) && dst_ptr.is_multiple_of(16) && src.is_multiple_of(16);
-    let (threads, kernel) = if vectors {
-        (cols / per_vector, format!("inplace_rows_vec_{suffix}"))
+    let (cfg, kernel) = if vectors {
+        let cfg = grid(rows * cols / per_vector);
+        (cfg, format!("inplace_rows_vec_{suffix}"))
     } else {
-        (cols, format!("inplace_rows_{suffix}"))
-    };
-    let cfg = LaunchConfig {
-        grid_dim: (
-            threads.div_ceil(256) as u32,
-            rows.div_ceil(STRIPE) as u32,
-            1,
-        ),
-        block_dim: (256, 1, 1),
-        shared_mem_bytes: 0,
+        let cfg = LaunchConfig {
+            grid_dim: (cols.div_ceil(256) as u32, rows.div_ceil(STRIPE) as u32, 1),
+            block_dim: (256, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        (cfg, format!("inplace_rows_{suffix}"))
     };
     let args = [
         Arg::I32(code),

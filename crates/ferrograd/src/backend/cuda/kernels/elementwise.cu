@@ -242,29 +242,27 @@ __device__ __forceinline__ void inplace_rows_run(int op, double p, typename T::S
     }
 }
 
-// inplace_rows_run over 16-byte vectors: thread x takes columns [N·x, N·x + N). The host
-// launches it only when cols is a multiple of N and dst and src are 16-byte aligned, so
-// every row starts on a vector boundary.
+// inplace_rows_run over 16-byte vectors: the rows are one flat run of vectors, thread t
+// takes vector t and the bias vector t mod (cols / N), so every thread of every block works
+// whatever the row length. The host launches it only when cols is a multiple of N and dst
+// and src are 16-byte aligned, so every row starts on a vector boundary.
 template <typename T>
 __device__ __forceinline__ void inplace_rows_vec_run(int op, double p, typename T::S* dst,
                                                      const typename T::S* src, i64 rows, i64 cols) {
     typedef typename T::S S;
-    typedef typename T::C C;
     constexpr int N = 16 / sizeof(S);
-    const i64 j = ((i64)blockIdx.x * blockDim.x + threadIdx.x) * N;
-    if (j >= cols) return;
-    const Pack16<S> b = *(const Pack16<S>*)(src + j);
-    C vs[N];
+    const i64 per_row = cols / N, total = rows * per_row;
+    Pack16<S>* dv = (Pack16<S>*)dst;
+    const Pack16<S>* sv = (const Pack16<S>*)src;
+    // 32-bit division where the indices fit: a 64-bit one is a long software sequence.
+    const bool small = total <= 0x7fffffffLL;
+    for (i64 t = grid_start(); t < total; t += grid_step()) {
+        const i64 jv = small ? (i64)((u32)t % (u32)per_row) : t % per_row;
+        Pack16<S> a = dv[t];
+        const Pack16<S> b = sv[jv];
 #pragma unroll
-    for (int k = 0; k < N; ++k) vs[k] = T::ld(b.v[k]);
-    const i64 r0 = (i64)blockIdx.y * ROW_STRIPE;
-    const i64 r1 = r0 + ROW_STRIPE < rows ? r0 + ROW_STRIPE : rows;
-    for (i64 r = r0; r < r1; ++r) {
-        Pack16<S>* d = (Pack16<S>*)(dst + r * cols + j);
-        Pack16<S> a = *d;
-#pragma unroll
-        for (int k = 0; k < N; ++k) a.v[k] = T::st(binary_op<T>(op, p, T::ld(a.v[k]), vs[k]));
-        *d = a;
+        for (int k = 0; k < N; ++k) a.v[k] = T::st(binary_op<T>(op, p, T::ld(a.v[k]), T::ld(b.v[k])));
+        dv[t] = a;
     }
 }
 
