@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Data parallel over NCCL on a GPU machine, after `scripts/gpu_tests.sh build` (here) has
 # filled .bin/: GPT-2 124M (bf16, B 8, T 1024, AdamW) trained plainly, then as one rank of
-# `ferrograd launch --nproc-per-node N`, then under `torchrun --standalone --no-python` when
-# torchrun is installed; prints tokens/s, step time, peak and DDP's overhead against the plain
+# `ferrograd launch --nproc-per-node N` (DDP, then ZeRO-1's sharded AdamW), then under
+# `torchrun --standalone --no-python` when torchrun is installed; prints tokens/s, step time, peak and DDP's overhead against the plain
 # run (N = 1 measures the whole data-parallel path on one GPU; with N GPUs tokens/s is the
 # whole group's). The GPU test binary tests/gpu_dist (collectives, DDP over NCCL) runs first.
 #   [ROUNDS=2] scripts/gpu_ddp.sh [NPROC] [STEPS]        (defaults: 1, 60)
@@ -37,6 +37,8 @@ echo "== tests/gpu_dist"
 ROUNDS=${ROUNDS:-2}
 names=(plain "ferrograd launch, $N rank(s)")
 cmds=("$B/ferrograd ${TRAIN[*]}" "$B/ferrograd launch --nproc-per-node $N -- $B/ferrograd ${TRAIN[*]}")
+names+=("ferrograd launch, $N rank(s), --zero 1")
+cmds+=("$B/ferrograd launch --nproc-per-node $N -- $B/ferrograd ${TRAIN[*]} --zero 1")
 if command -v torchrun >/dev/null; then
   names+=("torchrun --no-python, $N rank(s)")
   cmds+=("torchrun --standalone --nproc-per-node $N --no-python $B/ferrograd ${TRAIN[*]}")
