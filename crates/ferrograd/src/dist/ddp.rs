@@ -477,13 +477,20 @@ impl State {
 
     /// Averages the complete buckets at the front of the queue, in index order.
     fn launch_ready(&mut self) -> Result<()> {
+        // The average over one rank is the sum, which NCCL leaves in place untouched; its
+        // average would still rescale every gradient byte by 1.
+        let op = if self.group.world_size() == 1 {
+            ReduceOp::Sum
+        } else {
+            ReduceOp::Avg
+        };
         while self.next_bucket < self.buckets.len() && self.pending[self.next_bucket] == 0 {
             let b = &self.buckets[self.next_bucket];
             if self.as_views {
                 // The gradients are the bucket: nothing reads them before `finish`.
-                self.group.all_reduce_launch(&b.flat, ReduceOp::Avg)?;
+                self.group.all_reduce_launch(&b.flat, op)?;
             } else {
-                self.group.all_reduce(&b.flat, ReduceOp::Avg)?;
+                self.group.all_reduce(&b.flat, op)?;
                 self.copy_back(self.next_bucket)?;
             }
             self.next_bucket += 1;
