@@ -410,19 +410,20 @@ impl State {
 
     fn bind_all_views(&self) -> Result<()> {
         for b in &self.buckets {
-            if b.members.iter().any(|&m| self.params[m].grad().is_some()) {
-                b.members.iter().try_for_each(|&m| self.bind_view(m))?;
-            } else if self.require_sync {
+            let empty = b.members.iter().all(|&m| self.params[m].grad().is_none());
+            if empty && self.require_sync {
                 // A whole bucket without gradients (after zero_grad(set_to_none)) before a
                 // synchronised backward: each member's first gradient is copied into its view
                 // by the hook, so zeroing the bucket and adding into it would be two wasted
                 // passes over the gradient bytes.
-            } else {
+                continue;
+            }
+            if empty {
                 // no_sync: the gradients accumulate straight into the zeroed views.
                 let _g = no_grad();
                 b.flat.zero_()?;
-                b.members.iter().try_for_each(|&m| self.bind_view(m))?;
             }
+            b.members.iter().try_for_each(|&m| self.bind_view(m))?;
         }
         Ok(())
     }

@@ -130,10 +130,9 @@ impl Zero1 {
     /// The shards of every rank, end to end: (world · shard,).
     fn gather_flat(&self, s: &Shard, own: &Tensor) -> Result<Tensor> {
         let world = self.group.world_size();
-        let flat = Tensor::alloc(
-            &[world * s.shard],
-            own.dtype(),
-            own.device(),
+        let flat = alloc_like(
+            own,
+            world * s.shard,
             Category::OptimizerState,
             "zero1_gathered_state",
         )?;
@@ -197,13 +196,7 @@ impl Zero1 {
     fn flatten(&self, s: &Shard, value: impl Fn(usize) -> Result<Tensor>) -> Result<Tensor> {
         let p0 = &self.params[s.members[0]];
         let world = self.group.world_size();
-        let flat = Tensor::alloc(
-            &[world * s.shard],
-            p0.dtype(),
-            p0.device(),
-            Category::Temporary,
-            "zero1_flat",
-        )?;
+        let flat = alloc_like(p0, world * s.shard, Category::Temporary, "zero1_flat")?;
         for (k, &m) in s.members.iter().enumerate() {
             let n = self.params[m].numel();
             flat.narrow(0, s.offsets[k], n)?
@@ -231,23 +224,11 @@ impl Zero1 {
         let n = s.shard;
         let p0 = self.params[s.members[0]].clone();
         let grads = self.flatten(s, |m| self.grad_of(m))?;
-        let grad = Tensor::alloc(
-            &[n],
-            p0.dtype(),
-            p0.device(),
-            Category::Gradient,
-            "zero1_grad",
-        )?;
+        let grad = alloc_like(&p0, n, Category::Gradient, "zero1_grad")?;
         self.group.reduce_scatter(&grads, &grad, ReduceOp::Avg)?;
         drop(grads);
         let flat = self.flatten(s, |m| Ok(self.params[m].clone()))?;
-        let own = Tensor::alloc(
-            &[n],
-            p0.dtype(),
-            p0.device(),
-            Category::Temporary,
-            "zero1_param",
-        )?;
+        let own = alloc_like(&p0, n, Category::Temporary, "zero1_param")?;
         own.copy_(&flat.narrow(0, rank * n, n)?)?;
         own.set_grad(Some(grad))?;
         let state = adamw_on(&own, &self.cfg, s.state.clone())?;
@@ -349,4 +330,9 @@ impl Optimizer for Zero1 {
     fn reduces_gradients_in_step(&self) -> bool {
         true
     }
+}
+
+/// A zeroed (n,) buffer in `like`'s dtype and on its device, counted as `category`.
+fn alloc_like(like: &Tensor, n: usize, category: Category, what: &'static str) -> Result<Tensor> {
+    Tensor::alloc(&[n], like.dtype(), like.device(), category, what)
 }

@@ -119,7 +119,13 @@ fn own_peak(device: Device, group: &dyn ProcessGroup) -> Result<(u64, CategoryBy
 fn gather_rows(row: Vec<f64>, device: Device, group: &dyn ProcessGroup) -> Result<Tensor> {
     let width = row.len();
     let mine = Tensor::from_vec_as(row, &[width], DType::F64, device)?;
-    let all = Tensor::zeros(&[group.world_size() * width], DType::F64, device)?;
+    // Unfilled: the all-gather writes every element.
+    let all = Tensor::output_uninit(
+        &[group.world_size() * width],
+        DType::F64,
+        device,
+        "rank_rows",
+    )?;
     group.all_gather(&mine, &all)?;
     Ok(all)
 }

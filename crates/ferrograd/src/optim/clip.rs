@@ -49,9 +49,7 @@ pub fn clip_grad_norm(
     let coef = max_norm / (total + NORM_EPS);
     // clamp(max = 1) that keeps NaN, as torch.clamp does (f64::min would drop it).
     let coef = if coef > 1.0 { 1.0 } else { coef };
-    for (p, g) in &pairs {
-        scale_in_place(p, g, coef)?;
-    }
+    scale_all(&pairs, &Tensor::scalar(coef, DType::F64, Device::Cpu)?)?;
     Ok(total)
 }
 
@@ -61,14 +59,14 @@ pub fn clip_grad_norm(
 /// when read. Gradients on several devices, or the ∞-norm, take `clip_grad_norm`'s path (its
 /// norm already read). There is no `error_if_nonfinite` here: checking needs the host.
 pub fn clip_grad_norm_queued(params: &[Tensor], max_norm: f64, norm_type: f64) -> Result<Readout> {
+    if norm_type.is_nan() || norm_type <= 0.0 {
+        return Err(bad_norm_type(norm_type));
+    }
     let grads: Vec<Tensor> = params.iter().filter_map(Tensor::grad).collect();
     let one_device = grads.windows(2).all(|w| w[0].device() == w[1].device());
     if norm_type.is_infinite() || !one_device || grads.iter().all(|g| g.numel() == 0) {
         let norm = clip_grad_norm(params, max_norm, norm_type, false)?;
         return Ok(Readout::ready(vec![norm]));
-    }
-    if norm_type.is_nan() || norm_type <= 0.0 {
-        return Err(bad_norm_type(norm_type));
     }
     let _g = no_grad();
     let mut parts = Vec::with_capacity(grads.len());
@@ -97,22 +95,11 @@ pub fn clip_grad_norm_queued(params: &[Tensor], max_norm: f64, norm_type: f64) -
     )?
     // 0-dim, so that it broadcasts to every gradient, a 0-dim one too.
     .reshape(&[])?;
-    let mut by_dtype: Vec<(DType, Tensor)> = Vec::new();
-    for (p, g) in params.iter().filter_map(|p| p.grad().map(|g| (p, g))) {
-        let c = match by_dtype.iter().find(|(d, _)| *d == g.dtype()) {
-            Some((_, c)) => c.clone(),
-            None => {
-                let c = coef.to_dtype(g.dtype())?;
-                by_dtype.push((g.dtype(), c.clone()));
-                c
-            }
-        };
-        if owns_storage(&g) {
-            g.mul_(&c)?;
-        } else {
-            p.set_grad(Some(g.mul(&c)?))?;
-        }
-    }
+    let pairs: Vec<(&Tensor, Tensor)> = params
+        .iter()
+        .filter_map(|p| p.grad().map(|g| (p, g)))
+        .collect();
+    scale_all(&pairs, &coef)?;
     Ok(Readout::pending(norm))
 }
 
@@ -200,13 +187,28 @@ fn partials(g: &Tensor, p: f64) -> Result<Vec<Tensor>> {
     Ok(vec![as_f64(powered.sum_all()?)?])
 }
 
-/// g ← g · coef, in place when the gradient is contiguous (the usual case), else by
-/// replacing the parameter's gradient.
-fn scale_in_place(p: &Tensor, g: &Tensor, coef: f64) -> Result<()> {
-    if owns_storage(g) {
-        return g.mul_scalar_(coef);
+/// Every (parameter, gradient) pair's g ← g · coef, with `coef` a 0-dim tensor rounded once
+/// to each gradient's dtype on its device; in place when the gradient is contiguous (the
+/// usual case), else by replacing the parameter's gradient.
+fn scale_all(pairs: &[(&Tensor, Tensor)], coef: &Tensor) -> Result<()> {
+    let mut converted: Vec<((Device, DType), Tensor)> = Vec::new();
+    for (p, g) in pairs {
+        let key = (g.device(), g.dtype());
+        let c = match converted.iter().find(|(k, _)| *k == key) {
+            Some((_, c)) => c.clone(),
+            None => {
+                let c = coef.to_device(key.0)?.to_dtype(key.1)?;
+                converted.push((key, c.clone()));
+                c
+            }
+        };
+        if owns_storage(g) {
+            g.mul_(&c)?;
+        } else {
+            assign(p, g, g.mul(&c)?)?;
+        }
     }
-    assign(p, g, g.mul_scalar(coef)?)
+    Ok(())
 }
 
 /// Writes `value` into the gradient `g` of `p` (in place when it owns its storage).
