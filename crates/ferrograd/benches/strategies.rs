@@ -494,6 +494,9 @@ fn run() -> Res<()> {
 fn print_kernel_times() {
     let rows = ferrograd::backend::cuda::take_kernel_times();
     let total: f64 = rows.iter().map(|r| r.seconds).sum();
+    if !rows.is_empty() {
+        eprintln!("{:>9.3} ms device busy (all timed calls)", total * 1e3);
+    }
     for r in rows.iter().take(60) {
         eprintln!(
             "{:>9.3} ms {:>5.1}% {:>7} calls  {}",

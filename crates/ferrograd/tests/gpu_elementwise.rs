@@ -672,6 +672,17 @@ fn vector_and_scalar_paths_match_the_cpu() {
                 acc.mul_(&y).unwrap();
                 gacc.mul_(&gy).unwrap();
                 check(&what("mul_"), &gacc, &acc);
+                acc.add_(&y).unwrap();
+                gacc.add_(&gy).unwrap();
+                check(&what("add_"), &gacc, &acc);
+                // GELU's backward writes g · gelu'(x) into the incoming gradient in place.
+                let grad_of = |x: &Tensor, g: &Tensor| {
+                    let leaf = x.detach().requires_grad_(true).unwrap();
+                    let y = leaf.gelu(GeluApprox::Tanh).unwrap();
+                    y.mul(g).unwrap().sum_all().unwrap().backward().unwrap();
+                    leaf.grad().unwrap()
+                };
+                check(&what("gelu backward"), &grad_of(&gx, &gy), &grad_of(&x, &y));
                 for to in [DType::F32, DType::BF16, DType::F16] {
                     check(
                         &what(&format!("cast to {to}")),
@@ -696,6 +707,35 @@ fn a_bias_added_over_rows_matches_the_cpu() {
             x.add_(&b).unwrap();
             gx.add_(&gb).unwrap();
             check(&format!("bias add {dt} ({rows}, {cols})"), &gx, &x);
+        }
+    }
+}
+
+/// Sums over the rows of a matrix (a bias gradient): rows of whole 16-byte vectors take the
+/// vector column kernel, split over row chunks or not; row lengths that are not whole vectors,
+/// views that start mid-vector and padded rows take the general one. All match the CPU.
+#[test]
+fn column_sums_of_every_row_shape_match_the_cpu() {
+    for dt in FLOATS {
+        let cases: [(usize, usize, usize, usize); 7] = [
+            (8192, 768, 768, 0),
+            (4096, 3072, 3072, 0),
+            (40, 256, 256, 0),
+            (300, 24, 24, 0),
+            (513, 13, 13, 0),
+            (100, 64, 72, 8),
+            (100, 64, 66, 1),
+        ];
+        for (rows, cols, ld, start) in cases {
+            let x = uniform(&[rows, ld], -1.0, 1.0, dt, (rows * ld) as u64);
+            let view = |t: &Tensor| t.narrow(1, start, cols).unwrap();
+            let want = view(&x).sum(&[0], false).unwrap();
+            let got = view(&gpu(&x)).sum(&[0], false).unwrap();
+            check(
+                &format!("sum over rows {dt} ({rows}, {cols}) ld {ld} from {start}"),
+                &got,
+                &want,
+            );
         }
     }
 }

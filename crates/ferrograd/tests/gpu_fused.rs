@@ -179,6 +179,19 @@ fn layer_norm_with_and_without_affine() {
     });
 }
 
+/// Rows up to 1024 wide are held in a warp's registers (8, 16, 24 or 32 per lane); wider
+/// ones take a block per row. Each width at a slot boundary matches the CPU.
+#[test]
+fn layer_norm_at_every_row_width_boundary() {
+    for n in [31, 256, 257, 768, 1024, 1025] {
+        let x = randn(&[37, n], 40 + n as u64).add_scalar(1.5).unwrap();
+        let (w, b) = (randn(&[n], 41), randn(&[n], 42));
+        compare(&format!("layer_norm n={n}"), &[x, w, b], TOL, |t| {
+            t[0].layer_norm(&[n], Some(&t[1]), Some(&t[2]), 1e-5)
+        });
+    }
+}
+
 #[test]
 fn layer_norm_in_half_precision() {
     for dt in [DType::F16, DType::BF16] {
@@ -307,16 +320,30 @@ fn a_wide_unaligned_head_runs_padded_with_the_cpus_results() {
     });
 }
 
+/// Rows of 33 classes take the per-element kernels; rows of whole 16-byte vectors (40, and
+/// 1504 with a tail: the padded head) take the vector ones.
 #[test]
 fn cross_entropy_in_half_precision() {
     for dt in [DType::F16, DType::BF16] {
-        let logits = randn(&[6, 33], 18).to_dtype(dt).unwrap();
-        let t = ids(&[0, 32, 5, -100, 7, 7], &[6]);
+        for c in [33i64, 40, 1504] {
+            let logits = randn(&[6, c as usize], 18).to_dtype(dt).unwrap();
+            let t = ids(&[0, c - 1, 5, -100, 7, 7], &[6]);
+            compare(
+                &format!("cross_entropy {dt} C={c}"),
+                &[logits, t],
+                (2e-2, 2e-2),
+                |x| x[0].cross_entropy(&x[1], -100),
+            );
+        }
+        // A head of 1500 classes, computed at the aligned width 1504: rows 1504 apart, the
+        // last vector of each row part logit, part padding.
+        let (x, w) = (randn(&[2, 3, 40], 27), randn(&[1500, 40], 28));
+        let t = ids(&[0, 1499, 5, -100, 700, 7], &[2, 3]);
         compare(
-            &format!("cross_entropy {dt}"),
-            &[logits, t],
+            &format!("padded head, cross-entropy {dt}"),
+            &[x.to_dtype(dt).unwrap(), w.to_dtype(dt).unwrap(), t],
             (2e-2, 2e-2),
-            |x| x[0].cross_entropy(&x[1], -100),
+            |v| v[0].linear(&v[1], None)?.cross_entropy(&v[2], -100),
         );
     }
 }

@@ -182,9 +182,9 @@ impl ElementwiseKernels for MetaBackend {
 }
 
 impl ReduceKernels for MetaBackend {
-    fn reduce(&self, _: ReduceOp, x: View, dims: &[usize], _: &Storage) -> Result<()> {
+    fn reduce(&self, op: ReduceOp, x: View, dims: &[usize], _: &Storage) -> Result<()> {
         if planning_target() == Some(MetaTarget::Cuda)
-            && let Some(bytes) = super::cuda::reduce_scratch_bytes(x, dims)?
+            && let Some(bytes) = super::cuda::reduce_scratch_bytes(op, x, dims)?
         {
             let _partials = cuda_temp(bytes, "cuda temp")?;
         }

@@ -262,14 +262,23 @@ pub(crate) fn unary(d: &CudaDevice, op: UnaryOp, x: View, out: &Storage) -> Resu
         _ => 0.0,
     };
     let xs = Strided::of("unary", x.layout)?;
+    let (xp, op_out) = (dev_ptr(d, "unary", x.storage)?, dev_ptr(d, "unary", out)?);
+    if op == UnaryOp::GeluTanh
+        && let (Some(xv), true) = (vec_addr(xp, &xs, dt), op_out.is_multiple_of(16))
+        && let Some(kernel) = hot_kernel("gelu_tanh_vec", dt)
+    {
+        // gelu_tanh_vec_*(const S*, S*, i64)
+        let args = [Arg::Ptr(xv), Arg::Ptr(op_out), Arg::I64(n as i64)];
+        return launch(d, &KERNELS, &kernel, vector_grid(n, dt), &args);
+    }
     // unary_*(int, double, double, const S*, Strided, S*, i64)
     let args = [
         Arg::I32(code),
         Arg::F64(p),
         Arg::F64(q),
-        Arg::Ptr(dev_ptr(d, "unary", x.storage)?),
+        Arg::Ptr(xp),
         Arg::Struct(&xs),
-        Arg::Ptr(dev_ptr(d, "unary", out)?),
+        Arg::Ptr(op_out),
         Arg::I64(n as i64),
     ];
     launch(
@@ -295,16 +304,35 @@ pub(crate) fn binary(d: &CudaDevice, op: BinaryOp, a: View, b: View, out: &Stora
         Strided::of("binary", a.layout)?,
         Strided::of("binary", b.layout)?,
     );
+    let (ap, bp, op_out) = (
+        dev_ptr(d, "binary", a.storage)?,
+        dev_ptr(d, "binary", b.storage)?,
+        dev_ptr(d, "binary", out)?,
+    );
+    if op == BinaryOp::Add
+        && let (Some(av), Some(bv)) = (vec_addr(ap, &sa, dt), vec_addr(bp, &sb, dt))
+        && op_out.is_multiple_of(16)
+        && let Some(kernel) = hot_kernel("add_vec", dt)
+    {
+        // add_vec_*(const S*, const S*, S*, i64)
+        let args = [
+            Arg::Ptr(av),
+            Arg::Ptr(bv),
+            Arg::Ptr(op_out),
+            Arg::I64(n as i64),
+        ];
+        return launch(d, &KERNELS, &kernel, vector_grid(n, dt), &args);
+    }
     // binary_*(int, double, const S*, Strided, const S*, Strided, S*, i64); out never
     // aliases an input.
     let args = [
         Arg::I32(code),
         Arg::F64(p),
-        Arg::Ptr(dev_ptr(d, "binary", a.storage)?),
+        Arg::Ptr(ap),
         Arg::Struct(&sa),
-        Arg::Ptr(dev_ptr(d, "binary", b.storage)?),
+        Arg::Ptr(bp),
         Arg::Struct(&sb),
-        Arg::Ptr(dev_ptr(d, "binary", out)?),
+        Arg::Ptr(op_out),
         Arg::I64(n as i64),
     ];
     launch(
@@ -353,12 +381,27 @@ pub(crate) fn binary_inplace(d: &CudaDevice, op: BinaryOp, dst: &Storage, src: V
             cols,
         );
     }
+    let dst_ptr = dev_ptr(d, "binary_inplace", dst)?;
+    let hot = match op {
+        BinaryOp::Add => Some("add_inplace_vec"),
+        BinaryOp::GeluTanhBackward => Some("gelu_tanh_backward_inplace_vec"),
+        _ => None,
+    };
+    if let (Some(hot), Some(sv), true) = (hot, vec_addr(sp, &ss, dt), dst_ptr.is_multiple_of(16))
+        && let Some(kernel) = hot_kernel(hot, dt)
+    {
+        // *_inplace_vec_*(S*, const S*, i64); src is never a partial alias here (see above).
+        let args = [Arg::Ptr(dst_ptr), Arg::Ptr(sv), Arg::I64(n as i64)];
+        launch(d, &KERNELS, &kernel, vector_grid(n, dt), &args)?;
+        drop(scratch);
+        return Ok(());
+    }
     // inplace_*(int, double, S*, const S*, Strided, i64); src is the view or the n-element
     // scratch copy, kept alive past the launch.
     let args = [
         Arg::I32(code),
         Arg::F64(p),
-        Arg::Ptr(dev_ptr(d, "binary_inplace", dst)?),
+        Arg::Ptr(dst_ptr),
         Arg::Ptr(sp),
         Arg::Struct(&ss),
         Arg::I64(n as i64),
@@ -367,6 +410,20 @@ pub(crate) fn binary_inplace(d: &CudaDevice, op: BinaryOp, dst: &Storage, src: V
     launch(d, &KERNELS, &format!("inplace_{suffix}"), cfg, &args)?;
     drop(scratch);
     Ok(())
+}
+
+/// The address of a view's first element when the view walks memory contiguously from a
+/// 16-byte boundary (what the specialised vector kernels require), else None.
+fn vec_addr(base: u64, s: &Strided, dt: DType) -> Option<u64> {
+    let contiguous = s.rank == 0 || (s.rank == 1 && s.strides[0] == 1);
+    let addr = base + s.offset as u64 * dt.size_in_bytes() as u64;
+    (contiguous && addr.is_multiple_of(16)).then_some(addr)
+}
+
+/// The specialised kernel `{stem}_{dtype}` (kernels/elementwise.cu's HOT_KERNELS), for the
+/// dtypes that have one.
+fn hot_kernel(stem: &str, dt: DType) -> Option<String> {
+    matches!(dt, DType::F32 | DType::F16 | DType::BF16).then(|| format!("{stem}_{}", dt.name()))
 }
 
 /// One thread per 16-byte vector of `n` elements of `dt`: the unary, binary and in-place
@@ -403,7 +460,13 @@ fn inplace_rows(
     let per_vector = 16 / dst.dtype().size_in_bytes();
     let vectors =
         cols.is_multiple_of(per_vector) && dst_ptr.is_multiple_of(16) && src.is_multiple_of(16);
-    let (cfg, kernel) = if vectors {
+    let add = code == codes::B_ADD && suffix != "f64";
+    let (cfg, kernel) = if vectors && add {
+        // add_rows_vec_*(S*, const S*, i64, i64): the bias add, specialised
+        let cfg = grid(rows * cols / per_vector);
+        let args = [Arg::Ptr(dst_ptr), Arg::Ptr(src), i64_of(rows), i64_of(cols)];
+        return launch(d, &KERNELS, &format!("add_rows_vec_{suffix}"), cfg, &args);
+    } else if vectors {
         let cfg = grid(rows * cols / per_vector);
         (cfg, format!("inplace_rows_vec_{suffix}"))
     } else {

@@ -69,6 +69,17 @@ fn row_stride(v: &View) -> Result<usize> {
         .ok_or_else(|| Error::invalid("cross_entropy", "the logits' rows are not evenly spaced"))
 }
 
+/// The kernel name: `{stem}_vec_{s}` for half-precision rows that are whole 16-byte vectors
+/// from aligned addresses (loss.cu's vector kernels), `{stem}_{s}` otherwise.
+fn ce_kernel(stem: &str, s: &str, ld: usize, addrs: &[u64]) -> String {
+    let half = s == "f16" || s == "bf16";
+    if half && ld.is_multiple_of(8) && addrs.iter().all(|a| a.is_multiple_of(16)) {
+        format!("{stem}_vec_{s}")
+    } else {
+        format!("{stem}_{s}")
+    }
+}
+
 /// The per-row losses the cross entropy sums (the planner counts the same block).
 pub(crate) fn nll_scratch_bytes(rows: usize) -> usize {
     rows * 8
@@ -99,13 +110,8 @@ fn cross_entropy(d: &CudaDevice, a: &CrossEntropy) -> Result<()> {
             Arg::I32(sk),
             Arg::Ptr(nll.addr()),
         ];
-        launch(
-            d,
-            &KERNELS,
-            &format!("cross_entropy_fwd_{s}"),
-            rows_cfg(rows),
-            &args,
-        )?;
+        let kernel = ce_kernel("cross_entropy_fwd", s, ld, &[x]);
+        launch(d, &KERNELS, &kernel, rows_cfg(rows), &args)?;
     }
     sum_to_scalar(d, nll.addr(), rows, count as f64, loss, lk)
 }
@@ -157,13 +163,8 @@ fn cross_entropy_backward(d: &CudaDevice, a: &CrossEntropyBackward) -> Result<()
         i64_of(c),
         Arg::I64(ignore_index),
     ];
-    launch(
-        d,
-        &KERNELS,
-        &format!("cross_entropy_bwd_{s}"),
-        rows_cfg(rows),
-        &args,
-    )
+    let kernel = ce_kernel("cross_entropy_bwd", s, ld, &[x, gx]);
+    launch(d, &KERNELS, &kernel, rows_cfg(rows), &args)
 }
 
 // ---- MSE ----------------------------------------------------------------------------------------

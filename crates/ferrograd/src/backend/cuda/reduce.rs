@@ -2,7 +2,8 @@
 //! input, accumulated in f64 (kernels/reduce.cu). The host splits the input into the kept
 //! dims (one output each) and the reduced dims, merges what memory allows, and picks a
 //! kernel by shape: a thread per output for short reductions, a block per output for rows, a
-//! 32-output tile for columns; long reductions with few outputs are split across blocks and
+//! 32-output tile for columns (a tile of 32 16-byte vectors for the sum of whole-vector
+//! rows, every bias gradient); long reductions with few outputs are split across blocks and
 //! finished by a second kernel in a fixed order (deterministic sums).
 
 use cudarc::driver::LaunchConfig;
@@ -25,6 +26,9 @@ const TARGET_BLOCKS: usize = 1024;
 const ROW_SPLIT_MIN: usize = 4096;
 /// Least reduced elements per split of a column (tile) reduction.
 const COL_SPLIT_MIN: usize = 256;
+/// Least reduced elements per split of a vector column reduction: each thread then reads at
+/// least 8 rows, and a (8192, 768) bias gradient still spreads over a few hundred blocks.
+const COL_VEC_SPLIT_MIN: usize = 64;
 /// Outputs per column tile, and the rows of threads that share its reduced elements
 /// (COLS_X, COLS_Y in reduce.cu).
 const COLS_X: usize = 32;
@@ -45,6 +49,10 @@ enum Kernel {
     Thread,
     Block,
     Cols,
+    /// reduce_cols_vec_*: sums of rows of `ld`-spaced, whole-vector rows.
+    ColsVec {
+        ld: usize,
+    },
 }
 
 /// The kernel and how many splits (each `chunk` reduced elements) it runs with.
@@ -53,6 +61,44 @@ struct Plan {
     kernel: Kernel,
     splits: usize,
     chunk: usize,
+}
+
+/// Chooses a kernel for `x` reduced to its `outer` dims over its `inner` ones (split_dims).
+fn plan_of(op: ReduceOp, x: View, (outer, inner): (&Strided, &Strided), n_in: usize) -> Plan {
+    let n_out = (0..outer.rank as usize)
+        .map(|d| outer.shape[d] as usize)
+        .product::<usize>();
+    match vector_rows(op, x, outer, inner) {
+        Some(ld) if n_in > THREAD_MAX_IN => {
+            let units = (n_out / (16 / x.storage.dtype().size_in_bytes())).div_ceil(COLS_X);
+            split(Kernel::ColsVec { ld }, units, n_in, COL_VEC_SPLIT_MIN)
+        }
+        _ => plan(
+            n_out,
+            n_in,
+            inner.inner_stride() == Some(1),
+            outer.inner_stride() == Some(1),
+        ),
+    }
+}
+
+/// The row spacing `ld` (in elements) when a sum runs over the rows of a matrix whose rows
+/// are whole 16-byte vectors from a 16-byte boundary: one contiguous kept dim, one reduced
+/// dim. The allocator's blocks start on 16-byte boundaries, so the layout decides (and the
+/// planner, which has no addresses, decides the same).
+fn vector_rows(op: ReduceOp, x: View, outer: &Strided, inner: &Strided) -> Option<usize> {
+    let size = x.storage.dtype().size_in_bytes();
+    let per_vector = 16 / size;
+    let (n_out, ld) = (outer.shape[0] as usize, inner.strides[0]);
+    let fits = op == ReduceOp::Sum
+        && outer.rank == 1
+        && inner.rank == 1
+        && outer.strides[0] == 1
+        && ld >= n_out as i64
+        && n_out.is_multiple_of(per_vector)
+        && (ld as usize).is_multiple_of(per_vector)
+        && (outer.offset as usize * size).is_multiple_of(16);
+    fits.then_some(ld as usize)
 }
 
 /// Chooses a kernel. `inner_unit`: the innermost reduced dim is contiguous (rows);
@@ -71,18 +117,28 @@ fn plan(n_out: usize, n_in: usize, inner_unit: bool, outer_unit: bool) -> Plan {
     } else {
         (Kernel::Block, n_out, ROW_SPLIT_MIN)
     };
+    split(kernel, units, n_in, min_chunk)
+}
+
+/// `kernel` over `units` work units (outputs or tiles), each reduction split into chunks of
+/// at least `min_chunk` elements until about TARGET_BLOCKS items exist.
+fn split(kernel: Kernel, units: usize, n_in: usize, min_chunk: usize) -> Plan {
     if units >= TARGET_BLOCKS / 2 {
-        return whole(kernel);
+        return Plan {
+            kernel,
+            splits: 1,
+            chunk: n_in.max(1),
+        };
     }
     let splits = n_in
         .div_ceil(min_chunk)
-        .min(TARGET_BLOCKS.div_ceil(units))
+        .min(TARGET_BLOCKS.div_ceil(units.max(1)))
         .max(1);
-    let chunk = n_in.div_ceil(splits);
+    let chunk = n_in.div_ceil(splits).max(1);
     Plan {
         kernel,
         // no empty trailing splits
-        splits: n_in.div_ceil(chunk),
+        splits: n_in.div_ceil(chunk).max(1),
         chunk,
     }
 }
@@ -125,17 +181,12 @@ fn partials_bytes(parts: usize) -> usize {
 
 /// The bytes of the partial results a reduction of `x` over `dims` takes, if it splits its
 /// inputs (the planner counts the same block).
-pub(crate) fn scratch_bytes(x: View, dims: &[usize]) -> Result<Option<usize>> {
+pub(crate) fn scratch_bytes(op: ReduceOp, x: View, dims: &[usize]) -> Result<Option<usize>> {
     let (outer, inner, n_out, n_in) = split_dims(x, dims)?;
     if n_out == 0 {
         return Ok(None);
     }
-    let p = plan(
-        n_out,
-        n_in,
-        inner.inner_stride() == Some(1),
-        outer.inner_stride() == Some(1),
-    );
+    let p = plan_of(op, x, (&outer, &inner), n_in);
     Ok((p.splits > 1).then(|| partials_bytes(n_out * p.splits)))
 }
 
@@ -155,15 +206,11 @@ pub(crate) fn reduce(
         return Ok(());
     }
     check_bounds("reduce", &x)?;
-    let p = plan(
-        n_out,
-        n_in,
-        inner.inner_stride() == Some(1),
-        outer.inner_stride() == Some(1),
-    );
+    let p = plan_of(op, x, (&outer, &inner), n_in);
     let args = Args {
         op: reduce_code(op),
         x: dev_ptr(d, "reduce", x.storage)?,
+        x_size: x.storage.dtype().size_in_bytes(),
         outer,
         inner,
         n_out: n_out as i64,
@@ -186,6 +233,8 @@ pub(crate) fn reduce(
 struct Args {
     op: i32,
     x: u64,
+    /// Bytes per element of x.
+    x_size: usize,
     outer: Strided,
     inner: Strided,
     n_out: i64,
@@ -203,6 +252,9 @@ fn launch_main(
     parts: Option<(u64, u64)>,
 ) -> Result<()> {
     let n_out = a.n_out as usize;
+    if let Kernel::ColsVec { ld } = p.kernel {
+        return launch_cols_vec(d, suffix, p, a, ld, parts);
+    }
     let (name, cfg) = match p.kernel {
         Kernel::Thread => (
             format!("reduce_thread_{suffix}"),
@@ -212,7 +264,7 @@ fn launch_main(
             format!("reduce_block_{suffix}"),
             config(n_out * p.splits, (block_threads(p.chunk), 1)),
         ),
-        Kernel::Cols => (
+        Kernel::Cols | Kernel::ColsVec { .. } => (
             format!("reduce_cols_{suffix}"),
             config(
                 n_out.div_ceil(COLS_X) * p.splits,
@@ -239,6 +291,42 @@ fn launch_main(
         args.extend([Arg::Ptr(pv), Arg::Ptr(pi), Arg::I32(parts.is_some() as i32)]);
     }
     launch(d, &KERNELS, &name, cfg, &args)
+}
+
+/// reduce_cols_vec_*: x's first element is at its view's offset, rows `ld` apart.
+fn launch_cols_vec(
+    d: &CudaDevice,
+    suffix: &str,
+    p: Plan,
+    a: &Args,
+    ld: usize,
+    parts: Option<(u64, u64)>,
+) -> Result<()> {
+    let size = (a.x_size) as u64;
+    let x = a.x + a.outer.offset as u64 * size;
+    let per_vector = 16 / a.x_size;
+    let tiles = (a.n_out as usize / per_vector).div_ceil(COLS_X);
+    // reduce_cols_vec_*(const S*, i64, i64, i64, i64, i64, void*, int, double*, int)
+    let args = [
+        Arg::Ptr(x),
+        Arg::I64(ld as i64),
+        Arg::I64(a.n_out),
+        Arg::I64(a.n_in),
+        Arg::I64(p.splits as i64),
+        Arg::I64(p.chunk as i64),
+        Arg::Ptr(a.out),
+        Arg::I32(a.odt),
+        Arg::Ptr(parts.map_or(0, |(pv, _)| pv)),
+        Arg::I32(parts.is_some() as i32),
+    ];
+    let cfg = config(tiles * p.splits, (COLS_X as u32, COLS_Y as u32));
+    launch(
+        d,
+        &KERNELS,
+        &format!("reduce_cols_vec_{suffix}"),
+        cfg,
+        &args,
+    )
 }
 
 fn launch_finish(d: &CudaDevice, splits: usize, a: &Args, pv: u64, pi: u64) -> Result<()> {

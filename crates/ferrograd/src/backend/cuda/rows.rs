@@ -107,13 +107,25 @@ fn layer_norm(d: &CudaDevice, a: &LayerNorm) -> Result<()> {
         i64_of(n),
         Arg::F64(eps),
     ];
-    launch(
-        d,
-        &KERNELS,
-        &format!("layer_norm_fwd_{s}"),
-        rows_cfg(rows),
-        &args,
-    )
+    let (kernel, cfg) = layer_norm_kernel("layer_norm_fwd", s, rows, n);
+    launch(d, &KERNELS, &kernel, cfg, &args)
+}
+
+/// Registers per lane of the warp-per-row layer norm kernels (PER in rows.cu).
+const WARP_ROW_SLOTS: [usize; 4] = [8, 16, 24, 32];
+
+/// `{stem}_warp{PER}_{s}` with eight rows (one per warp) to a block when a row fits a warp's
+/// registers and the dtype has those kernels; `{stem}_{s}` with a block per row otherwise.
+fn layer_norm_kernel(stem: &str, s: &str, rows: usize, n: usize) -> (String, LaunchConfig) {
+    let slots = WARP_ROW_SLOTS.iter().find(|&&p| 32 * p >= n);
+    match slots {
+        Some(per) if s != "f64" => {
+            let warps = (BLOCK / 32) as usize;
+            let cfg = rows_cfg(rows.div_ceil(warps));
+            (format!("{stem}_warp{per}_{s}"), cfg)
+        }
+        _ => (format!("{stem}_{s}"), rows_cfg(rows)),
+    }
 }
 
 fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
@@ -138,13 +150,8 @@ fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
         &[Arg::Ptr(gy), Arg::Ptr(gx), i64_of(rows), i64_of(n)],
     ]
     .concat();
-    launch(
-        d,
-        &KERNELS,
-        &format!("layer_norm_bwd_{s}"),
-        rows_cfg(rows),
-        &args,
-    )?;
+    let (kernel, cfg) = layer_norm_kernel("layer_norm_bwd", s, rows, n);
+    launch(d, &KERNELS, &kernel, cfg, &args)?;
     if param_scratch_bytes(a).is_some() {
         let grads = ParamGrads {
             x,

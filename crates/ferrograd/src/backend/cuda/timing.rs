@@ -1,13 +1,15 @@
 //! Per-kernel GPU time, for finding where a step's time goes: with the environment variable
-//! `FERROGRAD_KERNEL_TIMES=1`, every kernel launch and cuBLAS call synchronises the stream
-//! before and after itself and adds the time between to its kernel's row. The synchronisation
-//! makes the whole run slower (each call also pays its launch latency), so the rows rank the
-//! kernels; they are not the step time. Off (the default), it costs one flag test per launch.
+//! `FERROGRAD_KERNEL_TIMES=1`, every kernel launch and cuBLAS call is bracketed by two timing
+//! events on its stream. Nothing waits: the events are read when the rows are taken, so the
+//! step runs as it would untimed (plus two event records per call), and the rows add up to
+//! the device's busy time. Off (the default), it costs one flag test per launch.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, OnceLock};
-use std::time::Instant;
+
+use cudarc::driver::CudaEvent;
+use cudarc::driver::sys::CUevent_flags;
 
 use super::CudaDevice;
 use crate::base::Result;
@@ -20,7 +22,8 @@ pub struct KernelTime {
     pub seconds: f64,
 }
 
-static TIMES: Mutex<Option<HashMap<String, (u64, f64)>>> = Mutex::new(None);
+/// Timed calls whose events have not been read yet: (name, start, end).
+static PENDING: Mutex<Vec<(String, CudaEvent, CudaEvent)>> = Mutex::new(Vec::new());
 
 /// Host waits on the device (stream synchronisations, including those of copies to the host):
 /// how many, and their nanoseconds. Always counted (an atomic add per wait), so a step's time
@@ -55,27 +58,35 @@ pub(crate) fn timed<R>(
     if !enabled() {
         return f();
     }
-    d.synchronize()?;
-    let t0 = Instant::now();
+    let event = || {
+        d.stream()
+            .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+            .map_err(|e| d.err("cuEventRecord", e))
+    };
+    let start = event()?;
     let r = f()?;
-    d.synchronize()?;
-    let dt = t0.elapsed().as_secs_f64();
-    let mut times = TIMES.lock().unwrap_or_else(|e| e.into_inner());
-    let row = times
-        .get_or_insert_with(HashMap::new)
-        .entry(name())
-        .or_insert((0, 0.0));
-    row.0 += 1;
-    row.1 += dt;
+    let end = event()?;
+    PENDING
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push((name(), start, end));
     Ok(r)
 }
 
-/// The rows so far, the most time first, and clears them (empty when timing is off).
+/// The rows so far, the most time first, and clears them (empty when timing is off). Waits
+/// for the timed calls to finish; a pair whose time cannot be read is left out.
 pub fn take_kernel_times() -> Vec<KernelTime> {
-    let mut times = TIMES.lock().unwrap_or_else(|e| e.into_inner());
+    let pending = std::mem::take(&mut *PENDING.lock().unwrap_or_else(|e| e.into_inner()));
+    let mut times: HashMap<String, (u64, f64)> = HashMap::new();
+    for (name, start, end) in pending {
+        let Ok(ms) = start.elapsed_ms(&end) else {
+            continue;
+        };
+        let row = times.entry(name).or_insert((0, 0.0));
+        row.0 += 1;
+        row.1 += f64::from(ms) * 1e-3;
+    }
     let mut rows: Vec<KernelTime> = times
-        .take()
-        .unwrap_or_default()
         .into_iter()
         .map(|(name, (calls, seconds))| KernelTime {
             name,

@@ -20,6 +20,19 @@ __device__ __forceinline__ float m_sqrt(float x) { return sqrtf(x); }
 __device__ __forceinline__ double m_sqrt(double x) { return sqrt(x); }
 __device__ __forceinline__ float m_tanh(float x) { return tanhf(x); }
 __device__ __forceinline__ double m_tanh(double x) { return tanh(x); }
+// GELU's tanh: one hardware instruction where the result is stored in half precision (its
+// error, below 2^-10.9 relative, is under half a bf16/f16 step), tanhf otherwise. tanhf is a
+// long sequence, and it made GELU compute-bound on large half-precision activations.
+template <typename T>
+__device__ __forceinline__ typename T::C gelu_tanh_of(typename T::C u) {
+    if constexpr (T::HALF) {
+        float r;
+        asm("tanh.approx.f32 %0, %1;" : "=f"(r) : "f"((float)u));
+        return r;
+    } else {
+        return m_tanh(u);
+    }
+}
 __device__ __forceinline__ float m_abs(float x) { return fabsf(x); }
 __device__ __forceinline__ double m_abs(double x) { return fabs(x); }
 __device__ __forceinline__ float m_pow(float x, float y) { return powf(x, y); }
@@ -47,7 +60,7 @@ __device__ __forceinline__ typename T::C unary_op(int op, double p, double q,
         case U_RELU: return x > zero ? x : zero;
         case U_GELU_TANH: {
             C u = T::cparam(GELU_C) * (x + mul_rn(T::cparam(GELU_A) * x * x, x));
-            return hf * x * (one + m_tanh(u));
+            return hf * x * (one + gelu_tanh_of<T>(u));
         }
         case U_GELU_ERF: {
             // in f64 for every dtype, as the CPU does
@@ -88,7 +101,7 @@ __device__ __forceinline__ typename T::C binary_op(int op, double p, typename T:
         case B_SIGMOID_BACKWARD: return a * b * (one - b);
         case B_GELU_TANH_BACKWARD: {
             const C c = T::cparam(GELU_C), k = T::cparam(GELU_A), hf = T::cparam(0.5);
-            C t = m_tanh(c * (b + mul_rn(k * b * b, b)));
+            C t = gelu_tanh_of<T>(c * (b + mul_rn(k * b * b, b)));
             // both products rounded before the sum, as on the CPU (no FMA)
             C left = mul_rn(hf, one + t);
             C right = mul_rn(hf * b * (one - mul_rn(t, t)) * c,
@@ -113,20 +126,11 @@ __device__ __forceinline__ typename T::C binary_op(int op, double p, typename T:
 // scalar path's, element by element. The test is uniform over the grid (no divergence), and
 // the grid-stride loops cover n for any grid, so the host may launch one thread per vector.
 
-template <typename S>
-struct alignas(16) Pack16 {
-    S v[16 / sizeof(S)];
-};
-
 // Eight elements of S, on a 16-byte boundary (one vector for 2-byte S, two for f32).
 template <typename S>
 struct alignas(16) Pack8 {
     S v[8];
 };
-
-__device__ __forceinline__ bool aligned16(const void* p) {
-    return (((unsigned long long)p) & 15ull) == 0;
-}
 
 // Whether view `s` of `base` walks memory contiguously from a 16-byte aligned address.
 template <typename S>
@@ -293,6 +297,38 @@ ELEMENTWISE_KERNELS(f32, F32T)
 ELEMENTWISE_KERNELS(f64, F64T)
 ELEMENTWISE_KERNELS(f16, F16T)
 ELEMENTWISE_KERNELS(bf16, BF16T)
+
+// ---- the hot ops, specialised --------------------------------------------------------------
+// The kernels above read the op as a runtime code, so every element goes through the switch
+// and rounds the op's constants (GELU's, from f64) again. The ops that dominate a transformer
+// step get 16-byte-vector kernels of their own with the op fixed at compile time: the switch
+// and the constant conversions fold away. Same formulas, element for element. The host
+// launches them only on contiguous, 16-byte aligned operands (and, for the row kernel, rows
+// that are whole vectors).
+#define HOT_KERNELS(SUFFIX, T)                                                                \
+    extern "C" __global__ void gelu_tanh_vec_##SUFFIX(const T::S* x, T::S* out, i64 n) {      \
+        unary_vec<T>(U_GELU_TANH, 0.0, 0.0, x, out, n);                                       \
+    }                                                                                         \
+    extern "C" __global__ void add_vec_##SUFFIX(const T::S* a, const T::S* b, T::S* out,      \
+                                                i64 n) {                                      \
+        binary_vec<T>(B_ADD, 0.0, a, b, out, n);                                              \
+    }                                                                                         \
+    extern "C" __global__ void add_inplace_vec_##SUFFIX(T::S* dst, const T::S* src, i64 n) {  \
+        binary_vec<T>(B_ADD, 0.0, dst, src, dst, n);                                          \
+    }                                                                                         \
+    extern "C" __global__ void gelu_tanh_backward_inplace_vec_##SUFFIX(T::S* dst,             \
+                                                                       const T::S* src,       \
+                                                                       i64 n) {               \
+        binary_vec<T>(B_GELU_TANH_BACKWARD, 0.0, dst, src, dst, n);                           \
+    }                                                                                         \
+    extern "C" __global__ void add_rows_vec_##SUFFIX(T::S* dst, const T::S* src, i64 rows,    \
+                                                     i64 cols) {                              \
+        inplace_rows_vec_run<T>(B_ADD, 0.0, dst, src, rows, cols);                            \
+    }
+
+HOT_KERNELS(f32, F32T)
+HOT_KERNELS(f16, F16T)
+HOT_KERNELS(bf16, BF16T)
 
 // ---- copy and fill -----------------------------------------------------------------------
 

@@ -71,6 +71,115 @@ __device__ void cross_entropy_bwd(const T* x, i64 ld, const i64* t, const void* 
     }
 }
 
+// ---- cross-entropy over half-precision rows, 16-byte vectors ---------------------------------
+// The LM head's logits: f16/bf16 rows whose stride is a whole number of 16-byte vectors from
+// an aligned start (the host checks). Each thread moves 8 logits per access, and the
+// arithmetic runs in f32 with the hardware exp: the gradient is rounded to 8 or 11 bits and
+// the statistics stay far inside f32's range, so double buys nothing there but time. The
+// forward is one pass (an online max and rescaled sum per thread, combined per block).
+
+__device__ __forceinline__ float half_f(f16_t v) { return f16_to_f32(v.bits); }
+__device__ __forceinline__ float half_f(bf16_t v) { return bf16_to_f32(v.bits); }
+template <typename T> __device__ T half_of(float v);
+template <> __device__ __forceinline__ f16_t half_of<f16_t>(float v) {
+    f16_t r;
+    r.bits = f32_to_f16(v);
+    return r;
+}
+template <> __device__ __forceinline__ bf16_t half_of<bf16_t>(float v) {
+    bf16_t r;
+    r.bits = f32_to_bf16(v);
+    return r;
+}
+
+#define NEG_INF_F (-__int_as_float(0x7f800000))
+
+// Adds v to a running (max m, sum s of exp(x - m)). -inf adds nothing; NaN poisons s.
+__device__ __forceinline__ void online_add(float v, float& m, float& s) {
+    if (v > m) {
+        s = s * __expf(m - v) + 1.0f;
+        m = v;
+    } else if (m != NEG_INF_F) {
+        s += __expf(v - m);
+    }
+}
+
+template <typename T>
+__device__ void cross_entropy_fwd_vec(const T* x, i64 ld, const i64* t, i64 rows, i64 c,
+                                      i64 ignore, void* lse, int lk, double* nll) {
+    __shared__ double sh[BLOCK];
+    const i64 nv = c / 8;
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* xr = x + r * ld;
+        const Pack16<T>* xv = (const Pack16<T>*)xr;
+        float m = NEG_INF_F, s = 0.0f;
+        for (i64 v = threadIdx.x; v < nv; v += BLOCK) {
+            const Pack16<T> p = xv[v];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) online_add(half_f(p.v[k]), m, s);
+        }
+        for (i64 j = nv * 8 + threadIdx.x; j < c; j += BLOCK) online_add(half_f(xr[j]), m, s);
+        const double big = block_max((double)m, sh);
+        const double part = m == NEG_INF_F ? 0.0 : (double)s * exp((double)m - big);
+        const double sum = block_sum(part, sh);
+        if (threadIdx.x == 0) {
+            const double l = big + log(sum);
+            store_f64(lse, lk, r, l);
+            const i64 tr = t[r];
+            nll[r] = (tr == ignore || tr < 0 || tr >= c) ? 0.0 : l - to_d(xr[tr]);
+        }
+    }
+}
+
+// As cross_entropy_bwd; the gradient of each logit is (exp(x - lse) - onehot) · scale in f32.
+template <typename T>
+__device__ void cross_entropy_bwd_vec(const T* x, i64 ld, const i64* t, const void* lse, int lk,
+                                      const void* gloss, int gk, double count, T* gx, i64 rows,
+                                      i64 c, i64 ignore) {
+    const float scale = (float)(load_f64(gloss, gk, 0) / count);
+    const i64 nv = c / 8;
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        const T* xr = x + r * ld;
+        T* outr = gx + r * ld;
+        const Pack16<T>* xv = (const Pack16<T>*)xr;
+        Pack16<T>* ov = (Pack16<T>*)outr;
+        const i64 tr = t[r];
+        const bool ignored = tr == ignore;
+        const float l = (float)load_f64(lse, lk, r);
+        for (i64 v = threadIdx.x; v < nv; v += blockDim.x) {
+            const Pack16<T> p = xv[v];
+            Pack16<T> o;
+#pragma unroll
+            for (int k = 0; k < 8; ++k) {
+                const float hot = v * 8 + k == tr ? 1.0f : 0.0f;
+                const float g = (__expf(half_f(p.v[k]) - l) - hot) * scale;
+                o.v[k] = half_of<T>(ignored ? 0.0f : g);
+            }
+            ov[v] = o;
+        }
+        for (i64 j = nv * 8 + threadIdx.x; j < c; j += blockDim.x) {
+            const float hot = j == tr ? 1.0f : 0.0f;
+            const float g = (__expf(half_f(xr[j]) - l) - hot) * scale;
+            outr[j] = half_of<T>(ignored ? 0.0f : g);
+        }
+    }
+}
+
+#define CROSS_ENTROPY_VEC_KERNELS(S, T)                                                            \
+    extern "C" __global__ void __launch_bounds__(BLOCK)                                            \
+        cross_entropy_fwd_vec_##S(const T* x, i64 ld, const i64* t, i64 rows, i64 c, i64 ignore,   \
+                                  void* lse, int lk, double* nll) {                                \
+        cross_entropy_fwd_vec<T>(x, ld, t, rows, c, ignore, lse, lk, nll);                         \
+    }                                                                                              \
+    extern "C" __global__ void cross_entropy_bwd_vec_##S(                                          \
+        const T* x, i64 ld, const i64* t, const void* lse, int lk, const void* gloss, int gk,      \
+        double count, T* gx, i64 rows, i64 c, i64 ignore) {                                        \
+        cross_entropy_bwd_vec<T>(x, ld, t, lse, lk, gloss, gk, count, gx, rows, c, ignore);        \
+    }
+
+CROSS_ENTROPY_VEC_KERNELS(f16, f16_t)
+CROSS_ENTROPY_VEC_KERNELS(bf16, bf16_t)
+
 // One block: out[0] (kind ok) = Σ part[0..count) / divisor, partials added in a fixed order.
 extern "C" __global__ void __launch_bounds__(BLOCK)
     sum_to_scalar(const double* part, i64 count, double divisor, void* out, int ok) {

@@ -183,13 +183,27 @@ __device__ __forceinline__ void store_f64(void* p, int dt, i64 i, double v) {
     }
 }
 
+// ---- 16-byte vectors -----------------------------------------------------------------------
+// 16 bytes of S, moved as one load or store: 8 bf16/f16, 4 f32 or 2 f64.
+template <typename S>
+struct alignas(16) Pack16 {
+    S v[16 / sizeof(S)];
+};
+
+__device__ __forceinline__ bool aligned16(const void* p) {
+    return (((unsigned long long)p) & 15ull) == 0;
+}
+
 // ---- float element types for templated kernels -------------------------------------------
 // S: storage type; C: compute type (f16/bf16 compute in f32, as the CPU backend does).
+// HALF: the stored result keeps 8 (bf16) or 11 (f16) bits, so a hardware approximation with
+// a relative error near 2^-11 (tanh.approx) is as good as the exact function there.
 // cparam: a host f64 parameter rounded to the element type first (the CPU's T::from_f64).
 
 struct F32T {
     typedef float S;
     typedef float C;
+    static constexpr bool HALF = false;
     static __device__ __forceinline__ C ld(S v) { return v; }
     static __device__ __forceinline__ S st(C v) { return v; }
     static __device__ __forceinline__ C cparam(double p) { return (float)p; }
@@ -198,6 +212,7 @@ struct F32T {
 struct F64T {
     typedef double S;
     typedef double C;
+    static constexpr bool HALF = false;
     static __device__ __forceinline__ C ld(S v) { return v; }
     static __device__ __forceinline__ S st(C v) { return v; }
     static __device__ __forceinline__ C cparam(double p) { return p; }
@@ -206,6 +221,7 @@ struct F64T {
 struct F16T {
     typedef u16 S;
     typedef float C;
+    static constexpr bool HALF = true;
     static __device__ __forceinline__ C ld(S v) { return f16_to_f32(v); }
     static __device__ __forceinline__ S st(C v) { return f32_to_f16(v); }
     static __device__ __forceinline__ C cparam(double p) { return f16_to_f32(f64_to_f16(p)); }
@@ -214,6 +230,7 @@ struct F16T {
 struct BF16T {
     typedef u16 S;
     typedef float C;
+    static constexpr bool HALF = true;
     static __device__ __forceinline__ C ld(S v) { return bf16_to_f32(v); }
     static __device__ __forceinline__ S st(C v) { return f32_to_bf16(v); }
     static __device__ __forceinline__ C cparam(double p) { return bf16_to_f32(f64_to_bf16(p)); }

@@ -11,6 +11,9 @@
 // - reduce_cols_*: 32 neighbouring outputs per (32 x 8) block, for reductions over outer dims
 //   (bias gradients: sum over rows of (N, C)): a warp reads 32 adjacent outputs' elements at
 //   once, the 8 rows of threads split the reduced elements.
+// - reduce_cols_vec_*: the sum of the rows of a matrix whose rows are whole 16-byte vectors
+//   (the bias gradient of every linear layer): as reduce_cols_*, but each thread takes one
+//   vector of outputs, so a warp reads 512 contiguous bytes of a row per load.
 // With one split a kernel writes the output; with several it writes f64 partials at
 // o * splits + s that reduce_finish combines in a fixed order, so sums are the same bits on
 // every run.
@@ -196,6 +199,53 @@ __device__ __forceinline__ void reduce_cols_run(int op, const typename T::S* x, 
     }
 }
 
+// Sums of the rows of x (n_in rows of n_out elements, rows `ld` elements apart; n_out and ld
+// multiples of the vector width V, x 16-byte aligned). Work item w = (tile t of COLS_X
+// vectors, split s); blockDim must be (COLS_X, COLS_Y). Each thread sums its vector's V
+// columns over every COLS_Y-th row of the split, then thread i of the block adds the COLS_Y
+// partial sums of the tile's column i in a fixed order. Partials (if any) are sums, so only
+// their values are written: reduce_finish ignores the indices of a sum.
+template <typename T>
+__device__ __forceinline__ void reduce_cols_vec_run(const typename T::S* x, i64 ld, i64 n_out,
+                                                    i64 n_in, i64 splits, i64 chunk, void* out,
+                                                    int odt, double* part_v, int partial) {
+    typedef typename T::S S;
+    constexpr int V = 16 / sizeof(S);
+    __shared__ double cv[COLS_Y][COLS_X * V];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const i64 nv = n_out / V;
+    const i64 tiles = (nv + COLS_X - 1) / COLS_X;
+    const i64 items = tiles * splits;
+    for (i64 w = blockIdx.x; w < items; w += gridDim.x) {
+        const i64 t = w / splits, s = w - t * splits;
+        const i64 vcol = t * COLS_X + tx;
+        double acc[V];
+#pragma unroll
+        for (int k = 0; k < V; ++k) acc[k] = 0.0;
+        if (vcol < nv) {
+            const i64 lo = s * chunk;
+            const i64 hi = lo + chunk < n_in ? lo + chunk : n_in;
+            for (i64 j = lo + ty; j < hi; j += COLS_Y) {
+                const Pack16<S> p = *(const Pack16<S>*)(x + j * ld + vcol * V);
+#pragma unroll
+                for (int k = 0; k < V; ++k) acc[k] += (double)T::ld(p.v[k]);
+            }
+        }
+#pragma unroll
+        for (int k = 0; k < V; ++k) cv[ty][tx * V + k] = acc[k];
+        __syncthreads();
+        const int i = ty * COLS_X + tx;
+        const i64 o = t * COLS_X * V + i;
+        if (i < COLS_X * V && o < n_out) {
+            double a = 0.0;
+            for (int k = 0; k < COLS_Y; ++k) a += cv[k][i];
+            if (partial) part_v[o * splits + s] = a;
+            else store_f64(out, odt, o, a);
+        }
+        __syncthreads();
+    }
+}
+
 #define REDUCE_KERNELS(SUFFIX, T)                                                             \
     extern "C" __global__ void reduce_thread_##SUFFIX(int op, const T::S* x, Strided outer,  \
                                                       Strided inner, i64 n_out, i64 n_in,    \
@@ -213,6 +263,12 @@ __device__ __forceinline__ void reduce_cols_run(int op, const typename T::S* x, 
         i64 chunk, void* out, int odt, double* part_v, i64* part_i, int partial) {            \
         reduce_cols_run<T>(op, x, outer, inner, n_out, n_in, splits, chunk, out, odt, part_v,  \
                            part_i, partial);                                                  \
+    }                                                                                         \
+    extern "C" __global__ void reduce_cols_vec_##SUFFIX(const T::S* x, i64 ld, i64 n_out,     \
+                                                        i64 n_in, i64 splits, i64 chunk,      \
+                                                        void* out, int odt, double* part_v,   \
+                                                        int partial) {                        \
+        reduce_cols_vec_run<T>(x, ld, n_out, n_in, splits, chunk, out, odt, part_v, partial);   \
     }
 
 REDUCE_KERNELS(f32, F32T)

@@ -112,6 +112,118 @@ __device__ void layer_norm_bwd(const T* x, const T* w, const void* mean, const v
     }
 }
 
+// ---- layer norm, one warp per row ---------------------------------------------------------
+// Rows of at most 32 * PER elements in f32/f16/bf16 (a transformer's width; PER is 8, 16, 24
+// or 32, the host picks the least that holds the row): a warp holds its row in registers
+// (element j in lane j % 32, slot j / 32; f32 holds every such value exactly), so x and gy are read once, the sums are warp shuffles (no shared memory, no
+// block barrier), and eight rows share a block. The arithmetic is the block kernels' above,
+// in double; only the order of the per-row sums differs.
+__device__ __forceinline__ float elem_f(float v) { return v; }
+__device__ __forceinline__ float elem_f(f16_t v) { return f16_to_f32(v.bits); }
+__device__ __forceinline__ float elem_f(bf16_t v) { return bf16_to_f32(v.bits); }
+
+__device__ __forceinline__ double warp_sum_d(double v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// The warp's row index and the warp stride over rows.
+__device__ __forceinline__ i64 warp_row() { return (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); }
+__device__ __forceinline__ i64 warp_rows() { return (i64)gridDim.x * (blockDim.x >> 5); }
+
+template <typename T, int PER>
+__device__ void layer_norm_fwd_warp(const T* x, const T* w, const T* b, T* y, void* mean,
+                                    void* rstd, int sk, i64 rows, i64 n, double eps) {
+    const int lane = threadIdx.x & 31;
+    for (i64 r = warp_row(); r < rows; r += warp_rows()) {
+        const T* xr = x + r * n;
+        T* yr = y + r * n;
+        float v[PER];
+        double s = 0.0;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const i64 j = lane + 32 * i;
+            v[i] = j < n ? elem_f(xr[j]) : 0.0f;
+            s += (double)v[i];
+        }
+        const double mu = warp_sum_d(s) / (double)n;
+        double q = 0.0;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const double d = (double)v[i] - mu;
+            if (lane + 32 * i < n) q += d * d;
+        }
+        const double rs = 1.0 / sqrt(warp_sum_d(q) / (double)n + eps);
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const i64 j = lane + 32 * i;
+            if (j >= n) break;
+            double h = ((double)v[i] - mu) * rs;
+            if (w) h *= to_d(w[j]);
+            if (b) h += to_d(b[j]);
+            yr[j] = from_d<T>(h);
+        }
+        if (lane == 0) {
+            store_f64(mean, sk, r, mu);
+            store_f64(rstd, sk, r, rs);
+        }
+    }
+}
+
+template <typename T, int PER>
+__device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, const void* rstd,
+                                    int sk, const T* gy, T* gx, i64 rows, i64 n) {
+    const int lane = threadIdx.x & 31;
+    for (i64 r = warp_row(); r < rows; r += warp_rows()) {
+        const T* xr = x + r * n;
+        const T* gr = gy + r * n;
+        T* outr = gx + r * n;
+        const double mu = load_f64(mean, sk, r), rs = load_f64(rstd, sk, r);
+        float xv[PER], gv[PER];
+        double sg = 0.0, sgx = 0.0;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const i64 j = lane + 32 * i;
+            const bool in = j < n;
+            xv[i] = in ? elem_f(xr[j]) : 0.0f;
+            gv[i] = in ? elem_f(gr[j]) : 0.0f;
+            const double gh = (double)gv[i] * (w && in ? to_d(w[j]) : 1.0);
+            sg += gh;
+            sgx += gh * (((double)xv[i] - mu) * rs);
+        }
+        const double mean_g = warp_sum_d(sg) / (double)n;
+        const double mean_gx = warp_sum_d(sgx) / (double)n;
+#pragma unroll
+        for (int i = 0; i < PER; ++i) {
+            const i64 j = lane + 32 * i;
+            if (j >= n) break;
+            const double gh = (double)gv[i] * (w ? to_d(w[j]) : 1.0);
+            const double xh = ((double)xv[i] - mu) * rs;
+            outr[j] = from_d<T>(rs * (gh - mean_g - xh * mean_gx));
+        }
+    }
+}
+
+#define LN_WARP_KERNELS(S, T, PER)                                                                 \
+    extern "C" __global__ void __launch_bounds__(BLOCK)                                            \
+        layer_norm_fwd_warp##PER##_##S(const T* x, const T* w, const T* b, T* y, void* mean,       \
+                                       void* rstd, int sk, i64 rows, i64 n, double eps) {          \
+        layer_norm_fwd_warp<T, PER>(x, w, b, y, mean, rstd, sk, rows, n, eps);                     \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(BLOCK)                                            \
+        layer_norm_bwd_warp##PER##_##S(const T* x, const T* w, const void* mean,                   \
+                                       const void* rstd, int sk, const T* gy, T* gx, i64 rows,     \
+                                       i64 n) {                                                    \
+        layer_norm_bwd_warp<T, PER>(x, w, mean, rstd, sk, gy, gx, rows, n);                        \
+    }
+#define LN_WARP_SIZES(S, T) \
+    LN_WARP_KERNELS(S, T, 8) LN_WARP_KERNELS(S, T, 16) LN_WARP_KERNELS(S, T, 24) LN_WARP_KERNELS(S, T, 32)
+
+LN_WARP_SIZES(f32, float)
+LN_WARP_SIZES(f16, f16_t)
+LN_WARP_SIZES(bf16, bf16_t)
+
 // Stage 1 of the weight/bias gradients: grid (ceil(n / BLOCK), chunks). Thread (j, c) sums
 // column j over the rows of chunk c in order into part[c][j] (Σ gy x̂) and
 // part[chunks + c][j] (Σ gy).
