@@ -17,6 +17,9 @@
 //! - `recompute`: MLP: the whole forward runs under `checkpoint_activations`, which keeps only
 //!   x; backward recomputes both Linears and the ReLU. GPT: every block is recomputed
 //!   (`Recompute::Every(1)`), keeping only each block's input.
+//! - `bf16-weights` (GPT only): the model's parameters and activations in bf16, no autocast
+//!   (so no per-step casts), AdamW keeping f32 master copies (`with_master_weights`), as
+//!   llm.c trains. PyTorch has no twin of it here.
 //! - `accum4`: four micro-batches of B/4 through `accumulate_gradients`, then one step.
 //! - `freeze`: MLP: the first Linear (`0.*`) is frozen; GPT: the embeddings and the first half
 //!   of the blocks (blocks 0-5 of GPT-2). The optimizer gets only the trainable parameters.
@@ -26,7 +29,7 @@
 //!   PyTorch has no twin of it. GPT (AdamW) is an error: Adam's step is not linear in g.
 //!
 //! Usage: cargo bench -p ferrograd --bench strategies -- --model mlp|gpt2|tiny-gpt
-//!   --strategy baseline|bf16|f16|recompute|accum4|freeze|step-in-backward|step-in-backward-fused
+//!   --strategy baseline|bf16|bf16-weights|f16|recompute|accum4|freeze|step-in-backward|step-in-backward-fused
 //!   [--device cpu|cuda]
 //!   [--steps 10] [--warmup 3] [--dim 10000] [--batch B] [--seq T] [--vocab V]
 //! Prints a human line on stderr and one JSON line on stdout.
@@ -48,9 +51,10 @@ type Res<T> = std::result::Result<T, BoxError>;
 /// The loss of micro-batch `i` of `n` (`n = 1`: the whole batch).
 type LossFn = Box<dyn Fn(usize, usize) -> ferrograd::Result<Tensor>>;
 
-const STRATEGIES: [&str; 8] = [
+const STRATEGIES: [&str; 9] = [
     "baseline",
     "bf16",
+    "bf16-weights",
     "f16",
     "recompute",
     "accum4",
@@ -66,6 +70,7 @@ const MICRO_BATCHES: usize = 4;
 enum Strategy {
     Baseline,
     Bf16,
+    Bf16Weights,
     F16,
     Recompute,
     Accum4,
@@ -79,6 +84,7 @@ impl Strategy {
         let all = [
             Strategy::Baseline,
             Strategy::Bf16,
+            Strategy::Bf16Weights,
             Strategy::F16,
             Strategy::Recompute,
             Strategy::Accum4,
@@ -268,7 +274,13 @@ fn gpt(a: &Args) -> Res<(LossFn, Adam)> {
         ..cfg
     };
     let (vocab, n_layer) = (cfg.vocab_size, cfg.n_layer);
-    let mut model = Gpt::new(cfg, a.device)?;
+    let bf16_weights = a.strategy == Strategy::Bf16Weights;
+    let dtype = if bf16_weights {
+        DType::BF16
+    } else {
+        DType::F32
+    };
+    let mut model = Gpt::new_with_dtype(cfg, dtype, a.device)?;
     match a.strategy {
         Strategy::Recompute => model.set_recompute(Recompute::Every(1)),
         Strategy::Freeze => {
@@ -285,6 +297,11 @@ fn gpt(a: &Args) -> Res<(LossFn, Adam)> {
         ..AdamConfig::adamw_default()
     };
     let opt = Adam::adamw(trainable(&model), cfg)?;
+    let opt = if bf16_weights {
+        opt.with_master_weights()?
+    } else {
+        opt
+    };
     let mut g = Generator::new(1);
     let ids = token_ids(a.batch, a.seq, vocab, a.device, &mut g)?;
     let targets = token_ids(a.batch, a.seq, vocab, a.device, &mut g)?;
@@ -433,6 +450,9 @@ fn run() -> Res<()> {
     let a = parse_args()?;
     let fused = a.strategy == Strategy::StepInBackwardFused;
     let m = if a.model == "mlp" {
+        if a.strategy == Strategy::Bf16Weights {
+            return Err("bf16-weights keeps AdamW master copies: use it with a GPT model".into());
+        }
         let (loss, opt) = mlp(&a)?;
         let d = if fused {
             Driver::InBackward {

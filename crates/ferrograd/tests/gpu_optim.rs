@@ -293,3 +293,56 @@ fn clip_grad_value_matches_cpu() {
         assert!(g[0].is_nan(), "{dtype}: NaN kept");
     }
 }
+
+/// Master weights on the GPU: bf16 and f16 parameters step through f32 copies with the CPU's
+/// arithmetic (bit for bit: copies, moments and the rounded parameters); an f32 parameter in
+/// the same optimizer steps as before.
+#[test]
+fn adamw_master_weights_match_cpu() {
+    let run = |device: Device| {
+        let dtypes = [DType::BF16, DType::F16, DType::F32];
+        let shapes: [&[usize]; 3] = [&[64, 100], &[4099], &[33]];
+        let params: Vec<Tensor> = shapes
+            .iter()
+            .zip(dtypes)
+            .enumerate()
+            .map(|(i, (s, dt))| {
+                on(&randn(s, dt, 300 + i as u64), device)
+                    .requires_grad_(true)
+                    .unwrap()
+            })
+            .collect();
+        let mut opt = Adam::adamw(params.clone(), cfg(1e-3, (0.9, 0.95), 0.1))
+            .unwrap()
+            .with_master_weights()
+            .unwrap();
+        for step in 0..3u64 {
+            for (i, (p, (s, dt))) in params.iter().zip(shapes.iter().zip(dtypes)).enumerate() {
+                let g = randn(s, dt, 3000 * (step + 1) + i as u64);
+                p.set_grad(Some(on(&g, device))).unwrap();
+            }
+            opt.step().unwrap();
+        }
+        let mut out = Vec::new();
+        for (i, p) in params.iter().enumerate() {
+            let st = opt.state(i).unwrap();
+            assert_eq!(
+                st.master.is_some(),
+                i < 2,
+                "master copies for the half parameters only"
+            );
+            out.extend(
+                [&p.detach(), &st.exp_avg, &st.exp_avg_sq]
+                    .into_iter()
+                    .chain(&st.master)
+                    .map(|t| on(t, CPU)),
+            );
+        }
+        out
+    };
+    let (want, got) = (run(CPU), run(GPU));
+    assert_eq!(want.len(), got.len());
+    for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_close(&format!("master weights, state tensor {k}"), g, w, 0.0, 0.0);
+    }
+}

@@ -330,6 +330,7 @@ fn restored_adam_state_continues_identically() {
                 exp_avg: copy(&s.exp_avg).unwrap(),
                 exp_avg_sq: copy(&s.exp_avg_sq).unwrap(),
                 step: s.step,
+                master: None,
             },
         )
         .unwrap();
@@ -348,6 +349,7 @@ fn restored_adam_state_continues_identically() {
         exp_avg: Tensor::zeros(&[2], DType::F32, Device::Cpu).unwrap(),
         exp_avg_sq: Tensor::zeros(&[2], DType::F32, Device::Cpu).unwrap(),
         step: 1,
+        master: None,
     };
     assert!(restored.set_state(0, bad).is_err());
 }
@@ -585,4 +587,83 @@ fn clipping_without_gradients_and_bad_arguments() {
     assert!(clip_grad_norm(std::slice::from_ref(&p), 1.0, 0.0, true).is_err());
     assert!(clip_grad_norm(std::slice::from_ref(&p), 1.0, f64::NAN, true).is_err());
     assert!(clip_grad_value(std::slice::from_ref(&p), -1.0).is_err());
+}
+
+/// Master weights: a bf16 parameter steps through an f32 copy exactly as an f32 parameter fed
+/// the widened bf16 gradients would (bit for bit), holds that copy rounded, and keeps the
+/// copy and f32 moments as optimizer state. An f32 parameter in the same optimizer gets none.
+#[test]
+fn master_weights_step_an_f32_copy_and_round_it_into_the_parameter() {
+    let n = 300;
+    let init: Vec<f32> = (0..n).map(|i| (i as f32 * 0.37).sin()).collect();
+    let half = Tensor::from_vec(init, &[n], Device::Cpu)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    let full = half
+        .detach()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    let other = param(vec![1.0, -2.0]);
+    let cfg = AdamConfig {
+        lr: 1e-3,
+        ..AdamConfig::adamw_default()
+    };
+    let mut master = Adam::adamw(vec![half.clone(), other.clone()], cfg.clone())
+        .unwrap()
+        .with_master_weights()
+        .unwrap();
+    let mut plain = Adam::adamw(vec![full.clone()], cfg).unwrap();
+    for step in 0..4 {
+        let g: Vec<f32> = (0..n)
+            .map(|i| ((i * 7 + step * 13) as f32 * 0.11).cos())
+            .collect();
+        let g = Tensor::from_vec(g, &[n], Device::Cpu)
+            .unwrap()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        half.set_grad(Some(g.clone())).unwrap();
+        full.set_grad(Some(g.to_dtype(DType::F32).unwrap()))
+            .unwrap();
+        other.set_grad(grad_of(vec![0.5, 0.5])).unwrap();
+        master.step().unwrap();
+        plain.step().unwrap();
+    }
+    let (s, want) = (master.state(0).unwrap(), plain.state(0).unwrap());
+    let copy = s
+        .master
+        .as_ref()
+        .expect("a bf16 parameter has a master copy");
+    let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap().to_vec::<f32>().unwrap();
+    assert_eq!(f32s(copy), f32s(&full), "the master is the f32 parameter");
+    assert_eq!(f32s(&s.exp_avg), f32s(&want.exp_avg));
+    assert_eq!(f32s(&s.exp_avg_sq), f32s(&want.exp_avg_sq));
+    assert_eq!(f32s(&half), f32s(&full.to_dtype(DType::BF16).unwrap()));
+    for t in [copy, &s.exp_avg, &s.exp_avg_sq] {
+        assert_eq!(
+            (t.dtype(), t.category()),
+            (DType::F32, Some(Category::OptimizerState))
+        );
+    }
+    assert!(
+        master.state(1).unwrap().master.is_none(),
+        "f32 parameters step as before"
+    );
+    let names: Vec<String> = master.state_tensors().into_iter().map(|(n, _)| n).collect();
+    assert_eq!(
+        names,
+        [
+            "0.exp_avg",
+            "0.exp_avg_sq",
+            "0.master",
+            "1.exp_avg",
+            "1.exp_avg_sq"
+        ]
+    );
+    // Chosen after a step, the moments would change dtype: refused.
+    assert!(plain.with_master_weights().is_err());
 }

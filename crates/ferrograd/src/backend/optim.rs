@@ -26,13 +26,17 @@ pub struct SgdStep<'a> {
 }
 
 /// One parameter of an Adam step: its gradient (contiguous, the parameter's numel and dtype)
-/// and three distinct storages updated in place.
+/// and three distinct storages updated in place. With `master` (an f16/bf16 parameter's f32
+/// copy), the step reads and writes the master and the f32 moments, then stores the master
+/// rounded into the parameter: the update is exactly an f32 parameter's, fed the gradient
+/// widened to f32.
 #[derive(Clone, Copy)]
 pub struct AdamParam<'a> {
     pub grad: View<'a>,
     pub param: &'a Storage,
     pub exp_avg: &'a Storage,
     pub exp_avg_sq: &'a Storage,
+    pub master: Option<&'a Storage>,
 }
 
 /// One Adam / AdamW step over every parameter in `params` in a single call (one launch per
@@ -112,12 +116,13 @@ pub fn adam_step(a: &AdamStep) -> Result<()> {
     for p in a.params {
         adam_param(p)?;
         let all = [p.grad.storage, p.param, p.exp_avg, p.exp_avg_sq];
-        check::on_device("adam", device, all)?;
+        check::on_device("adam", device, all.into_iter().chain(p.master))?;
     }
     backend(device)?.adam_step(a)?;
     for p in a.params {
         [p.param, p.exp_avg, p.exp_avg_sq]
-            .iter()
+            .into_iter()
+            .chain(p.master)
             .for_each(|s| s.bump_version());
     }
     Ok(())
@@ -135,8 +140,20 @@ fn adam_param(p: &AdamParam) -> Result<()> {
             hint: "parameters must be floating point",
         });
     }
-    for s in [p.grad.storage, p.exp_avg, p.exp_avg_sq] {
-        check::same_dtype(OP, dtype, s.dtype())?;
+    check::same_dtype(OP, dtype, p.grad.storage.dtype())?;
+    // The moments are f32 beside an f32 master, else in the parameter's dtype.
+    let state_dtype = match p.master {
+        Some(_) if matches!(dtype, DType::F16 | DType::BF16) => DType::F32,
+        Some(_) => {
+            return Err(Error::invalid(
+                OP,
+                format!("master weights are for f16/bf16 parameters, this one is {dtype}"),
+            ));
+        }
+        None => dtype,
+    };
+    for s in [p.exp_avg, p.exp_avg_sq].into_iter().chain(p.master) {
+        check::same_dtype(OP, state_dtype, s.dtype())?;
     }
     let n = p.param.len();
     let l = p.grad.layout;
@@ -149,19 +166,20 @@ fn adam_param(p: &AdamParam) -> Result<()> {
             ),
         ));
     }
-    if p.exp_avg.len() != n || p.exp_avg_sq.len() != n {
+    let state = [p.exp_avg, p.exp_avg_sq].into_iter().chain(p.master);
+    if let Some(s) = state.clone().find(|s| s.len() != n) {
         return Err(Error::shape(
             OP,
             format!(
-                "state of {} and {} elements for a parameter of {n}",
-                p.exp_avg.len(),
-                p.exp_avg_sq.len()
+                "a state buffer of {} elements for a parameter of {n}",
+                s.len()
             ),
         ));
     }
+    let all: Vec<&Storage> = [p.grad.storage, p.param].into_iter().chain(state).collect();
     check::distinct(
         OP,
-        &[p.grad.storage, p.param, p.exp_avg, p.exp_avg_sq],
+        &all,
         "gradient, parameter and state buffers must be distinct storages",
     )
 }

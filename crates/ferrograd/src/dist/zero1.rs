@@ -121,6 +121,7 @@ impl Zero1 {
                     exp_avg: cut(&exp_avg)?,
                     exp_avg_sq: cut(&exp_avg_sq)?,
                     step: st.step,
+                    master: None,
                 });
             }
         }
@@ -184,6 +185,7 @@ impl Zero1 {
                 exp_avg: pick(|st| &st.exp_avg)?,
                 exp_avg_sq: pick(|st| &st.exp_avg_sq)?,
                 step,
+                master: None,
             };
             self.steps = step;
             self.shards[k].state = Some(state);

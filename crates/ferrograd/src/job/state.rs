@@ -375,6 +375,7 @@ fn adam_states(
                 exp_avg: owned(m)?,
                 exp_avg_sq: owned(v)?,
                 step: step as u64,
+                master: None,
             },
         ));
     }

@@ -8,7 +8,13 @@
 //!   p ← p − lr/(1 − β1^t) · m / (√v / √(1 − β2^t) + eps)
 //!
 //! exp_avg (m) and exp_avg_sq (v) are created, zeroed, at a parameter's first step and count
-//! as optimizer state. A whole step is one fused backend call per (device, step count) group
+//! as optimizer state.
+//!
+//! Master weights (`with_master_weights`), for a model kept in f16/bf16 (no autocast, so no
+//! per-step weight casts): each half-precision parameter gets an f32 copy and f32 moments,
+//! all optimizer state. The step updates the copy exactly as it would an f32 parameter fed
+//! the gradient widened to f32, then stores it rounded into the parameter, so small updates
+//! accumulate instead of being rounded away. A whole step is one fused backend call per (device, step count) group
 //! of parameters: one kernel launch on a GPU, however many parameters there are.
 
 use super::{Optimizer, check_lr};
@@ -16,7 +22,7 @@ use crate::autograd::no_grad;
 use crate::backend::optim::{self, AdamParam, AdamStep};
 use crate::base::{Error, Result};
 use crate::memory::Category;
-use crate::tensor::{Device, Tensor};
+use crate::tensor::{DType, Device, Tensor};
 
 #[derive(Clone, Debug)]
 pub struct AdamConfig {
@@ -50,12 +56,14 @@ impl AdamConfig {
     }
 }
 
-/// The state of one parameter: its moments and how many steps it has taken.
+/// The state of one parameter: its moments, how many steps it has taken, and with master
+/// weights its f32 copy (then the moments are f32 too).
 #[derive(Clone, Debug)]
 pub struct AdamState {
     pub exp_avg: Tensor,
     pub exp_avg_sq: Tensor,
     pub step: u64,
+    pub master: Option<Tensor>,
 }
 
 pub struct Adam {
@@ -64,6 +72,8 @@ pub struct Adam {
     decoupled: bool,
     state: Vec<Option<AdamState>>,
     steps: u64,
+    /// f16/bf16 parameters keep an f32 master copy.
+    master_weights: bool,
 }
 
 /// One parameter to update this step.
@@ -128,7 +138,32 @@ impl Adam {
             decoupled,
             state: vec![None; n],
             steps: 0,
+            master_weights: false,
         })
+    }
+
+    /// Keeps an f32 master copy (and f32 moments) of every f16/bf16 parameter, made from the
+    /// parameter at its first step; f32 and f64 parameters step as before. Set it before the
+    /// first step.
+    pub fn with_master_weights(mut self) -> Result<Adam> {
+        if self.state.iter().any(Option::is_some) {
+            return Err(Error::invalid(
+                "Adam",
+                "master weights must be chosen before the first step (the moments would change dtype)",
+            ));
+        }
+        self.master_weights = true;
+        Ok(self)
+    }
+
+    /// Whether f16/bf16 parameters step through f32 master copies.
+    pub fn has_master_weights(&self) -> bool {
+        self.master_weights
+    }
+
+    /// Whether parameter `p` gets a master copy.
+    fn keeps_master(&self, p: &Tensor) -> bool {
+        self.master_weights && matches!(p.dtype(), DType::F16 | DType::BF16)
     }
 
     pub fn config(&self) -> &AdamConfig {
@@ -150,14 +185,18 @@ impl Adam {
         self.state.get(i).and_then(Option::as_ref)
     }
 
-    /// Every state tensor, named `{i}.exp_avg` and `{i}.exp_avg_sq` by parameter index (for
-    /// checkpoints). Parameters that have not stepped yet have none.
+    /// Every state tensor, named `{i}.exp_avg`, `{i}.exp_avg_sq` (and `{i}.master` with
+    /// master weights) by parameter index (for checkpoints). Parameters that have not
+    /// stepped yet have none.
     pub fn state_tensors(&self) -> Vec<(String, Tensor)> {
         let mut out = Vec::new();
         for (i, s) in self.state.iter().enumerate() {
             if let Some(s) = s {
                 out.push((format!("{i}.exp_avg"), s.exp_avg.clone()));
                 out.push((format!("{i}.exp_avg_sq"), s.exp_avg_sq.clone()));
+                if let Some(w) = &s.master {
+                    out.push((format!("{i}.master"), w.clone()));
+                }
             }
         }
         out
@@ -173,17 +212,36 @@ impl Adam {
                 format!("no parameter {i} (the optimizer has {})", self.params.len()),
             )
         })?;
-        for (name, t) in [
+        let keeps_master = self.keeps_master(p);
+        if state.master.is_some() != keeps_master {
+            return Err(Error::invalid(
+                "Adam",
+                format!(
+                    "parameter {i} {} a master copy in this optimizer; the state given {} one",
+                    if keeps_master { "has" } else { "has no" },
+                    if state.master.is_some() {
+                        "has"
+                    } else {
+                        "lacks"
+                    }
+                ),
+            ));
+        }
+        let dtype = if keeps_master { DType::F32 } else { p.dtype() };
+        let named = [
             ("exp_avg", &state.exp_avg),
             ("exp_avg_sq", &state.exp_avg_sq),
-        ] {
-            let fits = t.shape() == p.shape() && t.dtype() == p.dtype() && t.device() == p.device();
+        ];
+        for (name, t) in named
+            .into_iter()
+            .chain(state.master.iter().map(|w| ("master", w)))
+        {
+            let fits = t.shape() == p.shape() && t.dtype() == dtype && t.device() == p.device();
             if !fits || !owns_storage(t) {
                 return Err(Error::invalid(
                     "Adam",
                     format!(
-                        "{name} of parameter {i} must be a contiguous {} {:?} tensor on {} owning its storage",
-                        p.dtype(),
+                        "{name} of parameter {i} must be a contiguous {dtype} {:?} tensor on {} owning its storage",
                         p.shape(),
                         p.device()
                     ),
@@ -197,8 +255,17 @@ impl Adam {
                 "exp_avg, exp_avg_sq and the parameter must be separate tensors",
             ));
         }
-        m.set_category(Category::OptimizerState);
-        v.set_category(Category::OptimizerState);
+        if let Some(w) = &state.master
+            && (w.shares_storage(p) || w.shares_storage(m) || w.shares_storage(v))
+        {
+            return Err(Error::invalid(
+                "Adam",
+                "the master copy must be a separate tensor",
+            ));
+        }
+        for t in [m, v].into_iter().chain(&state.master) {
+            t.set_category(Category::OptimizerState);
+        }
         self.steps = self.steps.max(state.step);
         self.state[i] = Some(state);
         Ok(())
@@ -241,19 +308,29 @@ impl Adam {
                 continue;
             }
             let p = &self.params[w.index];
+            let master = self.keeps_master(p);
+            let dtype = if master { DType::F32 } else { p.dtype() };
             let alloc = |origin| {
                 Tensor::alloc(
                     p.shape(),
-                    p.dtype(),
+                    dtype,
                     p.device(),
                     Category::OptimizerState,
                     origin,
                 )
             };
+            let master = if master {
+                let copy = p.detach().to_dtype(DType::F32)?.contiguous_owned()?;
+                copy.set_category(Category::OptimizerState);
+                Some(copy)
+            } else {
+                None
+            };
             self.state[w.index] = Some(AdamState {
                 exp_avg: alloc("adam_exp_avg")?,
                 exp_avg_sq: alloc("adam_exp_avg_sq")?,
                 step: 0,
+                master,
             });
         }
         Ok(())
@@ -274,6 +351,7 @@ impl Adam {
                 param: self.params[w.index].storage(),
                 exp_avg: s.exp_avg.storage(),
                 exp_avg_sq: s.exp_avg_sq.storage(),
+                master: s.master.as_ref().map(Tensor::storage).map(|s| &**s),
             });
         }
         // The entry function bumps every parameter's and state buffer's version.

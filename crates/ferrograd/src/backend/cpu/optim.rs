@@ -130,11 +130,68 @@ fn adam(a: &AdamStep) -> Result<()> {
         let off = e.grad.layout.offset();
         write(e.param, |p| {
             write(e.exp_avg, |m| {
-                write(e.exp_avg_sq, |v| adam_dispatch(&k, &g, off, p, m, v))
+                write(e.exp_avg_sq, |v| match e.master {
+                    Some(w) => write(w, |w| adam_master_dispatch(&k, &g, off, p, [m, v, w])),
+                    None => adam_dispatch(&k, &g, off, p, m, v),
+                })
             })
         })?;
     }
     Ok(())
+}
+
+/// A half-precision parameter with f32 (exp_avg, exp_avg_sq, master).
+fn adam_master_dispatch(
+    k: &AdamScalars,
+    g: &CpuData,
+    off: usize,
+    p: &mut CpuData,
+    state: [&mut CpuData; 3],
+) -> Result<()> {
+    let [CpuData::F32(m), CpuData::F32(v), CpuData::F32(w)] = state else {
+        return Err(Error::invalid(
+            "adam",
+            "master weights and moments must be f32",
+        ));
+    };
+    match (g, p) {
+        (CpuData::BF16(g), CpuData::BF16(p)) => {
+            adam_master_apply(k, &g[off..off + p.len()], p, m, v, w)
+        }
+        (CpuData::F16(g), CpuData::F16(p)) => {
+            adam_master_apply(k, &g[off..off + p.len()], p, m, v, w)
+        }
+        _ => {
+            return Err(Error::invalid(
+                "adam",
+                "master weights serve f16/bf16 parameters with gradients of the same dtype",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The f32 update of the master copy, then the parameter = the master rounded once.
+fn adam_master_apply<T: Opmath<C = f32>>(
+    k: &AdamScalars,
+    g: &[T],
+    p: &mut [T],
+    m: &mut [f32],
+    v: &mut [f32],
+    w: &mut [f32],
+) {
+    let h = AdamC::new(k, |x| x as f32);
+    p.par_chunks_mut(CHUNK)
+        .zip(g.par_chunks(CHUNK))
+        .zip(m.par_chunks_mut(CHUNK).zip(v.par_chunks_mut(CHUNK)))
+        .zip(w.par_chunks_mut(CHUNK))
+        .for_each(|(((p, g), (m, v)), w)| {
+            for ((((p, &g), m), v), w) in p.iter_mut().zip(g).zip(m).zip(v).zip(w) {
+                let (nw, nm, nv) = h.update(g.up(), *w, *m, *v);
+                (*w, *m, *v) = (nw, nm, nv);
+                *p = T::down(nw);
+            }
+        });
 }
 
 fn adam_dispatch(

@@ -105,15 +105,34 @@ impl AdamHyper {
     }
 }
 
-/// Every parameter of one dtype in one launch.
+/// Every parameter of one dtype in one launch (those with a master copy in another).
 fn adam(d: &CudaDevice, a: &AdamStep) -> Result<()> {
-    let mut groups = Groups::new();
+    let (mut groups, mut masters) = (Groups::new(), Groups::new());
     for p in a.params {
-        groups.push(p.param.dtype(), adam_row(p)?);
+        match p.master {
+            Some(w) => {
+                let Row {
+                    addrs: [pp, g, m, v],
+                    n,
+                } = adam_row(p)?;
+                let w = if n == 0 { 0 } else { ptr(w)? };
+                masters.push(
+                    p.param.dtype(),
+                    Row {
+                        addrs: [pp, g, m, v, w],
+                        n,
+                    },
+                );
+            }
+            None => groups.push(p.param.dtype(), adam_row(p)?),
+        }
     }
     let hyper = AdamHyper::of(&AdamScalars::of(a));
     for (dtype, rows) in groups.iter() {
-        adam_launch(d, *dtype, rows, &hyper)?;
+        adam_launch(d, "adam_multi", *dtype, rows, &hyper)?;
+    }
+    for (dtype, rows) in masters.iter() {
+        adam_launch(d, "adam_master_multi", *dtype, rows, &hyper)?;
     }
     Ok(())
 }
@@ -133,12 +152,19 @@ fn adam_row(p: &AdamParam) -> Result<AdamRow> {
     Ok(Row { addrs, n })
 }
 
-fn adam_launch(d: &CudaDevice, dtype: DType, rows: &[AdamRow], hyper: &AdamHyper) -> Result<()> {
+/// `{stem}_{dtype}` over `rows` (AdamEntry or AdamMasterEntry tables: A = 4 or 5).
+fn adam_launch<const A: usize>(
+    d: &CudaDevice,
+    stem: &str,
+    dtype: DType,
+    rows: &[Row<A>],
+    hyper: &AdamHyper,
+) -> Result<()> {
     let Some(table) = Table::upload(d, rows, "adam_table")? else {
         return Ok(());
     };
-    let name = format!("adam_multi_{}", suffix("adam", dtype)?);
-    // adam_multi_*(const AdamEntry*, int, i64, AdamHyper): the table just uploaded.
+    let name = format!("{stem}_{}", suffix("adam", dtype)?);
+    // {stem}_*(const Entry*, int, i64, AdamHyper): the table just uploaded.
     let args = [
         Arg::Ptr(table.addr),
         Arg::I32(table.count),

@@ -20,19 +20,26 @@ __device__ __forceinline__ float m_sqrt(float x) { return sqrtf(x); }
 __device__ __forceinline__ double m_sqrt(double x) { return sqrt(x); }
 __device__ __forceinline__ float m_tanh(float x) { return tanhf(x); }
 __device__ __forceinline__ double m_tanh(double x) { return tanh(x); }
-// GELU's tanh: one hardware instruction where the result is stored in half precision (its
-// error, below 2^-10.9 relative, is under half a bf16/f16 step), tanhf otherwise. tanhf is a
-// long sequence, and it made GELU compute-bound on large half-precision activations.
-template <typename T>
-__device__ __forceinline__ typename T::C gelu_tanh_of(typename T::C u) {
-    if constexpr (T::HALF) {
-        float r;
-        asm("tanh.approx.f32 %0, %1;" : "=f"(r) : "f"((float)u));
-        return r;
-    } else {
-        return m_tanh(u);
-    }
+// GELU (tanh form) where the result is stored in half precision: 1 + tanh(u) = 2 σ(2u) and
+// 1 - tanh²(u) = 4 σ(2u) σ(-2u), with σ from the hardware exp. tanhf is a long sequence that
+// made GELU compute-bound on large activations; the hardware tanh is fast but its absolute
+// error swamps 1 + tanh(u) for negative inputs, where σ stays relatively exact (a few f32
+// ulps, far below a bf16/f16 step). f32 and f64 keep the CPU's formula.
+__device__ __forceinline__ float sigmoid_fast(float z) { return __frcp_rn(1.0f + __expf(-z)); }
+
+__device__ __forceinline__ float gelu_tanh_half(float x) {
+    const float u = (float)GELU_C * (x + (float)GELU_A * x * x * x);
+    return x * sigmoid_fast(2.0f * u);
 }
+
+// g · gelu'(x) = g (½(1 + t) + ½ x (1 - t²) c (1 + 3 a x²)) with t = tanh(u).
+__device__ __forceinline__ float gelu_tanh_backward_half(float g, float x) {
+    const float u = (float)GELU_C * (x + (float)GELU_A * x * x * x);
+    const float s = sigmoid_fast(2.0f * u);
+    const float dt = 2.0f * s * (1.0f - s);  // ½ (1 - t²)
+    return g * (s + x * dt * (float)GELU_C * (1.0f + 3.0f * (float)GELU_A * x * x));
+}
+
 __device__ __forceinline__ float m_abs(float x) { return fabsf(x); }
 __device__ __forceinline__ double m_abs(double x) { return fabs(x); }
 __device__ __forceinline__ float m_pow(float x, float y) { return powf(x, y); }
@@ -59,8 +66,9 @@ __device__ __forceinline__ typename T::C unary_op(int op, double p, double q,
         case U_SIGMOID: return one / (one + m_exp(-x));
         case U_RELU: return x > zero ? x : zero;
         case U_GELU_TANH: {
+            if constexpr (T::HALF) return gelu_tanh_half(x);
             C u = T::cparam(GELU_C) * (x + mul_rn(T::cparam(GELU_A) * x * x, x));
-            return hf * x * (one + gelu_tanh_of<T>(u));
+            return hf * x * (one + m_tanh(u));
         }
         case U_GELU_ERF: {
             // in f64 for every dtype, as the CPU does
@@ -100,8 +108,9 @@ __device__ __forceinline__ typename T::C binary_op(int op, double p, typename T:
         case B_TANH_BACKWARD: return a * (one - mul_rn(b, b));
         case B_SIGMOID_BACKWARD: return a * b * (one - b);
         case B_GELU_TANH_BACKWARD: {
+            if constexpr (T::HALF) return gelu_tanh_backward_half(a, b);
             const C c = T::cparam(GELU_C), k = T::cparam(GELU_A), hf = T::cparam(0.5);
-            C t = gelu_tanh_of<T>(c * (b + mul_rn(k * b * b, b)));
+            C t = m_tanh(c * (b + mul_rn(k * b * b, b)));
             // both products rounded before the sum, as on the CPU (no FMA)
             C left = mul_rn(hf, one + t);
             C right = mul_rn(hf * b * (one - mul_rn(t, t)) * c,

@@ -98,6 +98,62 @@ __device__ void adam_multi(const AdamEntry* tab, int count, i64 chunks, const Ad
     }
 }
 
+// A half-precision parameter with an f32 master copy (llm.c's scheme): the f32 step of
+// adam_multi on (master, exp_avg, exp_avg_sq), fed the gradient widened to f32, then the
+// parameter = the new master rounded once. Mirrors `AdamMasterRow` in cuda/optim.rs.
+struct AdamMasterEntry {
+    u64 p;
+    u64 g;
+    u64 m;
+    u64 v;
+    u64 w;  // the f32 master
+    i64 n;
+    i64 first_chunk;
+};
+
+template <typename T>
+__device__ void adam_master_multi(const AdamMasterEntry* tab, int count, i64 chunks,
+                                  const AdamHyper& h) {
+    const float l2 = (float)h.l2, decay = (float)h.decay, w1 = (float)h.w1;
+    const float beta2 = (float)h.beta2, w2 = (float)h.w2, bc2_sqrt = (float)h.bc2_sqrt;
+    const float neg_step = (float)h.neg_step, eps = (float)h.eps;
+    const bool w1_small = w1 < 0.5f && w1 > -0.5f;
+    for (i64 c = blockIdx.x; c < chunks; c += gridDim.x) {
+        const AdamMasterEntry e = tab[entry_of(tab, count, c)];
+        const i64 start = (c - e.first_chunk) * (i64)ADAM_CHUNK;
+        const i64 end = e.n < start + ADAM_CHUNK ? e.n : start + ADAM_CHUNK;
+        typename T::S* pp = (typename T::S*)e.p;
+        const typename T::S* gp = (const typename T::S*)e.g;
+        float* mp = (float*)e.m;
+        float* vp = (float*)e.v;
+        float* wp = (float*)e.w;
+        for (i64 i = start + threadIdx.x; i < end; i += blockDim.x) {
+            float p = o_mul(wp[i], decay);
+            float g = T::ld(gp[i]);
+            if (h.has_l2) g = o_add(g, o_mul(l2, p));
+            float m = mp[i];
+            m = w1_small ? o_add(m, o_mul(w1, o_sub(g, m)))
+                         : o_sub(g, o_mul(o_sub(g, m), o_sub(1.0f, w1)));
+            const float v = o_add(o_mul(vp[i], beta2), o_mul(o_mul(w2, g), g));
+            const float denom = o_add(o_div(o_sqrt(v), bc2_sqrt), eps);
+            p = o_add(p, o_div(o_mul(neg_step, m), denom));
+            wp[i] = p;
+            pp[i] = T::st(p);
+            mp[i] = m;
+            vp[i] = v;
+        }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(OPTIM_BLOCK)
+    adam_master_multi_bf16(const AdamMasterEntry* tab, int count, i64 chunks, AdamHyper h) {
+    adam_master_multi<BF16T>(tab, count, chunks, h);
+}
+extern "C" __global__ void __launch_bounds__(OPTIM_BLOCK)
+    adam_master_multi_f16(const AdamMasterEntry* tab, int count, i64 chunks, AdamHyper h) {
+    adam_master_multi<F16T>(tab, count, chunks, h);
+}
+
 #define OPTIM_KERNELS(SUFFIX, T)                                                               \
     extern "C" __global__ void __launch_bounds__(OPTIM_BLOCK)                                  \
         adam_multi_##SUFFIX(const AdamEntry* tab, int count, i64 chunks, AdamHyper h) {        \

@@ -196,8 +196,8 @@ __device__ __forceinline__ bool aligned16(const void* p) {
 
 // ---- float element types for templated kernels -------------------------------------------
 // S: storage type; C: compute type (f16/bf16 compute in f32, as the CPU backend does).
-// HALF: the stored result keeps 8 (bf16) or 11 (f16) bits, so a hardware approximation with
-// a relative error near 2^-11 (tanh.approx) is as good as the exact function there.
+// HALF: the stored result keeps 8 (bf16) or 11 (f16) bits, so hardware approximations a few
+// f32 ulps off (exp.approx) are as good as the exact functions there.
 // cparam: a host f64 parameter rounded to the element type first (the CPU's T::from_f64).
 
 struct F32T {
