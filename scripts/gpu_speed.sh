@@ -4,14 +4,14 @@
 # twin, each in its own process; prints one markdown table last (and the raw lines above it).
 #
 # Usage: scripts/gpu_speed.sh [PYTHON_WITH_TORCH]
-# Environment: ROWS (space-separated subset of: attention gpt2-bf16 gpt2-bf16-v50304
-#   gpt2-bf16-b16 gpt2-f32
+# Environment: ROWS (space-separated subset of: attention gpt2-bf16 gpt2-bf16-weights
+#   gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-f32
 #   main-job gpt-10m gpt-10m-dropout; default all), OUT (a folder for the raw log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${1:-python3}"
 B=.bin
-ROWS="${ROWS:-attention gpt2-bf16 gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-f32 main-job gpt-10m gpt-10m-dropout}"
+ROWS="${ROWS:-attention gpt2-bf16 gpt2-bf16-weights gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-f32 main-job gpt-10m gpt-10m-dropout}"
 LOG="${OUT:-/tmp}/gpu_speed.log"
 : >"$LOG"
 TABLE=()
@@ -49,6 +49,14 @@ row_gpt2-bf16() {
 # The vocabulary padded to a multiple of 64 (nanoGPT's and llm.c's 50304) on both sides.
 row_gpt2-bf16-v50304() {
   gpt2_row "GPT-2 124M B8 T1024 bf16, vocab 50304" bf16 "--batch 8 --vocab 50304" "$COMPILED" "torch.compile+SDPA+fused AdamW"
+}
+# Ours with the model in bf16 and AdamW master weights (no autocast casts), against the same
+# torch.compile autocast step (PyTorch's recipe for this model; it has no twin of ours here).
+row_gpt2-bf16-weights() {
+  local a p
+  a=$(run "$B/strategies" --model gpt2 --strategy bf16-weights --device cuda --seq 1024 --steps 5 --warmup 3 --batch 8)
+  p=$(run "$PY" benches/pytorch/strategies.py --model gpt2 --strategy bf16 --device cuda --seq 1024 --steps 5 --warmup 3 --batch 8 $COMPILED)
+  TABLE+=("| GPT-2 124M B8 T1024, bf16 weights + f32 master (ours) vs bf16 autocast, step ms (peak) | $(field "$a" step_ms) ($(mib "$(field "$a" peak_bytes)")) | $(field "$p" step_ms) ($(mib "$(field "$p" peak_bytes)")) torch.compile+SDPA+fused AdamW | $(ratio "$(field "$a" step_ms)" "$(field "$p" step_ms)") |")
 }
 row_gpt2-bf16-b16() { gpt2_row "GPT-2 124M B16 T1024 bf16" bf16 "--batch 16" "$COMPILED" "torch.compile+SDPA+fused AdamW"; }
 row_gpt2-f32() { gpt2_row "GPT-2 124M B8 T1024 f32" baseline "--batch 8" "--sdpa" "eager+SDPA"; }
