@@ -71,9 +71,12 @@ pub trait ElementwiseKernels {
     /// dtype if they differ. `dst` must not overlap `src`.
     fn copy(&self, src: View, dst: View) -> Result<()>;
     fn fill(&self, dst: &Storage, value: f64) -> Result<()>;
-    /// Element i of `dst` becomes 1/keep where Philox's draw `philox::uniform(key, i)` is below
-    /// `keep`, else 0 (`dst` is a float storage, 0 < keep ≤ 1).
-    fn dropout_mask(&self, dst: &Storage, keep: f64, key: u64) -> Result<()>;
+    /// Inverted dropout in one pass: `out[i] = x[i] · m_i`, with the mask value m_i = 1/keep
+    /// (rounded to the dtype) where Philox's draw `philox::uniform(key, i)` is below `keep`,
+    /// else 0; the product rounds once, as a multiply by a stored mask would. x is contiguous,
+    /// of out's dtype and length (a float dtype, 0 < keep ≤ 1). The backward calls it again on
+    /// the gradient with the same key, so no mask is ever stored.
+    fn dropout_apply(&self, x: View, out: &Storage, keep: f64, key: u64) -> Result<()>;
     fn unary(&self, op: UnaryOp, x: View, out: &Storage) -> Result<()>;
     /// `a` and `b` are already broadcast to the output shape (stride 0 where stretched).
     fn binary(&self, op: BinaryOp, a: View, b: View, out: &Storage) -> Result<()>;
@@ -107,23 +110,27 @@ pub fn fill(dst: &Storage, value: f64) -> Result<()> {
     Ok(())
 }
 
-/// Writes a dropout mask into `dst` (see `ElementwiseKernels::dropout_mask`): the same key
-/// gives the same mask on every device. Bumps its version.
-pub fn dropout_mask(dst: &Storage, keep: f64, key: u64) -> Result<()> {
-    if !dst.dtype().is_float() {
+/// `out = x · mask` with the mask drawn from `key` (see `ElementwiseKernels::dropout_apply`):
+/// the same key gives the same mask on every device. Bumps out's version.
+pub fn dropout_apply(x: View, out: &Storage, keep: f64, key: u64) -> Result<()> {
+    const OP: &str = "dropout";
+    if !out.dtype().is_float() {
         return Err(Error::invalid(
-            "dropout_mask",
-            format!("a mask holds floats, not {}", dst.dtype()),
+            OP,
+            format!("dropout needs a float tensor, not {}", out.dtype()),
         ));
     }
     if !(keep > 0.0 && keep <= 1.0) {
         return Err(Error::invalid(
-            "dropout_mask",
+            OP,
             format!("the kept fraction must be in (0, 1], got {keep}"),
         ));
     }
-    backend(dst.device())?.dropout_mask(dst, keep, key)?;
-    dst.bump_version();
+    check::on_device(OP, out.device(), [x.storage])?;
+    check::same_dtype(OP, x.storage.dtype(), out.dtype())?;
+    check::dense(OP, "the input", &x, out.len(), out.dtype())?;
+    backend(out.device())?.dropout_apply(x, out, keep, key)?;
+    out.bump_version();
     Ok(())
 }
 

@@ -167,7 +167,7 @@ impl ElementwiseKernels for MetaBackend {
     fn fill(&self, _: &Storage, _: f64) -> Result<()> {
         Ok(())
     }
-    fn dropout_mask(&self, _: &Storage, _: f64, _: u64) -> Result<()> {
+    fn dropout_apply(&self, _: View, _: &Storage, _: f64, _: u64) -> Result<()> {
         Ok(())
     }
     fn unary(&self, _: UnaryOp, _: View, _: &Storage) -> Result<()> {

@@ -1,12 +1,13 @@
 //! Inverted dropout, as in PyTorch: in training each element is zeroed with probability p and
 //! the kept ones are scaled by 1/(1-p), so the expected value is unchanged and evaluation needs
-//! no rescaling. The mask is made on the tensor's device from a seeded `Generator` (same seed,
-//! same mask, on every device), holds 0 or 1/(1-p) in the input's dtype, and is saved:
-//! backward is g * mask.
+//! no rescaling. The mask (0 or 1/(1-p) in the input's dtype) comes from a counter-based
+//! generator (Philox) keyed by one draw of a seeded `Generator`: the same seed gives the same
+//! mask on every device. It is never stored: the forward multiplies as it draws, and the
+//! backward draws the same mask again from the saved key (g · mask), so a dropout saves no
+//! bytes at all (PyTorch saves a mask per call).
 
-use super::binary::binary_forward;
-use crate::autograd::{SavedTensor, record};
-use crate::backend::{BinaryOp, elementwise};
+use crate::autograd::record;
+use crate::backend::elementwise;
 use crate::base::{Error, Result};
 use crate::tensor::{Generator, Tensor, with_default};
 
@@ -26,18 +27,25 @@ impl Tensor {
         if p == 0.0 || !train {
             return Ok(self.clone());
         }
-        let mask = dropout_mask(self, p, rng)?;
-        let out = binary_forward(BinaryOp::Mul, self, &mask, "dropout")?;
+        let (shape, dtype, device) = (self.shape(), self.dtype(), self.device());
+        // p == 1 drops everything: zeros, and a zero gradient.
+        if p == 1.0 {
+            let out = Tensor::output(shape, dtype, device, "dropout")?;
+            return Ok(record("dropout", &[self], out, |_, _| {
+                move |g: &Tensor, _: &[bool]| {
+                    Ok(vec![Some(Tensor::output(
+                        g.shape(),
+                        g.dtype(),
+                        g.device(),
+                        "dropout_backward",
+                    )?)])
+                }
+            }));
+        }
+        let (keep, key) = (1.0 - p, rng.next_u64());
+        let out = masked(self, keep, key, "dropout")?;
         Ok(record("dropout", &[self], out, |_, _| {
-            let mask = SavedTensor::new(&mask);
-            move |g: &Tensor, _: &[bool]| {
-                Ok(vec![Some(binary_forward(
-                    BinaryOp::Mul,
-                    g,
-                    mask.get(),
-                    "dropout_backward",
-                )?)])
-            }
+            move |g: &Tensor, _: &[bool]| Ok(vec![Some(masked(g, keep, key, "dropout_backward")?)])
         }))
     }
 
@@ -49,19 +57,11 @@ impl Tensor {
     }
 }
 
-/// 0 or 1/(1-p) per element of `x`, in x's dtype; an op temporary (saved while a graph holds
-/// it). Made on x's device by a counter-based generator (Philox) whose key is the next draw of
-/// `rng`: the same generator state gives the same mask on every device, and recomputation
-/// replays it from the generator state alone. Kept where the draw u < 1-p, as
-/// `bernoulli_(1 - p)`.
-fn dropout_mask(x: &Tensor, p: f64, rng: &mut Generator) -> Result<Tensor> {
-    let (shape, dtype, device) = (x.shape(), x.dtype(), x.device());
-    // p == 1 drops everything (zeros).
-    if p == 1.0 {
-        return Tensor::output(shape, dtype, device, "dropout_mask");
-    }
-    let key = rng.next_u64();
-    let mask = Tensor::output_uninit(shape, dtype, device, "dropout_mask")?;
-    elementwise::dropout_mask(mask.storage(), 1.0 - p, key)?;
-    Ok(mask)
+/// x · the mask of `key` (kept where the draw u < keep, as `bernoulli_(keep)`), in a new
+/// tensor: one pass over x on its device.
+fn masked(x: &Tensor, keep: f64, key: u64, origin: &'static str) -> Result<Tensor> {
+    let x = x.detached_contiguous()?;
+    let out = Tensor::output_uninit(x.shape(), x.dtype(), x.device(), origin)?;
+    elementwise::dropout_apply(x.view(), out.storage(), keep, key)?;
+    Ok(out)
 }

@@ -494,26 +494,27 @@ pub(crate) fn fill(dst: &mut CpuData, value: f64) -> Result<()> {
     Ok(())
 }
 
-/// `dst[i] = 1/keep` where Philox's draw for i is below `keep`, else 0, in chunks across
-/// threads (each element depends on its index alone), one Philox call per four elements.
-fn dropout_mask(dst: &mut CpuData, keep: f64, key: u64) -> Result<()> {
+/// `out[i] = x[i] · (1/keep where Philox's draw for i is below keep, else 0)`, in chunks
+/// across threads (each element depends on its index alone), one Philox call per four
+/// elements. `x` is the input's contiguous elements.
+fn dropout_apply<T: Elem>(x: &[T], out: &mut [T], keep: f64, key: u64) {
     use rayon::prelude::*;
     // A multiple of 4, so every chunk starts a group of four draws.
     const CHUNK: usize = 1 << 14;
-    with_float!(dst, "dropout_mask", v => {
-        let scale = Elem::from_f64(1.0 / keep);
-        let zero = Elem::from_f64(0.0);
-        v.par_chunks_mut(CHUNK).enumerate().for_each(|(c, chunk)| {
+    let scale = T::from_f64(1.0 / keep);
+    let zero = T::from_f64(0.0);
+    out.par_chunks_mut(CHUNK)
+        .zip(x.par_chunks(CHUNK))
+        .enumerate()
+        .for_each(|(c, (chunk, xs))| {
             let first_group = (c * CHUNK / 4) as u64;
-            for (g, four) in chunk.chunks_mut(4).enumerate() {
+            for (g, (four, x4)) in chunk.chunks_mut(4).zip(xs.chunks(4)).enumerate() {
                 let u = crate::backend::philox::uniforms4(key, first_group + g as u64);
-                for (e, u) in four.iter_mut().zip(u) {
-                    *e = if u < keep { scale } else { zero };
+                for ((e, &x), u) in four.iter_mut().zip(x4).zip(u) {
+                    *e = binary_scalar(BinaryOp::Mul, x, if u < keep { scale } else { zero });
                 }
             }
-        })
-    });
-    Ok(())
+        });
 }
 
 impl ElementwiseKernels for CpuBackend {
@@ -526,8 +527,15 @@ impl ElementwiseKernels for CpuBackend {
         write(dst, |d| fill(d, value))
     }
 
-    fn dropout_mask(&self, dst: &Storage, keep: f64, key: u64) -> Result<()> {
-        write(dst, |d| dropout_mask(d, keep, key))
+    fn dropout_apply(&self, x: View, out: &Storage, keep: f64, key: u64) -> Result<()> {
+        let xd = read(x.storage)?;
+        let off = x.layout.offset();
+        write(out, |o| {
+            with_float_pair!(&*xd, o, "dropout", xv, ov => {
+                dropout_apply(&xv[off..off + ov.len()], ov, keep, key);
+            });
+            Ok(())
+        })
     }
 
     fn unary(&self, op: UnaryOp, x: View, out: &Storage) -> Result<()> {

@@ -187,22 +187,35 @@ fn element_bits(dtype: DType, value: f64) -> (u64, usize) {
     (u64::from_le_bytes(word), one.len())
 }
 
-/// A dropout mask drawn on the device (backend/philox.rs says which draw each element gets).
-pub(crate) fn dropout_mask(d: &CudaDevice, dst: &Storage, keep: f64, key: u64) -> Result<()> {
-    let n = dst.len();
+/// Inverted dropout on the device, the mask drawn per element and never stored
+/// (backend/philox.rs says which draw each element gets).
+pub(crate) fn dropout_apply(
+    d: &CudaDevice,
+    x: View,
+    out: &Storage,
+    keep: f64,
+    key: u64,
+) -> Result<()> {
+    let n = out.len();
     if n == 0 {
         return Ok(());
     }
-    let (bits, size) = element_bits(dst.dtype(), 1.0 / keep);
+    let dt = out.dtype();
+    let suffix = suffix("dropout", dt)?;
+    check_bounds("dropout", &x)?;
+    let (bits, _) = element_bits(dt, 1.0 / keep);
+    let xp = dev_ptr(d, "dropout", x.storage)? + (x.layout.offset() * dt.size_in_bytes()) as u64;
+    // dropout_apply_*(const S*, S*, u64, u64, double, i64); x is contiguous (the family checks).
     let args = [
-        Arg::Ptr(dev_ptr(d, "dropout_mask", dst)?),
-        Arg::I32(size as i32),
+        Arg::Ptr(xp),
+        Arg::Ptr(dev_ptr(d, "dropout", out)?),
         Arg::U64(bits),
         Arg::U64(key),
         Arg::F64(keep),
         Arg::I64(n as i64),
     ];
-    launch(d, &KERNELS, "dropout_mask_bits", grid(n.div_ceil(4)), &args)
+    let kernel = format!("dropout_apply_{suffix}");
+    launch(d, &KERNELS, &kernel, grid(n.div_ceil(4)), &args)
 }
 
 /// Op code (U_* in codes.rs) and f64 parameter of a unary op.
@@ -492,8 +505,8 @@ impl ElementwiseKernels for CudaDevice {
     fn copy(&self, src: View, dst: View) -> Result<()> {
         copy(self, src, dst)
     }
-    fn dropout_mask(&self, dst: &Storage, keep: f64, key: u64) -> Result<()> {
-        dropout_mask(self, dst, keep, key)
+    fn dropout_apply(&self, x: View, out: &Storage, keep: f64, key: u64) -> Result<()> {
+        dropout_apply(self, x, out, keep, key)
     }
     fn fill(&self, dst: &Storage, value: f64) -> Result<()> {
         fill(self, dst, value)

@@ -417,24 +417,37 @@ extern "C" __global__ void fill_bits(void* dst, int size, u64 bits, i64 n) {
 
 // ---- dropout masks ------------------------------------------------------------------------
 
-// dst[i] = `bits` (1/keep in dst's dtype, `size` bytes) where element i's draw (24 bits of
-// word i % 4 of philox(i / 4, key)) is below `keep`, else 0. One thread per group of four.
-extern "C" __global__ void dropout_mask_bits(void* dst, int size, u64 bits, u64 key, double keep,
-                                             i64 n) {
-    i64 groups = (n + 3) / 4;
+// out[i] = x[i] · m_i, m_i = the mask value `bits` (1/keep in the dtype) where element i's draw
+// (24 bits of word i % 4 of philox(i / 4, key)) is below `keep`, else 0; the product in the
+// compute type, rounded once (as a multiply by a stored mask). One thread per group of four.
+template <typename T>
+__device__ __forceinline__ void dropout_apply_run(const typename T::S* x, typename T::S* out,
+                                                  u64 bits, u64 key, double keep, i64 n) {
+    typedef typename T::S S;
+    S m;
+    memcpy(&m, &bits, sizeof(S));  // little-endian: the low bytes hold the value
+    const typename T::C scale = T::ld(m), zero = (typename T::C)0;
+    const i64 groups = (n + 3) / 4;
     for (i64 g = grid_start(); g < groups; g += grid_step()) {
         u32 w[4];
         philox4x32_10((u64)g, key, w);
+#pragma unroll
         for (int j = 0; j < 4; j++) {
-            i64 i = g * 4 + j;
-            if (i >= n) return;
-            double u = (double)(w[j] >> 8) * (1.0 / 16777216.0);
-            u64 v = u < keep ? bits : 0;
-            switch (size) {
-                case 2: ((u16*)dst)[i] = (u16)v; break;
-                case 4: ((u32*)dst)[i] = (u32)v; break;
-                default: ((u64*)dst)[i] = v; break;
-            }
+            const i64 i = g * 4 + j;
+            if (i >= n) break;
+            const double u = (double)(w[j] >> 8) * (1.0 / 16777216.0);
+            out[i] = T::st(T::ld(x[i]) * (u < keep ? scale : zero));
         }
     }
 }
+
+#define DROPOUT_KERNEL(SUFFIX, T)                                                             \
+    extern "C" __global__ void dropout_apply_##SUFFIX(const T::S* x, T::S* out, u64 bits,     \
+                                                      u64 key, double keep, i64 n) {          \
+        dropout_apply_run<T>(x, out, bits, key, keep, n);                                     \
+    }
+
+DROPOUT_KERNEL(f32, F32T)
+DROPOUT_KERNEL(f64, F64T)
+DROPOUT_KERNEL(f16, F16T)
+DROPOUT_KERNEL(bf16, BF16T)
