@@ -10,7 +10,7 @@
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use ferrograd::memory::{self, CategoryBytes, HostPolicy};
-use ferrograd::{BackwardOptions, Category, DType, Device, Error, Tensor, no_grad};
+use ferrograd::{BackwardOptions, Category, DType, Device, Error, Generator, Tensor, no_grad};
 
 const CPU: Device = Device::Cpu;
 const F32: usize = 4;
@@ -711,4 +711,31 @@ fn oom_inside_an_op_leaks_nothing() {
         );
         drop(y);
     });
+}
+
+/// A dropout in a graph holds no mask: the forward allocates its output alone, and the
+/// backward draws the mask again from the saved key.
+#[test]
+fn dropout_saves_no_mask() {
+    let _l = lock();
+    let x = Tensor::randn_with(&[64, 32], DType::F32, CPU, &mut Generator::new(3))
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    let base = snap();
+    let out = x.dropout(0.5, true, &mut Generator::new(4)).unwrap();
+    assert_eq!(
+        snap().since(base)[0],
+        64 * 32 * 4,
+        "the output's bytes only"
+    );
+    out.sum_all().unwrap().backward().unwrap();
+    // The gradient is the mask itself (the upstream gradient is ones): 0 or 2.
+    let g = x.grad().unwrap().to_vec::<f32>().unwrap();
+    let kept: Vec<f32> = out.to_vec::<f32>().unwrap();
+    let xs = x.to_vec::<f32>().unwrap();
+    for ((g, o), x) in g.iter().zip(&kept).zip(&xs) {
+        assert!(*g == 0.0 || *g == 2.0, "gradient {g}");
+        assert_eq!(*o, x * g, "output = x · mask");
+    }
 }
