@@ -346,3 +346,51 @@ fn adamw_master_weights_match_cpu() {
         assert_close(&format!("master weights, state tensor {k}"), g, w, 0.0, 0.0);
     }
 }
+
+/// The gradient scale read inside the fused step on the GPU (plain and master-weight
+/// kernels) gives the CPU's step bit for bit, and leaves `.grad` as it was.
+#[test]
+fn adamw_gradient_scale_inside_the_step_matches_cpu() {
+    let run = |device: Device| {
+        let dtypes = [DType::F32, DType::BF16, DType::F64];
+        let shapes: [&[usize]; 3] = [&[64, 100], &[4099], &[33]];
+        let params: Vec<Tensor> = shapes
+            .iter()
+            .zip(dtypes)
+            .enumerate()
+            .map(|(i, (s, dt))| {
+                on(&randn(s, dt, 500 + i as u64), device)
+                    .requires_grad_(true)
+                    .unwrap()
+            })
+            .collect();
+        let mut opt = Adam::adamw(params.clone(), cfg(1e-3, (0.9, 0.95), 0.1))
+            .unwrap()
+            .with_master_weights()
+            .unwrap();
+        let scale = Tensor::scalar(0.37, DType::F64, device).unwrap();
+        for step in 0..3u64 {
+            for (i, (p, (s, dt))) in params.iter().zip(shapes.iter().zip(dtypes)).enumerate() {
+                let g = randn(s, dt, 5000 * (step + 1) + i as u64);
+                p.set_grad(Some(on(&g, device))).unwrap();
+            }
+            opt.step_with_grad_scale(&scale).unwrap();
+        }
+        let last = randn(shapes[0], dtypes[0], 15_000);
+        assert_close(
+            "grad left as it was",
+            &on(&params[0].grad().unwrap(), CPU),
+            &last,
+            0.0,
+            0.0,
+        );
+        params
+            .iter()
+            .map(|p| on(&p.detach(), CPU))
+            .collect::<Vec<_>>()
+    };
+    let (want, got) = (run(CPU), run(GPU));
+    for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_close(&format!("scaled step, parameter {k}"), g, w, 0.0, 0.0);
+    }
+}

@@ -4,8 +4,8 @@
 //! bookkeeping and argument errors.
 
 use ferrograd::optim::{
-    Adam, AdamConfig, AdamState, Optimizer, Sgd, SgdConfig, WarmupCosine, clip_grad_norm,
-    clip_grad_norm_queued, clip_grad_value,
+    Adam, AdamConfig, AdamState, Optimizer, Sgd, SgdConfig, WarmupCosine, clip_coefficient_queued,
+    clip_grad_norm, clip_grad_norm_queued, clip_grad_value,
 };
 use ferrograd::{Category, DType, Device, Tensor};
 use safetensors::SafeTensors;
@@ -666,4 +666,36 @@ fn master_weights_step_an_f32_copy_and_round_it_into_the_parameter() {
     );
     // Chosen after a step, the moments would change dtype: refused.
     assert!(plain.with_master_weights().is_err());
+}
+
+/// Adam multiplies by a gradient scale (the clipping coefficient) as it reads each gradient:
+/// the same step, bit for bit in f32, as clipping `.grad` in place first, and `.grad` is left
+/// as it was.
+#[test]
+fn adam_takes_the_clip_coefficient_inside_its_step() {
+    let grads = [vec![4.0f32, -2.0, 1.0], vec![8.0]];
+    let make = || (param(vec![0.5, -1.0, 2.0]), param(vec![3.0]));
+    let ((a1, b1), (a2, b2)) = (make(), make());
+    let cfg = AdamConfig::adamw_default();
+    let mut fused = Adam::adamw(vec![a1.clone(), b1.clone()], cfg.clone()).unwrap();
+    let mut plain = Adam::adamw(vec![a2.clone(), b2.clone()], cfg).unwrap();
+    for _ in 0..3 {
+        for (a, b) in [(&a1, &b1), (&a2, &b2)] {
+            a.set_grad(grad_of(grads[0].clone())).unwrap();
+            b.set_grad(grad_of(grads[1].clone())).unwrap();
+        }
+        let (_, coef) = clip_coefficient_queued(fused.params(), 1.0, 2.0).unwrap();
+        let coef = coef.expect("a 2-norm on one device gives a coefficient");
+        assert!(coef.item().unwrap() < 1.0, "the gradients are clipped");
+        fused.step_with_grad_scale(&coef).unwrap();
+        assert_eq!(a1.grad().unwrap().to_vec::<f32>().unwrap(), grads[0]);
+        clip_grad_norm_queued(plain.params(), 1.0, 2.0).unwrap();
+        plain.step().unwrap();
+    }
+    for (got, want) in [(&a1, &a2), (&b1, &b2)] {
+        assert_eq!(got.to_vec::<f32>().unwrap(), want.to_vec::<f32>().unwrap());
+    }
+    // A scale must be one value.
+    let two = Tensor::from_vec(vec![1.0f64, 1.0], &[2], Device::Cpu).unwrap();
+    assert!(fused.step_with_grad_scale(&two).is_err());
 }

@@ -48,6 +48,10 @@ pub struct AdamParam<'a> {
 ///   p ← p − (lr / (1 − β1^t))·m / (√v / √(1 − β2^t) + eps)
 pub struct AdamStep<'a> {
     pub params: &'a [AdamParam<'a>],
+    /// A one-element f64 tensor on the parameters' device (a clipping coefficient), read on
+    /// the device: every gradient element is multiplied by it, in the compute type, as Adam
+    /// reads it. None: the gradients as they are.
+    pub grad_scale: Option<View<'a>>,
     pub lr: f64,
     pub beta1: f64,
     pub beta2: f64,
@@ -113,6 +117,10 @@ pub fn adam_step(a: &AdamStep) -> Result<()> {
         return Ok(());
     };
     let device = first.param.device();
+    if let Some(c) = &a.grad_scale {
+        check::on_device("adam", device, [c.storage])?;
+        check::dense("adam", "the gradient scale", c, 1, DType::F64)?;
+    }
     for p in a.params {
         adam_param(p)?;
         let all = [p.grad.storage, p.param, p.exp_avg, p.exp_avg_sq];
@@ -237,6 +245,8 @@ pub(crate) struct AdamScalars {
     /// −lr / (1 − β1^t)
     pub neg_step_size: f64,
     pub eps: f64,
+    /// The gradient scale's value where the backend reads it on the host (the CPU's).
+    pub grad_scale: Option<f64>,
 }
 
 impl AdamScalars {
@@ -256,6 +266,7 @@ impl AdamScalars {
             bc2_sqrt: bc2.sqrt(),
             neg_step_size: -(a.lr / bc1),
             eps: a.eps,
+            grad_scale: None,
         }
     }
 }

@@ -153,6 +153,10 @@ impl Optimizer for JobOptimizer {
         self.inner_mut().step_param(index)
     }
 
+    fn step_with_grad_scale(&mut self, scale: &Tensor) -> Result<()> {
+        self.inner_mut().step_with_grad_scale(scale)
+    }
+
     fn params(&self) -> &[Tensor] {
         self.inner().params()
     }

@@ -338,7 +338,13 @@ impl Adam {
 
     /// One fused call for the parameters `members` (indices into `work`), all on one device
     /// and at step `step` after this update.
-    fn run_group(&mut self, work: &[Work], members: &[usize], step: u64) -> Result<()> {
+    fn run_group(
+        &mut self,
+        work: &[Work],
+        members: &[usize],
+        step: u64,
+        grad_scale: Option<&Tensor>,
+    ) -> Result<()> {
         let (b1, b2) = self.cfg.betas;
         let mut params: Vec<AdamParam> = Vec::with_capacity(members.len());
         for &k in members {
@@ -354,9 +360,18 @@ impl Adam {
                 master: s.master.as_ref().map(Tensor::storage).map(|s| &**s),
             });
         }
+        // The scale as one f64 on this group's device.
+        let scale = match grad_scale {
+            Some(c) => {
+                let device = work[members[0]].grad.device();
+                Some(c.to_device(device)?.to_dtype(DType::F64)?.contiguous()?)
+            }
+            None => None,
+        };
         // The entry function bumps every parameter's and state buffer's version.
         optim::adam_step(&AdamStep {
             params: &params,
+            grad_scale: scale.as_ref().map(Tensor::view),
             lr: self.cfg.lr,
             beta1: b1,
             beta2: b2,
@@ -409,16 +424,39 @@ fn groups(work: &[Work], state: &[Option<AdamState>]) -> Vec<((Device, u64), Vec
     out
 }
 
-impl Optimizer for Adam {
-    fn step(&mut self) -> Result<()> {
+impl Adam {
+    /// Every parameter with a gradient, in one fused call per (device, step count) group.
+    fn step_all(&mut self, grad_scale: Option<&Tensor>) -> Result<()> {
         let _g = no_grad();
         let work = self.collect_work()?;
         self.ensure_state(&work)?;
         for ((_, step), members) in groups(&work, &self.state) {
-            self.run_group(&work, &members, step)?;
+            self.run_group(&work, &members, step, grad_scale)?;
         }
         self.steps += 1;
         Ok(())
+    }
+}
+
+impl Optimizer for Adam {
+    fn step(&mut self) -> Result<()> {
+        self.step_all(None)
+    }
+
+    /// The fused step multiplies each gradient element by `scale` as it reads it (in the
+    /// compute type; the gradient is not rounded to its dtype in between), so a clipped step
+    /// makes no pass over the gradients of its own and leaves `.grad` unclipped.
+    fn step_with_grad_scale(&mut self, scale: &Tensor) -> Result<()> {
+        if scale.numel() != 1 {
+            return Err(Error::invalid(
+                "Adam",
+                format!(
+                    "the gradient scale must hold one value, got shape {:?}",
+                    scale.shape()
+                ),
+            ));
+        }
+        self.step_all(Some(scale))
     }
 
     fn step_param(&mut self, index: usize) -> Result<()> {
@@ -430,7 +468,7 @@ impl Optimizer for Adam {
             .collect();
         self.ensure_state(&work)?;
         for ((_, step), members) in groups(&work, &self.state) {
-            self.run_group(&work, &members, step)?;
+            self.run_group(&work, &members, step, None)?;
         }
         Ok(())
     }

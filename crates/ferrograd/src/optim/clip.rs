@@ -59,6 +59,23 @@ pub fn clip_grad_norm(
 /// when read. Gradients on several devices, or the ∞-norm, take `clip_grad_norm`'s path (its
 /// norm already read). There is no `error_if_nonfinite` here: checking needs the host.
 pub fn clip_grad_norm_queued(params: &[Tensor], max_norm: f64, norm_type: f64) -> Result<Readout> {
+    let (norm, coef) = clip_coefficient_queued(params, max_norm, norm_type)?;
+    if let Some(coef) = coef {
+        scale_grads(params, &coef)?;
+    }
+    Ok(norm)
+}
+
+/// `clip_grad_norm_queued` without the scaling: the norm, and the 0-dim f64 coefficient
+/// min(1, max_norm / (norm + 1e-6)) on the gradients' device, for an optimizer that
+/// multiplies by it as it reads each gradient (`Optimizer::step_with_grad_scale`). The
+/// coefficient is None where the host path ran instead (∞-norm, several devices, no
+/// gradient elements): the gradients are then clipped already.
+pub fn clip_coefficient_queued(
+    params: &[Tensor],
+    max_norm: f64,
+    norm_type: f64,
+) -> Result<(Readout, Option<Tensor>)> {
     if norm_type.is_nan() || norm_type <= 0.0 {
         return Err(bad_norm_type(norm_type));
     }
@@ -66,7 +83,7 @@ pub fn clip_grad_norm_queued(params: &[Tensor], max_norm: f64, norm_type: f64) -
     let one_device = grads.windows(2).all(|w| w[0].device() == w[1].device());
     if norm_type.is_infinite() || !one_device || grads.iter().all(|g| g.numel() == 0) {
         let norm = clip_grad_norm(params, max_norm, norm_type, false)?;
-        return Ok(Readout::ready(vec![norm]));
+        return Ok((Readout::ready(vec![norm]), None));
     }
     let _g = no_grad();
     let mut parts = Vec::with_capacity(grads.len());
@@ -95,12 +112,18 @@ pub fn clip_grad_norm_queued(params: &[Tensor], max_norm: f64, norm_type: f64) -
     )?
     // 0-dim, so that it broadcasts to every gradient, a 0-dim one too.
     .reshape(&[])?;
+    Ok((Readout::pending(norm), Some(coef)))
+}
+
+/// Every gradient of `params` ← g · coef (a 0-dim tensor, rounded once to each gradient's
+/// dtype on its device).
+pub(crate) fn scale_grads(params: &[Tensor], coef: &Tensor) -> Result<()> {
+    let _g = no_grad();
     let pairs: Vec<(&Tensor, Tensor)> = params
         .iter()
         .filter_map(|p| p.grad().map(|g| (p, g)))
         .collect();
-    scale_all(&pairs, &coef)?;
-    Ok(Readout::pending(norm))
+    scale_all(&pairs, coef)
 }
 
 fn bad_norm_type(norm_type: f64) -> Error {

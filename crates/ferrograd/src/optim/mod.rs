@@ -8,7 +8,7 @@ mod schedule;
 mod sgd;
 
 pub use adam::{Adam, AdamConfig, AdamState};
-pub use clip::{clip_grad_norm, clip_grad_norm_queued, clip_grad_value};
+pub use clip::{clip_coefficient_queued, clip_grad_norm, clip_grad_norm_queued, clip_grad_value};
 pub use schedule::WarmupCosine;
 pub use sgd::{Sgd, SgdConfig};
 
@@ -62,6 +62,15 @@ pub trait Optimizer {
     /// so clipping or inf checks on them would differ between ranks.
     fn reduces_gradients_in_step(&self) -> bool {
         false
+    }
+
+    /// `step` on every gradient multiplied by `scale` (a 0-dim tensor on the gradients'
+    /// device: `clip_coefficient_queued`'s clipping coefficient). By default the gradients
+    /// are scaled in place first; an optimizer that can multiply as it reads each gradient
+    /// (Adam's fused step) leaves `.grad` as it was and saves that pass over every gradient.
+    fn step_with_grad_scale(&mut self, scale: &Tensor) -> Result<()> {
+        clip::scale_grads(self.params(), scale)?;
+        self.step()
     }
 
     /// `zero_grad()` with PyTorch's default, set_to_none = true.

@@ -22,7 +22,7 @@ use crate::base::{Error, Result};
 use crate::dist::GradSync;
 use crate::memory::{self, CategoryBytes};
 use crate::nn::{Module, Recompute};
-use crate::optim::{Optimizer, WarmupCosine, clip_grad_norm_queued};
+use crate::optim::{Optimizer, WarmupCosine, clip_coefficient_queued, clip_grad_norm_queued};
 use crate::tensor::{DType, Device, Readout, Tensor};
 
 /// How a step is run. `Default` is plain f32 training: one micro-batch, no clipping.
@@ -394,22 +394,34 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
         if let Some(s) = &mut self.scaler {
             s.unscale_(opt)?;
         }
-        let grad_norm = match self.config.clip {
-            // Queued on the device: the norm is read only if the step's report is shown.
-            Some(max) => Some(clip_grad_norm_queued(opt.params(), max, 2.0)?),
-            None => None,
-        };
         let stepped = match &mut self.scaler {
             Some(s) => {
+                // Queued on the device: the norm is read only if the step's report is shown.
+                let grad_norm = match self.config.clip {
+                    Some(max) => Some(clip_grad_norm_queued(opt.params(), max, 2.0)?),
+                    None => None,
+                };
                 let stepped = s.step(opt)?;
                 s.update()?;
-                stepped
+                (grad_norm, stepped)
             }
-            None => {
-                opt.step()?;
-                true
-            }
+            None => match self.config.clip {
+                // The optimizer multiplies by the coefficient as it reads each gradient.
+                Some(max) => {
+                    let (norm, coef) = clip_coefficient_queued(opt.params(), max, 2.0)?;
+                    match coef {
+                        Some(c) => opt.step_with_grad_scale(&c)?,
+                        None => opt.step()?,
+                    }
+                    (Some(norm), true)
+                }
+                None => {
+                    opt.step()?;
+                    (None, true)
+                }
+            },
         };
+        let (grad_norm, stepped) = stepped;
         opt.zero_grad_with(self.config.set_to_none)?;
         Ok((grad_norm, stepped))
     }

@@ -122,9 +122,27 @@ impl Sgd {
 
 // ---- Adam --------------------------------------------------------------------------------------
 
+/// The value of a one-element f64 tensor.
+fn read_f64(v: &crate::backend::View) -> Result<f64> {
+    match &*read(v.storage)? {
+        CpuData::F64(d) => Ok(d[v.layout.offset()]),
+        d => Err(Error::invalid(
+            "adam",
+            format!("the gradient scale must be f64, got {}", d.dtype()),
+        )),
+    }
+}
+
 /// One parameter after another: read the gradient, rewrite (param, exp_avg, exp_avg_sq).
 fn adam(a: &AdamStep) -> Result<()> {
     let k = AdamScalars::of(a);
+    let k = match &a.grad_scale {
+        Some(c) => AdamScalars {
+            grad_scale: Some(read_f64(c)?),
+            ..k
+        },
+        None => k,
+    };
     for e in a.params {
         let g = read(e.grad.storage)?;
         let off = e.grad.layout.offset();
@@ -254,6 +272,7 @@ opmath!(bf16, f32, bf16::to_f32, bf16::from_f32);
 /// The scalars of one step in the compute type.
 #[derive(Clone, Copy)]
 struct AdamC<C> {
+    grad_scale: Option<C>,
     l2: Option<C>,
     decay: C,
     w1: C,
@@ -269,6 +288,7 @@ impl<C: Float> AdamC<C> {
     fn new(k: &AdamScalars, c: impl Fn(f64) -> C) -> AdamC<C> {
         let w1 = c(k.w1);
         AdamC {
+            grad_scale: k.grad_scale.map(&c),
             // PyTorch adds wd·p only when wd != 0 (0·inf would be NaN).
             l2: (k.l2 != 0.0).then(|| c(k.l2)),
             decay: c(k.decay),
@@ -286,6 +306,10 @@ impl<C: Float> AdamC<C> {
     /// One element: (param, exp_avg, exp_avg_sq) after the step.
     #[inline(always)]
     fn update(&self, g: C, p: C, m: C, v: C) -> (C, C, C) {
+        let g = match self.grad_scale {
+            Some(c) => g * c,
+            None => g,
+        };
         let p = p * self.decay;
         let g = match self.l2 {
             Some(l2) => g + l2 * p,

@@ -81,14 +81,16 @@ struct AdamHyper {
     eps: f64,
     has_l2: i32,
     pad: i32,
+    /// Device address of the one f64 gradient scale, 0 for none.
+    grad_scale: u64,
 }
 
-// SAFETY: a #[repr(C)] struct of eight f64 and two i32, laid out as its C++ twin (72 bytes,
-// no implicit padding).
+// SAFETY: a #[repr(C)] struct of eight f64, two i32 and a u64, laid out as its C++ twin (80
+// bytes, no implicit padding).
 unsafe impl DeviceRepr for AdamHyper {}
 
 impl AdamHyper {
-    fn of(k: &AdamScalars) -> AdamHyper {
+    fn of(k: &AdamScalars, grad_scale: u64) -> AdamHyper {
         AdamHyper {
             l2: k.l2,
             decay: k.decay,
@@ -101,6 +103,7 @@ impl AdamHyper {
             // PyTorch adds wd·p only when wd != 0 (0·inf would be NaN).
             has_l2: (k.l2 != 0.0) as i32,
             pad: 0,
+            grad_scale,
         }
     }
 }
@@ -127,7 +130,8 @@ fn adam(d: &CudaDevice, a: &AdamStep) -> Result<()> {
             None => groups.push(p.param.dtype(), adam_row(p)?),
         }
     }
-    let hyper = AdamHyper::of(&AdamScalars::of(a));
+    let grad_scale = a.grad_scale.as_ref().map(addr).transpose()?.unwrap_or(0);
+    let hyper = AdamHyper::of(&AdamScalars::of(a), grad_scale);
     for (dtype, rows) in groups.iter() {
         adam_launch(d, "adam_multi", *dtype, rows, &hyper)?;
     }
@@ -214,6 +218,6 @@ mod tests {
 
     #[test]
     fn hyper_layout_matches_the_kernel() {
-        assert_eq!(std::mem::size_of::<AdamHyper>(), 72);
+        assert_eq!(std::mem::size_of::<AdamHyper>(), 80);
     }
 }

@@ -36,6 +36,7 @@ struct AdamHyper {
     double eps;
     int has_l2;
     int pad;
+    u64 grad_scale;   // device address of one f64 that multiplies every gradient, or 0
 };
 
 __device__ __forceinline__ float o_add(float a, float b) { return __fadd_rn(a, b); }
@@ -71,6 +72,9 @@ __device__ void adam_multi(const AdamEntry* tab, int count, i64 chunks, const Ad
     const C l2 = (C)h.l2, decay = (C)h.decay, w1 = (C)h.w1, beta2 = (C)h.beta2, w2 = (C)h.w2;
     const C bc2_sqrt = (C)h.bc2_sqrt, neg_step = (C)h.neg_step, eps = (C)h.eps;
     const C one = (C)1;
+    // The clipping coefficient, read on the device (no host round trip for the norm).
+    const bool scaled = h.grad_scale != 0;
+    const C gscale = scaled ? (C)*(const double*)h.grad_scale : one;
     // torch's lerp switches formula at |weight| = 0.5.
     const bool w1_small = w1 < (C)0.5 && w1 > (C)-0.5;
     for (i64 c = blockIdx.x; c < chunks; c += gridDim.x) {
@@ -84,6 +88,7 @@ __device__ void adam_multi(const AdamEntry* tab, int count, i64 chunks, const Ad
         for (i64 i = start + threadIdx.x; i < end; i += blockDim.x) {
             C p = o_mul(T::ld(pp[i]), decay);
             C g = T::ld(gp[i]);
+            if (scaled) g = o_mul(g, gscale);
             if (h.has_l2) g = o_add(g, o_mul(l2, p));
             C m = T::ld(mp[i]);
             m = w1_small ? o_add(m, o_mul(w1, o_sub(g, m)))
@@ -118,6 +123,8 @@ __device__ void adam_master_multi(const AdamMasterEntry* tab, int count, i64 chu
     const float beta2 = (float)h.beta2, w2 = (float)h.w2, bc2_sqrt = (float)h.bc2_sqrt;
     const float neg_step = (float)h.neg_step, eps = (float)h.eps;
     const bool w1_small = w1 < 0.5f && w1 > -0.5f;
+    const bool scaled = h.grad_scale != 0;
+    const float gscale = scaled ? (float)*(const double*)h.grad_scale : 1.0f;
     for (i64 c = blockIdx.x; c < chunks; c += gridDim.x) {
         const AdamMasterEntry e = tab[entry_of(tab, count, c)];
         const i64 start = (c - e.first_chunk) * (i64)ADAM_CHUNK;
@@ -130,6 +137,7 @@ __device__ void adam_master_multi(const AdamMasterEntry* tab, int count, i64 chu
         for (i64 i = start + threadIdx.x; i < end; i += blockDim.x) {
             float p = o_mul(wp[i], decay);
             float g = T::ld(gp[i]);
+            if (scaled) g = o_mul(g, gscale);
             if (h.has_l2) g = o_add(g, o_mul(l2, p));
             float m = mp[i];
             m = w1_small ? o_add(m, o_mul(w1, o_sub(g, m)))
