@@ -294,6 +294,54 @@ fn clip_grad_value_matches_cpu() {
     }
 }
 
+/// Shapes of the master-weight runs: several chunks, a tail, a few elements.
+const MASTER_SHAPES: [&[usize]; 3] = [&[64, 100], &[4099], &[33]];
+
+/// Three AdamW steps with master weights on `device` over parameters of `dtypes` (shapes
+/// `MASTER_SHAPES`, seeds from `seed`), each step through `step`; returns the parameters and
+/// the optimizer.
+fn master_run(
+    device: Device,
+    dtypes: [DType; 3],
+    seed: u64,
+    step: impl Fn(&mut Adam),
+) -> (Vec<Tensor>, Adam) {
+    let params: Vec<Tensor> = MASTER_SHAPES
+        .iter()
+        .zip(dtypes)
+        .enumerate()
+        .map(|(i, (s, dt))| {
+            on(&randn(s, dt, seed + i as u64), device)
+                .requires_grad_(true)
+                .unwrap()
+        })
+        .collect();
+    let mut opt = Adam::adamw(params.clone(), cfg(1e-3, (0.9, 0.95), 0.1))
+        .unwrap()
+        .with_master_weights()
+        .unwrap();
+    for k in 0..3u64 {
+        for (i, (p, (s, dt))) in params
+            .iter()
+            .zip(MASTER_SHAPES.iter().zip(dtypes))
+            .enumerate()
+        {
+            let g = randn(s, dt, 10 * seed * (k + 1) + i as u64);
+            p.set_grad(Some(on(&g, device))).unwrap();
+        }
+        step(&mut opt);
+    }
+    (params, opt)
+}
+
+/// Asserts two lists of CPU tensors are equal, bit for bit.
+fn same_bits(what: &str, got: &[Tensor], want: &[Tensor]) {
+    assert_eq!(want.len(), got.len());
+    for (k, (g, w)) in got.iter().zip(want).enumerate() {
+        assert_close(&format!("{what}, tensor {k}"), g, w, 0.0, 0.0);
+    }
+}
+
 /// Master weights on the GPU: bf16 and f16 parameters step through f32 copies with the CPU's
 /// arithmetic (bit for bit: copies, moments and the rounded parameters); an f32 parameter in
 /// the same optimizer steps as before.
@@ -301,28 +349,7 @@ fn clip_grad_value_matches_cpu() {
 fn adamw_master_weights_match_cpu() {
     let run = |device: Device| {
         let dtypes = [DType::BF16, DType::F16, DType::F32];
-        let shapes: [&[usize]; 3] = [&[64, 100], &[4099], &[33]];
-        let params: Vec<Tensor> = shapes
-            .iter()
-            .zip(dtypes)
-            .enumerate()
-            .map(|(i, (s, dt))| {
-                on(&randn(s, dt, 300 + i as u64), device)
-                    .requires_grad_(true)
-                    .unwrap()
-            })
-            .collect();
-        let mut opt = Adam::adamw(params.clone(), cfg(1e-3, (0.9, 0.95), 0.1))
-            .unwrap()
-            .with_master_weights()
-            .unwrap();
-        for step in 0..3u64 {
-            for (i, (p, (s, dt))) in params.iter().zip(shapes.iter().zip(dtypes)).enumerate() {
-                let g = randn(s, dt, 3000 * (step + 1) + i as u64);
-                p.set_grad(Some(on(&g, device))).unwrap();
-            }
-            opt.step().unwrap();
-        }
+        let (params, opt) = master_run(device, dtypes, 300, |o| o.step().unwrap());
         let mut out = Vec::new();
         for (i, p) in params.iter().enumerate() {
             let st = opt.state(i).unwrap();
@@ -340,11 +367,7 @@ fn adamw_master_weights_match_cpu() {
         }
         out
     };
-    let (want, got) = (run(CPU), run(GPU));
-    assert_eq!(want.len(), got.len());
-    for (k, (g, w)) in got.iter().zip(&want).enumerate() {
-        assert_close(&format!("master weights, state tensor {k}"), g, w, 0.0, 0.0);
-    }
+    same_bits("master weights", &run(GPU), &run(CPU));
 }
 
 /// The gradient scale read inside the fused step on the GPU (plain and master-weight
@@ -353,44 +376,17 @@ fn adamw_master_weights_match_cpu() {
 fn adamw_gradient_scale_inside_the_step_matches_cpu() {
     let run = |device: Device| {
         let dtypes = [DType::F32, DType::BF16, DType::F64];
-        let shapes: [&[usize]; 3] = [&[64, 100], &[4099], &[33]];
-        let params: Vec<Tensor> = shapes
-            .iter()
-            .zip(dtypes)
-            .enumerate()
-            .map(|(i, (s, dt))| {
-                on(&randn(s, dt, 500 + i as u64), device)
-                    .requires_grad_(true)
-                    .unwrap()
-            })
-            .collect();
-        let mut opt = Adam::adamw(params.clone(), cfg(1e-3, (0.9, 0.95), 0.1))
-            .unwrap()
-            .with_master_weights()
-            .unwrap();
         let scale = Tensor::scalar(0.37, DType::F64, device).unwrap();
-        for step in 0..3u64 {
-            for (i, (p, (s, dt))) in params.iter().zip(shapes.iter().zip(dtypes)).enumerate() {
-                let g = randn(s, dt, 5000 * (step + 1) + i as u64);
-                p.set_grad(Some(on(&g, device))).unwrap();
-            }
-            opt.step_with_grad_scale(&scale).unwrap();
-        }
-        let last = randn(shapes[0], dtypes[0], 15_000);
-        assert_close(
-            "grad left as it was",
-            &on(&params[0].grad().unwrap(), CPU),
-            &last,
-            0.0,
-            0.0,
-        );
+        let (params, _) = master_run(device, dtypes, 500, |o| {
+            o.step_with_grad_scale(&scale).unwrap()
+        });
+        let last = randn(MASTER_SHAPES[0], dtypes[0], 10 * 500 * 3);
+        let grad = on(&params[0].grad().unwrap(), CPU);
+        assert_close("grad left as it was", &grad, &last, 0.0, 0.0);
         params
             .iter()
             .map(|p| on(&p.detach(), CPU))
             .collect::<Vec<_>>()
     };
-    let (want, got) = (run(CPU), run(GPU));
-    for (k, (g, w)) in got.iter().zip(&want).enumerate() {
-        assert_close(&format!("scaled step, parameter {k}"), g, w, 0.0, 0.0);
-    }
+    same_bits("scaled step", &run(GPU), &run(CPU));
 }
