@@ -394,34 +394,31 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
         if let Some(s) = &mut self.scaler {
             s.unscale_(opt)?;
         }
-        let stepped = match &mut self.scaler {
-            Some(s) => {
-                // Queued on the device: the norm is read only if the step's report is shown.
-                let grad_norm = match self.config.clip {
-                    Some(max) => Some(clip_grad_norm_queued(opt.params(), max, 2.0)?),
-                    None => None,
-                };
+        // Clipping is queued on the device: the norm is read only if the step's report shows it.
+        let clip = self.config.clip;
+        let (grad_norm, stepped) = match (&mut self.scaler, clip) {
+            (Some(s), _) => {
+                let norm = clip
+                    .map(|max| clip_grad_norm_queued(opt.params(), max, 2.0))
+                    .transpose()?;
                 let stepped = s.step(opt)?;
                 s.update()?;
-                (grad_norm, stepped)
+                (norm, stepped)
             }
-            None => match self.config.clip {
-                // The optimizer multiplies by the coefficient as it reads each gradient.
-                Some(max) => {
-                    let (norm, coef) = clip_coefficient_queued(opt.params(), max, 2.0)?;
-                    match coef {
-                        Some(c) => opt.step_with_grad_scale(&c)?,
-                        None => opt.step()?,
-                    }
-                    (Some(norm), true)
+            // The optimizer multiplies by the coefficient as it reads each gradient.
+            (None, Some(max)) => {
+                let (norm, coef) = clip_coefficient_queued(opt.params(), max, 2.0)?;
+                match coef {
+                    Some(c) => opt.step_with_grad_scale(&c)?,
+                    None => opt.step()?,
                 }
-                None => {
-                    opt.step()?;
-                    (None, true)
-                }
-            },
+                (Some(norm), true)
+            }
+            (None, None) => {
+                opt.step()?;
+                (None, true)
+            }
         };
-        let (grad_norm, stepped) = stepped;
         opt.zero_grad_with(self.config.set_to_none)?;
         Ok((grad_norm, stepped))
     }

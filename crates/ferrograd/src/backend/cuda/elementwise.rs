@@ -276,13 +276,10 @@ pub(crate) fn unary(d: &CudaDevice, op: UnaryOp, x: View, out: &Storage) -> Resu
     };
     let xs = Strided::of("unary", x.layout)?;
     let (xp, op_out) = (dev_ptr(d, "unary", x.storage)?, dev_ptr(d, "unary", out)?);
-    if op == UnaryOp::GeluTanh
-        && let (Some(xv), true) = (vec_addr(xp, &xs, dt), op_out.is_multiple_of(16))
-        && let Some(kernel) = hot_kernel("gelu_tanh_vec", dt)
-    {
-        // gelu_tanh_vec_*(const S*, S*, i64)
-        let args = [Arg::Ptr(xv), Arg::Ptr(op_out), Arg::I64(n as i64)];
-        return launch(d, &KERNELS, &kernel, vector_grid(n, dt), &args);
+    // gelu_tanh_vec_*(const S*, S*, i64)
+    let hot = (op == UnaryOp::GeluTanh).then_some("gelu_tanh_vec");
+    if launch_hot(d, hot, dt, &[vec_addr(xp, &xs, dt), aligned(op_out)], n)? {
+        return Ok(());
     }
     // unary_*(int, double, double, const S*, Strided, S*, i64)
     let args = [
@@ -322,19 +319,15 @@ pub(crate) fn binary(d: &CudaDevice, op: BinaryOp, a: View, b: View, out: &Stora
         dev_ptr(d, "binary", b.storage)?,
         dev_ptr(d, "binary", out)?,
     );
-    if op == BinaryOp::Add
-        && let (Some(av), Some(bv)) = (vec_addr(ap, &sa, dt), vec_addr(bp, &sb, dt))
-        && op_out.is_multiple_of(16)
-        && let Some(kernel) = hot_kernel("add_vec", dt)
-    {
-        // add_vec_*(const S*, const S*, S*, i64)
-        let args = [
-            Arg::Ptr(av),
-            Arg::Ptr(bv),
-            Arg::Ptr(op_out),
-            Arg::I64(n as i64),
-        ];
-        return launch(d, &KERNELS, &kernel, vector_grid(n, dt), &args);
+    // add_vec_*(const S*, const S*, S*, i64)
+    let hot = (op == BinaryOp::Add).then_some("add_vec");
+    let addrs = [
+        vec_addr(ap, &sa, dt),
+        vec_addr(bp, &sb, dt),
+        aligned(op_out),
+    ];
+    if launch_hot(d, hot, dt, &addrs, n)? {
+        return Ok(());
     }
     // binary_*(int, double, const S*, Strided, const S*, Strided, S*, i64); out never
     // aliases an input.
@@ -400,12 +393,8 @@ pub(crate) fn binary_inplace(d: &CudaDevice, op: BinaryOp, dst: &Storage, src: V
         BinaryOp::GeluTanhBackward => Some("gelu_tanh_backward_inplace_vec"),
         _ => None,
     };
-    if let (Some(hot), Some(sv), true) = (hot, vec_addr(sp, &ss, dt), dst_ptr.is_multiple_of(16))
-        && let Some(kernel) = hot_kernel(hot, dt)
-    {
-        // *_inplace_vec_*(S*, const S*, i64); src is never a partial alias here (see above).
-        let args = [Arg::Ptr(dst_ptr), Arg::Ptr(sv), Arg::I64(n as i64)];
-        launch(d, &KERNELS, &kernel, vector_grid(n, dt), &args)?;
+    // *_inplace_vec_*(S*, const S*, i64); src is never a partial alias here (see above).
+    if launch_hot(d, hot, dt, &[aligned(dst_ptr), vec_addr(sp, &ss, dt)], n)? {
         drop(scratch);
         return Ok(());
     }
@@ -433,10 +422,40 @@ fn vec_addr(base: u64, s: &Strided, dt: DType) -> Option<u64> {
     (contiguous && addr.is_multiple_of(16)).then_some(addr)
 }
 
-/// The specialised kernel `{stem}_{dtype}` (kernels/elementwise.cu's HOT_KERNELS), for the
-/// dtypes that have one.
-fn hot_kernel(stem: &str, dt: DType) -> Option<String> {
-    matches!(dt, DType::F32 | DType::F16 | DType::BF16).then(|| format!("{stem}_{}", dt.name()))
+/// `addr` when it is 16-byte aligned.
+fn aligned(addr: u64) -> Option<u64> {
+    addr.is_multiple_of(16).then_some(addr)
+}
+
+/// Whether `dt` has the specialised kernels (kernels/elementwise.cu's HOT_KERNELS).
+fn has_hot_kernels(dt: DType) -> bool {
+    matches!(dt, DType::F32 | DType::F16 | DType::BF16)
+}
+
+/// Launches the specialised kernel `{stem}_{dtype}` over `n` elements, its arguments the
+/// operand addresses then n, when there is one (`stem` and the dtype) and every operand
+/// allows it (a None address does not); returns whether it launched.
+fn launch_hot(
+    d: &CudaDevice,
+    stem: Option<&str>,
+    dt: DType,
+    addrs: &[Option<u64>],
+    n: usize,
+) -> Result<bool> {
+    let (Some(stem), true) = (stem, has_hot_kernels(dt)) else {
+        return Ok(false);
+    };
+    let Some(ptrs) = addrs.iter().copied().collect::<Option<Vec<u64>>>() else {
+        return Ok(false);
+    };
+    let args: Vec<Arg> = ptrs
+        .into_iter()
+        .map(Arg::Ptr)
+        .chain([Arg::I64(n as i64)])
+        .collect();
+    let kernel = format!("{stem}_{}", dt.name());
+    launch(d, &KERNELS, &kernel, vector_grid(n, dt), &args)?;
+    Ok(true)
 }
 
 /// One thread per 16-byte vector of `n` elements of `dt`: the unary, binary and in-place
@@ -473,7 +492,7 @@ fn inplace_rows(
     let per_vector = 16 / dst.dtype().size_in_bytes();
     let vectors =
         cols.is_multiple_of(per_vector) && dst_ptr.is_multiple_of(16) && src.is_multiple_of(16);
-    let add = code == codes::B_ADD && suffix != "f64";
+    let add = code == codes::B_ADD && has_hot_kernels(dst.dtype());
     let (cfg, kernel) = if vectors && add {
         // add_rows_vec_*(S*, const S*, i64, i64): the bias add, specialised
         let cfg = grid(rows * cols / per_vector);

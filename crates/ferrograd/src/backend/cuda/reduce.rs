@@ -63,11 +63,15 @@ struct Plan {
     chunk: usize,
 }
 
-/// Chooses a kernel for `x` reduced to its `outer` dims over its `inner` ones (split_dims).
-fn plan_of(op: ReduceOp, x: View, (outer, inner): (&Strided, &Strided), n_in: usize) -> Plan {
-    let n_out = (0..outer.rank as usize)
-        .map(|d| outer.shape[d] as usize)
-        .product::<usize>();
+/// Chooses a kernel for `x` reduced to its `outer` dims (n_out outputs) over its `inner`
+/// ones (n_in elements each), as split_dims gives them.
+fn plan_of(
+    op: ReduceOp,
+    x: View,
+    (outer, inner): (&Strided, &Strided),
+    n_out: usize,
+    n_in: usize,
+) -> Plan {
     match vector_rows(op, x, outer, inner) {
         Some(ld) if n_in > THREAD_MAX_IN => {
             let units = (n_out / (16 / x.storage.dtype().size_in_bytes())).div_ceil(COLS_X);
@@ -186,7 +190,7 @@ pub(crate) fn scratch_bytes(op: ReduceOp, x: View, dims: &[usize]) -> Result<Opt
     if n_out == 0 {
         return Ok(None);
     }
-    let p = plan_of(op, x, (&outer, &inner), n_in);
+    let p = plan_of(op, x, (&outer, &inner), n_out, n_in);
     Ok((p.splits > 1).then(|| partials_bytes(n_out * p.splits)))
 }
 
@@ -206,7 +210,7 @@ pub(crate) fn reduce(
         return Ok(());
     }
     check_bounds("reduce", &x)?;
-    let p = plan_of(op, x, (&outer, &inner), n_in);
+    let p = plan_of(op, x, (&outer, &inner), n_out, n_in);
     let args = Args {
         op: reduce_code(op),
         x: dev_ptr(d, "reduce", x.storage)?,

@@ -78,20 +78,6 @@ __device__ void cross_entropy_bwd(const T* x, i64 ld, const i64* t, const void* 
 // the statistics stay far inside f32's range, so double buys nothing there but time. The
 // forward is one pass (an online max and rescaled sum per thread, combined per block).
 
-__device__ __forceinline__ float half_f(f16_t v) { return f16_to_f32(v.bits); }
-__device__ __forceinline__ float half_f(bf16_t v) { return bf16_to_f32(v.bits); }
-template <typename T> __device__ T half_of(float v);
-template <> __device__ __forceinline__ f16_t half_of<f16_t>(float v) {
-    f16_t r;
-    r.bits = f32_to_f16(v);
-    return r;
-}
-template <> __device__ __forceinline__ bf16_t half_of<bf16_t>(float v) {
-    bf16_t r;
-    r.bits = f32_to_bf16(v);
-    return r;
-}
-
 #define NEG_INF_F (-__int_as_float(0x7f800000))
 
 // Adds v to a running (max m, sum s of exp(x - m)). -inf adds nothing; NaN poisons s.
@@ -116,9 +102,9 @@ __device__ void cross_entropy_fwd_vec(const T* x, i64 ld, const i64* t, i64 rows
         for (i64 v = threadIdx.x; v < nv; v += BLOCK) {
             const Pack16<T> p = xv[v];
 #pragma unroll
-            for (int k = 0; k < 8; ++k) online_add(half_f(p.v[k]), m, s);
+            for (int k = 0; k < 8; ++k) online_add(to_f(p.v[k]), m, s);
         }
-        for (i64 j = nv * 8 + threadIdx.x; j < c; j += BLOCK) online_add(half_f(xr[j]), m, s);
+        for (i64 j = nv * 8 + threadIdx.x; j < c; j += BLOCK) online_add(to_f(xr[j]), m, s);
         const double big = block_max((double)m, sh);
         const double part = m == NEG_INF_F ? 0.0 : (double)s * exp((double)m - big);
         const double sum = block_sum(part, sh);
@@ -152,15 +138,15 @@ __device__ void cross_entropy_bwd_vec(const T* x, i64 ld, const i64* t, const vo
 #pragma unroll
             for (int k = 0; k < 8; ++k) {
                 const float hot = v * 8 + k == tr ? 1.0f : 0.0f;
-                const float g = (__expf(half_f(p.v[k]) - l) - hot) * scale;
-                o.v[k] = half_of<T>(ignored ? 0.0f : g);
+                const float g = (__expf(to_f(p.v[k]) - l) - hot) * scale;
+                o.v[k] = from_f<T>(ignored ? 0.0f : g);
             }
             ov[v] = o;
         }
         for (i64 j = nv * 8 + threadIdx.x; j < c; j += blockDim.x) {
             const float hot = j == tr ? 1.0f : 0.0f;
-            const float g = (__expf(half_f(xr[j]) - l) - hot) * scale;
-            outr[j] = half_of<T>(ignored ? 0.0f : g);
+            const float g = (__expf(to_f(xr[j]) - l) - hot) * scale;
+            outr[j] = from_f<T>(ignored ? 0.0f : g);
         }
     }
 }

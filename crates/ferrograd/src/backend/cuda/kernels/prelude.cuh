@@ -273,6 +273,24 @@ template <> __device__ __forceinline__ bf16_t from_d<bf16_t>(double v) {
     return r;
 }
 
+// The same in f32, for kernels that compute f16/bf16 (and f32) in float: to_f widens exactly,
+// from_f rounds once (nearest even).
+__device__ __forceinline__ float to_f(float v) { return v; }
+__device__ __forceinline__ float to_f(f16_t v) { return f16_to_f32(v.bits); }
+__device__ __forceinline__ float to_f(bf16_t v) { return bf16_to_f32(v.bits); }
+
+template <typename T> __device__ T from_f(float v);
+template <> __device__ __forceinline__ f16_t from_f<f16_t>(float v) {
+    f16_t r;
+    r.bits = f32_to_f16(v);
+    return r;
+}
+template <> __device__ __forceinline__ bf16_t from_f<bf16_t>(float v) {
+    bf16_t r;
+    r.bits = f32_to_bf16(v);
+    return r;
+}
+
 // Arithmetic in the element type, as the CPU's generic kernels do it: f16/bf16 widen to float
 // per operation and round back. The _rn intrinsics keep the compiler from fusing a multiply
 // and an add into an FMA the CPU does not do.
@@ -294,10 +312,8 @@ __device__ __forceinline__ double t_mul(double a, double b) { return __dmul_rn(a
         return from_d<T>((double)__fmul_rn(TOF(a), TOF(b)));                                 \
     }
 
-__device__ __forceinline__ float f16_f(f16_t v) { return f16_to_f32(v.bits); }
-__device__ __forceinline__ float bf16_f(bf16_t v) { return bf16_to_f32(v.bits); }
-HALF_OPS(f16_t, f16_f)
-HALF_OPS(bf16_t, bf16_f)
+HALF_OPS(f16_t, to_f)
+HALF_OPS(bf16_t, to_f)
 
 // ---- block reductions (blockDim.x == BLOCK) --------------------------------------------------
 

@@ -118,10 +118,6 @@ __device__ void layer_norm_bwd(const T* x, const T* w, const void* mean, const v
 // (element j in lane j % 32, slot j / 32; f32 holds every such value exactly), so x and gy are read once, the sums are warp shuffles (no shared memory, no
 // block barrier), and eight rows share a block. The arithmetic is the block kernels' above,
 // in double; only the order of the per-row sums differs.
-__device__ __forceinline__ float elem_f(float v) { return v; }
-__device__ __forceinline__ float elem_f(f16_t v) { return f16_to_f32(v.bits); }
-__device__ __forceinline__ float elem_f(bf16_t v) { return bf16_to_f32(v.bits); }
-
 __device__ __forceinline__ double warp_sum_d(double v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -144,7 +140,7 @@ __device__ void layer_norm_fwd_warp(const T* x, const T* w, const T* b, T* y, vo
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
             const i64 j = lane + 32 * i;
-            v[i] = j < n ? elem_f(xr[j]) : 0.0f;
+            v[i] = j < n ? to_f(xr[j]) : 0.0f;
             s += (double)v[i];
         }
         const double mu = warp_sum_d(s) / (double)n;
@@ -186,8 +182,8 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
         for (int i = 0; i < PER; ++i) {
             const i64 j = lane + 32 * i;
             const bool in = j < n;
-            xv[i] = in ? elem_f(xr[j]) : 0.0f;
-            gv[i] = in ? elem_f(gr[j]) : 0.0f;
+            xv[i] = in ? to_f(xr[j]) : 0.0f;
+            gv[i] = in ? to_f(gr[j]) : 0.0f;
             const double gh = (double)gv[i] * (w && in ? to_d(w[j]) : 1.0);
             sg += gh;
             sgx += gh * (((double)xv[i] - mu) * rs);
