@@ -172,8 +172,9 @@ impl Problem {
         self.b == 0 || self.h == 0 || self.t == 0
     }
 
-    /// One CTA per 64 rows (queries or keys) of each (batch, head) pair.
-    fn tiles(&self) -> LaunchConfig {
+    /// One CTA per 64 rows (queries or keys) of each (batch, head) pair, with the kernel's
+    /// shared memory for head dim `d`.
+    fn tiles(&self, kernel: Tiled, d: usize) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (
                 (self.t as usize).div_ceil(TILE) as u32,
@@ -181,9 +182,47 @@ impl Problem {
                 1,
             ),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: 0,
+            shared_mem_bytes: smem_bytes(kernel, d),
         }
     }
+}
+
+/// The three tiled kernels.
+#[derive(Clone, Copy)]
+enum Tiled {
+    Forward,
+    DkDv,
+    Dq,
+}
+
+/// Dynamic shared memory of a tiled kernel at head dim `d`, in bytes: attention.cu's
+/// FWD_SMEM, DKDV_SMEM and DQ_SMEM from its tile sizes (the kernels check it on entry).
+/// Padded rows of d + 8 elements; keys per streamed tile (forward), queries per tile (dK/dV)
+/// and keys per tile (dQ) shrink at wide heads, as BN, BQ and BNQ do there.
+fn smem_bytes(kernel: Tiled, d: usize) -> u32 {
+    let lds = d + 8;
+    let rows = TILE;
+    let bn = if d <= 64 { 64 } else { 32 };
+    let bq = match d {
+        0..=64 => 64,
+        65..=96 => 32,
+        _ => 16,
+    };
+    let bnq = match d {
+        0..=64 => 64,
+        65..=112 => 32,
+        _ => 16,
+    };
+    let elems = match kernel {
+        Tiled::Forward => 2 * (2 * bn * lds),
+        Tiled::DkDv => 2 * rows * lds + 2 * (2 * bq * lds),
+        Tiled::Dq => 2 * rows * lds + 2 * (2 * bnq * lds),
+    };
+    let stats = match kernel {
+        Tiled::DkDv => 2 * 2 * bq * 4,
+        _ => 0,
+    };
+    (elems * 2 + stats) as u32
 }
 
 /// The kernel's name: each has a twin that applies dropout.
@@ -224,7 +263,8 @@ fn forward(d: &CudaDevice, a: &Attention) -> Result<()> {
     if p.is_empty() {
         return Ok(());
     }
-    let m = module(OP, a.qkv.storage.dtype(), a.qkv.q.shape()[3])?;
+    let d_head = a.qkv.q.shape()[3];
+    let m = module(OP, a.qkv.storage.dtype(), d_head)?;
     let args = [
         Arg::Ptr(q.0),
         Arg::Struct(&q.1),
@@ -235,7 +275,8 @@ fn forward(d: &CudaDevice, a: &Attention) -> Result<()> {
         Arg::Ptr(ptr(a.lse)?),
         Arg::Struct(&p),
     ];
-    launch(d, m, kernel("attn_fwd", a.dropout), p.tiles(), &args)
+    let cfg = p.tiles(Tiled::Forward, d_head);
+    launch(d, m, kernel("attn_fwd", a.dropout), cfg, &args)
 }
 
 fn backward(d: &CudaDevice, a: &AttentionBackward) -> Result<()> {
@@ -253,7 +294,8 @@ fn backward(d: &CudaDevice, a: &AttentionBackward) -> Result<()> {
     if p.is_empty() {
         return Ok(());
     }
-    let m = module(OP, a.qkv.storage.dtype(), a.qkv.q.shape()[3])?;
+    let d_head = a.qkv.q.shape()[3];
+    let m = module(OP, a.qkv.storage.dtype(), d_head)?;
     let (lse, delta) = (addr(&a.lse)?, ptr(a.delta)?);
 
     let rows = (p.b * p.h * p.t) as usize;
@@ -285,7 +327,8 @@ fn backward(d: &CudaDevice, a: &AttentionBackward) -> Result<()> {
         Arg::Struct(&gv.1),
         Arg::Struct(&p),
     ]);
-    launch(d, m, kernel("attn_bwd_dkdv", a.dropout), p.tiles(), &dkdv)?;
+    let cfg = p.tiles(Tiled::DkDv, d_head);
+    launch(d, m, kernel("attn_bwd_dkdv", a.dropout), cfg, &dkdv)?;
 
     let mut dq = vec![Arg::Ptr(q.0)];
     dq.extend(heads);
@@ -298,5 +341,6 @@ fn backward(d: &CudaDevice, a: &AttentionBackward) -> Result<()> {
         Arg::Struct(&gq.1),
         Arg::Struct(&p),
     ]);
-    launch(d, m, kernel("attn_bwd_dq", a.dropout), p.tiles(), &dq)
+    let cfg = p.tiles(Tiled::Dq, d_head);
+    launch(d, m, kernel("attn_bwd_dq", a.dropout), cfg, &dq)
 }

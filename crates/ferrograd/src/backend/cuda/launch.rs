@@ -6,6 +6,7 @@
 
 use std::sync::OnceLock;
 
+use cudarc::driver::sys::CUfunction_attribute;
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::{CudaDevice, codes, ptr};
@@ -89,6 +90,9 @@ pub(crate) fn i64_of(v: usize) -> Arg<'static> {
     Arg::I64(v as i64)
 }
 
+/// The shared memory a kernel gets without opting in.
+const STATIC_SMEM_LIMIT: u32 = 48 << 10;
+
 /// Launches kernel `name` of `module` with `args`, in order.
 pub(crate) fn launch(
     d: &CudaDevice,
@@ -98,6 +102,14 @@ pub(crate) fn launch(
     args: &[Arg],
 ) -> Result<()> {
     let f = d.function(module.key, module.source(), name)?;
+    if cfg.shared_mem_bytes > STATIC_SMEM_LIMIT {
+        // More than 48 KiB of dynamic shared memory is an opt-in per kernel.
+        f.set_attribute(
+            CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            cfg.shared_mem_bytes as i32,
+        )
+        .map_err(|e| d.err(&format!("raising {name}'s shared memory"), e))?;
+    }
     let mut b = d.stream().launch_builder(&f);
     for a in args {
         match a {

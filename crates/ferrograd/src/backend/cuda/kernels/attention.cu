@@ -20,7 +20,9 @@
 //   attn_bwd_dq   one CTA per (64 queries, b·h): every key tile the queries see; dQ in
 //                 registers. Two kernels instead of float atomics: the backward is
 //                 deterministic.
-// Causal tiles past the diagonal are never visited.
+// Causal tiles past the diagonal are never visited. Streamed tiles are double-buffered in
+// dynamic shared memory: the next tile's cp.async copies are in flight while the current one
+// is multiplied (the launcher sizes the buffers with the *_SMEM formulas below).
 //
 // Fragments follow PTX's mma.m16n8k16 layouts: lane = 4·g + t; an accumulator tile (16 × 8)
 // holds rows g and g + 8, columns 2t and 2t + 1. Two neighbouring accumulator tiles are
@@ -41,6 +43,17 @@
 #define BQ (D <= 64 ? 64 : (D <= 96 ? 32 : 16))
 // Keys per tile of the dQ kernel, whose Q and dO tiles also stay in shared memory.
 #define BNQ (D <= 64 ? 64 : (D <= 112 ? 32 : 16))
+
+// Dynamic shared memory per kernel, in bytes; mirrored by `smem_bytes` in cuda/attention.rs
+// and checked on entry. Forward: two stages of (K, V) tiles; the query tile borrows stage 1
+// until its fragments are in registers. dK/dV: the CTA's K and V, then two stages of
+// (Q, dO) tiles and of their (lse, delta) rows. dQ: the CTA's Q and dO, two (K, V) stages.
+#define FWD_STAGE (2 * BN * LDS)
+#define DKDV_STAGE (2 * BQ * LDS)
+#define DQ_STAGE (2 * BNQ * LDS)
+#define FWD_SMEM (2 * FWD_STAGE * 2)
+#define DKDV_SMEM ((2 * BM * LDS + 2 * DKDV_STAGE) * 2 + 2 * 2 * BQ * 4)
+#define DQ_SMEM ((2 * BM * LDS + 2 * DQ_STAGE) * 2)
 
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
@@ -240,6 +253,65 @@ __device__ __forceinline__ void load_rows(u16* dst, const u16* base, const Heads
     }
 }
 
+// ---- asynchronous copies (cp.async): global → shared without a trip through registers -----
+
+extern __shared__ uint4 dyn_smem[];
+
+// The launch's dynamic shared memory, in bytes.
+__device__ __forceinline__ u32 dyn_smem_bytes() {
+    u32 r;
+    asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(r));
+    return r;
+}
+
+// A launcher that sized the buffers differently from these formulas faults at once instead
+// of reading past them.
+__device__ __forceinline__ void check_smem(u32 need) {
+    if (dyn_smem_bytes() < need) __trap();
+}
+
+// 16 bytes from `src`, or zeros when `bytes` is 0 (nothing is read then).
+__device__ __forceinline__ void cp_async16(u16* dst, const u16* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async4(float* dst, const float* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// load_rows as copies in flight (part of the next committed group) when every row start is
+// 16-byte aligned; otherwise the plain loads, complete on return.
+template <int R>
+__device__ __forceinline__ void load_rows_async(u16* dst, const u16* base, const Heads& v, int b,
+                                                int h, int r0, const Problem& p) {
+    if (!p.vec) {
+        load_rows<R>(dst, base, v, b, h, r0, p);
+        return;
+    }
+    const int chunks = D / 8;
+    const u16* first = base + row_at(v, b, h, 0);  // an aligned address for the zero rows
+    for (int i = threadIdx.x; i < R * chunks; i += THREADS) {
+        int r = i / chunks, c = (i % chunks) * 8;
+        int t = r0 + r;
+        bool in = t < p.t;
+        cp_async16(dst + r * LDS + c, (in ? base + row_at(v, b, h, t) : first) + c, in ? 16 : 0);
+    }
+}
+
 // A warp's 16 accumulator rows (16 × D) · mul, stored to rows [r0, r0 + 16) of `v` below T.
 __device__ __forceinline__ void store_rows(u16* base, const Heads& v, int b, int h, int r0,
                                            const float acc[D / 8][4], float mul0, float mul1,
@@ -287,15 +359,20 @@ __device__ __forceinline__ int tile_index(const Problem& p) {
 
 template <bool DROP>
 __device__ __forceinline__ void attn_fwd_impl(const u16* qkv, Heads qv, Heads kv, Heads vv, u16* out, Heads ov, float* lse, Problem p) {
-    __shared__ alignas(16) u16 sq[BM * LDS];
-    __shared__ alignas(16) u16 sk[BN * LDS];
-    __shared__ alignas(16) u16 sv[BN * LDS];
+    check_smem(FWD_SMEM);
+    u16* const smem = (u16*)dyn_smem;
+    u16* const sq = smem + FWD_STAGE;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t4 = lane & 3;
     const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
     const int q0 = tile_index(p) * BM;
+    const int keys = p.causal ? min(p.t, q0 + BM) : p.t;
 
-    load_rows<BM>(sq, qkv, qv, b, h, q0, p);
+    load_rows_async<BM>(sq, qkv, qv, b, h, q0, p);
+    load_rows_async<BN>(smem, qkv, kv, b, h, 0, p);
+    load_rows_async<BN>(smem + BN * LDS, qkv, vv, b, h, 0, p);
+    cp_async_commit();
+    cp_async_wait<0>();
     __syncthreads();
     // This warp's queries as A operands, kept in registers for every key tile.
     u32 qf[D / 16][4];
@@ -308,13 +385,21 @@ __device__ __forceinline__ void attn_fwd_impl(const u16* qkv, Heads qv, Heads kv
     for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
     float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
     const int row0 = q0 + warp * 16 + g;  // this thread's rows: row0 and row0 + 8
-    const int keys = p.causal ? min(p.t, q0 + BM) : p.t;
 
-    for (int k0 = 0; k0 < keys; k0 += BN) {
+    for (int k0 = 0, st = 0; k0 < keys; k0 += BN, st ^= 1) {
+        // Every warp is done with the other stage (the previous tile, or the query tile):
+        // the next tile streams into it while this one is multiplied.
         __syncthreads();
-        load_rows<BN>(sk, qkv, kv, b, h, k0, p);
-        load_rows<BN>(sv, qkv, vv, b, h, k0, p);
+        if (k0 + BN < keys) {
+            u16* next = smem + (st ^ 1) * FWD_STAGE;
+            load_rows_async<BN>(next, qkv, kv, b, h, k0 + BN, p);
+            load_rows_async<BN>(next + BN * LDS, qkv, vv, b, h, k0 + BN, p);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
         __syncthreads();
+        const u16* sk = smem + st * FWD_STAGE;
+        const u16* sv = sk + BN * LDS;
 
         float s[BN / 8][4];
 #pragma unroll
@@ -436,20 +521,44 @@ extern "C" __global__ void attn_delta(const u16* out, Heads ov, const u16* gout,
 // Warp w owns keys k0 + 16w .. k0 + 16w + 15, so nothing is shared between warps but the
 // tiles. Works on transposed products (keys as rows): Sᵀ = K Qᵀ, dV += Pᵀ dO,
 // dPᵀ = V dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ Q.
+// The (Q, dO) tile of queries [q0, q0 + BQ) and their (lse, delta) rows into one stage of
+// the dK/dV kernel, in flight; rows past T are zeros (the kernel masks them).
+__device__ __forceinline__ void load_query_stage(u16* sq, float* sl, const u16* qkv, const Heads& qv,
+                                                 const u16* gout, const Heads& gov, const float* lse,
+                                                 const float* delta, int bh, int q0, const Problem& p) {
+    const int b = bh / p.h, h = bh % p.h;
+    load_rows_async<BQ>(sq, qkv, qv, b, h, q0, p);
+    load_rows_async<BQ>(sq + BQ * LDS, gout, gov, b, h, q0, p);
+    for (int i = threadIdx.x; i < BQ; i += THREADS) {
+        int t = q0 + i;
+        bool in = t < p.t;
+        i64 at = (i64)bh * p.t + (in ? t : 0);
+        cp_async4(sl + i, lse + at, in ? 4 : 0);
+        cp_async4(sl + BQ + i, delta + at, in ? 4 : 0);
+    }
+}
+
+// dK, dV of 64 keys: every query tile at or after them (causal) recomputes its probabilities.
+// Warp w owns keys k0 + 16w .. k0 + 16w + 15, so nothing is shared between warps but the
+// tiles. Works on transposed products (keys as rows): Sᵀ = K Qᵀ, dV += Pᵀ dO,
+// dPᵀ = V dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ Q.
 template <bool DROP>
 __device__ __forceinline__ void attn_bwd_dkdv_impl(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov, const float* lse, const float* delta, u16* grads, Heads gkv, Heads gvv, Problem p) {
-    __shared__ alignas(16) u16 sk[BM * LDS];
-    __shared__ alignas(16) u16 sv[BM * LDS];
-    __shared__ alignas(16) u16 sq[BQ * LDS];
-    __shared__ alignas(16) u16 sdo[BQ * LDS];
-    __shared__ float sl[BQ], sd[BQ];
+    check_smem(DKDV_SMEM);
+    u16* const sk = (u16*)dyn_smem;
+    u16* const sv = sk + BM * LDS;
+    u16* const stages = sv + BM * LDS;                 // 2 × (Q tile, dO tile)
+    float* const stats = (float*)(stages + 2 * DKDV_STAGE);  // 2 × (lse, delta)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t4 = lane & 3;
     const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
     const int k0 = blockIdx.x * BM;
+    const int first = p.causal ? (k0 / BQ) * BQ : 0;
 
-    load_rows<BM>(sk, qkv, kv, b, h, k0, p);
-    load_rows<BM>(sv, qkv, vv, b, h, k0, p);
+    load_rows_async<BM>(sk, qkv, kv, b, h, k0, p);
+    load_rows_async<BM>(sv, qkv, vv, b, h, k0, p);
+    load_query_stage(stages, stats, qkv, qv, gout, gov, lse, delta, bh, first, p);
+    cp_async_commit();
     const u16* wk = sk + warp * 16 * LDS;
     const u16* wv = sv + warp * 16 * LDS;
     const int key0 = k0 + warp * 16 + g;  // this thread's keys: key0 and key0 + 8
@@ -460,18 +569,20 @@ __device__ __forceinline__ void attn_bwd_dkdv_impl(const u16* qkv, Heads qv, Hea
 #pragma unroll
         for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
 
-    const int first = p.causal ? (k0 / BQ) * BQ : 0;
-    for (int q0 = first; q0 < p.t; q0 += BQ) {
+    for (int q0 = first, st = 0; q0 < p.t; q0 += BQ, st ^= 1) {
+        // Every warp is done with the other stage: the next query tile streams into it.
         __syncthreads();
-        load_rows<BQ>(sq, qkv, qv, b, h, q0, p);
-        load_rows<BQ>(sdo, gout, gov, b, h, q0, p);
-        for (int i = threadIdx.x; i < BQ; i += THREADS) {
-            int t = q0 + i;
-            // Queries past T get lse = +inf: their probabilities are exactly 0.
-            sl[i] = t < p.t ? lse[(i64)bh * p.t + t] * LOG2E : __int_as_float(0x7f800000);
-            sd[i] = t < p.t ? delta[(i64)bh * p.t + t] : 0.f;
-        }
+        if (q0 + BQ < p.t)
+            load_query_stage(stages + (st ^ 1) * DKDV_STAGE, stats + (st ^ 1) * 2 * BQ, qkv, qv,
+                             gout, gov, lse, delta, bh, q0 + BQ, p);
+        cp_async_commit();
+        cp_async_wait<1>();
         __syncthreads();
+        const u16* sq = stages + st * DKDV_STAGE;
+        const u16* sdo = sq + BQ * LDS;
+        const float* sl = stats + st * 2 * BQ;  // lse (natural log) of the tile's queries
+        const float* sd = sl + BQ;               // delta of the tile's queries
+        const bool tail = q0 + BQ > p.t;
 
         // Pᵀ (16 keys × BQ queries).
         float pt[BQ / 8][4];
@@ -483,8 +594,9 @@ __device__ __forceinline__ void attn_bwd_dkdv_impl(const u16* qkv, Heads qv, Hea
             for (int e = 0; e < 4; ++e) {
                 int qi = j * 8 + 2 * t4 + (e & 1);
                 int key = key0 + (e >> 1) * 8;
-                float v = exp2f(pt[j][e] * p.scale_log2 - sl[qi]);
-                if (edge && q0 + qi < key) v = 0.f;
+                float v = exp2f(pt[j][e] * p.scale_log2 - __fmul_rn(sl[qi], LOG2E));
+                // Queries past T (zero rows, zero lse) have no probabilities.
+                if ((edge && q0 + qi < key) || (tail && q0 + qi >= p.t)) v = 0.f;
                 pt[j][e] = v;
             }
         }
@@ -543,17 +655,21 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 // dS = P ∘ (dP − delta), dQ += dS K.
 template <bool DROP>
 __device__ __forceinline__ void attn_bwd_dq_impl(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov, const float* lse, const float* delta, u16* grads, Heads gqv, Problem p) {
-    __shared__ alignas(16) u16 sq[BM * LDS];
-    __shared__ alignas(16) u16 sdo[BM * LDS];
-    __shared__ alignas(16) u16 sk[BNQ * LDS];
-    __shared__ alignas(16) u16 sv[BNQ * LDS];
+    check_smem(DQ_SMEM);
+    u16* const sq = (u16*)dyn_smem;
+    u16* const sdo = sq + BM * LDS;
+    u16* const stages = sdo + BM * LDS;  // 2 × (K tile, V tile)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t4 = lane & 3;
     const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
     const int q0 = tile_index(p) * BM;
+    const int keys = p.causal ? min(p.t, q0 + BM) : p.t;
 
-    load_rows<BM>(sq, qkv, qv, b, h, q0, p);
-    load_rows<BM>(sdo, gout, gov, b, h, q0, p);
+    load_rows_async<BM>(sq, qkv, qv, b, h, q0, p);
+    load_rows_async<BM>(sdo, gout, gov, b, h, q0, p);
+    load_rows_async<BNQ>(stages, qkv, kv, b, h, 0, p);
+    load_rows_async<BNQ>(stages + BNQ * LDS, qkv, vv, b, h, 0, p);
+    cp_async_commit();
     const int row0 = q0 + warp * 16 + g;
     float l2[2], dl[2];
 #pragma unroll
@@ -568,13 +684,20 @@ __device__ __forceinline__ void attn_bwd_dq_impl(const u16* qkv, Heads qv, Heads
     float dq[D / 8][4];
 #pragma unroll
     for (int j = 0; j < D / 8; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
-    const int keys = p.causal ? min(p.t, q0 + BM) : p.t;
 
-    for (int k0 = 0; k0 < keys; k0 += BNQ) {
+    for (int k0 = 0, st = 0; k0 < keys; k0 += BNQ, st ^= 1) {
+        // Every warp is done with the other stage: the next key tile streams into it.
         __syncthreads();
-        load_rows<BNQ>(sk, qkv, kv, b, h, k0, p);
-        load_rows<BNQ>(sv, qkv, vv, b, h, k0, p);
+        if (k0 + BNQ < keys) {
+            u16* next = stages + (st ^ 1) * DQ_STAGE;
+            load_rows_async<BNQ>(next, qkv, kv, b, h, k0 + BNQ, p);
+            load_rows_async<BNQ>(next + BNQ * LDS, qkv, vv, b, h, k0 + BNQ, p);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
         __syncthreads();
+        const u16* sk = stages + st * DQ_STAGE;
+        const u16* sv = sk + BNQ * LDS;
 
         float s[BNQ / 8][4];
         rows_times_rows_t<BNQ>(s, wq, sk, lane);
