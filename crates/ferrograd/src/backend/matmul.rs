@@ -1,7 +1,8 @@
-//! The matmul family: batched GEMMs, plain or accumulating into their output. Here: the
-//! shape spec, the `MatmulKernels` trait that every backend implements, and the entry
-//! functions; `matmul_acc` with beta != 0 writes a live buffer in place and bumps its
-//! version. Not here: the kernels (backend/cpu/matmul.rs, backend/cuda/matmul.rs, cuBLAS).
+//! The matmul family: batched GEMMs, plain, accumulating into their output, or with a bias
+//! row added (linear's `x @ wᵀ + b`). Here: the shape spec, the `MatmulKernels` trait that
+//! every backend implements, and the entry functions; `matmul_acc` with beta != 0 writes a
+//! live buffer in place and bumps its version. Not here: the kernels
+//! (backend/cpu/matmul.rs, backend/cuda/matmul.rs with cuBLAS, cuda/gemm_lt.rs with cuBLASLt).
 
 use super::{Storage, View, backend, check};
 use crate::base::{DType, Error, Result};
@@ -36,6 +37,27 @@ pub trait MatmulKernels {
     fn out_row_align(&self, _dtype: DType) -> usize {
         1
     }
+    /// `out = a @ b + bias` with `bias` (n) added to every output row (m has beta 0). By
+    /// default the product, then the bias added in place by the elementwise family; CUDA adds
+    /// it in the GEMM's epilogue instead (one pass over the output, not three).
+    fn matmul_bias(&self, m: &Matmul, bias: View) -> Result<()> {
+        self.matmul(m)?;
+        add_bias_rows(m, bias)
+    }
+}
+
+/// out (batch·m, n) += bias (n) broadcast over the rows, as the elementwise family adds.
+pub(crate) fn add_bias_rows(m: &Matmul, bias: View) -> Result<()> {
+    let rows = m.spec.batch * m.spec.m;
+    let lb = bias.layout.broadcast_to(&[rows, m.spec.n])?;
+    super::elementwise::binary_inplace(
+        super::BinaryOp::Add,
+        m.out,
+        View {
+            storage: bias.storage,
+            layout: &lb,
+        },
+    )
 }
 
 /// `out = a @ b` into a fresh output.
@@ -49,6 +71,31 @@ pub fn matmul(spec: &MatmulSpec, a: View, b: View, out: &Storage) -> Result<()> 
     };
     validate(&m)?;
     backend(out.device())?.matmul(&m)
+}
+
+/// `out = a @ b + bias`, bias (n) added to every row of the fresh output.
+pub fn matmul_bias(spec: &MatmulSpec, a: View, b: View, bias: View, out: &Storage) -> Result<()> {
+    let m = Matmul {
+        spec: *spec,
+        a,
+        b,
+        out,
+        beta: 0.0,
+    };
+    validate(&m)?;
+    check::on_device("linear", out.device(), [bias.storage])?;
+    check::same_dtype("linear", out.dtype(), bias.storage.dtype())?;
+    if bias.layout.shape() != [spec.n] {
+        return Err(Error::shape(
+            "linear",
+            format!(
+                "bias {:?} must have shape [{}] (one value per output column)",
+                bias.layout.shape(),
+                spec.n
+            ),
+        ));
+    }
+    backend(out.device())?.matmul_bias(&m, bias)
 }
 
 /// The width a GEMM dim of n is padded to on `device`: n, or n rounded up to the backend's

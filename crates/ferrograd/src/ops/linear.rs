@@ -1,14 +1,15 @@
-//! `linear(x, w, b) = x @ wᵀ + b` as one op, like PyTorch's addmm: the bias is added into
-//! the GEMM's output in place, so the forward allocates one (N, out) tensor, not two.
+//! `linear(x, w, b) = x @ wᵀ + b` as one op, like PyTorch's addmm: the bias is added by the
+//! GEMM (cuBLASLt's epilogue on the GPU, in place after the product on the CPU), so the
+//! forward allocates one (N, out) tensor, not two.
 //! Backward: dx = g @ w, dw = gᵀ @ x, db = Σ_rows g. A leaf weight with a gradient sink
 //! (the fused SGD step) is offered dw as the product gᵀ·x instead, and then gets no dw at all.
 //! Under create_graph the same three products are recorded ops on the saved values with their
 //! history (`recorded_grads`), and no sink is offered anything.
 
 use super::aligned_gemm;
-use super::matmul::matmul_forward;
+use super::matmul::{linear_bias_forward, matmul_forward};
 use crate::autograd::{GradProduct, ProductForm, SavedTensor, is_grad_enabled, record};
-use crate::backend::{BinaryOp, ReduceOp, elementwise};
+use crate::backend::ReduceOp;
 use crate::base::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -50,28 +51,19 @@ impl Tensor {
         // A copy only when strided; recorded then, so the saved input keeps its history.
         let x_in = self.contiguous()?;
         let x2 = x_in.detach().reshape(&[rows, k])?;
-        // Without a bias a wide unaligned output is computed at an aligned width
-        // (ops/aligned_gemm.rs); a bias is added in place over a contiguous output.
-        let padded = match bias {
-            None => aligned_gemm::forward(&x2, weight)?,
-            Some(_) => None,
+        // A bias is added by the GEMM's epilogue where the backend can (one pass over the
+        // output); without one a wide unaligned output is computed at an aligned width
+        // (ops/aligned_gemm.rs).
+        let out = match bias {
+            Some(b) => {
+                super::check_pair("linear", self, b)?;
+                linear_bias_forward(&x2, weight, b)?
+            }
+            None => match aligned_gemm::forward(&x2, weight)? {
+                Some(out) => out,
+                None => matmul_forward(&x2, &weight.t_view()?)?,
+            },
         };
-        let out = match padded {
-            Some(out) => out,
-            None => matmul_forward(&x2, &weight.t_view()?)?,
-        };
-        if let Some(b) = bias {
-            super::check_pair("linear", self, b)?;
-            let lb = b.broadcast_layout(out.shape())?;
-            elementwise::binary_inplace(
-                BinaryOp::Add,
-                out.storage(),
-                crate::backend::View {
-                    storage: b.storage(),
-                    layout: &lb,
-                },
-            )?;
-        }
         let mut shape = self.shape().to_vec();
         shape[rank - 1] = weight.shape()[0];
         let layout = out.layout().reshape_view(&shape).ok_or_else(|| {

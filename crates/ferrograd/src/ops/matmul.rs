@@ -64,6 +64,38 @@ pub(crate) fn matmul_forward(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     Ok(out)
 }
 
+/// `x @ wᵀ + bias` for x: (rows, k), w: (n, k), bias: (n), no autograd: one GEMM whose
+/// epilogue adds the bias where the backend can (linear's forward).
+pub(crate) fn linear_bias_forward(x: &Tensor, w: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    super::check_pair("linear", x, w)?;
+    super::check_float("linear", x)?;
+    let (rows, k, n) = (x.shape()[0], x.shape()[1], w.shape()[0]);
+    // With k = 0 the product is all zeros, which only a zero-filled output gives.
+    let out = if k > 0 {
+        Tensor::output_uninit(&[rows, n], x.dtype(), x.device(), "linear")?
+    } else {
+        Tensor::output(&[rows, n], x.dtype(), x.device(), "linear")?
+    };
+    let spec = MatmulSpec {
+        batch: 1,
+        m: rows,
+        n,
+        k,
+    };
+    let wt = w.layout().permute(&[1, 0])?;
+    matmul::matmul_bias(
+        &spec,
+        x.view(),
+        View {
+            storage: w.storage(),
+            layout: &wt,
+        },
+        bias.view(),
+        out.storage(),
+    )?;
+    Ok(out)
+}
+
 /// The width a wide, unaligned output dim is padded to on `device` (n itself elsewhere).
 pub(crate) fn padded_width(
     device: crate::base::Device,

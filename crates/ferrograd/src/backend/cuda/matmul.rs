@@ -96,10 +96,10 @@ fn check_cublas_sizes(s: &MatmulSpec) -> Result<()> {
 
 /// cuBLAS data and compute types of one dtype; `wide` = alpha/beta are f64.
 #[derive(Clone, Copy)]
-struct GemmType {
-    data: cudaDataType,
-    compute: cublasComputeType_t,
-    wide: bool,
+pub(super) struct GemmType {
+    pub(super) data: cudaDataType,
+    pub(super) compute: cublasComputeType_t,
+    pub(super) wide: bool,
     size: usize,
 }
 
@@ -146,12 +146,12 @@ impl GemmType {
 
 /// Gives the device's cuBLAS handle a workspace from our allocator on first use, so its bytes
 /// show up as `workspace` instead of hiding inside cuBLAS. Kept for the process: cuBLAS may
-/// use it from any later call.
-fn ensure_workspace(d: &CudaDevice) -> Result<()> {
+/// use it from any later call. Returns the block's address (cuBLASLt calls pass it too).
+fn ensure_workspace(d: &CudaDevice) -> Result<u64> {
     static WORKSPACES: Mutex<Vec<(usize, Allocation)>> = Mutex::new(Vec::new());
     let mut set = WORKSPACES.lock().unwrap_or_else(|e| e.into_inner());
-    if set.iter().any(|(o, _)| *o == d.ordinal()) {
-        return Ok(());
+    if let Some((_, ws)) = set.iter().find(|(o, _)| *o == d.ordinal()) {
+        return Ok(ws.addr());
     }
     let ws = crate::memory::allocator(Device::Cuda(d.ordinal()))?.malloc(
         WORKSPACE_BYTES,
@@ -169,8 +169,14 @@ fn ensure_workspace(d: &CudaDevice) -> Result<()> {
     }
     .result()
     .map_err(|e| d.err("cublasSetWorkspace", e))?;
+    let addr = ws.addr();
     set.push((d.ordinal(), ws));
-    Ok(())
+    Ok(addr)
+}
+
+/// The workspace block's address (allocated on first use).
+pub(super) fn workspace_addr(d: &CudaDevice) -> Result<u64> {
+    ensure_workspace(d)
 }
 
 // ---- operands ---------------------------------------------------------------------------------
@@ -178,9 +184,9 @@ fn ensure_workspace(d: &CudaDevice) -> Result<()> {
 /// How cuBLAS reads one operand matrix: `trans` (column-major storage) and its leading
 /// dimension.
 #[derive(Clone, Copy)]
-struct Matrix {
-    trans: bool,
-    ld: i32,
+pub(super) struct Matrix {
+    pub(super) trans: bool,
+    pub(super) ld: i32,
 }
 
 /// The cuBLAS reading of a (rows, cols) matrix with strides (rs, cs), if there is one:
@@ -327,16 +333,16 @@ fn single_step(shape: &[usize], strides: &[isize]) -> Option<i64> {
 }
 
 /// One GEMM shape with its operand readings and output address.
-struct Gemm {
-    ty: GemmType,
-    m: usize,
-    n: usize,
-    k: usize,
-    a: Matrix,
-    b: Matrix,
-    out: u64,
+pub(super) struct Gemm {
+    pub(super) ty: GemmType,
+    pub(super) m: usize,
+    pub(super) n: usize,
+    pub(super) k: usize,
+    pub(super) a: Matrix,
+    pub(super) b: Matrix,
+    pub(super) out: u64,
     /// Scale of the output's previous values (0: not read).
-    beta: f64,
+    pub(super) beta: f64,
 }
 
 /// The batch dims split into outer dims (looped) and the longest inner run that both
@@ -466,9 +472,51 @@ impl MatmulKernels for CudaDevice {
     fn matmul(&self, m: &Matmul) -> Result<()> {
         matmul_acc(self, &m.spec, m.a, m.b, m.out, m.beta)
     }
+    fn matmul_bias(&self, m: &Matmul, bias: View) -> Result<()> {
+        if !matmul_bias_fused(self, m, &bias)? {
+            self.matmul(m)?;
+            crate::backend::matmul::add_bias_rows(m, bias)?;
+        }
+        Ok(())
+    }
     fn out_row_align(&self, dtype: DType) -> usize {
         out_row_align(dtype)
     }
+}
+
+/// A single (unbatched) product with a contiguous bias through cuBLASLt's BIAS epilogue;
+/// false when it does not apply (batched, f64, a strided bias, no algorithm), nothing queued.
+fn matmul_bias_fused(d: &CudaDevice, m: &Matmul, bias: &View) -> Result<bool> {
+    let MatmulSpec {
+        batch,
+        m: rows,
+        n,
+        k,
+    } = m.spec;
+    let contiguous_bias = n <= 1 || bias.layout.strides() == [1];
+    if batch != 1 || rows * n * k == 0 || !contiguous_bias {
+        return Ok(false);
+    }
+    let ty = GemmType::of(m.a.storage.dtype())?;
+    check_cublas_sizes(&m.spec)?;
+    d.bind()?;
+    ensure_workspace(d)?;
+    let pa = Prepared::new(d, m.a)?;
+    let pb = Prepared::new(d, m.b)?;
+    let (va, vb) = (pa.view(m.a), pb.view(m.b));
+    let size = ty.size as u64;
+    let at = |v: &View| -> Result<u64> { Ok(ptr(v.storage)? + v.layout.offset() as u64 * size) };
+    let call = Gemm {
+        ty,
+        m: rows,
+        n,
+        k,
+        a: pa.matrix()?,
+        b: pb.matrix()?,
+        out: ptr(m.out)?,
+        beta: 0.0,
+    };
+    super::gemm_lt::gemm_bias(d, &call, at(&va)?, at(&vb)?, at(bias)?)
 }
 
 /// 128-byte rows: the alignment cuBLAS's fast kernels (TMA loads and stores) want of N and K.

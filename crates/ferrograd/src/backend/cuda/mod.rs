@@ -8,6 +8,7 @@ mod attention;
 mod codes;
 mod device;
 mod elementwise;
+mod gemm_lt;
 mod index;
 mod info;
 mod launch;

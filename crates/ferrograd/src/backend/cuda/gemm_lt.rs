@@ -1,0 +1,295 @@
+//! One GEMM through cuBLASLt with a fused epilogue: the bias row of a linear layer added
+//! while the product is still in registers, so `x @ wᵀ + b` writes its output once instead of
+//! a GEMM pass plus a read-modify-write pass.
+//!
+//! The operand readings (transposes, leading dims) are cuda/matmul.rs's: the row-major (m, n)
+//! output is computed as its column-major transpose (n, m) = bᵀ aᵀ, so the bias (n) runs
+//! along the column-major rows, which is what cuBLASLt's BIAS epilogue adds. The workspace
+//! is the cuBLAS block of this device's allocator (counted as `workspace`); calls are ordered
+//! on the device's one stream, so the two libraries never use it at once.
+//!
+//! The heuristic's choice of algorithm is cached per problem (shape, readings, dtype,
+//! operand alignments): asking for it costs more host time than the launch. A problem
+//! cuBLASLt has no algorithm for answers `Ok(false)` and the caller takes the plain path.
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::Mutex;
+
+use cudarc::cublas::sys::cublasOperation_t;
+use cudarc::cublaslt::result as lt;
+use cudarc::cublaslt::sys::{
+    cublasComputeType_t, cublasLtEpilogue_t, cublasLtHandle_t, cublasLtMatmulAlgo_t,
+    cublasLtMatmulDescAttributes_t as DescAttr, cublasLtMatmulPreferenceAttributes_t as PrefAttr,
+    cublasLtMatrixLayout_t, cudaDataType,
+};
+
+use super::CudaDevice;
+use super::matmul::{Gemm, WORKSPACE_BYTES, workspace_addr};
+use crate::base::Result;
+
+/// One cuBLASLt handle per device, created on first use and kept for the process.
+struct Handle(cublasLtHandle_t);
+// SAFETY: a cuBLASLt handle is not tied to a thread; calls through it are serialised by the
+// device's stream order and the mutex around the table.
+unsafe impl Send for Handle {}
+
+static HANDLES: Mutex<Vec<(usize, Handle)>> = Mutex::new(Vec::new());
+
+fn handle(d: &CudaDevice) -> Result<cublasLtHandle_t> {
+    let mut set = HANDLES.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((_, h)) = set.iter().find(|(o, _)| *o == d.ordinal()) {
+        return Ok(h.0);
+    }
+    let h = lt::create_handle().map_err(|e| d.err("cublasLtCreate", e))?;
+    set.push((d.ordinal(), Handle(h)));
+    Ok(h)
+}
+
+/// What a problem is for the algorithm cache: everything the heuristic saw.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+struct Key {
+    device: usize,
+    data: i32,
+    compute: i32,
+    dims: [usize; 3],
+    trans: [bool; 2],
+    lds: [i32; 2],
+    aligns: [u32; 4],
+}
+
+static ALGOS: Mutex<Option<HashMap<Key, cublasLtMatmulAlgo_t>>> = Mutex::new(None);
+
+/// The largest power of two (at most 256) that divides a device address: cuBLASLt's
+/// heuristic assumes 256-byte operands unless told otherwise.
+fn alignment(addr: u64) -> u32 {
+    if addr == 0 {
+        256
+    } else {
+        (1u64 << addr.trailing_zeros().min(8)) as u32
+    }
+}
+
+/// Owns the descriptors of one call; destroys them on every path out.
+struct Descriptors {
+    desc: cudarc::cublaslt::sys::cublasLtMatmulDesc_t,
+    layouts: Vec<cublasLtMatrixLayout_t>,
+    pref: Option<cudarc::cublaslt::sys::cublasLtMatmulPreference_t>,
+}
+
+impl Drop for Descriptors {
+    fn drop(&mut self) {
+        // SAFETY: each handle was created by this struct's owner and is destroyed once here.
+        unsafe {
+            for l in &self.layouts {
+                let _ = lt::destroy_matrix_layout(*l);
+            }
+            if let Some(p) = self.pref {
+                let _ = lt::destroy_matmul_pref(p);
+            }
+            let _ = lt::destroy_matmul_desc(self.desc);
+        }
+    }
+}
+
+/// Sets one attribute of a descriptor from a plain value.
+fn set_desc<T>(d: &CudaDevice, desc: &Descriptors, attr: DescAttr, value: &T) -> Result<()> {
+    // SAFETY: `desc.desc` is live; the value is read for its size during the call.
+    unsafe {
+        lt::set_matmul_desc_attribute(
+            desc.desc,
+            attr,
+            value as *const T as *const c_void,
+            std::mem::size_of::<T>(),
+        )
+    }
+    .map_err(|e| d.err("cublasLtMatmulDescSetAttribute", e))
+}
+
+/// cuBLASLt's names for the product's data and compute types (the f32-scaled ones).
+fn lt_types(g: &Gemm) -> Option<(cudaDataType, cublasComputeType_t)> {
+    use cudarc::cublas::sys::{cublasComputeType_t as Blas, cudaDataType as BlasData};
+    let data = match g.ty.data {
+        BlasData::CUDA_R_32F => cudaDataType::CUDA_R_32F,
+        BlasData::CUDA_R_16F => cudaDataType::CUDA_R_16F,
+        BlasData::CUDA_R_16BF => cudaDataType::CUDA_R_16BF,
+        _ => return None,
+    };
+    let compute = match g.ty.compute {
+        Blas::CUBLAS_COMPUTE_32F => cublasComputeType_t::CUBLAS_COMPUTE_32F,
+        Blas::CUBLAS_COMPUTE_32F_FAST_TF32 => cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
+        _ => return None,
+    };
+    Some((data, compute))
+}
+
+/// `out (m, n) = a @ b + bias` for one product (no batch) with f32 scaling (f32, f16 and
+/// bf16 data). `bias` is the address of n contiguous elements of the output's dtype.
+/// Ok(false): cuBLASLt has no algorithm for it and nothing was queued.
+pub(super) fn gemm_bias(d: &CudaDevice, g: &Gemm, a: u64, b: u64, bias: u64) -> Result<bool> {
+    if g.ty.wide || g.beta != 0.0 {
+        return Ok(false);
+    }
+    let handle = handle(d)?;
+    let op = |trans: bool| {
+        if trans {
+            cublasOperation_t::CUBLAS_OP_T
+        } else {
+            cublasOperation_t::CUBLAS_OP_N
+        }
+    };
+    let Some((data, compute)) = lt_types(g) else {
+        return Ok(false);
+    };
+    let desc = lt::create_matmul_desc(compute, cudaDataType::CUDA_R_32F)
+        .map_err(|e| d.err("cublasLtMatmulDescCreate", e))?;
+    let mut ds = Descriptors {
+        desc,
+        layouts: Vec::with_capacity(3),
+        pref: None,
+    };
+    // Column-major: first operand bᵀ (n × k), second aᵀ (k × m), output (n × m).
+    set_desc(
+        d,
+        &ds,
+        DescAttr::CUBLASLT_MATMUL_DESC_TRANSA,
+        &op(g.b.trans),
+    )?;
+    set_desc(
+        d,
+        &ds,
+        DescAttr::CUBLASLT_MATMUL_DESC_TRANSB,
+        &op(g.a.trans),
+    )?;
+    let epilogue = cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
+    set_desc(d, &ds, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
+    let bias_ptr = bias as *const c_void;
+    set_desc(
+        d,
+        &ds,
+        DescAttr::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+        &bias_ptr,
+    )?;
+    let (m, n, k) = (g.m as u64, g.n as u64, g.k as u64);
+    let stored =
+        |trans: bool, rows: u64, cols: u64| if trans { (cols, rows) } else { (rows, cols) };
+    let (ar, ac) = stored(g.b.trans, n, k);
+    let (br, bc) = stored(g.a.trans, k, m);
+    for (rows, cols, ld) in [
+        (ar, ac, g.b.ld as i64),
+        (br, bc, g.a.ld as i64),
+        (n, m, g.n as i64),
+    ] {
+        let l = lt::create_matrix_layout(data, rows, cols, ld)
+            .map_err(|e| d.err("cublasLtMatrixLayoutCreate", e))?;
+        ds.layouts.push(l);
+    }
+    let ws = workspace_addr(d)?;
+    let aligns = [
+        alignment(b),
+        alignment(a),
+        alignment(g.out),
+        alignment(g.out),
+    ];
+    let key = Key {
+        device: d.ordinal(),
+        data: g.ty.data as i32,
+        compute: g.ty.compute as i32,
+        dims: [g.m, g.n, g.k],
+        trans: [g.a.trans, g.b.trans],
+        lds: [g.a.ld, g.b.ld],
+        aligns,
+    };
+    let cached = ALGOS
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .get_or_insert_with(HashMap::new)
+        .get(&key)
+        .copied();
+    let algo = match cached {
+        Some(algo) => algo,
+        None => match heuristic(d, handle, &mut ds, aligns)? {
+            Some(algo) => {
+                ALGOS
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .get_or_insert_with(HashMap::new)
+                    .insert(key, algo);
+                algo
+            }
+            None => return Ok(false),
+        },
+    };
+    let (one, zero) = (1f32, 0f32);
+    let [la, lb, lc] = [ds.layouts[0], ds.layouts[1], ds.layouts[2]];
+    super::timing::timed(
+        d,
+        || format!("gemm+bias {}x{}x{} {:?}", g.m, g.n, g.k, g.ty.data),
+        || {
+            // SAFETY: the operand and output addresses and leading dims come from layouts
+            // of live device blocks validated by the matmul family (as for cuBLAS in
+            // matmul.rs); the bias holds n elements of the output's dtype; the workspace
+            // block holds WORKSPACE_BYTES and lives for the process; alpha and beta are f32
+            // host scalars alive for the call.
+            unsafe {
+                lt::matmul(
+                    handle,
+                    ds.desc,
+                    &one as *const f32 as *const c_void,
+                    &zero as *const f32 as *const c_void,
+                    b as *const c_void,
+                    la,
+                    a as *const c_void,
+                    lb,
+                    g.out as *const c_void,
+                    lc,
+                    g.out as *mut c_void,
+                    lc,
+                    &algo,
+                    ws as *mut c_void,
+                    WORKSPACE_BYTES,
+                    d.stream().cu_stream() as *mut _,
+                )
+            }
+            .map_err(|e| d.err("cublasLtMatmul", e))
+        },
+    )?;
+    Ok(true)
+}
+
+/// The heuristic's best algorithm for the described problem, or None when it has none.
+fn heuristic(
+    d: &CudaDevice,
+    handle: cublasLtHandle_t,
+    ds: &mut Descriptors,
+    aligns: [u32; 4],
+) -> Result<Option<cublasLtMatmulAlgo_t>> {
+    let pref = lt::create_matmul_pref().map_err(|e| d.err("cublasLtMatmulPreferenceCreate", e))?;
+    ds.pref = Some(pref);
+    let set = |attr: PrefAttr, ptr: *const c_void, size: usize| {
+        // SAFETY: `pref` is live; the value is read for its size during the call.
+        unsafe { lt::set_matmul_pref_attribute(pref, attr, ptr, size) }
+            .map_err(|e| d.err("cublasLtMatmulPreferenceSetAttribute", e))
+    };
+    let ws = WORKSPACE_BYTES as u64;
+    set(
+        PrefAttr::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+        &ws as *const u64 as *const c_void,
+        8,
+    )?;
+    let attrs = [
+        PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES,
+        PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+        PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+    ];
+    for (attr, align) in attrs.into_iter().zip(&aligns) {
+        set(attr, align as *const u32 as *const c_void, 4)?;
+    }
+    let [la, lb, lc] = [ds.layouts[0], ds.layouts[1], ds.layouts[2]];
+    // SAFETY: every descriptor is live (owned by `ds`).
+    match unsafe { lt::get_matmul_algo_heuristic(handle, ds.desc, la, lb, lc, lc, pref) } {
+        Ok(h) => Ok(Some(h.algo)),
+        Err(_) => Ok(None),
+    }
+}
