@@ -19,6 +19,7 @@ use ferrograd::amp::{
 };
 use ferrograd::autograd::{BackwardOptions, CustomFunction, FunctionCtx, apply_custom};
 use ferrograd::memory::{self, CategoryBytes};
+use ferrograd::nn::{Gpt, GptConfig, IGNORE_INDEX, LayerNorm, Module, Recompute, causal_mask};
 use ferrograd::ops::GeluApprox;
 use ferrograd::{Category, DType, Device, Error, Generator, Result, Tensor, no_grad};
 
@@ -577,6 +578,101 @@ fn binary_ops_promote_float_dtypes() {
     ));
 }
 
+/// Asserts `got` and `want` have one dtype, one shape and the same bits.
+#[track_caller]
+fn assert_same_bits(what: &str, got: &Tensor, want: &Tensor) {
+    assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
+    assert_eq!(got.shape(), want.shape(), "{what}: shape");
+    // f64 holds every f32/f16/bf16 value exactly: equal f64 bits are equal element bits.
+    let bits = |t: &Tensor| -> Vec<u64> {
+        let v = t.to_vec::<f64>().unwrap();
+        v.iter().map(|x| x.to_bits()).collect()
+    };
+    let (g, w) = (bits(got), bits(want));
+    let diff = g.iter().zip(&w).position(|(a, b)| a != b);
+    assert!(diff.is_none(), "{what}: element {diff:?} differs");
+}
+
+/// `f(a, b)` and the gradients of a and b (fresh leaves) after a backward from a random
+/// f32 gradient.
+fn binary_and_grads(
+    a: &Tensor,
+    b: &Tensor,
+    f: impl Fn(&Tensor, &Tensor) -> Result<Tensor>,
+) -> (Tensor, Tensor, Tensor) {
+    let leaf = |t: &Tensor| t.detach().requires_grad_(true).unwrap();
+    let (a, b) = (leaf(a), leaf(b));
+    let y = f(&a, &b).unwrap();
+    let gy = Tensor::randn_with(y.shape(), DType::F32, CPU, &mut Generator::new(9)).unwrap();
+    let opts = BackwardOptions {
+        gradient: Some(gy),
+        ..Default::default()
+    };
+    y.backward_with(opts).unwrap();
+    (y.detach(), a.grad().unwrap(), b.grad().unwrap())
+}
+
+#[test]
+fn f32_and_half_add_and_sub_equal_promotion_bit_for_bit() {
+    let _l = lock();
+    type Op = fn(&Tensor, &Tensor) -> Result<Tensor>;
+    let ops: [(&str, Op); 2] = [("add", |a, b| a.add(b)), ("sub", |a, b| a.sub(b))];
+    // Same shape (the residual add), broadcasts either way, and a transposed half operand.
+    let shapes: [(&[usize], &[usize]); 4] = [
+        (&[4, 5, 24], &[4, 5, 24]),
+        (&[4, 5, 24], &[24]),
+        (&[24], &[4, 5, 24]),
+        (&[3, 1, 7], &[5, 1]),
+    ];
+    for half in [DType::BF16, DType::F16] {
+        for (i, (sa, sb)) in shapes.iter().enumerate() {
+            let x = randn(sa, 30 + i as u64);
+            let h = randn(sb, 40 + i as u64).to_dtype(half).unwrap();
+            let transposed = randn(&[24, 20], 50).to_dtype(half).unwrap().t().unwrap();
+            let pairs = [
+                (x.clone(), h.clone()),
+                (h.clone(), x.clone()),
+                (randn(&[20, 24], 51), transposed),
+            ];
+            for (a, b) in pairs {
+                for (name, op) in ops {
+                    let what = format!(
+                        "{} {name} {} {:?} {:?}",
+                        a.dtype(),
+                        b.dtype(),
+                        a.shape(),
+                        b.shape()
+                    );
+                    let (y, ga, gb) = binary_and_grads(&a, &b, op);
+                    let promoted = |a: &Tensor, b: &Tensor| {
+                        op(&a.to_dtype(DType::F32)?, &b.to_dtype(DType::F32)?)
+                    };
+                    let (want, wa, wb) = binary_and_grads(&a, &b, promoted);
+                    assert_same_bits(&format!("{what}: output"), &y, &want);
+                    assert_same_bits(&format!("{what}: a.grad"), &ga, &wa);
+                    assert_same_bits(&format!("{what}: b.grad"), &gb, &wb);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn an_f32_and_half_add_allocates_only_its_output() {
+    let _l = lock();
+    let (x, h) = (
+        randn(&[64, 32], 60),
+        randn(&[64, 32], 61).to_dtype(DType::BF16).unwrap(),
+    );
+    let base = memory::memory_allocated(CPU).unwrap();
+    memory::reset_peak_memory_stats(CPU).unwrap();
+    let y = x.add(&h).unwrap();
+    assert_eq!(y.dtype(), DType::F32);
+    // No f32 copy of the bf16 operand, not even for a moment.
+    let peak = memory::max_memory_allocated(CPU).unwrap() - base;
+    assert_eq!(peak as usize, 64 * 32 * F32);
+}
+
 // ---- a tiny GPT ------------------------------------------------------------------------------
 
 #[test]
@@ -588,6 +684,129 @@ fn tiny_gpt_trains_under_bf16() {
     let f32_step = gpt_step(None, CPU);
     let bf16_step = gpt_step(Some(AmpDType::BF16), CPU);
     assert_steps_agree(&bf16_step, &f32_step);
+}
+
+/// The loss of `model` on (ids, targets) as the GPT forward composed its ops before the norms
+/// wrote half outputs and the residual adds read half branches: each norm in f32, its output
+/// cast by the Linear after it; each branch output cast to f32, then added.
+fn gpt_loss_by_explicit_casts(model: &Gpt, ids: &Tensor, targets: &Tensor) -> Result<Tensor> {
+    let t = ids.shape()[1];
+    let pos = Tensor::arange(0.0, t as f64, 1.0, DType::I64, CPU)?;
+    let x = model.wte.forward(ids)?.add(&model.wpe.forward(&pos)?)?;
+    let mut x = model.drop.forward(&x)?;
+    let mask = causal_mask(model.config.block_size, CPU)?;
+    for b in &model.blocks {
+        let h = b.ln_1.forward(&x)?;
+        x = x.add(&b.attn.forward_masked(&h, &mask)?.to_dtype(DType::F32)?)?;
+        let h = b.ln_2.forward(&x)?;
+        x = x.add(&b.mlp.forward(&h)?.to_dtype(DType::F32)?)?;
+    }
+    let x = model.ln_f.forward(&x)?;
+    x.linear(&model.wte.weight, None)?
+        .cross_entropy(targets, IGNORE_INDEX)
+}
+
+/// (loss, gradients by name) of one backward of `loss` over `model`'s fresh parameters.
+fn loss_and_grads(
+    model: &Gpt,
+    loss: impl FnOnce() -> Result<Tensor>,
+) -> (Tensor, Vec<(String, Tensor)>) {
+    let loss = loss().unwrap();
+    loss.backward().unwrap();
+    let grads = model
+        .named_parameters()
+        .into_iter()
+        .map(|(n, p)| {
+            let g = p.grad().unwrap_or_else(|| panic!("{n}: no gradient"));
+            (n, g)
+        })
+        .collect();
+    (loss.detach(), grads)
+}
+
+#[test]
+fn gpt_under_autocast_equals_the_explicit_cast_composition_bit_for_bit() {
+    let _l = lock();
+    let cases = [
+        (AmpDType::BF16, true, Recompute::Off),
+        (AmpDType::F16, false, Recompute::Off),
+        (AmpDType::BF16, true, Recompute::Every(1)),
+    ];
+    for (amp, bias, recompute) in cases {
+        let what = format!("{:?} bias {bias} {recompute:?}", amp.dtype());
+        let config = GptConfig {
+            bias,
+            ..GptConfig::tiny()
+        };
+        let mut g = Generator::new(3);
+        let mut draw = || -> Tensor {
+            let v = g
+                .uniform(2 * 32, 0.0, 65.0)
+                .iter()
+                .map(|x| *x as i64)
+                .collect();
+            Tensor::from_vec(v, &[2, 32], CPU).unwrap()
+        };
+        let (ids, targets) = (draw(), draw());
+        // Two models with the same seed: the same weights, separate gradients.
+        let mut model = Gpt::new(config.clone(), CPU).unwrap();
+        model.set_recompute(recompute);
+        let reference = Gpt::new(config, CPU).unwrap();
+        let (loss, grads) = loss_and_grads(&model, || {
+            let _amp = autocast(amp);
+            Ok(model.forward_loss(&ids, Some(&targets))?.1.unwrap())
+        });
+        let (want, want_grads) = loss_and_grads(&reference, || {
+            let _amp = autocast(amp);
+            gpt_loss_by_explicit_casts(&reference, &ids, &targets)
+        });
+        assert_same_bits(&format!("{what}: loss"), &loss, &want);
+        for ((name, g), (_, w)) in grads.iter().zip(&want_grads) {
+            assert_same_bits(&format!("{what}: {name}.grad"), g, w);
+        }
+    }
+}
+
+#[test]
+fn a_norm_before_a_linear_writes_the_dtype_the_linear_reads() {
+    let _l = lock();
+    let ln = LayerNorm::new(16, true, CPU).unwrap();
+    let x = randn(&[3, 16], 70);
+    // Outside a region: the plain norm.
+    assert_eq!(ln.forward_for_linear(&x).unwrap().dtype(), DType::F32);
+    for amp in [AmpDType::BF16, AmpDType::F16] {
+        let _amp = autocast(amp);
+        let d = amp.dtype();
+        assert_eq!(ln.forward_for_linear(&x).unwrap().dtype(), d, "f32 input");
+        let half = x.to_dtype(d).unwrap();
+        assert_eq!(
+            ln.forward_for_linear(&half).unwrap().dtype(),
+            d,
+            "{d} input"
+        );
+        // f64 is outside autocast's policy: neither the norm nor the Linear casts it.
+        let ln64 = LayerNorm::new_with_dtype(16, true, DType::F64, CPU).unwrap();
+        let wide = x.to_dtype(DType::F64).unwrap();
+        assert_eq!(ln64.forward_for_linear(&wide).unwrap().dtype(), DType::F64);
+    }
+}
+
+#[test]
+fn a_half_layer_norm_output_allocates_no_f32_copy() {
+    let _l = lock();
+    let (r, n) = (64, 32);
+    let ln = LayerNorm::new(n, true, CPU).unwrap();
+    let x = randn(&[r, n], 71);
+    let base = memory::memory_allocated(CPU).unwrap();
+    memory::reset_peak_memory_stats(CPU).unwrap();
+    let y = {
+        let _g = no_grad();
+        ln.forward_to(&x, DType::BF16).unwrap()
+    };
+    assert_eq!(y.dtype(), DType::BF16);
+    // The bf16 output and the row statistics (mean, rstd: f32 each); no f32 output.
+    let peak = memory::max_memory_allocated(CPU).unwrap() - base;
+    assert_eq!(peak as usize, r * n * BF16 + 2 * r * F32);
 }
 
 // ---- the fused classifier: half logits read in place, their gradient written into them ---

@@ -156,3 +156,68 @@ fn elementwise_refuses_mismatched_operands_on_every_device() {
         assert_eq!(out.storage().version(), v + 3, "{dev}");
     }
 }
+
+/// One operand (or a layer norm's output and its gradient) may be f16/bf16 beside f32, read
+/// or written in the same kernel; any other mix is refused on every device.
+#[test]
+fn half_beside_f32_is_the_only_mix_allowed_on_every_device() {
+    use ferrograd::backend::BinaryOp;
+    use ferrograd::backend::elementwise::binary;
+    use ferrograd::backend::rows::{LayerNormBackward, layer_norm_backward};
+    for dev in DEVICES {
+        let f32s = zeros(&[2, 3], DType::F32, dev);
+        let (bf16, f16) = (
+            zeros(&[2, 3], DType::BF16, dev),
+            zeros(&[2, 3], DType::F16, dev),
+        );
+        let out = zeros(&[2, 3], DType::F32, dev);
+        for (a, b) in [(&f32s, &bf16), (&f16, &f32s)] {
+            let ok = binary(BinaryOp::Add, view(a), view(b), out.storage());
+            assert!(ok.is_ok(), "{dev}: {ok:?}");
+        }
+        // Both operands half (f16 + bf16), or an f32 operand of a half output.
+        let both = binary(BinaryOp::Add, view(&f16), view(&bf16), out.storage());
+        assert!(matches!(both, Err(Error::DType { .. })), "{dev}: {both:?}");
+        let wide = binary(BinaryOp::Add, view(&bf16), view(&f32s), bf16.storage());
+        assert!(matches!(wide, Err(Error::DType { .. })), "{dev}: {wide:?}");
+
+        let stat = zeros(&[2], DType::F32, dev);
+        let norm = |x: &Tensor, y: &Tensor| {
+            layer_norm(&LayerNorm {
+                x: view(x),
+                weight: None,
+                bias: None,
+                y: y.storage(),
+                mean: stat.storage(),
+                rstd: stat.storage(),
+                eps: 1e-5,
+            })
+        };
+        assert!(norm(&f32s, &bf16).is_ok(), "{dev}: f32 rows, bf16 output");
+        let up = norm(&bf16, &f32s);
+        assert!(
+            matches!(up, Err(Error::InvalidArgument { .. })),
+            "{dev}: {up:?}"
+        );
+        let backward = |x: &Tensor, gy: &Tensor, gx: &Tensor| {
+            layer_norm_backward(&LayerNormBackward {
+                x: view(x),
+                weight: None,
+                mean: view(&stat),
+                rstd: view(&stat),
+                gy: view(gy),
+                gx: gx.storage(),
+                gweight: None,
+                gbias: None,
+            })
+        };
+        assert!(
+            backward(&f32s, &f16, &out).is_ok(),
+            "{dev}: f16 gy, f32 rows"
+        );
+        let half_gx = backward(&f32s, &f16, &f16);
+        assert!(half_gx.is_err(), "{dev}: gx must have x's dtype");
+        let half_rows = backward(&f16, &f32s, &f16);
+        assert!(half_rows.is_err(), "{dev}: an f32 gy of half rows");
+    }
+}

@@ -475,3 +475,137 @@ fn softmax_rejects_bad_dim_and_integer_input() {
         Err(Error::UnsupportedDType { .. })
     ));
 }
+
+// ---- layer_norm_to: the norm and the cast of its output in one op ---------------------------
+
+/// Asserts `got` and `want` have one dtype, one shape and the same bits.
+#[track_caller]
+fn assert_same_bits(what: &str, got: &Tensor, want: &Tensor) {
+    assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
+    assert_eq!(got.shape(), want.shape(), "{what}: shape");
+    // f64 holds every f32/f16/bf16 value exactly: equal f64 bits are equal element bits.
+    let bits = |t: &Tensor| -> Vec<u64> {
+        let v = t.to_vec::<f64>().unwrap();
+        v.iter().map(|x| x.to_bits()).collect()
+    };
+    let (g, w) = (bits(got), bits(want));
+    let diff = g.iter().zip(&w).position(|(a, b)| a != b);
+    assert!(diff.is_none(), "{what}: element {diff:?} differs");
+}
+
+/// The output of `f` on fresh leaves copied from `inputs`, and each leaf's gradient after a
+/// backward from `gy` (in the output's dtype).
+fn output_and_grads(
+    inputs: &[Tensor],
+    gy: &Tensor,
+    f: impl Fn(&[Tensor]) -> ferrograd::Result<Tensor>,
+) -> (Tensor, Vec<Tensor>) {
+    let leaves: Vec<Tensor> = inputs
+        .iter()
+        .map(|t| t.detach().requires_grad_(true).unwrap())
+        .collect();
+    let y = f(&leaves).unwrap();
+    let opts = ferrograd::autograd::BackwardOptions {
+        gradient: Some(gy.clone()),
+        ..Default::default()
+    };
+    y.backward_with(opts).unwrap();
+    let grads = leaves.iter().map(|t| t.grad().unwrap()).collect();
+    (y.detach(), grads)
+}
+
+/// x (shape, f32, mean offset by 3 so the two-pass variance matters), weight and bias over
+/// the trailing `normalized` dims.
+fn ln_case(shape: &[usize], normalized: &[usize], seed: u64) -> [Tensor; 3] {
+    let mut g = Generator::new(seed);
+    let mut draw = |s: &[usize]| Tensor::randn_with(s, DType::F32, CPU, &mut g).unwrap();
+    let x = draw(shape).add_scalar(3.0).unwrap();
+    [x, draw(normalized), draw(normalized)]
+}
+
+/// `layer_norm_to(.., dtype)` against `layer_norm(..)?.to_dtype(dtype)` on `inputs`
+/// ([x, weight, bias]) with each affine parameter present or absent: output and every
+/// gradient bit for bit.
+fn check_layer_norm_to(what: &str, inputs: &[Tensor; 3], normalized: &[usize], dtype: DType) {
+    for (weight, bias) in [(true, true), (true, false), (false, true), (false, false)] {
+        let what = format!("{what} -> {dtype}, weight {weight}, bias {bias}");
+        // [x, weight?, bias?] as leaves; the closures find the parameters by position.
+        let mut used = vec![inputs[0].clone()];
+        used.extend(weight.then(|| inputs[1].clone()));
+        used.extend(bias.then(|| inputs[2].clone()));
+        let params = |t: &[Tensor]| {
+            let w = weight.then(|| t[1].clone());
+            let b = bias.then(|| t[1 + weight as usize].clone());
+            (w, b)
+        };
+        let x = &inputs[0];
+        let gy = Tensor::randn_with(x.shape(), DType::F32, CPU, &mut Generator::new(77))
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap();
+        let (fused, fused_grads) = output_and_grads(&used, &gy, |t| {
+            let (w, b) = params(t);
+            t[0].layer_norm_to(normalized, w.as_ref(), b.as_ref(), 1e-5, dtype)
+        });
+        let (composed, composed_grads) = output_and_grads(&used, &gy, |t| {
+            let (w, b) = params(t);
+            t[0].layer_norm(normalized, w.as_ref(), b.as_ref(), 1e-5)?
+                .to_dtype(dtype)
+        });
+        assert_same_bits(&format!("{what}: output"), &fused, &composed);
+        for (i, (g, want)) in fused_grads.iter().zip(&composed_grads).enumerate() {
+            assert_same_bits(&format!("{what}: gradient {i}"), g, want);
+        }
+    }
+}
+
+#[test]
+fn layer_norm_to_equals_layer_norm_then_cast_bit_for_bit() {
+    for dtype in [DType::BF16, DType::F16] {
+        check_layer_norm_to("(3, 5, 40)", &ln_case(&[3, 5, 40], &[40], 40), &[40], dtype);
+        // Two normalised dims, and enough rows (2000 of 64) for the parallel row and
+        // weight-gradient paths.
+        let two = ln_case(&[4, 3, 7], &[3, 7], 41);
+        check_layer_norm_to("(4, 3, 7) over (3, 7)", &two, &[3, 7], dtype);
+        let tall = ln_case(&[2000, 64], &[64], 42);
+        check_layer_norm_to("(2000, 64)", &tall, &[64], dtype);
+    }
+}
+
+#[test]
+fn layer_norm_to_other_dtype_pairs_are_the_composition() {
+    // Same dtype: the plain norm. f64 rows, or half rows to f32: the norm, then the cast.
+    let [x, w, b] = ln_case(&[6, 24], &[24], 43);
+    check_layer_norm_to("f32", &[x.clone(), w.clone(), b.clone()], &[24], DType::F32);
+    let f64s = [&x, &w, &b].map(|t| t.to_dtype(DType::F64).unwrap());
+    check_layer_norm_to("f64", &f64s, &[24], DType::F32);
+    check_layer_norm_to("f64", &f64s, &[24], DType::BF16);
+    let halves = [&x, &w, &b].map(|t| t.to_dtype(DType::BF16).unwrap());
+    check_layer_norm_to("bf16", &halves, &[24], DType::F32);
+    check_layer_norm_to("bf16", &halves, &[24], DType::F16);
+}
+
+#[test]
+fn layer_norm_to_under_autocast_equals_the_autocast_norm_then_cast() {
+    // In a region the norm runs in f32 whatever its input: bf16 inputs are cast first.
+    let _amp = ferrograd::amp::autocast(ferrograd::amp::AmpDType::BF16);
+    let [x, w, b] = ln_case(&[5, 48], &[48], 44);
+    check_layer_norm_to(
+        "f32 in a region",
+        &[x.clone(), w.clone(), b.clone()],
+        &[48],
+        DType::BF16,
+    );
+    let x = x.to_dtype(DType::BF16).unwrap();
+    check_layer_norm_to("bf16 in a region", &[x, w, b], &[48], DType::BF16);
+}
+
+#[test]
+fn layer_norm_to_rejects_what_layer_norm_rejects() {
+    let [x, w, _] = ln_case(&[2, 8], &[8], 45);
+    let bad = x.layer_norm_to(&[4], Some(&w), None, 1e-5, DType::BF16);
+    assert!(matches!(bad, Err(Error::Shape { .. })), "{bad:?}");
+    let ids = Tensor::from_vec(vec![1i64, 2], &[2], CPU).unwrap();
+    let bad = ids.layer_norm_to(&[2], None, None, 1e-5, DType::I64);
+    assert!(bad.is_err());
+}

@@ -709,6 +709,90 @@ fn vector_and_scalar_paths_match_the_cpu() {
     }
 }
 
+/// An f32 operand plus or minus an f16/bf16 one runs one kernel that reads the half operand
+/// directly: on the 16-byte vector path (with and without a tail), the unaligned path and
+/// broadcasts, in either operand order. An f32 add rounds once the same way everywhere, so
+/// the results equal the GPU's promotion (cast, then the f32 op) and the CPU bit for bit; the
+/// gradients equal the promotion's bit for bit, and the CPU's where no broadcast sums them
+/// (a sum over rows runs in another order on the GPU).
+#[test]
+fn f32_and_half_add_and_sub_match_promotion_bit_for_bit() {
+    type Op = fn(&Tensor, &Tensor) -> Result<Tensor>;
+    let ops: [(&str, Op); 2] = [("add", |a, b| a.add(b)), ("sub", |a, b| a.sub(b))];
+    let exact = |what: &str, got: &Tensor, want: &Tensor| check_tol(what, got, want, 0.0, 0.0);
+    for half in [DType::BF16, DType::F16] {
+        let mut pairs = Vec::new();
+        for n in [1usize, 7, 8, 9, 4099, 65_543] {
+            let whole = randn(&[n + 1], DType::F32, n as u64);
+            let other = randn(&[n + 1], half, n as u64 + 7);
+            for start in [0, 1] {
+                let x = whole.narrow(0, start, n).unwrap();
+                let h = other.narrow(0, start, n).unwrap();
+                pairs.push((format!("n={n} from {start}"), x.clone(), h.clone()));
+                pairs.push((format!("n={n} from {start}, half first"), h, x));
+            }
+        }
+        let wide = randn(&[4, 5, 24], DType::F32, 3);
+        let row = randn(&[24], half, 4);
+        pairs.push(("half row".into(), wide.clone(), row.clone()));
+        let t = randn(&[24, 20], half, 5).t().unwrap();
+        pairs.push(("f32 row, transposed".into(), randn(&[24], DType::F32, 6), t));
+        for (name, a, b) in &pairs {
+            for (op_name, op) in ops {
+                let what = format!("{} {op_name} {} {name}", a.dtype(), b.dtype());
+                let (ga, gb) = (gpu(a), gpu(b));
+                let got = op(&ga, &gb).unwrap();
+                let promoted = |a: &Tensor, b: &Tensor| {
+                    op(
+                        &a.to_dtype(DType::F32).unwrap(),
+                        &b.to_dtype(DType::F32).unwrap(),
+                    )
+                    .unwrap()
+                };
+                let on_cpu = |t: &Tensor| t.to_device(Device::Cpu).unwrap();
+                let gpu_promoted = promoted(&ga, &gb);
+                assert_eq!(
+                    on_cpu(&got).to_vec::<f32>().unwrap(),
+                    on_cpu(&gpu_promoted).to_vec::<f32>().unwrap(),
+                    "{what}: against the GPU's promotion"
+                );
+                exact(&what, &got, &op(a, b).unwrap());
+                // Gradients: the f32 operand's in f32, the half one's rounded to its dtype.
+                let leaves = |t: &[&Tensor]| -> Vec<Tensor> {
+                    t.iter()
+                        .map(|t| t.detach().requires_grad_(true).unwrap())
+                        .collect()
+                };
+                let (cl, gl, pl) = (leaves(&[a, b]), leaves(&[&ga, &gb]), leaves(&[&ga, &gb]));
+                let w = randn(got.shape(), DType::F32, 8);
+                let backward = |y: Tensor, w: &Tensor| {
+                    y.mul(w).unwrap().sum_all().unwrap().backward().unwrap();
+                };
+                backward(op(&cl[0], &cl[1]).unwrap(), &w);
+                backward(op(&gl[0], &gl[1]).unwrap(), &gpu(&w));
+                backward(promoted(&pl[0], &pl[1]), &gpu(&w));
+                let broadcast = a.shape() != b.shape();
+                for i in 0..2 {
+                    let gg = gl[i].grad().unwrap();
+                    let what = format!("{what}: grad {i}");
+                    let (pg, cg) = (pl[i].grad().unwrap(), cl[i].grad().unwrap());
+                    assert_eq!(gg.dtype(), pg.dtype(), "{what}: dtype");
+                    assert_eq!(
+                        on_cpu(&gg).to_vec::<f64>().unwrap(),
+                        on_cpu(&pg).to_vec::<f64>().unwrap(),
+                        "{what}: against the GPU's promotion"
+                    );
+                    if broadcast {
+                        check(&what, &gg, &cg);
+                    } else {
+                        exact(&what, &gg, &cg);
+                    }
+                }
+            }
+        }
+    }
+}
+
 /// A bias added in place over rows: 16-byte vectors along the row when the row length allows,
 /// per element otherwise.
 #[test]

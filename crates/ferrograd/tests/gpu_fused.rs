@@ -206,6 +206,90 @@ fn layer_norm_in_half_precision() {
     }
 }
 
+/// Asserts two CPU tensors have one dtype, one shape and the same bits.
+#[track_caller]
+fn assert_same_bits(what: &str, got: &Tensor, want: &Tensor) {
+    assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
+    assert_eq!(got.shape(), want.shape(), "{what}: shape");
+    // f64 holds every f32/f16/bf16 value exactly: equal f64 bits are equal element bits.
+    let bits = |t: &Tensor| -> Vec<u64> {
+        let v = t.to_vec::<f64>().unwrap();
+        v.iter().map(|x| x.to_bits()).collect()
+    };
+    let (g, w) = (bits(got), bits(want));
+    let diff = g.iter().zip(&w).position(|(a, b)| a != b);
+    assert!(diff.is_none(), "{what}: element {diff:?} differs");
+}
+
+/// The output of `f` on fresh cuda:0 leaves copied from `inputs`, then each leaf's gradient
+/// after a backward from `gy` (the output's shape and dtype), all copied to the CPU.
+fn gpu_output_and_grads(
+    inputs: &[Tensor],
+    gy: &Tensor,
+    f: impl Fn(&[Tensor]) -> Result<Tensor>,
+) -> Vec<Tensor> {
+    let leaves = leaves(inputs, GPU);
+    let y = f(&leaves).unwrap();
+    assert_eq!(y.device(), GPU, "the result left the GPU");
+    let opts = ferrograd::autograd::BackwardOptions {
+        gradient: Some(gy.to_device(GPU).unwrap()),
+        ..Default::default()
+    };
+    y.backward_with(opts).unwrap();
+    let grads = leaves.iter().map(|t| on_cpu(&t.grad().unwrap()));
+    std::iter::once(on_cpu(&y.detach())).chain(grads).collect()
+}
+
+/// `layer_norm_to` writes f16/bf16 from f32 rows in the norm's own kernels (a warp per row at
+/// each register count, a block per row past 1024 columns, the two-stage parameter
+/// gradients) and reads the half gradient back in them: equal bit for bit to the GPU's f32
+/// norm followed by its cast kernels, forward and every gradient, and close to the CPU.
+#[test]
+fn layer_norm_to_equals_the_norm_then_cast_bit_for_bit() {
+    let cases: [(&[usize], usize); 6] = [
+        (&[6, 7, 40], 40),
+        (&[6, 7, 384], 384),
+        (&[6, 7, 768], 768),
+        (&[6, 7, 1000], 1000),
+        (&[6, 7, 1500], 1500),
+        (&[3000, 8], 8),
+    ];
+    for dt in [DType::BF16, DType::F16] {
+        for (i, (shape, n)) in cases.into_iter().enumerate() {
+            let x = randn(shape, 60 + i as u64).add_scalar(3.0).unwrap();
+            let (w, b) = (randn(&[n], 70 + i as u64), randn(&[n], 80 + i as u64));
+            let gy = randn(shape, 90 + i as u64).to_dtype(dt).unwrap();
+            for (name, inputs) in [
+                ("affine", vec![x.clone(), w.clone(), b.clone()]),
+                ("weight only", vec![x.clone(), w.clone()]),
+                ("plain", vec![x.clone()]),
+            ] {
+                let what = format!("layer_norm_to {dt} {shape:?} {name}");
+                let (pw, pb) = (inputs.len() > 1, inputs.len() > 2);
+                let params = |t: &[Tensor]| (pw.then(|| t[1].clone()), pb.then(|| t[2].clone()));
+                let fused = gpu_output_and_grads(&inputs, &gy, |t| {
+                    let (w, b) = params(t);
+                    t[0].layer_norm_to(&[n], w.as_ref(), b.as_ref(), 1e-5, dt)
+                });
+                let composed = gpu_output_and_grads(&inputs, &gy, |t| {
+                    let (w, b) = params(t);
+                    t[0].layer_norm(&[n], w.as_ref(), b.as_ref(), 1e-5)?
+                        .to_dtype(dt)
+                });
+                for (k, (g, c)) in fused.iter().zip(&composed).enumerate() {
+                    assert_same_bits(&format!("{what}: output {k}"), g, c);
+                }
+                // Against the CPU: the f32 norms differ in the last f32 bits, which can move
+                // a half rounding by one step.
+                compare(&what, &inputs, (2e-2, 2e-2), |t| {
+                    let (w, b) = params(t);
+                    t[0].layer_norm_to(&[n], w.as_ref(), b.as_ref(), 1e-5, dt)
+                });
+            }
+        }
+    }
+}
+
 // ---- cross-entropy -------------------------------------------------------------------------
 
 #[test]

@@ -29,6 +29,27 @@ pub(crate) fn same_dtype(op: &'static str, expected: DType, got: DType) -> Resul
     Ok(())
 }
 
+/// Whether a kernel over elements of `dtype` reads or writes one operand in `other`: its own
+/// dtype, or f16/bf16 beside f32 (autocast's f32 residual stream meets its half-precision
+/// activations there). A half value widens to f32 exactly and an f32 value rounds to half
+/// once, so such a kernel computes what a cast kernel followed by the f32 kernel would.
+pub(crate) fn mixes_with(dtype: DType, other: DType) -> bool {
+    dtype == other || (dtype == DType::F32 && matches!(other, DType::F16 | DType::BF16))
+}
+
+/// `other`, the dtype of operand `what`, is one a kernel over `dtype` handles (`mixes_with`).
+pub(crate) fn mixed(op: &'static str, what: &str, dtype: DType, other: DType) -> Result<()> {
+    if !mixes_with(dtype, other) {
+        return Err(Error::invalid(
+            op,
+            format!(
+                "{what} has dtype {other}; it must be {dtype} (or f16/bf16 when the op runs in f32): convert it with .to_dtype(DType::{dtype:?})"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// `v` is contiguous with `len` elements inside its storage, of `dtype`.
 pub(crate) fn dense(
     op: &'static str,

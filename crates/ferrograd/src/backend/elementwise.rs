@@ -36,7 +36,8 @@ pub enum UnaryOp {
     },
 }
 
-/// Elementwise ops of two inputs (same dtype, already broadcast).
+/// Elementwise ops of two inputs (already broadcast), of the output's dtype — or one of them
+/// f16/bf16 beside an f32 output (see `binary`).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum BinaryOp {
     Add,
@@ -78,7 +79,8 @@ pub trait ElementwiseKernels {
     /// the gradient with the same key, so no mask is ever stored.
     fn dropout_apply(&self, x: View, out: &Storage, keep: f64, key: u64) -> Result<()>;
     fn unary(&self, op: UnaryOp, x: View, out: &Storage) -> Result<()>;
-    /// `a` and `b` are already broadcast to the output shape (stride 0 where stretched).
+    /// `a` and `b` are already broadcast to the output shape (stride 0 where stretched). One
+    /// of them may be f16/bf16 when out is f32: it is read widened to f32 (exact).
     fn binary(&self, op: BinaryOp, a: View, b: View, out: &Storage) -> Result<()>;
     /// `dst = op(dst, src)` where `dst` is a whole contiguous storage and `src` is broadcast
     /// to its shape. `src` may share `dst`'s storage.
@@ -141,12 +143,21 @@ pub fn unary(op: UnaryOp, x: View, out: &Storage) -> Result<()> {
     backend(out.device())?.unary(op, x, out)
 }
 
-/// `a` and `b` arrive broadcast to one shape; `out` holds that many elements.
+/// `a` and `b` arrive broadcast to one shape; `out` holds that many elements. The operands
+/// have out's dtype, except that one may be f16/bf16 when out is f32 (autocast's f32
+/// residual stream plus a half-precision branch): the kernel reads it widened to f32, which
+/// is exact, so the result equals casting it first and running the f32 op — without the
+/// cast's kernel and buffer.
 pub fn binary(op: BinaryOp, a: View, b: View, out: &Storage) -> Result<()> {
     check::on_device("binary", out.device(), [a.storage, b.storage])?;
-    let dtype = a.storage.dtype();
-    check::same_dtype("binary", dtype, b.storage.dtype())?;
-    check::same_dtype("binary", dtype, out.dtype())?;
+    let (dtype, da, db) = (out.dtype(), a.storage.dtype(), b.storage.dtype());
+    // At most one operand differs from out (f16 + bf16 needs a cast first).
+    let both_differ = da != dtype && db != dtype;
+    for d in [da, db] {
+        if both_differ || !check::mixes_with(dtype, d) {
+            check::same_dtype("binary", dtype, d)?;
+        }
+    }
     if a.layout.shape() != b.layout.shape() {
         return Err(Error::shape(
             "binary",

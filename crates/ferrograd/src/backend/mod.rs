@@ -24,6 +24,7 @@ pub mod rows;
 mod storage;
 
 pub use attention::AttentionKernels;
+pub(crate) use check::mixes_with;
 pub use check::rows_cols;
 pub use elementwise::{BinaryOp, ElementwiseKernels, UnaryOp};
 pub use index::IndexKernels;

@@ -27,7 +27,9 @@ pub struct SoftmaxBackward<'a> {
 
 /// y (R, N) = (x - mean) · rstd · weight + bias per row, with the biased variance and
 /// rstd = 1/√(var + eps). weight, bias (N); mean, rstd (R) of one float dtype (callers use
-/// F32, or F64 for F64 inputs), which may differ from x's.
+/// F32, or F64 for F64 inputs), which may differ from x's. y has x's dtype, or f16/bf16 for
+/// an f32 x: each value is then rounded to f32 as x's own output would be, then to y's dtype
+/// (what a cast of the f32 output stores, without the f32 buffer).
 pub struct LayerNorm<'a> {
     pub x: View<'a>,
     pub weight: Option<View<'a>>,
@@ -39,7 +41,9 @@ pub struct LayerNorm<'a> {
 }
 
 /// gx (R, N) from x (R, N), weight (N), the saved mean and rstd (R) and gy (R, N); gweight
-/// and gbias (N) when wanted. gweight needs the weight.
+/// and gbias (N) when wanted. gweight needs the weight. gy has x's dtype, or f16/bf16 for an
+/// f32 x (the gradient of a half output, read widened to f32 exactly); gx, gweight and gbias
+/// have x's dtype.
 pub struct LayerNormBackward<'a> {
     pub x: View<'a>,
     pub weight: Option<View<'a>>,
@@ -99,7 +103,8 @@ pub fn layer_norm(a: &LayerNorm) -> Result<()> {
     for p in params {
         check::dense(OP, "a parameter", p, n, dtype)?;
     }
-    check::out(OP, a.y, rows * n, dtype)?;
+    check::mixed(OP, "the output", dtype, a.y.dtype())?;
+    check::out(OP, a.y, rows * n, a.y.dtype())?;
     stats(OP, a.mean, a.rstd, rows)?;
     backend(a.y.device())?.layer_norm(a)
 }
@@ -127,7 +132,9 @@ pub fn layer_norm_backward(a: &LayerNormBackward) -> Result<()> {
     check::dense_float(OP, "mean", &a.mean, rows)?;
     check::dense_float(OP, "rstd", &a.rstd, rows)?;
     check::same_dtype(OP, a.mean.storage.dtype(), a.rstd.storage.dtype())?;
-    check::dense(OP, "gy", &a.gy, rows * n, dtype)?;
+    let gy_dtype = a.gy.storage.dtype();
+    check::mixed(OP, "gy", dtype, gy_dtype)?;
+    check::dense(OP, "gy", &a.gy, rows * n, gy_dtype)?;
     check::out(OP, a.gx, rows * n, dtype)?;
     for g in [a.gweight, a.gbias].into_iter().flatten() {
         check::out(OP, g, n, dtype)?;

@@ -10,6 +10,11 @@
 //! Initialisation as GPT-2 / nanoGPT: linear weights and embeddings ~ N(0, 0.02), biases 0,
 //! the residual projections (`c_proj`) ~ N(0, 0.02/√(2·n_layer)), LayerNorm weight 1, bias 0;
 //! drawn from a generator seeded with `GptConfig::seed`.
+//!
+//! Under autocast the residual stream stays f32 while the Linears run in half precision:
+//! each LayerNorm writes the half input of the Linear after it (`forward_for_linear`), and the
+//! residual adds read the half branch outputs directly (f32 + half in `Tensor::add`), so no
+//! cast kernel runs between them in either direction.
 
 use super::attention::{CausalSelfAttention, causal_mask};
 use super::mlp::Mlp;
@@ -205,9 +210,10 @@ pub struct Block {
 impl Block {
     /// x: (B, T, C) → (B, T, C) with a causal mask of at least (T, T).
     pub fn forward_masked(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
-        let h = scoped("ln_1", || self.ln_1.forward(x))?;
+        // attn and mlp each start with a Linear.
+        let h = scoped("ln_1", || self.ln_1.forward_for_linear(x))?;
         let x = x.add(&scoped("attn", || self.attn.forward_masked(&h, mask))?)?;
-        let h = scoped("ln_2", || self.ln_2.forward(&x))?;
+        let h = scoped("ln_2", || self.ln_2.forward_for_linear(&x))?;
         x.add(&scoped("mlp", || self.mlp.forward(&h))?)
     }
 }
@@ -345,7 +351,7 @@ impl Gpt {
                 block.forward_masked(&x, &self.mask)?
             };
         }
-        let x = scoped("transformer.ln_f", || self.ln_f.forward(&x))?;
+        let x = scoped("transformer.ln_f", || self.ln_f.forward_for_linear(&x))?;
         let logits = scoped("lm_head", || x.linear(&self.wte.weight, None))?;
         let loss = targets
             .map(|y| logits.cross_entropy(y, IGNORE_INDEX))

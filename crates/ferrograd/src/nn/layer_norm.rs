@@ -1,10 +1,15 @@
 //! LayerNorm over the last dim: (x - mean) / √(var + eps) · weight + bias, weight 1 and
 //! bias 0 at init, as PyTorch's `nn.LayerNorm(n)`. The bias is optional (GPT-2 style models
 //! may leave it out).
+//!
+//! `forward_for_linear` is the forward for a norm whose output feeds a Linear: inside an
+//! autocast region that Linear casts the norm's f32 output to the region's dtype, so the norm
+//! writes that dtype itself (one kernel, the same bits; backward likewise).
 
 use super::Module;
 use crate::base::Result;
 use crate::memory::Category;
+use crate::ops::autocast;
 use crate::tensor::{DType, Device, Tensor};
 
 #[derive(Clone)]
@@ -38,6 +43,30 @@ impl LayerNorm {
             bias,
             eps: 1e-5,
         })
+    }
+
+    /// x: (..., N) → (..., N) in `dtype`: `forward(x)?.to_dtype(dtype)`, bit for bit, in one
+    /// kernel where the norm runs in f32 and `dtype` is f16/bf16.
+    pub fn forward_to(&self, x: &Tensor, dtype: DType) -> Result<Tensor> {
+        x.layer_norm_to(
+            self.weight.shape(),
+            Some(&self.weight),
+            self.bias.as_ref(),
+            self.eps,
+            dtype,
+        )
+    }
+
+    /// x: (..., N) → (..., N), for an output read first by a Linear (or another op of
+    /// autocast's lower-precision policy): in the dtype that op would cast it to, else as
+    /// `forward`. The Linear's result is unchanged, bit for bit, and forward and backward
+    /// each skip a cast kernel. Outside autocast this is `forward`.
+    pub fn forward_for_linear(&self, x: &Tensor) -> Result<Tensor> {
+        let out = autocast::f32_policy_out(x.dtype());
+        match autocast::lower_cast_target(out) {
+            Some(dtype) => self.forward_to(x, dtype),
+            None => self.forward(x),
+        }
     }
 }
 

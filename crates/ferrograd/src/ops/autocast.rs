@@ -10,7 +10,10 @@ use crate::tensor::{DType, Tensor};
 
 /// Whether autocast converts `t` to `to`: floats other than F64 not already in `to`.
 fn eligible(t: &Tensor, to: DType) -> bool {
-    let d = t.dtype();
+    eligible_dtype(t.dtype(), to)
+}
+
+fn eligible_dtype(d: DType, to: DType) -> bool {
     d.is_float() && d != DType::F64 && d != to
 }
 
@@ -111,4 +114,20 @@ pub(crate) fn cast_f32_opt<const N: usize>(
         Some(_) => cast_all_opt(inputs, DType::F32),
         None => Ok(None),
     }
+}
+
+/// The dtype an f32-policy op (a norm, softmax) writes for float inputs of `dtype` in the
+/// current region: f32 for f32/f16/bf16 inputs inside a region, `dtype` otherwise.
+pub(crate) fn f32_policy_out(dtype: DType) -> DType {
+    match autocast_dtype() {
+        Some(_) if dtype.is_float() && dtype != DType::F64 => DType::F32,
+        _ => dtype,
+    }
+}
+
+/// The dtype a lower-precision op (linear, matmul) of the current region casts an input of
+/// `dtype` to; None where it reads the input as it is (no region, f64, already the region's
+/// dtype). A producer that knows its consumer is such an op may write this dtype directly.
+pub(crate) fn lower_cast_target(dtype: DType) -> Option<DType> {
+    autocast_dtype().filter(|&d| eligible_dtype(dtype, d))
 }

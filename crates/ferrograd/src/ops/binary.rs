@@ -1,6 +1,8 @@
 //! Binary elementwise ops with broadcasting, and ops with a scalar operand.
 //! Each backward sums the gradient back over broadcast dims (`sum_to`).
-//! Two float tensors of different dtypes are type-promoted as in PyTorch (`promoted`).
+//! Two float tensors of different dtypes are type-promoted as in PyTorch (`promoted`). An
+//! add or subtract of an f32 tensor and an f16/bf16 one (autocast's residual stream plus a
+//! half-precision branch) reads the half operand directly (`widened`), with no cast kernel.
 
 use super::check_pair;
 use crate::autograd::{SavedTensor, record};
@@ -17,9 +19,20 @@ pub(crate) fn binary_forward(
 ) -> Result<Tensor> {
     check_pair(name, a, b)?;
     super::check_float(name, a)?;
+    binary_kernel(op, a, b, a.dtype(), name)
+}
+
+/// `out = op(a, b)` in `dtype` with broadcasting, no autograd; the operands are checked.
+fn binary_kernel(
+    op: BinaryOp,
+    a: &Tensor,
+    b: &Tensor,
+    dtype: DType,
+    name: &'static str,
+) -> Result<Tensor> {
     let shape = broadcast_shape(name, a.shape(), b.shape())?;
     let (la, lb) = (a.broadcast_layout(&shape)?, b.broadcast_layout(&shape)?);
-    let out = Tensor::output_uninit(&shape, a.dtype(), a.device(), name)?;
+    let out = Tensor::output_uninit(&shape, dtype, a.device(), name)?;
     elementwise::binary(
         op,
         View {
@@ -60,6 +73,38 @@ pub(super) fn promoted_dtype(a: &Tensor, b: &Tensor) -> Option<DType> {
     })
 }
 
+/// Whether `a` and `b` are an f32 tensor and an f16/bf16 one (in either order) that promote
+/// to f32: an add or subtract then reads the half one directly.
+fn widened(a: &Tensor, b: &Tensor) -> bool {
+    let half = |d: DType| matches!(d, DType::F16 | DType::BF16);
+    let (da, db) = (a.dtype(), b.dtype());
+    let f32_with_half = (da == DType::F32 && half(db)) || (db == DType::F32 && half(da));
+    f32_with_half && promoted_dtype(a, b) == Some(DType::F32)
+}
+
+/// `a ± b` (op Add or Sub) for an f32 and an f16/bf16 operand (`widened`): one kernel reading
+/// the half operand widened to f32, equal bit for bit to promoting it first. Backward: the
+/// gradients of promotion then the op — g (negated for b of a Sub) summed to each operand's
+/// shape, and cast to the half operand's dtype for it.
+fn widened_op(a: &Tensor, b: &Tensor, op: BinaryOp, name: &'static str) -> Result<Tensor> {
+    let out = binary_kernel(op, a, b, DType::F32, name)?;
+    let (sa, sb) = (a.shape().to_vec(), b.shape().to_vec());
+    let (da, db) = (a.dtype(), b.dtype());
+    let negate_b = op == BinaryOp::Sub;
+    Ok(record(name, &[a, b], out, move |_, _| {
+        move |g: &Tensor, n: &[bool]| {
+            let gb = || {
+                let g = if negate_b { g.neg()? } else { g.clone() };
+                g.sum_to(&sb)?.to_dtype(db)
+            };
+            Ok(vec![
+                grad_if(n[0], || g.sum_to(&sa)?.to_dtype(da))?,
+                grad_if(n[1], gb)?,
+            ])
+        }
+    }))
+}
+
 /// Both operands in their promoted dtype (autograd-aware casts: each gradient comes back in
 /// its operand's own dtype), or None when they need no promotion.
 fn promoted(a: &Tensor, b: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
@@ -94,6 +139,9 @@ impl Tensor {
     #[track_caller]
     pub fn add(&self, other: &Tensor) -> Result<Tensor> {
         let _site = crate::memory::recorder::CallSite::enter();
+        if widened(self, other) {
+            return widened_op(self, other, BinaryOp::Add, "add");
+        }
         if let Some((a, b)) = promoted(self, other)? {
             return a.add(&b);
         }
@@ -113,6 +161,9 @@ impl Tensor {
     #[track_caller]
     pub fn sub(&self, other: &Tensor) -> Result<Tensor> {
         let _site = crate::memory::recorder::CallSite::enter();
+        if widened(self, other) {
+            return widened_op(self, other, BinaryOp::Sub, "sub");
+        }
         if let Some((a, b)) = promoted(self, other)? {
             return a.sub(&b);
         }

@@ -4,7 +4,7 @@
 
 mod aligned_gemm;
 mod attention;
-mod autocast;
+pub(crate) mod autocast;
 mod binary;
 mod cross_entropy;
 mod dropout;

@@ -2,12 +2,17 @@
 //! as rows (R, N) with N the product of `normalized_shape`; the variance is the biased one,
 //! like PyTorch's. The forward saves a reference to x, the weight, and two floats per row
 //! (mean and 1/std), never the normalised x̂: backward recomputes it.
+//!
+//! `layer_norm_to` also rounds the output to another dtype in the same kernel: an f32 norm
+//! feeding a half-precision matmul (autocast's residual stream) writes f16/bf16 directly, and
+//! its backward reads the half gradient, with no cast kernel either way.
 
 use super::{check_pair, stats_dtype};
 use crate::autograd::{SavedTensor, record};
+use crate::backend::mixes_with;
 use crate::backend::rows::{self, LayerNorm, LayerNormBackward};
 use crate::base::{Error, Result};
-use crate::tensor::Tensor;
+use crate::tensor::{DType, Tensor};
 
 impl Tensor {
     /// (x - mean) / √(var + eps) · weight + bias over the trailing dims `normalized_shape`
@@ -25,13 +30,52 @@ impl Tensor {
         if let Some([Some(x), w, b]) = super::autocast::cast_f32_opt([Some(self), weight, bias])? {
             return x.layer_norm(normalized_shape, w.as_ref(), b.as_ref(), eps);
         }
+        self.layer_norm_into(normalized_shape, weight, bias, eps, self.dtype())
+    }
+
+    /// `layer_norm` with its output in `dtype`: equal, bit for bit, to
+    /// `x.layer_norm(normalized_shape, weight, bias, eps)?.to_dtype(dtype)`, forward and
+    /// backward (the gradient arrives in `dtype`; x, weight and bias get theirs in their own
+    /// dtype). An f32 norm (autocast's, for any input in a region) with an f16/bf16 output is
+    /// one kernel each way; any other pair runs the norm and then the cast.
+    #[track_caller]
+    pub fn layer_norm_to(
+        &self,
+        normalized_shape: &[usize],
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f64,
+        dtype: DType,
+    ) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
+        if let Some([Some(x), w, b]) = super::autocast::cast_f32_opt([Some(self), weight, bias])? {
+            return x.layer_norm_to(normalized_shape, w.as_ref(), b.as_ref(), eps, dtype);
+        }
+        if !mixes_with(self.dtype(), dtype) {
+            // No kernel writes this pair: the composition.
+            return self
+                .layer_norm(normalized_shape, weight, bias, eps)?
+                .to_dtype(dtype);
+        }
+        self.layer_norm_into(normalized_shape, weight, bias, eps, dtype)
+    }
+
+    /// The fused op, its output in `out` (x's dtype, or a half dtype for f32 x).
+    fn layer_norm_into(
+        &self,
+        normalized_shape: &[usize],
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f64,
+        out: DType,
+    ) -> Result<Tensor> {
         let rows = check_args(self, normalized_shape, weight, bias)?;
         let n: usize = normalized_shape.iter().product();
         // The kernel reads rows of the last dim: flatten to (R, N) and the parameters to (N).
         let x = self.detached_contiguous()?.reshape(&[rows, n])?;
         let flat = |p: &Tensor| p.detached_contiguous()?.reshape(&[n]);
         let (w, b) = (weight.map(flat).transpose()?, bias.map(flat).transpose()?);
-        let y = Tensor::output_uninit(self.shape(), self.dtype(), self.device(), "layer_norm")?;
+        let y = Tensor::output_uninit(self.shape(), out, self.device(), "layer_norm")?;
         let stats = stats_dtype(self.dtype());
         let mean = Tensor::output_uninit(&[rows], stats, self.device(), "layer_norm")?;
         let rstd = Tensor::output_uninit(&[rows], stats, self.device(), "layer_norm")?;
@@ -73,9 +117,16 @@ struct Saved {
 }
 
 impl Saved {
-    /// [gx, gweight (if weight), gbias (if bias)], each only when needed.
+    /// [gx, gweight (if weight), gbias (if bias)], each only when needed. g (x's shape) comes
+    /// in the output's dtype; the kernel reads it as it is when it can (x's dtype, or half
+    /// beside f32 x), else after a cast to x's dtype — what the unfused composition does.
     fn backward(&self, g: &Tensor, needs: &[bool]) -> Result<Vec<Option<Tensor>>> {
         let (x, w) = (self.x.get(), self.weight.as_ref().map(SavedTensor::get));
+        let g = if mixes_with(x.dtype(), g.dtype()) {
+            g.clone()
+        } else {
+            g.to_dtype(x.dtype())?
+        };
         let g = g.detached_contiguous()?.reshape(x.shape())?;
         let n = x.shape()[1];
         let grad = |shape: &[usize]| {

@@ -1,6 +1,7 @@
 //! Elementwise CPU kernels: unary, binary (inputs pre-broadcast), in-place binary, strided
 //! copy with dtype conversion, fill. Strided inputs are walked row by row (the last dim is the
-//! inner loop); all-contiguous inputs take a flat, chunked, parallel path.
+//! inner loop); all-contiguous inputs take a flat, chunked, parallel path. A binary op may
+//! read one f16/bf16 operand beside f32 ones, widening each element as it reads it.
 
 use rayon::prelude::*;
 
@@ -316,6 +317,9 @@ pub(crate) fn binary(
     bl: &Layout,
     out: &mut CpuData,
 ) -> Result<()> {
+    if a.dtype() != b.dtype() {
+        return binary_widened(op, a, al, b, bl, out);
+    }
     with_float_pair!(a, b, "binary", av, bv => {
         let ov = same_type_out(av, out)?;
         binary_typed(op, av, al, bv, bl, ov);
@@ -364,6 +368,80 @@ fn binary_run<T: Elem>(
         map2_v(ch, sa, seg(b, rb.bases[row], rb.stride, off, n), &f)
     })
 }
+
+/// out (f32) = op(a, b) where one operand is f16/bf16 and the other f32 (the family
+/// validated that): the half operand is read widened to f32 as a cast would store it, so the
+/// result is the f32 kernel's on the cast operand, bit for bit.
+fn binary_widened(
+    op: BinaryOp,
+    a: &CpuData,
+    al: &Layout,
+    b: &CpuData,
+    bl: &Layout,
+    out: &mut CpuData,
+) -> Result<()> {
+    let mismatch = || Error::DType {
+        op: "binary",
+        expected: a.dtype(),
+        got: b.dtype(),
+    };
+    let CpuData::F32(out) = out else {
+        return Err(mismatch());
+    };
+    match (a, b) {
+        (CpuData::F32(a), CpuData::F16(b)) => per_binary_op!(op, widened_run(a, al, b, bl, out)),
+        (CpuData::F32(a), CpuData::BF16(b)) => per_binary_op!(op, widened_run(a, al, b, bl, out)),
+        (CpuData::F16(a), CpuData::F32(b)) => per_binary_op!(op, widened_run(a, al, b, bl, out)),
+        (CpuData::BF16(a), CpuData::F32(b)) => per_binary_op!(op, widened_run(a, al, b, bl, out)),
+        _ => return Err(mismatch()),
+    }
+    Ok(())
+}
+
+/// `binary_run` with operands of two element types, each widened to f32 as it is read.
+fn widened_run<A: Elem, B: Elem>(
+    a: &[A],
+    al: &Layout,
+    b: &[B],
+    bl: &Layout,
+    out: &mut [f32],
+    f: impl Fn(f32, f32) -> f32 + Sync,
+) {
+    let flat = al.is_contiguous() && bl.is_contiguous();
+    let (ra, rb) = (rows(al, flat), rows(bl, flat));
+    for_each_out(out, &ra, |ch, row, off| {
+        let n = ch.len();
+        let sa = seg(a, ra.bases[row], ra.stride, off, n);
+        map2_widened_v(ch, sa, seg(b, rb.bases[row], rb.stride, off, n), &f)
+    })
+}
+
+/// An element as f32, converted as `copy` converts it (exact from f16/bf16).
+#[inline(always)]
+fn widen<T: Elem>(v: T) -> f32 {
+    <f32 as Elem>::from_f64(v.to_f64())
+}
+
+#[inline(always)]
+fn map2_widened<A: Elem, B: Elem>(
+    out: &mut [f32],
+    a: Seg<A>,
+    b: Seg<B>,
+    f: &impl Fn(f32, f32) -> f32,
+) {
+    match (a, b) {
+        (Seg::Slice(xa), Seg::Slice(xb)) => out
+            .iter_mut()
+            .zip(xa.iter().zip(xb))
+            .for_each(|(o, (&p, &q))| *o = f(widen(p), widen(q))),
+        (a, b) => out
+            .iter_mut()
+            .enumerate()
+            .for_each(|(j, o)| *o = f(widen(get(a, j)), widen(get(b, j)))),
+    }
+}
+
+simd_fn!(fn map2_widened_v[A: Elem, B: Elem](out: &mut [f32], a: Seg<A>, b: Seg<B>, f: &impl Fn(f32, f32) -> f32) = map2_widened;);
 
 pub(crate) fn binary_inplace(
     op: BinaryOp,

@@ -6,8 +6,12 @@
 //! the element type, with the max subtracted before exponentials. Sums across rows (weight
 //! gradients) add fixed blocks of rows in order, so results do not depend on the thread
 //! count. The row access helpers here are shared with the loss kernels (cross-entropy).
+//!
+//! Layer norm of f32 rows may write its output, and read its output's gradient, as f16/bf16
+//! (autocast's residual stream feeding a half-precision matmul): values round through f32
+//! exactly as the f32 kernel followed by a cast would store them.
 
-use std::any::Any;
+use std::any::{Any, TypeId};
 
 use half::{bf16, f16};
 use rayon::prelude::*;
@@ -49,14 +53,21 @@ impl RowKernels for CpuBackend {
         dispatch!(a.y.storage.dtype(), "softmax_backward", softmax_backward(a))
     }
     fn layer_norm(&self, a: &LayerNorm) -> Result<()> {
-        dispatch!(a.x.storage.dtype(), "layer_norm", layer_norm(a))
+        // A half output of f32 rows (the validator allows no other mix).
+        match (a.x.storage.dtype(), a.y.dtype()) {
+            (DType::F32, DType::F16) => layer_norm::<f32, f16>(a),
+            (DType::F32, DType::BF16) => layer_norm::<f32, bf16>(a),
+            (x, _) => dispatch!(x, "layer_norm", layer_norm_same(a)),
+        }
     }
     fn layer_norm_backward(&self, a: &LayerNormBackward) -> Result<()> {
-        dispatch!(
-            a.x.storage.dtype(),
-            "layer_norm_backward",
-            layer_norm_backward(a)
-        )
+        const OP: &str = "layer_norm_backward";
+        // The gradient of a half output of f32 rows (the validator allows no other mix).
+        match (a.x.storage.dtype(), a.gy.storage.dtype()) {
+            (DType::F32, DType::F16) => layer_norm_backward::<f32, f16>(a),
+            (DType::F32, DType::BF16) => layer_norm_backward::<f32, bf16>(a),
+            (x, _) => dispatch!(x, OP, layer_norm_backward_same(a)),
+        }
     }
 }
 
@@ -273,8 +284,8 @@ pub(super) fn max_and_log_sum<T: Elem>(x: &[T]) -> (f64, f64) {
 
 simd_fn!(fn softmax_row_v[T: Elem](log: bool, x: &[T], y: &mut [T], buf: &mut Vec<f64>) = softmax_row;);
 simd_fn!(fn softmax_backward_row_v[T: Elem](log: bool, y: &[T], gy: &[T], gx: &mut [T]) = softmax_backward_row;);
-simd_fn!(fn layer_norm_row_v[T: Elem](x: &[T], w: Option<&[T]>, b: Option<&[T]>, eps: f64, y: &mut [T]) -> (f64, f64) = layer_norm_row;);
-simd_fn!(fn layer_norm_backward_row_v[T: Elem](x: &[T], gy: &[T], w: Option<&[T]>, s: RowStats, gx: &mut [T], gh: &mut Vec<f64>) = layer_norm_backward_row;);
+simd_fn!(fn layer_norm_row_v[T: Elem, Y: Elem](x: &[T], w: Option<&[T]>, b: Option<&[T]>, eps: f64, y: &mut [Y]) -> (f64, f64) = layer_norm_row;);
+simd_fn!(fn layer_norm_backward_row_v[T: Elem, G: Elem](x: &[T], gy: &[G], w: Option<&[T]>, s: RowStats, gx: &mut [T], gh: &mut Vec<f64>) = layer_norm_backward_row;);
 
 // ---- softmax --------------------------------------------------------------------------------
 
@@ -353,7 +364,12 @@ fn softmax_backward_row<T: Elem>(log: bool, y: &[T], gy: &[T], gx: &mut [T]) {
 
 // ---- layer norm -----------------------------------------------------------------------------
 
-fn layer_norm<T: Elem>(a: &LayerNorm) -> Result<()> {
+fn layer_norm_same<T: Elem>(a: &LayerNorm) -> Result<()> {
+    layer_norm::<T, T>(a)
+}
+
+/// Rows of `T` normalised into an output of `Y` (`T`, or a half type for f32 rows).
+fn layer_norm<T: Elem, Y: Elem>(a: &LayerNorm) -> Result<()> {
     const OP: &str = "layer_norm";
     let (eps, weight, bias) = (a.eps, a.weight.is_some(), a.bias.is_some());
     // [x, weight?, bias?]: one lock per distinct storage.
@@ -368,7 +384,7 @@ fn layer_norm<T: Elem>(a: &LayerNorm) -> Result<()> {
         .then(|| ins.slice::<T>(OP, 1 + weight as usize, n))
         .transpose()?;
     let stats = write(a.y, |d| {
-        let y = typed_mut::<T>(OP, d, rows * n)?;
+        let y = typed_mut::<Y>(OP, d, rows * n)?;
         Ok(map_rows(y, rows, n, |r, yr, _| {
             layer_norm_row_v(row(x, r, n), w, b, eps, yr)
         }))
@@ -378,15 +394,26 @@ fn layer_norm<T: Elem>(a: &LayerNorm) -> Result<()> {
     store_f64(OP, a.rstd, &rstd)
 }
 
+/// An f64 result of a kernel over `T` stored as `Y`: rounded to `T` as `T`'s own output
+/// would be, then converted as a cast of that output converts (nothing more when `Y` is `T`).
+#[inline(always)]
+fn store<T: Elem, Y: Elem>(v: f64) -> Y {
+    if TypeId::of::<T>() == TypeId::of::<Y>() {
+        Y::from_f64(v)
+    } else {
+        Y::from_f64(T::from_f64(v).to_f64())
+    }
+}
+
 /// Normalises one row into `y`; returns (mean, rstd). Two passes: the variance of the
 /// centred values, not E[x²] - E[x]², which cancels badly when |mean| >> std.
 #[inline(always)]
-fn layer_norm_row<T: Elem>(
+fn layer_norm_row<T: Elem, Y: Elem>(
     x: &[T],
     w: Option<&[T]>,
     b: Option<&[T]>,
     eps: f64,
-    y: &mut [T],
+    y: &mut [Y],
 ) -> (f64, f64) {
     let n = x.len() as f64;
     let mean = lane_sum(x.len(), |j| x[j].to_f64()) / n;
@@ -398,19 +425,25 @@ fn layer_norm_row<T: Elem>(
     match (w, b) {
         (Some(w), Some(b)) => out
             .zip(w.iter().zip(b))
-            .for_each(|((o, &v), (&w, &b))| *o = T::from_f64(xhat(v) * w.to_f64() + b.to_f64())),
+            .for_each(|((o, &v), (&w, &b))| *o = store::<T, Y>(xhat(v) * w.to_f64() + b.to_f64())),
         (Some(w), None) => out
             .zip(w)
-            .for_each(|((o, &v), &w)| *o = T::from_f64(xhat(v) * w.to_f64())),
+            .for_each(|((o, &v), &w)| *o = store::<T, Y>(xhat(v) * w.to_f64())),
         (None, Some(b)) => out
             .zip(b)
-            .for_each(|((o, &v), &b)| *o = T::from_f64(xhat(v) + b.to_f64())),
-        (None, None) => out.for_each(|(o, &v)| *o = T::from_f64(xhat(v))),
+            .for_each(|((o, &v), &b)| *o = store::<T, Y>(xhat(v) + b.to_f64())),
+        (None, None) => out.for_each(|(o, &v)| *o = store::<T, Y>(xhat(v))),
     }
     (mean, rstd)
 }
 
-fn layer_norm_backward<T: Elem>(a: &LayerNormBackward) -> Result<()> {
+fn layer_norm_backward_same<T: Elem>(a: &LayerNormBackward) -> Result<()> {
+    layer_norm_backward::<T, T>(a)
+}
+
+/// Gradients of rows of `T` from an output gradient of `G` (`T`, or a half type for f32
+/// rows).
+fn layer_norm_backward<T: Elem, G: Elem>(a: &LayerNormBackward) -> Result<()> {
     const OP: &str = "layer_norm_backward";
     let weight = a.weight.is_some();
     let k = weight as usize;
@@ -424,7 +457,7 @@ fn layer_norm_backward<T: Elem>(a: &LayerNormBackward) -> Result<()> {
     let x = ins.slice::<T>(OP, 0, rows * n)?;
     let w = weight.then(|| ins.slice::<T>(OP, 1, n)).transpose()?;
     let (mean, rstd) = (ins.f64s(OP, 1 + k, rows)?, ins.f64s(OP, 2 + k, rows)?);
-    let gy = ins.slice::<T>(OP, 3 + k, rows * n)?;
+    let gy = ins.slice::<G>(OP, 3 + k, rows * n)?;
     write(a.gx, |d| {
         let gx = typed_mut::<T>(OP, d, rows * n)?;
         map_rows(gx, rows, n, |r, gr, buf| {
@@ -456,9 +489,9 @@ struct RowStats {
 
 /// gx = rstd (ĝ - mean(ĝ) - x̂ mean(ĝ x̂)) with x̂ = (x - mean) rstd and ĝ = gy · weight.
 #[inline(always)]
-fn layer_norm_backward_row<T: Elem>(
+fn layer_norm_backward_row<T: Elem, G: Elem>(
     x: &[T],
-    gy: &[T],
+    gy: &[G],
     w: Option<&[T]>,
     s: RowStats,
     gx: &mut [T],
@@ -481,9 +514,9 @@ fn layer_norm_backward_row<T: Elem>(
 
 /// (Σ_r gy x̂, Σ_r gy) per column. Fixed blocks of rows are summed in parallel, then the
 /// blocks in order, so the result does not depend on scheduling.
-fn layer_norm_param_grads<T: Elem>(
+fn layer_norm_param_grads<T: Elem, G: Elem>(
     x: &[T],
-    gy: &[T],
+    gy: &[G],
     mean: &[f64],
     rstd: &[f64],
     rows: usize,

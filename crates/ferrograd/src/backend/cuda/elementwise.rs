@@ -2,6 +2,8 @@
 //! binary and in-place binary. Each op is one kernel launch (kernels/elementwise.cu, after the
 //! shared prelude kernels/prelude.cuh); operands travel as `Strided` views whose dims the host
 //! has already merged where memory allows, so contiguous operands index as a flat array.
+//! A binary op with one f16/bf16 operand beside f32 ones runs kernels named by both operand
+//! dtypes (`binary_f32_bf16`, `add_vec_bf16_f32`), which widen the half operand as they read.
 
 use cudarc::driver::LaunchConfig;
 
@@ -278,7 +280,7 @@ pub(crate) fn unary(d: &CudaDevice, op: UnaryOp, x: View, out: &Storage) -> Resu
     let (xp, op_out) = (dev_ptr(d, "unary", x.storage)?, dev_ptr(d, "unary", out)?);
     // gelu_tanh_vec_*(const S*, S*, i64)
     let hot = (op == UnaryOp::GeluTanh).then_some("gelu_tanh_vec");
-    if launch_hot(d, hot, dt, &[vec_addr(xp, &xs, dt), aligned(op_out)], n)? {
+    if launch_hot(d, hot, &[dt], &[vec_addr(xp, &xs, dt), aligned(op_out)], n)? {
         return Ok(());
     }
     // unary_*(int, double, double, const S*, Strided, S*, i64)
@@ -301,8 +303,15 @@ pub(crate) fn unary(d: &CudaDevice, op: UnaryOp, x: View, out: &Storage) -> Resu
 }
 
 pub(crate) fn binary(d: &CudaDevice, op: BinaryOp, a: View, b: View, out: &Storage) -> Result<()> {
-    let dt = a.storage.dtype();
-    let suffix = suffix("binary", dt)?;
+    let (da, db) = (a.storage.dtype(), b.storage.dtype());
+    // The operand dtypes the kernels are named by: one, or both when one is f16/bf16 beside
+    // f32 (the family allows no other mix).
+    let dts: &[DType] = if da == db { &[da] } else { &[da, db] };
+    let suffix = dts
+        .iter()
+        .map(|&dt| suffix("binary", dt))
+        .collect::<Result<Vec<_>>>()?
+        .join("_");
     let n = a.layout.numel();
     if n == 0 {
         return Ok(());
@@ -322,11 +331,11 @@ pub(crate) fn binary(d: &CudaDevice, op: BinaryOp, a: View, b: View, out: &Stora
     // add_vec_*(const S*, const S*, S*, i64)
     let hot = (op == BinaryOp::Add).then_some("add_vec");
     let addrs = [
-        vec_addr(ap, &sa, dt),
-        vec_addr(bp, &sb, dt),
+        vec_addr(ap, &sa, da),
+        vec_addr(bp, &sb, db),
         aligned(op_out),
     ];
-    if launch_hot(d, hot, dt, &addrs, n)? {
+    if launch_hot(d, hot, dts, &addrs, n)? {
         return Ok(());
     }
     // binary_*(int, double, const S*, Strided, const S*, Strided, S*, i64); out never
@@ -345,9 +354,18 @@ pub(crate) fn binary(d: &CudaDevice, op: BinaryOp, a: View, b: View, out: &Stora
         d,
         &KERNELS,
         &format!("binary_{suffix}"),
-        vector_grid(n, dt),
+        vector_grid(n, narrowest(dts)),
         &args,
     )
+}
+
+/// The dtype of the smallest elements among `dts` (non-empty): a vector kernel moves 16
+/// bytes of it per step.
+fn narrowest(dts: &[DType]) -> DType {
+    dts.iter()
+        .copied()
+        .min_by_key(|dt| dt.size_in_bytes())
+        .unwrap_or(DType::F32)
 }
 
 pub(crate) fn binary_inplace(d: &CudaDevice, op: BinaryOp, dst: &Storage, src: View) -> Result<()> {
@@ -394,7 +412,7 @@ pub(crate) fn binary_inplace(d: &CudaDevice, op: BinaryOp, dst: &Storage, src: V
         _ => None,
     };
     // *_inplace_vec_*(S*, const S*, i64); src is never a partial alias here (see above).
-    if launch_hot(d, hot, dt, &[aligned(dst_ptr), vec_addr(sp, &ss, dt)], n)? {
+    if launch_hot(d, hot, &[dt], &[aligned(dst_ptr), vec_addr(sp, &ss, dt)], n)? {
         drop(scratch);
         return Ok(());
     }
@@ -432,17 +450,18 @@ fn has_hot_kernels(dt: DType) -> bool {
     matches!(dt, DType::F32 | DType::F16 | DType::BF16)
 }
 
-/// Launches the specialised kernel `{stem}_{dtype}` over `n` elements, its arguments the
-/// operand addresses then n, when there is one (`stem` and the dtype) and every operand
+/// Launches the specialised kernel `{stem}_{dtypes}` over `n` elements (`dtypes` the operand
+/// dtypes joined by `_`: one, or two for a half operand beside f32 ones), its arguments the
+/// operand addresses then n, when there is one (`stem` and the dtypes) and every operand
 /// allows it (a None address does not); returns whether it launched.
 fn launch_hot(
     d: &CudaDevice,
     stem: Option<&str>,
-    dt: DType,
+    dts: &[DType],
     addrs: &[Option<u64>],
     n: usize,
 ) -> Result<bool> {
-    let (Some(stem), true) = (stem, has_hot_kernels(dt)) else {
+    let (Some(stem), true) = (stem, dts.iter().all(|&dt| has_hot_kernels(dt))) else {
         return Ok(false);
     };
     let Some(ptrs) = addrs.iter().copied().collect::<Option<Vec<u64>>>() else {
@@ -453,8 +472,9 @@ fn launch_hot(
         .map(Arg::Ptr)
         .chain([Arg::I64(n as i64)])
         .collect();
-    let kernel = format!("{stem}_{}", dt.name());
-    launch(d, &KERNELS, &kernel, vector_grid(n, dt), &args)?;
+    let names: Vec<&str> = dts.iter().map(|dt| dt.name()).collect();
+    let kernel = format!("{stem}_{}", names.join("_"));
+    launch(d, &KERNELS, &kernel, vector_grid(n, narrowest(dts)), &args)?;
     Ok(true)
 }
 

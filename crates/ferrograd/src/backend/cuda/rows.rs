@@ -2,7 +2,8 @@
 //! and layer norm with their backwards, one block per row. Arguments arrive validated.
 //! Semantics and the dtypes of the statistics follow the CPU reference (backend/cpu/rows.rs).
 //! Sums across rows (weight gradients) add fixed partitions in a fixed order: results do not
-//! depend on scheduling.
+//! depend on scheduling. A layer norm whose output (and output gradient) is f16/bf16 over f32
+//! rows runs kernels named by both dtypes (`layer_norm_fwd_f32_bf16`...).
 
 use cudarc::driver::LaunchConfig;
 
@@ -10,7 +11,7 @@ use super::launch::{Arg, BLOCK, Module, addr, float_code, i64_of, launch, rows_c
 use super::{CudaDevice, ptr};
 use crate::backend::rows::{LayerNorm, LayerNormBackward, RowKernels, Softmax, SoftmaxBackward};
 use crate::backend::{View, rows_cols};
-use crate::base::Result;
+use crate::base::{DType, Result};
 
 static KERNELS: Module = Module::new("rows", include_str!("kernels/rows.cu"));
 
@@ -85,9 +86,19 @@ fn softmax_backward(d: &CudaDevice, a: &SoftmaxBackward) -> Result<()> {
 
 // ---- layer norm -------------------------------------------------------------------------------
 
+/// The kernel-name suffix of a layer norm over rows of `x` with an output (or output
+/// gradient) of `y`: x's dtype, then y's when it differs (rows.cu's LN_KERNELS).
+fn ln_suffix(op: &'static str, x: DType, y: DType) -> Result<String> {
+    let s = suffix(op, x)?;
+    if x == y {
+        return Ok(s.to_string());
+    }
+    Ok(format!("{s}_{}", suffix(op, y)?))
+}
+
 fn layer_norm(d: &CudaDevice, a: &LayerNorm) -> Result<()> {
     const OP: &str = "layer_norm";
-    let (eps, s) = (a.eps, suffix(OP, a.x.storage.dtype())?);
+    let (eps, s) = (a.eps, ln_suffix(OP, a.x.storage.dtype(), a.y.dtype())?);
     let (rows, n) = rows_cols(a.x.layout);
     let (x, w, b) = (addr(&a.x)?, optional(&a.weight)?, optional(&a.bias)?);
     let (y, mean, rstd) = (ptr(a.y)?, ptr(a.mean)?, ptr(a.rstd)?);
@@ -107,7 +118,7 @@ fn layer_norm(d: &CudaDevice, a: &LayerNorm) -> Result<()> {
         i64_of(n),
         Arg::F64(eps),
     ];
-    let (kernel, cfg) = layer_norm_kernel("layer_norm_fwd", s, rows, n);
+    let (kernel, cfg) = layer_norm_kernel("layer_norm_fwd", &s, rows, n);
     launch(d, &KERNELS, &kernel, cfg, &args)
 }
 
@@ -131,7 +142,7 @@ fn layer_norm_kernel(stem: &str, s: &str, rows: usize, n: usize) -> (String, Lau
 fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
     const OP: &str = "layer_norm_backward";
     let dtype = a.x.storage.dtype();
-    let s = suffix(OP, dtype)?;
+    let s = ln_suffix(OP, dtype, a.gy.storage.dtype())?;
     let (rows, n) = rows_cols(a.x.layout);
     let (x, w) = (addr(&a.x)?, optional(&a.weight)?);
     let (mean, rstd) = (addr(&a.mean)?, addr(&a.rstd)?);
@@ -150,7 +161,7 @@ fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
         &[Arg::Ptr(gy), Arg::Ptr(gx), i64_of(rows), i64_of(n)],
     ]
     .concat();
-    let (kernel, cfg) = layer_norm_kernel("layer_norm_bwd", s, rows, n);
+    let (kernel, cfg) = layer_norm_kernel("layer_norm_bwd", &s, rows, n);
     launch(d, &KERNELS, &kernel, cfg, &args)?;
     if param_scratch_bytes(a).is_some() {
         let grads = ParamGrads {
@@ -160,7 +171,7 @@ fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
             gb,
             kind: float_code(OP, dtype)?,
         };
-        layer_norm_param_grads(d, s, &grads, &stats, rows, n)?;
+        layer_norm_param_grads(d, &s, &grads, &stats, rows, n)?;
     }
     Ok(())
 }

@@ -339,6 +339,67 @@ HOT_KERNELS(f32, F32T)
 HOT_KERNELS(f16, F16T)
 HOT_KERNELS(bf16, BF16T)
 
+// ---- one f16/bf16 operand beside f32 --------------------------------------------------------
+// out (f32) = op(a, b) where one operand is f16/bf16 (autocast's f32 residual stream plus a
+// half-precision branch). The half operand widens to f32 as it is read, exactly as the cast
+// kernels widen it, so every result is binary_f32's on the cast operand — without the cast's
+// kernel and buffer. Kernels are named by both operand dtypes: binary_f32_bf16, add_vec_bf16_f32.
+
+// Eight elements per step over contiguous, 16-byte aligned operands: one 16-byte vector of
+// the half operand, two of each f32 one.
+template <typename A, typename B>
+__device__ __forceinline__ void binary_widened_vec(int op, double p, const typename A::S* a,
+                                                   const typename B::S* b, float* out, i64 n) {
+    typedef typename A::S SA;
+    typedef typename B::S SB;
+    const Pack8<SA>* av = (const Pack8<SA>*)a;
+    const Pack8<SB>* bv = (const Pack8<SB>*)b;
+    Pack8<float>* ov = (Pack8<float>*)out;
+    const i64 chunks = n / 8;
+    for (i64 c = grid_start(); c < chunks; c += grid_step()) {
+        const Pack8<SA> x = av[c];
+        const Pack8<SB> y = bv[c];
+        Pack8<float> r;
+#pragma unroll
+        for (int k = 0; k < 8; ++k) r.v[k] = binary_op<F32T>(op, p, A::ld(x.v[k]), B::ld(y.v[k]));
+        ov[c] = r;
+    }
+    for (i64 i = chunks * 8 + grid_start(); i < n; i += grid_step()) {
+        out[i] = binary_op<F32T>(op, p, A::ld(a[i]), B::ld(b[i]));
+    }
+}
+
+// binary_run with the operands' own types; a and b are pre-broadcast views of out's shape.
+template <typename A, typename B>
+__device__ __forceinline__ void binary_widened_run(int op, double p, const typename A::S* a,
+                                                   const Strided& sa, const typename B::S* b,
+                                                   const Strided& sb, float* out, i64 n) {
+    if (vec16_view(a, sa) && vec16_view(b, sb) && aligned16(out)) {
+        binary_widened_vec<A, B>(op, p, a + sa.offset, b + sb.offset, out, n);
+        return;
+    }
+    for (i64 i = grid_start(); i < n; i += grid_step()) {
+        const float va = A::ld(a[strided_offset(sa, i)]);
+        const float vb = B::ld(b[strided_offset(sb, i)]);
+        out[i] = binary_op<F32T>(op, p, va, vb);
+    }
+}
+
+#define WIDENED_KERNELS(SUFFIX, A, B)                                                         \
+    extern "C" __global__ void binary_##SUFFIX(int op, double p, const A::S* a, Strided sa,  \
+                                               const B::S* b, Strided sb, float* out, i64 n) { \
+        binary_widened_run<A, B>(op, p, a, sa, b, sb, out, n);                                \
+    }                                                                                         \
+    extern "C" __global__ void add_vec_##SUFFIX(const A::S* a, const B::S* b, float* out,     \
+                                                i64 n) {                                      \
+        binary_widened_vec<A, B>(B_ADD, 0.0, a, b, out, n);                                   \
+    }
+
+WIDENED_KERNELS(f32_f16, F32T, F16T)
+WIDENED_KERNELS(f32_bf16, F32T, BF16T)
+WIDENED_KERNELS(f16_f32, F16T, F32T)
+WIDENED_KERNELS(bf16_f32, BF16T, F32T)
+
 // ---- copy and fill -----------------------------------------------------------------------
 
 template <typename E>

@@ -5,6 +5,10 @@
 // Pointers arrive already offset to the first element; a `*k` int argument is the dtype code
 // (DT_* in the generated header) of a float buffer whose type may differ from the rows'
 // (statistics, losses). Compiled after the generated codes and prelude.cuh.
+//
+// Layer norm is templated on the rows' type T and on the type Y of its output (forward) or
+// of the output's gradient (backward): Y is T, or f16/bf16 for f32 rows (autocast's f32
+// residual stream feeding a half-precision matmul), so no cast kernel runs before or after.
 
 // ---- softmax ---------------------------------------------------------------------------------
 
@@ -53,15 +57,27 @@ __device__ void softmax_bwd(const T* y, const T* gy, T* gx, i64 rows, i64 n, int
 
 // ---- layer norm ------------------------------------------------------------------------------
 
+// An output of type Y from the f64 result h of rows of type T: rounded to T as T's own output
+// is, then converted as the cast kernels convert that value (f32 -> f16/bf16, in
+// elementwise.cu). Nothing more when Y is T.
+template <typename T, typename Y>
+struct LnOut {
+    static __device__ __forceinline__ Y of(double h) { return from_f<Y>(to_f(from_d<T>(h))); }
+};
+template <typename T>
+struct LnOut<T, T> {
+    static __device__ __forceinline__ T of(double h) { return from_d<T>(h); }
+};
+
 // y = (x - mean) rstd [· w] [+ b]; mean and rstd (biased variance, two passes) stored with
 // kind sk. w and b may be null.
-template <typename T>
-__device__ void layer_norm_fwd(const T* x, const T* w, const T* b, T* y, void* mean, void* rstd,
+template <typename T, typename Y>
+__device__ void layer_norm_fwd(const T* x, const T* w, const T* b, Y* y, void* mean, void* rstd,
                                int sk, i64 rows, i64 n, double eps) {
     __shared__ double sh[BLOCK];
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* xr = x + r * n;
-        T* yr = y + r * n;
+        Y* yr = y + r * n;
         double s = 0.0;
         for (i64 j = threadIdx.x; j < n; j += BLOCK) s += to_d(xr[j]);
         const double mu = block_sum(s, sh) / (double)n;
@@ -76,7 +92,7 @@ __device__ void layer_norm_fwd(const T* x, const T* w, const T* b, T* y, void* m
             double h = (to_d(xr[j]) - mu) * rs;
             if (w) h *= to_d(w[j]);
             if (b) h += to_d(b[j]);
-            yr[j] = from_d<T>(h);
+            yr[j] = LnOut<T, Y>::of(h);
         }
         if (threadIdx.x == 0) {
             store_f64(mean, sk, r, mu);
@@ -86,13 +102,13 @@ __device__ void layer_norm_fwd(const T* x, const T* w, const T* b, T* y, void* m
 }
 
 // gx = rstd (ĝ - mean(ĝ) - x̂ mean(ĝ x̂)) with x̂ = (x - mean) rstd and ĝ = gy · w.
-template <typename T>
+template <typename T, typename Y>
 __device__ void layer_norm_bwd(const T* x, const T* w, const void* mean, const void* rstd, int sk,
-                               const T* gy, T* gx, i64 rows, i64 n) {
+                               const Y* gy, T* gx, i64 rows, i64 n) {
     __shared__ double sh[BLOCK];
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* xr = x + r * n;
-        const T* gr = gy + r * n;
+        const Y* gr = gy + r * n;
         T* outr = gx + r * n;
         const double mu = load_f64(mean, sk, r), rs = load_f64(rstd, sk, r);
         double sg = 0.0, sgx = 0.0;
@@ -128,13 +144,13 @@ __device__ __forceinline__ double warp_sum_d(double v) {
 __device__ __forceinline__ i64 warp_row() { return (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); }
 __device__ __forceinline__ i64 warp_rows() { return (i64)gridDim.x * (blockDim.x >> 5); }
 
-template <typename T, int PER>
-__device__ void layer_norm_fwd_warp(const T* x, const T* w, const T* b, T* y, void* mean,
+template <typename T, typename Y, int PER>
+__device__ void layer_norm_fwd_warp(const T* x, const T* w, const T* b, Y* y, void* mean,
                                     void* rstd, int sk, i64 rows, i64 n, double eps) {
     const int lane = threadIdx.x & 31;
     for (i64 r = warp_row(); r < rows; r += warp_rows()) {
         const T* xr = x + r * n;
-        T* yr = y + r * n;
+        Y* yr = y + r * n;
         float v[PER];
         double s = 0.0;
 #pragma unroll
@@ -158,7 +174,7 @@ __device__ void layer_norm_fwd_warp(const T* x, const T* w, const T* b, T* y, vo
             double h = ((double)v[i] - mu) * rs;
             if (w) h *= to_d(w[j]);
             if (b) h += to_d(b[j]);
-            yr[j] = from_d<T>(h);
+            yr[j] = LnOut<T, Y>::of(h);
         }
         if (lane == 0) {
             store_f64(mean, sk, r, mu);
@@ -167,13 +183,13 @@ __device__ void layer_norm_fwd_warp(const T* x, const T* w, const T* b, T* y, vo
     }
 }
 
-template <typename T, int PER>
+template <typename T, typename Y, int PER>
 __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, const void* rstd,
-                                    int sk, const T* gy, T* gx, i64 rows, i64 n) {
+                                    int sk, const Y* gy, T* gx, i64 rows, i64 n) {
     const int lane = threadIdx.x & 31;
     for (i64 r = warp_row(); r < rows; r += warp_rows()) {
         const T* xr = x + r * n;
-        const T* gr = gy + r * n;
+        const Y* gr = gy + r * n;
         T* outr = gx + r * n;
         const double mu = load_f64(mean, sk, r), rs = load_f64(rstd, sk, r);
         float xv[PER], gv[PER];
@@ -201,30 +217,35 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
     }
 }
 
-#define LN_WARP_KERNELS(S, T, PER)                                                                 \
+// S names the kernels: the rows' dtype, then the output's when it differs (f32_bf16: f32
+// rows, a bf16 output and output gradient).
+#define LN_WARP_KERNELS(S, T, Y, PER)                                                              \
     extern "C" __global__ void __launch_bounds__(BLOCK)                                            \
-        layer_norm_fwd_warp##PER##_##S(const T* x, const T* w, const T* b, T* y, void* mean,       \
+        layer_norm_fwd_warp##PER##_##S(const T* x, const T* w, const T* b, Y* y, void* mean,       \
                                        void* rstd, int sk, i64 rows, i64 n, double eps) {          \
-        layer_norm_fwd_warp<T, PER>(x, w, b, y, mean, rstd, sk, rows, n, eps);                     \
+        layer_norm_fwd_warp<T, Y, PER>(x, w, b, y, mean, rstd, sk, rows, n, eps);                  \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(BLOCK)                                            \
         layer_norm_bwd_warp##PER##_##S(const T* x, const T* w, const void* mean,                   \
-                                       const void* rstd, int sk, const T* gy, T* gx, i64 rows,     \
+                                       const void* rstd, int sk, const Y* gy, T* gx, i64 rows,     \
                                        i64 n) {                                                    \
-        layer_norm_bwd_warp<T, PER>(x, w, mean, rstd, sk, gy, gx, rows, n);                        \
+        layer_norm_bwd_warp<T, Y, PER>(x, w, mean, rstd, sk, gy, gx, rows, n);                     \
     }
-#define LN_WARP_SIZES(S, T) \
-    LN_WARP_KERNELS(S, T, 8) LN_WARP_KERNELS(S, T, 16) LN_WARP_KERNELS(S, T, 24) LN_WARP_KERNELS(S, T, 32)
+#define LN_WARP_SIZES(S, T, Y)                                                  \
+    LN_WARP_KERNELS(S, T, Y, 8) LN_WARP_KERNELS(S, T, Y, 16) LN_WARP_KERNELS(S, T, Y, 24) \
+        LN_WARP_KERNELS(S, T, Y, 32)
 
-LN_WARP_SIZES(f32, float)
-LN_WARP_SIZES(f16, f16_t)
-LN_WARP_SIZES(bf16, bf16_t)
+LN_WARP_SIZES(f32, float, float)
+LN_WARP_SIZES(f16, f16_t, f16_t)
+LN_WARP_SIZES(bf16, bf16_t, bf16_t)
+LN_WARP_SIZES(f32_f16, float, f16_t)
+LN_WARP_SIZES(f32_bf16, float, bf16_t)
 
 // Stage 1 of the weight/bias gradients: grid (ceil(n / BLOCK), chunks). Thread (j, c) sums
 // column j over the rows of chunk c in order into part[c][j] (Σ gy x̂) and
 // part[chunks + c][j] (Σ gy).
-template <typename T>
-__device__ void layer_norm_params(const T* x, const T* gy, const void* mean, const void* rstd,
+template <typename T, typename Y>
+__device__ void layer_norm_params(const T* x, const Y* gy, const void* mean, const void* rstd,
                                   int sk, double* part, i64 rows, i64 n, i64 rows_per_chunk,
                                   i64 chunks) {
     const i64 j = (i64)blockIdx.x * blockDim.x + threadIdx.x;
@@ -285,21 +306,27 @@ extern "C" __global__ void __launch_bounds__(1024)
         softmax_bwd_##S(const T* y, const T* gy, T* gx, i64 rows, i64 n, int log_) {               \
         softmax_bwd<T>(y, gy, gx, rows, n, log_);                                                  \
     }                                                                                              \
+    LN_KERNELS(S, T, T)
+
+// Layer norm of rows of T with an output (and output gradient) of Y; S as LN_WARP_KERNELS.
+#define LN_KERNELS(S, T, Y)                                                                        \
     extern "C" __global__ void __launch_bounds__(BLOCK)                                            \
-        layer_norm_fwd_##S(const T* x, const T* w, const T* b, T* y, void* mean, void* rstd,       \
+        layer_norm_fwd_##S(const T* x, const T* w, const T* b, Y* y, void* mean, void* rstd,       \
                            int sk, i64 rows, i64 n, double eps) {                                  \
-        layer_norm_fwd<T>(x, w, b, y, mean, rstd, sk, rows, n, eps);                               \
+        layer_norm_fwd<T, Y>(x, w, b, y, mean, rstd, sk, rows, n, eps);                            \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(BLOCK)                                            \
         layer_norm_bwd_##S(const T* x, const T* w, const void* mean, const void* rstd, int sk,     \
-                           const T* gy, T* gx, i64 rows, i64 n) {                                  \
-        layer_norm_bwd<T>(x, w, mean, rstd, sk, gy, gx, rows, n);                                  \
+                           const Y* gy, T* gx, i64 rows, i64 n) {                                  \
+        layer_norm_bwd<T, Y>(x, w, mean, rstd, sk, gy, gx, rows, n);                               \
     }                                                                                              \
-    extern "C" __global__ void layer_norm_params_##S(const T* x, const T* gy, const void* mean,    \
+    extern "C" __global__ void layer_norm_params_##S(const T* x, const Y* gy, const void* mean,    \
                                                      const void* rstd, int sk, double* part,       \
                                                      i64 rows, i64 n, i64 rows_per_chunk,          \
                                                      i64 chunks) {                                 \
-        layer_norm_params<T>(x, gy, mean, rstd, sk, part, rows, n, rows_per_chunk, chunks);        \
+        layer_norm_params<T, Y>(x, gy, mean, rstd, sk, part, rows, n, rows_per_chunk, chunks);     \
     }
 
 FOR_FLOATS(ROW_KERNELS)
+LN_KERNELS(f32_f16, float, f16_t)
+LN_KERNELS(f32_bf16, float, bf16_t)
