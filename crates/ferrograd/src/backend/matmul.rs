@@ -44,6 +44,13 @@ pub trait MatmulKernels {
         self.matmul(m)?;
         add_bias_rows(m, bias)
     }
+    /// `out = a @ b` (one product, beta 0) and `sums = Σ_k a[:, k]` (m elements of the
+    /// output's dtype) from the same pass: a linear layer's weight and bias gradients
+    /// (a = gᵀ). Ok(false) where the backend does not fuse them: nothing was written, and the
+    /// caller runs the product and a reduction instead.
+    fn matmul_row_sums(&self, _m: &Matmul, _sums: &Storage) -> Result<bool> {
+        Ok(false)
+    }
 }
 
 /// out (batch·m, n) += bias (n) broadcast over the rows, as the elementwise family adds.
@@ -96,6 +103,40 @@ pub fn matmul_bias(spec: &MatmulSpec, a: View, b: View, bias: View, out: &Storag
         ));
     }
     backend(out.device())?.matmul_bias(&m, bias)
+}
+
+/// `out = a @ b` and `sums = Σ_k a[:, k]` (m) in one pass where the backend fuses them;
+/// Ok(false) (nothing written) where it does not.
+pub fn matmul_row_sums(
+    spec: &MatmulSpec,
+    a: View,
+    b: View,
+    out: &Storage,
+    sums: &Storage,
+) -> Result<bool> {
+    let m = Matmul {
+        spec: *spec,
+        a,
+        b,
+        out,
+        beta: 0.0,
+    };
+    validate(&m)?;
+    check::on_device("linear_backward", out.device(), [sums])?;
+    check::same_dtype("linear_backward", out.dtype(), sums.dtype())?;
+    if spec.batch != 1 || sums.len() != spec.m {
+        return Err(Error::shape(
+            "linear_backward",
+            format!(
+                "row sums of {} elements for a product of {} x {}x{}: one product, m sums",
+                sums.len(),
+                spec.batch,
+                spec.m,
+                spec.k
+            ),
+        ));
+    }
+    backend(out.device())?.matmul_row_sums(&m, sums)
 }
 
 /// The width a GEMM dim of n is padded to on `device`: n, or n rounded up to the backend's

@@ -1,7 +1,8 @@
 //! `linear(x, w, b) = x @ wᵀ + b` as one op, like PyTorch's addmm: the bias is added by the
 //! GEMM (cuBLASLt's epilogue on the GPU, in place after the product on the CPU), so the
 //! forward allocates one (N, out) tensor, not two.
-//! Backward: dx = g @ w, dw = gᵀ @ x, db = Σ_rows g. A leaf weight with a gradient sink
+//! Backward: dx = g @ w, dw = gᵀ @ x, db = Σ_rows g (summed by the dw GEMM's epilogue where
+//! the backend fuses it, a reduction otherwise). A leaf weight with a gradient sink
 //! (the fused SGD step) is offered dw as the product gᵀ·x instead, and then gets no dw at all.
 //! Under create_graph the same three products are recorded ops on the saved values with their
 //! history (`recorded_grads`), and no sink is offered anything.
@@ -10,6 +11,7 @@ use super::aligned_gemm;
 use super::matmul::{linear_bias_forward, matmul_forward};
 use crate::autograd::{GradProduct, ProductForm, SavedTensor, is_grad_enabled, record};
 use crate::backend::ReduceOp;
+use crate::backend::matmul::{self, MatmulSpec};
 use crate::base::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -104,22 +106,25 @@ impl Tensor {
                     }
                     _ => None,
                 };
-                let gw = match (&x, n[1]) {
+                let wants_bias = n.len() == 3 && n[2];
+                let (gw, gb) = match (&x, n[1]) {
                     (Some(x), true) => {
-                        weight_grad(leaf.as_ref(), &g2, &x.get().reshape(&[rows, k])?)?
+                        let x = x.get().reshape(&[rows, k])?;
+                        weight_and_bias_grads(leaf.as_ref(), &g2, &x, wants_bias)?
                     }
-                    _ => None,
+                    _ => (None, None),
+                };
+                let gb = match (gb, wants_bias) {
+                    (Some(gb), _) => Some(gb),
+                    (None, true) => Some(
+                        g2.reduce_dims(ReduceOp::Sum, &[0], "linear_backward")?
+                            .reshape(&[n_out])?,
+                    ),
+                    (None, false) => None,
                 };
                 let mut grads = vec![gx, gw];
                 if n.len() == 3 {
-                    grads.push(if n[2] {
-                        Some(
-                            g2.reduce_dims(ReduceOp::Sum, &[0], "linear_backward")?
-                                .reshape(&[n_out])?,
-                        )
-                    } else {
-                        None
-                    });
+                    grads.push(gb);
                 }
                 Ok(grads)
             }
@@ -159,8 +164,15 @@ fn recorded_grads(
     Ok(grads)
 }
 
-/// dW = gᵀ·x (g: (N, out), x: (N, in)), unless the weight's gradient sink consumes it.
-fn weight_grad(leaf: Option<&Tensor>, g2: &Tensor, x: &Tensor) -> Result<Option<Tensor>> {
+/// dW = gᵀ·x (g: (N, out), x: (N, in)), unless the weight's gradient sink consumes it, and
+/// with `bias` db = Σ_N g from the same GEMM where the backend fuses it (else db is None and
+/// the caller reduces g).
+fn weight_and_bias_grads(
+    leaf: Option<&Tensor>,
+    g2: &Tensor,
+    x: &Tensor,
+    bias: bool,
+) -> Result<(Option<Tensor>, Option<Tensor>)> {
     let product = GradProduct {
         a: g2,
         b: x,
@@ -170,7 +182,30 @@ fn weight_grad(leaf: Option<&Tensor>, g2: &Tensor, x: &Tensor) -> Result<Option<
         && let Some(sink) = w.usable_grad_sink()
         && sink.consume_product(w, &product)?
     {
+        return Ok((None, None));
+    }
+    let gt = g2.t_view()?;
+    if bias && let Some((gw, gb)) = weight_grad_with_row_sums(&gt, x)? {
+        return Ok((Some(gw), Some(gb)));
+    }
+    Ok((Some(matmul_forward(&gt, x)?), None))
+}
+
+/// gᵀ·x and Σ_N g in one GEMM (gt: (out, N), x: (N, in)), or None where the backend does
+/// not fuse them (nothing computed).
+fn weight_grad_with_row_sums(gt: &Tensor, x: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
+    let (n_out, rows, k) = (gt.shape()[0], gt.shape()[1], x.shape()[1]);
+    if rows == 0 || n_out == 0 || k == 0 || gt.dtype() != x.dtype() {
         return Ok(None);
     }
-    Ok(Some(matmul_forward(&g2.t_view()?, x)?))
+    let gw = Tensor::output_uninit(&[n_out, k], x.dtype(), x.device(), "linear_backward")?;
+    let gb = Tensor::output_uninit(&[n_out], x.dtype(), x.device(), "linear_backward")?;
+    let spec = MatmulSpec {
+        batch: 1,
+        m: n_out,
+        n: k,
+        k: rows,
+    };
+    let fused = matmul::matmul_row_sums(&spec, gt.view(), x.view(), gw.storage(), gb.storage())?;
+    Ok(fused.then_some((gw, gb)))
 }

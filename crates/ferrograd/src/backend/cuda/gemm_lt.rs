@@ -1,10 +1,13 @@
-//! One GEMM through cuBLASLt with a fused epilogue: the bias row of a linear layer added
-//! while the product is still in registers, so `x @ wᵀ + b` writes its output once instead of
-//! a GEMM pass plus a read-modify-write pass.
+//! One GEMM through cuBLASLt with a fused epilogue, for a linear layer's bias:
+//! - `Bias`: forward, the bias row added while the product is still in registers, so
+//!   `x @ wᵀ + b` writes its output once instead of a GEMM pass plus a read-modify-write pass;
+//! - `BiasGrad`: backward, the weight gradient gᵀ·x with the bias gradient Σ_rows g summed
+//!   from the same operand tiles, instead of a separate reduction over g.
 //!
 //! The operand readings (transposes, leading dims) are cuda/matmul.rs's: the row-major (m, n)
-//! output is computed as its column-major transpose (n, m) = bᵀ aᵀ, so the bias (n) runs
-//! along the column-major rows, which is what cuBLASLt's BIAS epilogue adds. The workspace
+//! output is computed as its column-major transpose (n, m) = bᵀ aᵀ. So the forward's bias (n)
+//! runs along the column-major rows (cuBLASLt's BIAS epilogue), and the sums of a over k are
+//! cuBLASLt's reduction of its second operand over k (the BGRADB epilogue). The workspace
 //! is the cuBLAS block of this device's allocator (counted as `workspace`); calls are ordered
 //! on the device's one stream, so the two libraries never use it at once.
 //!
@@ -46,10 +49,29 @@ fn handle(d: &CudaDevice) -> Result<cublasLtHandle_t> {
     Ok(h)
 }
 
+/// The fused epilogue and the address of its vector.
+#[derive(Clone, Copy)]
+pub(super) enum Epilogue {
+    /// n elements added to every output row.
+    Bias(u64),
+    /// m elements written: the sums of a over k.
+    BiasGrad(u64),
+}
+
+impl Epilogue {
+    fn lt(self) -> (cublasLtEpilogue_t, u64) {
+        match self {
+            Epilogue::Bias(v) => (cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS, v),
+            Epilogue::BiasGrad(v) => (cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB, v),
+        }
+    }
+}
+
 /// What a problem is for the algorithm cache: everything the heuristic saw.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 struct Key {
     device: usize,
+    epilogue: u32,
     data: i32,
     compute: i32,
     dims: [usize; 3],
@@ -123,10 +145,16 @@ fn lt_types(g: &Gemm) -> Option<(cudaDataType, cublasComputeType_t)> {
     Some((data, compute))
 }
 
-/// `out (m, n) = a @ b + bias` for one product (no batch) with f32 scaling (f32, f16 and
-/// bf16 data). `bias` is the address of n contiguous elements of the output's dtype.
+/// `out (m, n) = a @ b` for one product (no batch) with f32 scaling (f32, f16 and bf16 data)
+/// and the epilogue; its vector holds contiguous elements of the output's dtype.
 /// Ok(false): cuBLASLt has no algorithm for it and nothing was queued.
-pub(super) fn gemm_bias(d: &CudaDevice, g: &Gemm, a: u64, b: u64, bias: u64) -> Result<bool> {
+pub(super) fn gemm_epilogue(
+    d: &CudaDevice,
+    g: &Gemm,
+    a: u64,
+    b: u64,
+    epilogue: Epilogue,
+) -> Result<bool> {
     if g.ty.wide || g.beta != 0.0 {
         return Ok(false);
     }
@@ -161,9 +189,9 @@ pub(super) fn gemm_bias(d: &CudaDevice, g: &Gemm, a: u64, b: u64, bias: u64) -> 
         DescAttr::CUBLASLT_MATMUL_DESC_TRANSB,
         &op(g.a.trans),
     )?;
-    let epilogue = cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS;
-    set_desc(d, &ds, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
-    let bias_ptr = bias as *const c_void;
+    let (kind, vector) = epilogue.lt();
+    set_desc(d, &ds, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &kind)?;
+    let bias_ptr = vector as *const c_void;
     set_desc(
         d,
         &ds,
@@ -193,6 +221,7 @@ pub(super) fn gemm_bias(d: &CudaDevice, g: &Gemm, a: u64, b: u64, bias: u64) -> 
     ];
     let key = Key {
         device: d.ordinal(),
+        epilogue: kind as u32,
         data: g.ty.data as i32,
         compute: g.ty.compute as i32,
         dims: [g.m, g.n, g.k],
@@ -224,11 +253,18 @@ pub(super) fn gemm_bias(d: &CudaDevice, g: &Gemm, a: u64, b: u64, bias: u64) -> 
     let [la, lb, lc] = [ds.layouts[0], ds.layouts[1], ds.layouts[2]];
     super::timing::timed(
         d,
-        || format!("gemm+bias {}x{}x{} {:?}", g.m, g.n, g.k, g.ty.data),
+        || {
+            let what = match epilogue {
+                Epilogue::Bias(_) => "gemm+bias",
+                Epilogue::BiasGrad(_) => "gemm+bias grad",
+            };
+            format!("{what} {}x{}x{} {:?}", g.m, g.n, g.k, g.ty.data)
+        },
         || {
             // SAFETY: the operand and output addresses and leading dims come from layouts
             // of live device blocks validated by the matmul family (as for cuBLAS in
-            // matmul.rs); the bias holds n elements of the output's dtype; the workspace
+            // matmul.rs); the epilogue's vector holds n (bias) or m (bias gradient)
+            // elements of the output's dtype; the workspace
             // block holds WORKSPACE_BYTES and lives for the process; alpha and beta are f32
             // host scalars alive for the call.
             unsafe {

@@ -21,6 +21,7 @@ use cudarc::cublas::sys::{
     cublasComputeType_t, cublasGemmAlgo_t, cublasOperation_t, cublasSetWorkspace_v2, cudaDataType,
 };
 
+use super::gemm_lt::Epilogue;
 use super::{CudaBuffer, CudaDevice, allow_tf32, ptr};
 use crate::backend::matmul::{Matmul, MatmulKernels};
 use crate::backend::{BackendData, MatmulSpec, Storage, View};
@@ -479,6 +480,9 @@ impl MatmulKernels for CudaDevice {
         }
         Ok(())
     }
+    fn matmul_row_sums(&self, m: &Matmul, sums: &Storage) -> Result<bool> {
+        single_lt(self, m, Epilogue::BiasGrad(ptr(sums)?))
+    }
     fn out_row_align(&self, dtype: DType) -> usize {
         out_row_align(dtype)
     }
@@ -487,14 +491,25 @@ impl MatmulKernels for CudaDevice {
 /// A single (unbatched) product with a contiguous bias through cuBLASLt's BIAS epilogue;
 /// false when it does not apply (batched, f64, a strided bias, no algorithm), nothing queued.
 fn matmul_bias_fused(d: &CudaDevice, m: &Matmul, bias: &View) -> Result<bool> {
+    let n = m.spec.n;
+    if !(n <= 1 || bias.layout.strides() == [1]) {
+        return Ok(false);
+    }
+    let size = bias.storage.dtype().size_in_bytes() as u64;
+    let addr = ptr(bias.storage)? + bias.layout.offset() as u64 * size;
+    single_lt(d, m, Epilogue::Bias(addr))
+}
+
+/// One product of `m` through cuBLASLt with `epilogue`; false when it does not apply
+/// (batched, empty, f64, no algorithm), nothing queued.
+fn single_lt(d: &CudaDevice, m: &Matmul, epilogue: Epilogue) -> Result<bool> {
     let MatmulSpec {
         batch,
         m: rows,
         n,
         k,
     } = m.spec;
-    let contiguous_bias = n <= 1 || bias.layout.strides() == [1];
-    if batch != 1 || rows * n * k == 0 || !contiguous_bias {
+    if batch != 1 || rows * n * k == 0 || m.beta != 0.0 {
         return Ok(false);
     }
     let ty = GemmType::of(m.a.storage.dtype())?;
@@ -516,7 +531,7 @@ fn matmul_bias_fused(d: &CudaDevice, m: &Matmul, bias: &View) -> Result<bool> {
         out: ptr(m.out)?,
         beta: 0.0,
     };
-    super::gemm_lt::gemm_bias(d, &call, at(&va)?, at(&vb)?, at(bias)?)
+    super::gemm_lt::gemm_epilogue(d, &call, at(&va)?, at(&vb)?, epilogue)
 }
 
 /// 128-byte rows: the alignment cuBLAS's fast kernels (TMA loads and stores) want of N and K.
