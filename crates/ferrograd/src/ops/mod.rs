@@ -13,6 +13,7 @@ mod inplace;
 mod linear;
 mod loss;
 mod matmul;
+mod mlp;
 mod movement;
 mod norm;
 mod reduce;
