@@ -9,10 +9,12 @@
 //! `LOCK` first (the byte counts of one test must not see another's tensors).
 
 mod amp_chains;
+mod common;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use amp_chains::{CHAINS, assert_steps_agree, case_name, chains_match_pytorch, gpt_step, leaves};
+use common::assert_same_bits;
 use ferrograd::amp::{
     AmpDType, autocast, autocast_disabled, autocast_dtype, is_autocast_enabled, set_autocast,
     try_autocast,
@@ -576,21 +578,6 @@ fn binary_ops_promote_float_dtypes() {
         f(DType::F32).add(&meta),
         Err(Error::DeviceMismatch { .. })
     ));
-}
-
-/// Asserts `got` and `want` have one dtype, one shape and the same bits.
-#[track_caller]
-fn assert_same_bits(what: &str, got: &Tensor, want: &Tensor) {
-    assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
-    assert_eq!(got.shape(), want.shape(), "{what}: shape");
-    // f64 holds every f32/f16/bf16 value exactly: equal f64 bits are equal element bits.
-    let bits = |t: &Tensor| -> Vec<u64> {
-        let v = t.to_vec::<f64>().unwrap();
-        v.iter().map(|x| x.to_bits()).collect()
-    };
-    let (g, w) = (bits(got), bits(want));
-    let diff = g.iter().zip(&w).position(|(a, b)| a != b);
-    assert!(diff.is_none(), "{what}: element {diff:?} differs");
 }
 
 /// `f(a, b)` and the gradients of a and b (fresh leaves) after a backward from a random

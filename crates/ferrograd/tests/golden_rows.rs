@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::{ATOL, RTOL, check_case_on};
+use common::{ATOL, RTOL, assert_same_bits, check_case_on};
 use ferrograd::{DType, Device, Error, Generator, Tensor, no_grad};
 
 const CPU: Device = Device::Cpu;
@@ -477,21 +477,6 @@ fn softmax_rejects_bad_dim_and_integer_input() {
 }
 
 // ---- layer_norm_to: the norm and the cast of its output in one op ---------------------------
-
-/// Asserts `got` and `want` have one dtype, one shape and the same bits.
-#[track_caller]
-fn assert_same_bits(what: &str, got: &Tensor, want: &Tensor) {
-    assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
-    assert_eq!(got.shape(), want.shape(), "{what}: shape");
-    // f64 holds every f32/f16/bf16 value exactly: equal f64 bits are equal element bits.
-    let bits = |t: &Tensor| -> Vec<u64> {
-        let v = t.to_vec::<f64>().unwrap();
-        v.iter().map(|x| x.to_bits()).collect()
-    };
-    let (g, w) = (bits(got), bits(want));
-    let diff = g.iter().zip(&w).position(|(a, b)| a != b);
-    assert!(diff.is_none(), "{what}: element {diff:?} differs");
-}
 
 /// The output of `f` on fresh leaves copied from `inputs`, and each leaf's gradient after a
 /// backward from `gy` (in the output's dtype).

@@ -6,6 +6,7 @@
 #![cfg(feature = "gpu-tests")]
 
 mod amp_chains;
+mod common;
 
 use amp_chains::{
     CHAINS, assert_close, assert_steps_agree, case_name, chains_match_pytorch, gpt_step, run_chain,

@@ -12,7 +12,7 @@ mod common;
 
 use std::sync::RwLock;
 
-use common::{assert_close, regression_steps};
+use common::{assert_close, assert_same_bits, regression_steps};
 use ferrograd::backend::cuda::set_allow_tf32;
 use ferrograd::optim::{Sgd, SgdConfig};
 use ferrograd::{Category, DType, Device, Error, Generator, Result, Tensor, memory};
@@ -205,21 +205,6 @@ fn layer_norm_in_half_precision() {
             t[0].layer_norm(&[96], Some(&t[1]), Some(&t[2]), 1e-5)
         });
     }
-}
-
-/// Asserts two CPU tensors have one dtype, one shape and the same bits.
-#[track_caller]
-fn assert_same_bits(what: &str, got: &Tensor, want: &Tensor) {
-    assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
-    assert_eq!(got.shape(), want.shape(), "{what}: shape");
-    // f64 holds every f32/f16/bf16 value exactly: equal f64 bits are equal element bits.
-    let bits = |t: &Tensor| -> Vec<u64> {
-        let v = t.to_vec::<f64>().unwrap();
-        v.iter().map(|x| x.to_bits()).collect()
-    };
-    let (g, w) = (bits(got), bits(want));
-    let diff = g.iter().zip(&w).position(|(a, b)| a != b);
-    assert!(diff.is_none(), "{what}: element {diff:?} differs");
 }
 
 /// The output of `f` on fresh cuda:0 leaves copied from `inputs`, then each leaf's gradient

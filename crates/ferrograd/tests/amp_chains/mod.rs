@@ -27,8 +27,7 @@ pub fn tol(d: DType) -> (f64, f64) {
     }
 }
 
-#[path = "../common/fixture_file.rs"]
-mod fixture_file;
+use crate::common::fixture_file;
 
 fn fixtures() -> &'static fixture_file::FixtureFile {
     fixture_file::open(

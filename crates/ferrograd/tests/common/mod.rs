@@ -288,3 +288,18 @@ pub fn regression_steps(params: &[Tensor], x: &Tensor, y: &Tensor, opt: &mut imp
         opt.step().unwrap();
     }
 }
+
+/// Asserts `got` and `want` have one dtype, one shape and the same bits.
+#[track_caller]
+pub fn assert_same_bits(what: &str, got: &Tensor, want: &Tensor) {
+    assert_eq!(got.dtype(), want.dtype(), "{what}: dtype");
+    assert_eq!(got.shape(), want.shape(), "{what}: shape");
+    // f64 holds every f32/f16/bf16 value exactly: equal f64 bits are equal element bits.
+    let bits = |t: &Tensor| -> Vec<u64> {
+        let v = t.to_vec::<f64>().unwrap();
+        v.iter().map(|x| x.to_bits()).collect()
+    };
+    let (g, w) = (bits(got), bits(want));
+    let diff = g.iter().zip(&w).position(|(a, b)| a != b);
+    assert!(diff.is_none(), "{what}: element {diff:?} differs");
+}
