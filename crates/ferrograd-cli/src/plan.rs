@@ -150,9 +150,10 @@ pub fn fit_to_budget(job: TrainJob, budget: u64, json: bool) -> anyhow::Result<T
 
 fn describe(job: &TrainJob) -> String {
     let t = &job.trainer;
-    let precision = match t.amp {
-        Some(DType::BF16) => "bf16 autocast",
-        Some(DType::F16) => "f16 autocast",
+    let precision = match (t.amp, job.weights) {
+        (Some(DType::BF16), _) => "bf16 autocast",
+        (Some(DType::F16), _) => "f16 autocast",
+        (None, DType::BF16) => "bf16 weights with f32 master copies",
         _ => "f32",
     };
     format!(

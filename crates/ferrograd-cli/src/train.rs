@@ -70,6 +70,13 @@ pub struct TrainArgs {
     /// Mixed precision: bf16, f16 (with a GradScaler) or off.
     #[arg(long, default_value = "off", value_parser = parse_amp)]
     amp: Amp,
+    /// The dtype the model's parameters and activations are kept in: f32, or bf16 (weights,
+    /// gradients and activations at half the bytes, no autocast casts), with AdamW keeping an
+    /// f32 master copy and f32 moments of each parameter, saved with --save. Needs --optimizer
+    /// adamw; not with --amp, which autocasts an f32 model (bf16 weights already compute in
+    /// bf16), nor with --zero 1.
+    #[arg(long, default_value = "f32", value_parser = parse_weights)]
+    weights: Weights,
     /// Activation recomputation: off or every:K (every K-th transformer block).
     #[arg(long, default_value = "off")]
     recompute: Recompute,
@@ -156,6 +163,10 @@ pub struct TrainArgs {
 #[derive(Clone, Copy, Debug)]
 struct Amp(Option<DType>);
 
+/// The dtype of the model's parameters chosen by --weights.
+#[derive(Clone, Copy, Debug)]
+struct Weights(DType);
+
 /// Which attention path the model runs (`--attention`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
 enum AttentionPath {
@@ -171,6 +182,16 @@ fn parse_amp(s: &str) -> Result<Amp, String> {
         _ => Err(format!(
             "'{s}' is not a mixed-precision mode: use bf16, f16 or off"
         )),
+    }
+}
+
+/// f16 is parsed so that the run can say why it is not offered (see `job::TrainJob::weights`).
+fn parse_weights(s: &str) -> Result<Weights, String> {
+    match s {
+        "f32" | "fp32" => Ok(Weights(DType::F32)),
+        "bf16" => Ok(Weights(DType::BF16)),
+        "f16" | "fp16" => Ok(Weights(DType::F16)),
+        _ => Err(format!("'{s}' is not a weight precision: use f32 or bf16")),
     }
 }
 
@@ -227,6 +248,7 @@ impl TrainArgs {
                 recompute: self.recompute,
                 freeze: self.freeze.clone(),
             },
+            weights: self.weights.0,
             device: self.device.parse::<Device>()?,
             eval_every: self.eval_every,
             eval_batches: self.eval_batches,
@@ -384,6 +406,7 @@ fn report(
                 job.device,
                 format_size(*predicted_peak)
             ));
+            log.push(weights_line(job.weights));
             if let Some(path) = in_backward {
                 log.push(format!("step in backward: {path}"));
             }
@@ -442,6 +465,14 @@ fn report(
         print!("{}", render(&summary, &log));
     }
     Ok(())
+}
+
+/// The weight precision in words, for the report.
+fn weights_line(weights: DType) -> String {
+    if weights == DType::F32 {
+        return "weights: f32".into();
+    }
+    format!("weights: {weights}, with f32 master copies and f32 moments in AdamW")
 }
 
 /// Steps between two updates of the progress bar's loss (each read waits for the device).

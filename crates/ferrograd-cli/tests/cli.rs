@@ -70,10 +70,17 @@ fn train_json_reports_the_promised_fields() {
         "tokens_per_s",
         "peak_bytes",
         "by_category_at_peak",
+        "weights",
+        "master_weights",
     ] {
         assert!(v.get(key).is_some(), "missing {key} in {v}");
     }
     assert_eq!(v["steps"], 3);
+    // Autocast leaves the weights in f32, with no master copies.
+    assert_eq!(
+        (&v["weights"], &v["master_weights"]),
+        (&"f32".into(), &false.into())
+    );
     let by_cat = v["by_category_at_peak"].as_object().unwrap();
     let total: u64 = by_cat.values().map(|b| b.as_u64().unwrap()).sum();
     assert_eq!(total, v["peak_bytes"].as_u64().unwrap());
@@ -733,6 +740,9 @@ fn plan_refuses_what_train_refuses_with_the_same_words() {
         &["--recompute", "sometimes"][..],
         &["--step-in-backward", "--accum", "2"][..],
         &["--freeze", "transformer.nothing.*"][..],
+        &["--weights", "bf16", "--amp", "bf16"][..],
+        &["--weights", "bf16", "--optimizer", "sgd"][..],
+        &["--weights", "f16"][..],
     ] {
         let train_err = stderr_of(&[SMALL, bad].concat());
         let plan_err = stderr_of(&plan_args(bad));
@@ -821,4 +831,73 @@ fn zero_state_is_saved_whole_and_resumes_on_any_number_of_ranks() {
         assert_eq!(v["step_reached"], 3, "{v}");
         assert!(v["final_loss"].as_f64().unwrap().is_finite(), "{v}");
     }
+}
+
+/// The tensors of a saved state, as f64 values (exact for every float dtype it holds).
+fn state_values(path: &str) -> Vec<(String, Vec<f64>)> {
+    let (tensors, _) = ferrograd::io::load_state(std::path::Path::new(path)).unwrap();
+    let mut v: Vec<(String, Vec<f64>)> = tensors
+        .into_iter()
+        .map(|(k, t)| {
+            (
+                k,
+                t.to_dtype(ferrograd::DType::F64).unwrap().to_vec().unwrap(),
+            )
+        })
+        .collect();
+    v.sort_by(|a, b| a.0.cmp(&b.0));
+    v
+}
+
+/// `--weights bf16`: the report and the JSON say so, the plan predicts the measured peak to the
+/// byte, a run stopped and resumed ends bit for bit where an uninterrupted one does (the master
+/// copies travel in the state), and the state resumes only with the same --weights.
+#[test]
+fn weights_bf16_trains_plans_and_resumes_with_master_copies() {
+    let bf16 = ["--weights", "bf16"];
+    let out = ferrograd(&plan_args(&["--weights", "bf16", "--json"]));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let mut train = plan_args(&["--weights", "bf16", "--json"]);
+    train[0] = "train";
+    let run: serde_json::Value = serde_json::from_slice(&ferrograd(&train).stdout).unwrap();
+    assert_eq!(plan["plan"]["peak_allocated"], run["peak_bytes"], "{run}");
+    assert_eq!(
+        plan["plan"]["by_category_at_peak"],
+        run["by_category_at_peak"]
+    );
+    assert_eq!(
+        (&run["weights"], &run["master_weights"]),
+        (&"bf16".into(), &true.into())
+    );
+    let text = output_of(&[SMALL, &bf16].concat());
+    assert!(
+        text.contains("weights: bf16, with f32 master copies and f32 moments in AdamW"),
+        "{text}"
+    );
+
+    let dir = TestDir::new("cli-bf16-weights");
+    let (straight, half, resumed) = (dir.arg("a"), dir.arg("b"), dir.arg("c"));
+    let json = |extra: &[&str]| -> serde_json::Value {
+        let out = output_of(&[SMALL, &bf16, &["--json"], extra].concat());
+        serde_json::from_str(out.lines().find(|l| l.starts_with('{')).unwrap()).unwrap()
+    };
+    let all = json(&["--save", &straight]);
+    json(&["--stop-after", "2", "--save", &half]);
+    let tail = json(&["--resume", &half, "--save", &resumed]);
+    assert_eq!(tail["steps"], 1, "{tail}");
+    assert_eq!(all["final_loss"], tail["final_loss"]);
+    let (a, c) = (state_values(&straight), state_values(&resumed));
+    assert!(a.iter().any(|(k, _)| k.ends_with(".master")), "{a:?}");
+    assert_eq!(a, c, "the resumed state, bit for bit");
+
+    let err = stderr_of(&[SMALL, &["--resume", &half]].concat());
+    assert!(
+        err.contains("--weights bf16") && err.contains("this run uses --weights f32"),
+        "{err}"
+    );
 }

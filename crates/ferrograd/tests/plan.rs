@@ -371,3 +371,47 @@ fn a_run_that_keeps_meta_tensors_alive_is_refused() {
     // The meta device is usable again.
     plan::plan(Target::Cpu, PlanOptions::default(), one_product).unwrap();
 }
+
+/// The model in bf16 with AdamW's f32 master copies (`--weights bf16`), alone and with the
+/// strategies that change what a step holds: planned = measured, to the byte.
+#[test]
+fn bf16_weights_with_master_copies_are_planned_to_the_byte() {
+    let trainers = [
+        TrainerConfig::default(),
+        TrainerConfig {
+            recompute: Recompute::Every(1),
+            accum: 2,
+            clip: Some(1.0),
+            ..TrainerConfig::default()
+        },
+        TrainerConfig {
+            step_in_backward: true,
+            ..TrainerConfig::default()
+        },
+        TrainerConfig {
+            freeze: vec!["transformer.h.0.*".to_string()],
+            set_to_none: false,
+            ..TrainerConfig::default()
+        },
+    ];
+    for (i, trainer) in trainers.into_iter().enumerate() {
+        let mut job = small_job(trainer);
+        job.weights = DType::BF16;
+        job.eval_every = [0, 1][i % 2];
+        job.model.dropout = [0.0, 0.1][i % 2];
+        let (planned, measured) = planned_and_measured(&job);
+        assert_eq!(planned, measured, "case {i}: {:?}", job.trainer);
+        if i == 0 {
+            // Every parameter trains: AdamW's f32 moments and master copy are 12 bytes per
+            // 2-byte bf16 weight.
+            let of = |name: &str| {
+                measured
+                    .1
+                    .iter()
+                    .find(|(n, _)| n == name)
+                    .map_or(0, |(_, b)| *b)
+            };
+            assert_eq!(of("optimizer_state"), 6 * of("parameter"), "{measured:?}");
+        }
+    }
+}

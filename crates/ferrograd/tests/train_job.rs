@@ -1,6 +1,7 @@
 //! The main job (`ferrograd train` without the command line): a resumed run continues exactly
-//! as if it had never stopped, with every strategy that keeps state (AdamW moments, the loss
-//! scaler, dropout and batch streams); bad state files are refused with nothing overwritten.
+//! as if it had never stopped, with every strategy that keeps state (AdamW moments and, with
+//! bf16 weights, f32 master copies; the loss scaler; dropout and batch streams); bad state
+//! files are refused with nothing overwritten.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -495,4 +496,188 @@ fn a_mixed_precision_state_resumes_only_in_its_mode() {
         ..small_job(f16)
     })
     .unwrap();
+}
+
+/// `job` with the model kept in bf16 and AdamW stepping f32 master copies (`--weights bf16`).
+fn bf16_weights(job: TrainJob) -> TrainJob {
+    TrainJob {
+        weights: DType::BF16,
+        ..job
+    }
+}
+
+#[test]
+fn resume_continues_exactly_with_bf16_weights_and_master_copies() {
+    resume_matches(
+        &bf16_weights(small_job(TrainerConfig::default())),
+        "bf16-weights",
+    );
+    // Accumulation and clipping (a scale AdamW reads in its step) resume the same way.
+    let trainer = TrainerConfig {
+        accum: 2,
+        clip: Some(0.5),
+        ..TrainerConfig::default()
+    };
+    resume_matches(&bf16_weights(small_job(trainer)), "bf16-weights-clip");
+}
+
+/// `x` rounded to the nearest bf16 (ties to even), from its bits: the reference the check
+/// below holds the stored weights to.
+fn round_to_bf16(x: f32) -> f64 {
+    let b = x.to_bits();
+    let r = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF_0000;
+    f32::from_bits(r) as f64
+}
+
+#[test]
+fn a_bf16_weights_state_holds_f32_master_copies_that_round_to_the_weights() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = TestDir::new("bf16-keys");
+    let saved = dir.path("bf16.safetensors");
+    run(&TrainJob {
+        save: Some(saved.clone()),
+        stop_after: Some(2),
+        ..bf16_weights(small_job(TrainerConfig::default()))
+    })
+    .unwrap();
+    let (t, meta) = load_state(&saved).unwrap();
+    assert_eq!(meta.get("weights").map(String::as_str), Some("bf16"));
+    let weights: Vec<&Tensor> = t
+        .iter()
+        .filter(|(k, _)| k.starts_with("model."))
+        .map(|(_, w)| w)
+        .collect();
+    let masters: Vec<(&String, &Tensor)> =
+        t.iter().filter(|(k, _)| k.ends_with(".master")).collect();
+    assert_eq!(masters.len(), weights.len(), "one master copy per weight");
+    assert!(weights.iter().all(|w| w.dtype() == DType::BF16));
+    for (k, v) in t
+        .iter()
+        .filter(|(k, _)| k.starts_with("optim.") && !k.ends_with(".step"))
+    {
+        assert_eq!(v.dtype(), DType::F32, "{k}");
+    }
+    // Each weight is its master copy rounded to the nearest bf16 (the step stores it so).
+    let values = |w: &Tensor| w.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap();
+    for (name, m) in masters {
+        let rounded: Vec<f64> = m
+            .to_vec::<f32>()
+            .unwrap()
+            .into_iter()
+            .map(round_to_bf16)
+            .collect();
+        assert!(
+            weights
+                .iter()
+                .any(|w| w.shape() == m.shape() && values(w) == rounded),
+            "{name} rounds to no weight"
+        );
+    }
+}
+
+#[test]
+fn a_state_resumes_only_with_the_weight_precision_it_was_saved_with() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let dir = TestDir::new("weights-mode");
+    let half = dir.path("bf16.safetensors");
+    run(&TrainJob {
+        save: Some(half.clone()),
+        stop_after: Some(1),
+        ..bf16_weights(small_job(TrainerConfig::default()))
+    })
+    .unwrap();
+    let before = std::fs::read(&half).unwrap();
+    let err = run(&TrainJob {
+        resume: Some(half.clone()),
+        save: Some(half.clone()),
+        ..small_job(TrainerConfig::default())
+    })
+    .unwrap_err();
+    match &err {
+        Error::WeightsMismatch {
+            saved, requested, ..
+        } => assert_eq!((saved.as_str(), requested.as_str()), ("bf16", "f32")),
+        other => panic!("expected WeightsMismatch, got {other:?}"),
+    }
+    assert!(
+        err.to_string().contains("resume with --weights bf16"),
+        "{err}"
+    );
+    assert_eq!(std::fs::read(&half).unwrap(), before, "nothing overwritten");
+
+    let full = state_after_one_step(&dir);
+    let err = run(&TrainJob {
+        resume: Some(full.clone()),
+        ..bf16_weights(small_job(TrainerConfig::default()))
+    })
+    .unwrap_err();
+    match &err {
+        Error::WeightsMismatch {
+            saved, requested, ..
+        } => assert_eq!((saved.as_str(), requested.as_str()), ("f32", "bf16")),
+        other => panic!("expected WeightsMismatch, got {other:?}"),
+    }
+
+    // The master copies are part of the manifest.
+    let (mut tensors, meta) = load_state(&half).unwrap();
+    tensors.remove("optim.0.master");
+    let altered = dir.path("no-master.safetensors");
+    let pairs: Vec<(String, Tensor)> = tensors.into_iter().collect();
+    ferrograd::io::save_state(&altered, &pairs, meta).unwrap();
+    let err = run(&TrainJob {
+        resume: Some(altered),
+        ..bf16_weights(small_job(TrainerConfig::default()))
+    })
+    .unwrap_err();
+    assert!(matches!(err, Error::BadFile { .. }), "{err}");
+    assert!(
+        err.to_string()
+            .contains("lacks the tensor 'optim.0.master'"),
+        "{err}"
+    );
+
+    // A state from before the precision was recorded is f32's.
+    let (tensors, mut meta) = load_state(&full).unwrap();
+    meta.remove("weights");
+    let old = dir.path("old.safetensors");
+    let pairs: Vec<(String, Tensor)> = tensors.into_iter().collect();
+    ferrograd::io::save_state(&old, &pairs, meta).unwrap();
+    run(&TrainJob {
+        resume: Some(old),
+        ..small_job(TrainerConfig::default())
+    })
+    .unwrap();
+}
+
+#[test]
+fn bf16_weights_refuse_what_they_cannot_run_with() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let base = || bf16_weights(small_job(TrainerConfig::default()));
+    let refused = |job: TrainJob, words: &str| {
+        let err = run(&job).unwrap_err().to_string();
+        assert!(err.contains(words), "{err}");
+        // The planner refuses it with the same words, before anything is planned.
+        let plan = job::plan_job(&job, ferrograd::plan::Target::Cpu, Default::default());
+        let err = plan.unwrap_err().to_string();
+        assert!(err.contains(words), "{err}");
+    };
+    let mut amp = base();
+    amp.trainer.amp = Some(DType::BF16);
+    refused(amp, "drop --amp, or use --weights f32 --amp bf16");
+    let mut sgd = base();
+    sgd.optimizer = OptimizerChoice::Sgd;
+    refused(sgd, "SGD has none");
+    let mut f16 = base();
+    f16.weights = DType::F16;
+    refused(f16, "use --weights bf16");
+    let err = run(&TrainJob {
+        zero: true,
+        ..base()
+    })
+    .unwrap_err()
+    .to_string();
+    assert!(
+        err.contains("--zero 1 shards AdamW's moments but not master weights"),
+        "{err}"
+    );
 }

@@ -109,6 +109,17 @@ pub enum Error {
         saved: String,
         requested: String,
     },
+
+    /// A resumed state was saved with another weight precision: its parameters, moments and
+    /// master copies (present only with half-precision weights) do not fit this run.
+    #[error(
+        "{path} was saved by a run with --weights {saved}, and this run uses --weights {requested} (bf16 weights keep f32 master copies in AdamW's state, f32 weights none): resume with --weights {saved}, or start without --resume"
+    )]
+    WeightsMismatch {
+        path: String,
+        saved: String,
+        requested: String,
+    },
 }
 
 impl Error {

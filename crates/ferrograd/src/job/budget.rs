@@ -6,8 +6,8 @@
 
 use serde::Serialize;
 
-use super::TrainJob;
 use super::fit::plan_job;
+use super::{OptimizerChoice, TrainJob};
 use crate::base::{DType, Error, Result, format_size};
 use crate::nn::Recompute;
 use crate::plan::{Plan, PlanOptions, Target};
@@ -63,11 +63,16 @@ fn change(flags: &str, apply: impl Fn(&mut TrainJob) + 'static) -> Change {
 fn single_changes(job: &TrainJob) -> Vec<Change> {
     let mut out = Vec::new();
     let t = &job.trainer;
-    if t.amp != Some(DType::BF16) {
+    // Autocast is for f32 weights; bf16 weights already compute in bf16.
+    let f32_weights = job.weights == DType::F32;
+    if t.amp != Some(DType::BF16) && f32_weights {
         out.push(change("--amp bf16", |j| j.trainer.amp = Some(DType::BF16)));
     }
-    if t.amp != Some(DType::F16) {
+    if t.amp != Some(DType::F16) && f32_weights {
         out.push(change("--amp f16", |j| j.trainer.amp = Some(DType::F16)));
+    }
+    if f32_weights && t.amp.is_none() && job.optimizer == OptimizerChoice::AdamW && !job.zero {
+        out.push(change("--weights bf16", |j| j.weights = DType::BF16));
     }
     for k in [1, 2] {
         if t.recompute != Recompute::Every(k) && k <= job.model.n_layer {
@@ -146,7 +151,7 @@ fn percent(x: u64, of: u64) -> f64 {
 /// both (the combinations that lower the peak most).
 fn budget_sets(job: &TrainJob) -> Vec<Change> {
     let mut sets = vec![change("", |_| {})];
-    let bf16 = job.trainer.amp != Some(DType::BF16);
+    let bf16 = job.trainer.amp != Some(DType::BF16) && job.weights == DType::F32;
     if bf16 {
         sets.push(change("--amp bf16", |j| j.trainer.amp = Some(DType::BF16)));
     }

@@ -10,7 +10,7 @@
 //! last one's, for the summary); every later step repeats it byte for byte.
 
 use super::{Losses, TrainJob, build, evaluate, train_step};
-use crate::base::{Device, Error, Result};
+use crate::base::{DType, Device, Error, Result};
 use crate::data::TextDataset;
 use crate::nn::Module;
 use crate::plan::{self, Plan, PlanOptions, Target};
@@ -80,7 +80,11 @@ pub fn check_fits(job: &TrainJob, data: &TextDataset) -> Result<Plan> {
             "training with --batch-size {} --block-size {} ({} layers of width {})",
             job.batch_size, job.model.block_size, job.model.n_layer, job.model.n_embd
         ),
-        "use a smaller --batch-size (with --accum N to keep the effective batch), --recompute every:1, --amp bf16, or a smaller model; `ferrograd plan` lists what fits",
+        &format!(
+            "use a smaller --batch-size (with --accum N to keep the effective batch), --recompute every:1, {}or a smaller model; `ferrograd plan` lists what fits",
+            // bf16 weights already compute in bf16, and refuse autocast.
+            if job.weights == DType::F32 { "--amp bf16, " } else { "" }
+        ),
     )?;
     Ok(plan)
 }

@@ -64,6 +64,10 @@ pub struct TrainJob {
     /// Every memory strategy: accumulation, clipping, autocast, step in backward, zero_grad
     /// mode, recomputation and freezing; the `Trainer` composes them.
     pub trainer: TrainerConfig,
+    /// The dtype the model's parameters (and so its activations and gradients) are kept in:
+    /// F32, or BF16 with AdamW keeping an f32 master copy and f32 moments of each parameter
+    /// (`--weights bf16`; no autocast, so `trainer.amp` must be None).
+    pub weights: DType,
     pub device: Device,
     /// Evaluate every this many steps (and at the start and end); 0: only start and end.
     pub eval_every: u64,
@@ -118,6 +122,7 @@ impl Default for TrainJob {
             weight_decay: None,
             momentum: 0.9,
             trainer: TrainerConfig::default(),
+            weights: DType::F32,
             device: Device::Cpu,
             eval_every: 200,
             eval_batches: 8,
@@ -188,6 +193,10 @@ pub struct JobSummary {
     pub params: usize,
     /// The optimizer's name ("AdamW", "SGD").
     pub optimizer: String,
+    /// The dtype of the model's parameters and activations ("f32", "bf16").
+    pub weights: String,
+    /// Whether AdamW keeps f32 master copies of the parameters (with bf16 weights).
+    pub master_weights: bool,
     /// How the step in backward ran, in words (absent without it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub step_in_backward: Option<String>,
@@ -305,7 +314,7 @@ fn run_replica(
     let params = model.config.num_params();
     let predicted_peak = plan.peak_allocated;
     let in_backward = trainer.in_backward_path().cloned();
-    let compute_dtype = job.trainer.amp.unwrap_or(DType::F32);
+    let compute_dtype = job.trainer.amp.unwrap_or(job.weights);
     model.train(true);
     on_event(&Event::Started {
         params,
@@ -462,6 +471,8 @@ fn run_replica(
         seconds,
         params,
         optimizer: trainer.with_optimizer(|o| o.name())?.to_string(),
+        weights: job.weights.to_string(),
+        master_weights: trainer.with_optimizer(|o| o.master_weights())?,
         step_in_backward: in_backward.map(|p| p.to_string()),
         peak_bytes,
         predicted_peak_bytes: plan.peak_allocated,
@@ -531,6 +542,8 @@ fn follower_summary(eval: EvalReport) -> JobSummary {
         seconds: 0.0,
         params: 0,
         optimizer: String::new(),
+        weights: String::new(),
+        master_weights: false,
         step_in_backward: None,
         peak_bytes: 0,
         predicted_peak_bytes: 0,
@@ -569,10 +582,11 @@ fn build(
     device: Device,
     zero: Option<&data_parallel::Group>,
 ) -> Result<(Gpt, Trainer<JobOptimizer>)> {
+    check_weights(job)?;
     let mut cfg = job.model.clone();
     cfg.vocab_size = model_vocab(job, data)?;
     cfg.seed = job.seed;
-    let mut model = Gpt::new(cfg, device)?;
+    let mut model = Gpt::new_with_dtype(cfg, job.weights, device)?;
     model.set_fused_attention(job.fused_attention);
     let settings = optimizer_settings(job);
     let named = model.named_parameters();
@@ -590,6 +604,37 @@ fn build(
         ));
     }
     Ok((model, trainer))
+}
+
+/// The weight precisions a run can train in, and what they cannot be combined with (checked
+/// where the model is built, so a plan refuses what a run refuses). SGD's refusal is the
+/// optimizer's own (`JobOptimizer::new`).
+fn check_weights(job: &TrainJob) -> Result<()> {
+    let refuse = |detail: &str| Err(Error::invalid("train", detail));
+    match job.weights {
+        DType::F32 => return Ok(()),
+        DType::BF16 => {}
+        DType::F16 => {
+            return refuse(
+                "--weights f16 is not offered: f16 gradients underflow without a loss scaler, which a model kept in f16 does not get here; use --weights bf16 (f32's range), or --amp f16 (f32 weights, f16 autocast with a GradScaler)",
+            );
+        }
+        other => {
+            return refuse(&format!(
+                "--weights {other} is not a weight precision: use f32 or bf16"
+            ));
+        }
+    }
+    if let Some(amp) = job.trainer.amp {
+        return refuse(&format!(
+            "--weights {} already keeps the model's parameters and activations in {}, and --amp {amp} autocasts an f32 model: drop --amp, or use --weights f32 --amp {amp}",
+            job.weights, job.weights
+        ));
+    }
+    if job.zero {
+        return refuse(optimizer::ZERO_MASTER_WEIGHTS);
+    }
+    Ok(())
 }
 
 /// The trainable parameters `params` with their names in `named`.
@@ -659,7 +704,7 @@ fn check_settings(job: &TrainJob) -> Result<()> {
             "the meta device holds shapes but no data, so it cannot train; use --device cpu or cuda",
         );
     }
-    Ok(())
+    check_weights(job)
 }
 
 /// The shortest text whose train and validation splits both hold a window of one token plus
@@ -711,6 +756,7 @@ fn optimizer_settings(job: &TrainJob) -> OptimizerSettings {
             .weight_decay
             .unwrap_or_else(|| job.optimizer.default_weight_decay()),
         momentum: job.momentum,
+        master_weights: job.weights != DType::F32,
     }
 }
 

@@ -1,6 +1,7 @@
 //! The main job's optimizer: AdamW (the default) or SGD with momentum, chosen by
 //! `--optimizer`, or AdamW with its state sharded over data-parallel ranks (`--zero 1`),
 //! behind one type so the `Trainer`, the step in backward and the saved state handle all.
+//! With `--weights bf16`, AdamW keeps an f32 master copy and f32 moments of every parameter.
 
 use std::str::FromStr;
 use std::sync::Arc;
@@ -72,13 +73,29 @@ pub struct OptimizerSettings {
     pub weight_decay: f64,
     /// SGD's momentum (AdamW ignores it).
     pub momentum: f64,
+    /// AdamW keeps an f32 master copy (and f32 moments) of every f16/bf16 parameter, so small
+    /// updates accumulate instead of rounding away (`--weights bf16`). AdamW only.
+    pub master_weights: bool,
 }
 
 impl JobOptimizer {
     /// The chosen optimizer over `params`.
     pub fn new(params: Vec<Tensor>, s: &OptimizerSettings) -> Result<JobOptimizer> {
         Ok(match s.choice {
-            OptimizerChoice::AdamW => JobOptimizer::AdamW(Adam::adamw(params, adamw_config(s))?),
+            OptimizerChoice::AdamW => {
+                let adam = Adam::adamw(params, adamw_config(s))?;
+                JobOptimizer::AdamW(if s.master_weights {
+                    adam.with_master_weights()?
+                } else {
+                    adam
+                })
+            }
+            OptimizerChoice::Sgd if s.master_weights => {
+                return Err(Error::invalid(
+                    "train",
+                    "--weights bf16 keeps f32 master weights inside AdamW, and SGD has none (its bf16 updates would round away): use --optimizer adamw, or --weights f32",
+                ));
+            }
             OptimizerChoice::Sgd => {
                 let cfg = SgdConfig {
                     lr: s.lr,
@@ -103,11 +120,19 @@ impl JobOptimizer {
                 "--zero 1 shards AdamW's moments; it cannot run with --optimizer sgd",
             ));
         }
+        if s.master_weights {
+            return Err(Error::invalid("train", ZERO_MASTER_WEIGHTS));
+        }
         Ok(JobOptimizer::Zero1(Zero1::adamw(
             named,
             adamw_config(s),
             group,
         )?))
+    }
+
+    /// Whether AdamW steps f16/bf16 parameters through f32 master copies.
+    pub fn master_weights(&self) -> bool {
+        matches!(self, JobOptimizer::AdamW(a) if a.has_master_weights())
     }
 
     pub fn choice(&self) -> OptimizerChoice {
@@ -133,6 +158,9 @@ impl JobOptimizer {
         }
     }
 }
+
+/// Why `--zero 1` refuses half-precision weights (the job checks it before building anything).
+pub(super) const ZERO_MASTER_WEIGHTS: &str = "--zero 1 shards AdamW's moments but not master weights, which --weights bf16 needs: use --weights f32 with --zero 1, or --weights bf16 without it";
 
 /// The run's AdamW: betas (0.9, 0.99).
 fn adamw_config(s: &OptimizerSettings) -> AdamConfig {

@@ -1,14 +1,16 @@
 //! Training state of the main job in one safetensors file: weights (`model.*`), the
-//! optimizer's state (AdamW: `optim.{i}.exp_avg`, `optim.{i}.exp_avg_sq`, `optim.{i}.step`;
-//! SGD: `optim.{i}.momentum_buffer`), the loss scaler (`scaler.*`), and in the metadata the
+//! optimizer's state (AdamW: `optim.{i}.exp_avg`, `optim.{i}.exp_avg_sq`, `optim.{i}.step`,
+//! and with bf16 weights the f32 master copy `optim.{i}.master`; SGD:
+//! `optim.{i}.momentum_buffer`), the loss scaler (`scaler.*`), and in the metadata the
 //! optimizer, the step, the model's shape, the vocabulary, which parameters train, and every
 //! random stream (batches, dropout, the default generator) — so a resumed run continues
 //! exactly as if it had never stopped. A file without an `optimizer` entry is AdamW's (the
 //! only optimizer before SGD was offered).
 //!
-//! The metadata also records the mixed-precision mode (`amp`) and which parameters have
-//! optimizer state (`optimizer_state`: `none` before the first step, `all`, or their indices),
-//! so the file's tensors form a manifest that reading checks completely.
+//! The metadata also records the mixed-precision mode (`amp`), the weight precision
+//! (`weights`; a file without it is f32's, from before bf16 weights were offered) and which
+//! parameters have optimizer state (`optimizer_state`: `none` before the first step, `all`, or
+//! their indices), so the file's tensors form a manifest that reading checks completely.
 //!
 //! Writing is atomic and checksummed (see `io::save_state`). Reading checks everything before
 //! changing anything: the format version, every tensor's checksum, the optimizer, the model's
@@ -73,6 +75,7 @@ pub fn save_training_state(
     };
     let meta = BTreeMap::from([
         ("amp".to_string(), amp_name(trainer.config().amp)),
+        ("weights".to_string(), weights_name(model)),
         ("optimizer_state".to_string(), optimizer_state),
         ("format".to_string(), STATE_FORMAT.to_string()),
         ("optimizer".to_string(), choice.to_string()),
@@ -126,6 +129,7 @@ pub fn load_training_state(
         ));
     }
     check_optimizer(path, &meta, trainer.with_optimizer(|o| o.choice())?)?;
+    check_weights(path, &meta, model)?;
     let saved: GptConfig = serde_json::from_str(get("model")?)
         .map_err(|e| bad(format!("unreadable model shape: {e}")))?;
     if saved != model.config {
@@ -210,6 +214,27 @@ pub fn load_training_state(
     Ok(())
 }
 
+/// A file saved with another weight precision cannot be resumed: its weights, moments and
+/// master copies have other dtypes (or are absent). Files from before the weight precision was
+/// recorded are f32's.
+fn check_weights(path: &Path, meta: &BTreeMap<String, String>, model: &Gpt) -> Result<()> {
+    let saved = meta.get("weights").map_or("f32", String::as_str);
+    let requested = weights_name(model);
+    if saved == requested {
+        return Ok(());
+    }
+    Err(Error::WeightsMismatch {
+        path: path.display().to_string(),
+        saved: saved.to_string(),
+        requested,
+    })
+}
+
+/// The dtype the model's parameters are kept in ("f32", "bf16").
+fn weights_name(model: &Gpt) -> String {
+    model.wte.weight.dtype().to_string()
+}
+
 /// A file saved by another optimizer cannot be resumed by this one: its state means nothing
 /// here. Files from before the optimizer was recorded are AdamW's.
 fn check_optimizer(
@@ -253,7 +278,8 @@ fn adam_tensors(o: &Adam) -> Result<Vec<(String, Tensor)>> {
     adam_state_tensors((0..o.params().len()).map(|i| o.state(i)))
 }
 
-/// AdamW's moments and step counts, by parameter index (a sharded AdamW's gathered whole).
+/// AdamW's moments, master copies and step counts, by parameter index (a sharded AdamW's
+/// gathered whole).
 fn adam_state_tensors<'a>(
     states: impl Iterator<Item = Option<&'a AdamState>>,
 ) -> Result<Vec<(String, Tensor)>> {
@@ -262,6 +288,9 @@ fn adam_state_tensors<'a>(
         if let Some(s) = s {
             v.push((format!("optim.{i}.exp_avg"), s.exp_avg.clone()));
             v.push((format!("optim.{i}.exp_avg_sq"), s.exp_avg_sq.clone()));
+            if let Some(w) = &s.master {
+                v.push((format!("optim.{i}.master"), w.clone()));
+            }
             let step = Tensor::from_vec(vec![s.step as i64], &[], Device::Cpu)?;
             v.push((format!("optim.{i}.step"), step));
         }
@@ -290,13 +319,14 @@ fn optimizer_states(
     device: Device,
     bad: &dyn Fn(String) -> Error,
 ) -> Result<SavedStates> {
+    let master = o.master_weights();
     Ok(match o {
         JobOptimizer::AdamW(a) => {
-            SavedStates::AdamW(adam_states(a.params(), tensors, device, bad)?)
+            SavedStates::AdamW(adam_states(a.params(), master, tensors, device, bad)?)
         }
         JobOptimizer::Sgd(s) => SavedStates::Sgd(momentum_buffers(s, tensors, bad)?),
         JobOptimizer::Zero1(z) => {
-            SavedStates::AdamW(adam_states(z.params(), tensors, device, bad)?)
+            SavedStates::AdamW(adam_states(z.params(), master, tensors, device, bad)?)
         }
     })
 }
@@ -340,9 +370,11 @@ fn momentum_buffers(
     Ok(out)
 }
 
-/// Every parameter's saved AdamW state, checked against the parameter, on its device.
+/// Every parameter's saved AdamW state, checked against the parameter, on its device; with
+/// `master`, a half-precision parameter's f32 master copy and f32 moments.
 fn adam_states(
     params: &[Tensor],
+    master: bool,
     tensors: &HashMap<String, Tensor>,
     device: Device,
     bad: &dyn Fn(String) -> Error,
@@ -368,18 +400,35 @@ fn adam_states(
         if !(step >= 0.0 && step.fract() == 0.0) {
             return Err(bad(format!("optimizer step count {step} of parameter {i}")));
         }
-        let owned = |t: &Tensor| t.to_dtype(p.dtype())?.to_device(device)?.contiguous_owned();
+        let (dtype, keeps_master) = adam_state_dtype(p, master);
+        let owned = |t: &Tensor| t.to_dtype(dtype)?.to_device(device)?.contiguous_owned();
+        let copy = match tensors.get(&key("master")) {
+            Some(w) if keeps_master => Some(owned(w)?),
+            // The manifest check has refused a file whose master copies do not match the run.
+            _ => None,
+        };
         out.push((
             i,
             AdamState {
                 exp_avg: owned(m)?,
                 exp_avg_sq: owned(v)?,
                 step: step as u64,
-                master: None,
+                master: copy,
             },
         ));
     }
     Ok(out)
+}
+
+/// The dtype of AdamW's state for parameter `p`, and whether it has a master copy: with master
+/// weights, an f16/bf16 parameter's moments and copy are f32; otherwise the parameter's dtype.
+fn adam_state_dtype(p: &Tensor, master_weights: bool) -> (DType, bool) {
+    let half = matches!(p.dtype(), DType::F16 | DType::BF16);
+    if master_weights && half {
+        (DType::F32, true)
+    } else {
+        (p.dtype(), false)
+    }
 }
 
 fn trainable_names(model: &Gpt) -> Vec<String> {
@@ -473,14 +522,20 @@ fn expected_tensors(
         .into_iter()
         .map(|(n, p)| (format!("model.{n}"), p.dtype(), p.shape().to_vec()))
         .collect();
-    let (params, choice) = trainer.with_optimizer(|o| (o.params().to_vec(), o.choice()))?;
+    let (params, choice, master) =
+        trainer.with_optimizer(|o| (o.params().to_vec(), o.choice(), o.master_weights()))?;
     for &i in with_state {
         let p = &params[i];
+        let (state_dtype, keeps_master) = adam_state_dtype(p, master);
         let like = |s: &str| (format!("optim.{i}.{s}"), p.dtype(), p.shape().to_vec());
+        let state = |s: &str| (format!("optim.{i}.{s}"), state_dtype, p.shape().to_vec());
         match choice {
             OptimizerChoice::AdamW => {
-                out.push(like("exp_avg"));
-                out.push(like("exp_avg_sq"));
+                out.push(state("exp_avg"));
+                out.push(state("exp_avg_sq"));
+                if keeps_master {
+                    out.push(state("master"));
+                }
                 out.push((format!("optim.{i}.step"), DType::I64, Vec::new()));
             }
             OptimizerChoice::Sgd => out.push(like("momentum_buffer")),
