@@ -5,13 +5,13 @@
 #
 # Usage: scripts/gpu_speed.sh [PYTHON_WITH_TORCH]
 # Environment: ROWS (space-separated subset of: attention gpt2-bf16 gpt2-bf16-weights
-#   gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-f32
+#   gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-bf16-b32 gpt2-f32
 #   main-job gpt-10m gpt-10m-dropout; default all), OUT (a folder for the raw log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${1:-python3}"
 B=.bin
-ROWS="${ROWS:-attention gpt2-bf16 gpt2-bf16-weights gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-f32 main-job gpt-10m gpt-10m-dropout}"
+ROWS="${ROWS:-attention gpt2-bf16 gpt2-bf16-weights gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-bf16-b32 gpt2-f32 main-job gpt-10m gpt-10m-dropout}"
 LOG="${OUT:-/tmp}/gpu_speed.log"
 : >"$LOG"
 TABLE=()
@@ -59,6 +59,7 @@ row_gpt2-bf16-weights() {
   TABLE+=("| GPT-2 124M B8 T1024, bf16 weights + f32 master (ours) vs bf16 autocast, step ms (peak) | $(field "$a" step_ms) ($(mib "$(field "$a" peak_bytes)")) | $(field "$p" step_ms) ($(mib "$(field "$p" peak_bytes)")) torch.compile+SDPA+fused AdamW | $(ratio "$(field "$a" step_ms)" "$(field "$p" step_ms)") |")
 }
 row_gpt2-bf16-b16() { gpt2_row "GPT-2 124M B16 T1024 bf16" bf16 "--batch 16" "$COMPILED" "torch.compile+SDPA+fused AdamW"; }
+row_gpt2-bf16-b32() { gpt2_row "GPT-2 124M B32 T1024 bf16" bf16 "--batch 32" "$COMPILED" "torch.compile+SDPA+fused AdamW"; }
 row_gpt2-f32() { gpt2_row "GPT-2 124M B8 T1024 f32" baseline "--batch 8" "--sdpa" "eager+SDPA"; }
 
 # ferrograd train against benches/pytorch/gpt_step.py on the same flags.

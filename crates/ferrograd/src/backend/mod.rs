@@ -125,10 +125,10 @@ impl HostValues {
             (DType::F64, HostValues::F64(v)) => bytemuck::cast_slice(&v).to_vec(),
             (DType::F32, HostValues::F64(v)) => each(v.iter().map(|&x| (x as f32).to_le_bytes())),
             (DType::F16, HostValues::F64(v)) => {
-                each(v.iter().map(|&x| half::f16::from_f64(x).to_le_bytes()))
+                each(v.iter().map(|&x| crate::base::f16_of(x).to_le_bytes()))
             }
             (DType::BF16, HostValues::F64(v)) => {
-                each(v.iter().map(|&x| half::bf16::from_f64(x).to_le_bytes()))
+                each(v.iter().map(|&x| crate::base::bf16_of(x).to_le_bytes()))
             }
             (DType::I64, HostValues::F64(v)) => each(v.iter().map(|&x| (x as i64).to_le_bytes())),
             (DType::U8, HostValues::F64(v)) => v.iter().map(|&x| (x != 0.0) as u8).collect(),

@@ -9,6 +9,7 @@ pub mod error;
 mod format;
 mod layout;
 mod oom;
+mod round;
 
 pub use category::{Category, CategoryBytes};
 pub use device::Device;
@@ -17,3 +18,4 @@ pub use error::{Error, Result};
 pub use format::format_size;
 pub use layout::{Layout, broadcast_shape, checked_numel, contiguous_strides, resolve_dim};
 pub use oom::{LiveBlockInfo, OomReport};
+pub use round::{bf16_of, f16_of};

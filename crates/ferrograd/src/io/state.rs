@@ -349,8 +349,8 @@ fn host_bytes(dtype: DType, values: &HostValues) -> Result<Vec<u8>> {
     match dtype {
         DType::F32 => collect_bytes(n, floats().map(|x| (x as f32).to_le_bytes())),
         DType::F64 => collect_bytes(n, floats().map(f64::to_le_bytes)),
-        DType::F16 => collect_bytes(n, floats().map(|x| f16::from_f64(x).to_le_bytes())),
-        DType::BF16 => collect_bytes(n, floats().map(|x| bf16::from_f64(x).to_le_bytes())),
+        DType::F16 => collect_bytes(n, floats().map(|x| crate::base::f16_of(x).to_le_bytes())),
+        DType::BF16 => collect_bytes(n, floats().map(|x| crate::base::bf16_of(x).to_le_bytes())),
         DType::I64 => collect_bytes(n, ints().map(i64::to_le_bytes)),
         DType::U8 => collect_bytes(n, ints().map(|x| [x as u8])),
     }

@@ -6,8 +6,6 @@
 
 use std::sync::Arc;
 
-use half::{bf16, f16};
-
 use super::{DType, Device, Layout, Tensor};
 use crate::backend::cpu::CpuData;
 use crate::backend::{self, BackendData, HostValues, Storage};
@@ -87,8 +85,8 @@ fn fill_cpu(data: &mut CpuData, draw: Draw) {
         (data, Draw::F32(next)) => fill_cpu(data, Draw::F64(&mut || next() as f64)),
         (CpuData::F32(v), Draw::F64(next)) => each(v, next, |x| x as f32),
         (CpuData::F64(v), Draw::F64(next)) => each(v, next, |x| x),
-        (CpuData::F16(v), Draw::F64(next)) => each(v, next, f16::from_f64),
-        (CpuData::BF16(v), Draw::F64(next)) => each(v, next, bf16::from_f64),
+        (CpuData::F16(v), Draw::F64(next)) => each(v, next, crate::base::f16_of),
+        (CpuData::BF16(v), Draw::F64(next)) => each(v, next, crate::base::bf16_of),
         (CpuData::I64(v), Draw::F64(next)) => each(v, next, |x| x as i64),
         (CpuData::U8(v), Draw::F64(next)) => each(v, next, |x| (x != 0.0) as u8),
     }

@@ -103,8 +103,8 @@ macro_rules! impl_elem {
 }
 impl_elem!(f32, |v| v as f32, |x: f32| x as f64, f32);
 impl_elem!(f64, |v| v, |x: f64| x, f64);
-impl_elem!(f16, f16::from_f64, |x: f16| x.to_f64(), narrow);
-impl_elem!(bf16, bf16::from_f64, |x: bf16| x.to_f64(), narrow);
+impl_elem!(f16, crate::base::f16_of, |x: f16| x.to_f64(), narrow);
+impl_elem!(bf16, crate::base::bf16_of, |x: bf16| x.to_f64(), narrow);
 
 /// Runs `$body` with `$v` bound to the typed float buffer; integer buffers are an error.
 macro_rules! with_float {
@@ -238,27 +238,23 @@ impl CpuData {
             (DType::F64, HostValues::F64(v)) => CpuData::F64(v),
             (DType::I64, HostValues::I64(v)) => CpuData::I64(v),
             (DType::F64, HostValues::F32(v)) => CpuData::F64(conv(&v, |x| x as f64)?),
-            (DType::F16, HostValues::F32(v)) => {
-                CpuData::F16(conv(&v, |x| f16::from_f64(x as f64))?)
-            }
-            (DType::BF16, HostValues::F32(v)) => {
-                CpuData::BF16(conv(&v, |x| bf16::from_f64(x as f64))?)
-            }
+            (DType::F16, HostValues::F32(v)) => CpuData::F16(conv(&v, f16::from_f32)?),
+            (DType::BF16, HostValues::F32(v)) => CpuData::BF16(conv(&v, bf16::from_f32)?),
             (DType::I64, HostValues::F32(v)) => CpuData::I64(conv(&v, |x| x as f64 as i64)?),
             (DType::U8, HostValues::F32(v)) => CpuData::U8(conv(&v, |x| (x as f64 != 0.0) as u8)?),
             (DType::F32, HostValues::F64(v)) => CpuData::F32(conv(&v, |x| x as f32)?),
-            (DType::F16, HostValues::F64(v)) => CpuData::F16(conv(&v, f16::from_f64)?),
-            (DType::BF16, HostValues::F64(v)) => CpuData::BF16(conv(&v, bf16::from_f64)?),
+            (DType::F16, HostValues::F64(v)) => CpuData::F16(conv(&v, crate::base::f16_of)?),
+            (DType::BF16, HostValues::F64(v)) => CpuData::BF16(conv(&v, crate::base::bf16_of)?),
             (DType::I64, HostValues::F64(v)) => CpuData::I64(conv(&v, |x| x as i64)?),
             (DType::U8, HostValues::F64(v)) => CpuData::U8(conv(&v, |x| (x != 0.0) as u8)?),
             (DType::U8, HostValues::I64(v)) => CpuData::U8(conv(&v, |x| (x != 0) as u8)?),
             (DType::F32, HostValues::I64(v)) => CpuData::F32(conv(&v, |x| x as f64 as f32)?),
             (DType::F64, HostValues::I64(v)) => CpuData::F64(conv(&v, |x| x as f64)?),
             (DType::F16, HostValues::I64(v)) => {
-                CpuData::F16(conv(&v, |x| f16::from_f64(x as f64))?)
+                CpuData::F16(conv(&v, |x| crate::base::f16_of(x as f64))?)
             }
             (DType::BF16, HostValues::I64(v)) => {
-                CpuData::BF16(conv(&v, |x| bf16::from_f64(x as f64))?)
+                CpuData::BF16(conv(&v, |x| crate::base::bf16_of(x as f64))?)
             }
         })
     }

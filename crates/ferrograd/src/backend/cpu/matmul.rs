@@ -153,7 +153,7 @@ fn product(
             operand(x, al),
             operand(y, bl),
             o,
-            beta.map(half::f16::from_f64),
+            beta.map(crate::base::f16_of),
         ),
         (CpuData::BF16(x), CpuData::BF16(y), CpuData::BF16(o)) => {
             // The widened copies are workspace the allocator counts while the product runs.
@@ -234,7 +234,6 @@ impl MatmulKernels for CpuBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use half::f16;
 
     /// a (2, 3) @ bᵀ where b is (2, 3) read transposed, into out (2, 2), with a previous out.
     fn case(beta: f64, wrap: impl Fn(Vec<f64>) -> CpuData) -> Vec<f64> {
@@ -270,8 +269,8 @@ mod tests {
         let wraps: [fn(Vec<f64>) -> CpuData; 4] = [
             |v| CpuData::F32(v.iter().map(|&x| x as f32).collect()),
             CpuData::F64,
-            |v| CpuData::F16(v.iter().map(|&x| f16::from_f64(x)).collect()),
-            |v| CpuData::BF16(v.iter().map(|&x| bf16::from_f64(x)).collect()),
+            |v| CpuData::F16(v.iter().map(|&x| crate::base::f16_of(x)).collect()),
+            |v| CpuData::BF16(v.iter().map(|&x| crate::base::bf16_of(x)).collect()),
         ];
         for w in wraps {
             // beta = 0 ignores the previous values, NaN included.
