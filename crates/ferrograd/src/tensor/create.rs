@@ -9,7 +9,7 @@ use super::generate::Draw;
 use super::random::{Generator, with_default};
 use super::{DType, Device, Layout, Tensor};
 use crate::backend::{self, HostValues, Storage};
-use crate::base::{Error, Result};
+use crate::base::{Error, Result, bf16_of, f16_of};
 use crate::memory::Category;
 
 /// Host element types that tensors can be built from and read into.
@@ -53,8 +53,8 @@ impl HostElem for f32 {
     }
 }
 host_float!(f64, DType::F64, |x: f64| x, |x: f64| x);
-host_float!(f16, DType::F16, |x: f16| x.to_f64(), crate::base::f16_of);
-host_float!(bf16, DType::BF16, |x: bf16| x.to_f64(), crate::base::bf16_of);
+host_float!(f16, DType::F16, |x: f16| x.to_f64(), f16_of);
+host_float!(bf16, DType::BF16, |x: bf16| x.to_f64(), bf16_of);
 
 macro_rules! host_int {
     ($t:ty, $d:expr) => {
