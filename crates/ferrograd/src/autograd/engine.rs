@@ -60,7 +60,6 @@ const DIFFERENTIABLE_BACKWARD: &[&str] = &[
     "gelu",
     "gelu_derivative",
     "linear",
-    "mlp_gelu",
     "matmul",
     "sum",
     "mse_loss",

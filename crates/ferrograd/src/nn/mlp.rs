@@ -1,6 +1,5 @@
 //! The transformer's feed-forward block, as in GPT-2: Linear(C, 4C) → GELU (tanh
-//! approximation) → Linear(4C, C) → dropout. With both biases the three run as one op
-//! (`Tensor::mlp_gelu`, the same values and saved bytes, fewer kernels).
+//! approximation) → Linear(4C, C) → dropout.
 
 use super::state::prefixed;
 use super::{Dropout, Linear, Module};
@@ -20,17 +19,8 @@ pub struct Mlp {
 impl Module for Mlp {
     /// x: (B, T, C) → (B, T, C)
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let y = match (&self.c_fc.bias, &self.c_proj.bias) {
-            // One op whose GEMMs carry the biases and the GELU in their epilogues.
-            (Some(b_fc), Some(b_proj)) => {
-                x.mlp_gelu(&self.c_fc.weight, b_fc, &self.c_proj.weight, b_proj)?
-            }
-            _ => {
-                let h = self.c_fc.forward(x)?.gelu(GeluApprox::Tanh)?;
-                self.c_proj.forward(&h)?
-            }
-        };
-        self.dropout.forward(&y)
+        let h = self.c_fc.forward(x)?.gelu(GeluApprox::Tanh)?;
+        self.dropout.forward(&self.c_proj.forward(&h)?)
     }
 
     fn named_parameters(&self) -> Vec<(String, Tensor)> {

@@ -107,11 +107,21 @@ impl Tensor {
                     _ => None,
                 };
                 let wants_bias = n.len() == 3 && n[2];
-                let x = match (&x, n[1]) {
-                    (Some(x), true) => Some(x.get().reshape(&[rows, k])?),
-                    _ => None,
+                let (gw, gb) = match (&x, n[1]) {
+                    (Some(x), true) => {
+                        let x = x.get().reshape(&[rows, k])?;
+                        weight_and_bias_grads(leaf.as_ref(), &g2, &x, wants_bias)?
+                    }
+                    _ => (None, None),
                 };
-                let (gw, gb) = param_grads(leaf.as_ref(), &g2, x.as_ref(), wants_bias)?;
+                let gb = match (gb, wants_bias) {
+                    (Some(gb), _) => Some(gb),
+                    (None, true) => Some(
+                        g2.reduce_dims(ReduceOp::Sum, &[0], "linear_backward")?
+                            .reshape(&[n_out])?,
+                    ),
+                    (None, false) => None,
+                };
                 let mut grads = vec![gx, gw];
                 if n.len() == 3 {
                     grads.push(gb);
@@ -152,33 +162,6 @@ fn recorded_grads(
         });
     }
     Ok(grads)
-}
-
-/// A linear layer's (dW, db) for output gradient g: (N, out): dW = gᵀ·x when x (N, in) is
-/// given (the weight's gradient is wanted), db = Σ_N g when `bias` — from dW's GEMM where
-/// the backend fuses it, else reduced.
-pub(super) fn param_grads(
-    leaf: Option<&Tensor>,
-    g2: &Tensor,
-    x: Option<&Tensor>,
-    bias: bool,
-) -> Result<(Option<Tensor>, Option<Tensor>)> {
-    let (gw, gb) = match x {
-        Some(x) => weight_and_bias_grads(leaf, g2, x, bias)?,
-        None => (None, None),
-    };
-    let gb = match (gb, bias) {
-        (Some(gb), _) => Some(gb),
-        (None, true) => {
-            let n_out = g2.shape()[1];
-            Some(
-                g2.reduce_dims(ReduceOp::Sum, &[0], "linear_backward")?
-                    .reshape(&[n_out])?,
-            )
-        }
-        (None, false) => None,
-    };
-    Ok((gw, gb))
 }
 
 /// dW = gᵀ·x (g: (N, out), x: (N, in)), unless the weight's gradient sink consumes it, and

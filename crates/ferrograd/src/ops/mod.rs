@@ -13,7 +13,6 @@ mod inplace;
 mod linear;
 mod loss;
 mod matmul;
-mod mlp;
 mod movement;
 mod norm;
 mod reduce;

@@ -2,11 +2,7 @@
 //! - `Bias`: forward, the bias row added while the product is still in registers, so
 //!   `x @ wᵀ + b` writes its output once instead of a GEMM pass plus a read-modify-write pass;
 //! - `BiasGrad`: backward, the weight gradient gᵀ·x with the bias gradient Σ_rows g summed
-//!   from the same operand tiles, instead of a separate reduction over g;
-//! - `BiasGelu`: forward of a GPT MLP's first layer, gelu_tanh(x @ wᵀ + b) with the
-//!   pre-activation written beside it for backward (cuBLASLt's GELU_AUX_BIAS);
-//! - `Dgelu`: backward, the product that is the GELU's output gradient multiplied by
-//!   gelu'(pre) before it is stored (DGELU).
+//!   from the same operand tiles, instead of a separate reduction over g.
 //!
 //! The operand readings (transposes, leading dims) are cuda/matmul.rs's: the row-major (m, n)
 //! output is computed as its column-major transpose (n, m) = bᵀ aᵀ. So the forward's bias (n)
@@ -60,31 +56,13 @@ pub(super) enum Epilogue {
     Bias(u64),
     /// m elements written: the sums of a over k.
     BiasGrad(u64),
-    /// The bias (n), then GELU; the pre-activation (m, n) written at the second address.
-    BiasGelu(u64, u64),
-    /// The product times gelu'(pre), pre (m, n) at the address.
-    Dgelu(u64),
 }
 
 impl Epilogue {
-    /// cuBLASLt's epilogue, its vector (bias) and its auxiliary matrix, if any.
-    fn lt(self) -> (cublasLtEpilogue_t, Option<u64>, Option<u64>) {
-        use cublasLtEpilogue_t::*;
+    fn lt(self) -> (cublasLtEpilogue_t, u64) {
         match self {
-            Epilogue::Bias(v) => (CUBLASLT_EPILOGUE_BIAS, Some(v), None),
-            Epilogue::BiasGrad(v) => (CUBLASLT_EPILOGUE_BGRADB, Some(v), None),
-            Epilogue::BiasGelu(v, aux) => (CUBLASLT_EPILOGUE_GELU_AUX_BIAS, Some(v), Some(aux)),
-            Epilogue::Dgelu(aux) => (CUBLASLT_EPILOGUE_DGELU, None, Some(aux)),
-        }
-    }
-
-    /// Its row in the kernel times.
-    fn name(self) -> &'static str {
-        match self {
-            Epilogue::Bias(_) => "gemm+bias",
-            Epilogue::BiasGrad(_) => "gemm+bias grad",
-            Epilogue::BiasGelu(..) => "gemm+bias+gelu",
-            Epilogue::Dgelu(_) => "gemm+dgelu",
+            Epilogue::Bias(v) => (cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS, v),
+            Epilogue::BiasGrad(v) => (cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB, v),
         }
     }
 }
@@ -211,24 +189,15 @@ pub(super) fn gemm_epilogue(
         DescAttr::CUBLASLT_MATMUL_DESC_TRANSB,
         &op(g.a.trans),
     )?;
-    let (kind, vector, aux) = epilogue.lt();
+    let (kind, vector) = epilogue.lt();
     set_desc(d, &ds, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &kind)?;
-    if let Some(v) = vector {
-        let v = v as *const c_void;
-        set_desc(d, &ds, DescAttr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &v)?;
-    }
-    if let Some(aux) = aux {
-        // The auxiliary matrix is laid out as the output: column-major (n, m), ld n.
-        let aux = aux as *const c_void;
-        let ld = g.n as i64;
-        set_desc(
-            d,
-            &ds,
-            DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
-            &aux,
-        )?;
-        set_desc(d, &ds, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld)?;
-    }
+    let bias_ptr = vector as *const c_void;
+    set_desc(
+        d,
+        &ds,
+        DescAttr::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+        &bias_ptr,
+    )?;
     let (m, n, k) = (g.m as u64, g.n as u64, g.k as u64);
     let stored =
         |trans: bool, rows: u64, cols: u64| if trans { (cols, rows) } else { (rows, cols) };
@@ -285,7 +254,10 @@ pub(super) fn gemm_epilogue(
     super::timing::timed(
         d,
         || {
-            let what = epilogue.name();
+            let what = match epilogue {
+                Epilogue::Bias(_) => "gemm+bias",
+                Epilogue::BiasGrad(_) => "gemm+bias grad",
+            };
             format!("{what} {}x{}x{} {:?}", g.m, g.n, g.k, g.ty.data)
         },
         || {

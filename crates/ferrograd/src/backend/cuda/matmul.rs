@@ -483,26 +483,6 @@ impl MatmulKernels for CudaDevice {
     fn matmul_row_sums(&self, m: &Matmul, sums: &Storage) -> Result<bool> {
         single_lt(self, m, Epilogue::BiasGrad(ptr(sums)?))
     }
-    fn matmul_bias_gelu(&self, m: &Matmul, bias: View, pre: &Storage) -> Result<()> {
-        let fused = match contiguous_addr(&bias)? {
-            Some(b) => single_lt(self, m, Epilogue::BiasGelu(b, ptr(pre)?))?,
-            None => false,
-        };
-        if !fused {
-            crate::backend::matmul::bias_gelu_composed(self, m, bias, pre)?;
-        }
-        Ok(())
-    }
-    fn matmul_dgelu(&self, m: &Matmul, pre: View) -> Result<()> {
-        let fused = match contiguous_addr(&pre)? {
-            Some(aux) => single_lt(self, m, Epilogue::Dgelu(aux))?,
-            None => false,
-        };
-        if !fused {
-            crate::backend::matmul::dgelu_composed(self, m, pre)?;
-        }
-        Ok(())
-    }
     fn out_row_align(&self, dtype: DType) -> usize {
         out_row_align(dtype)
     }
@@ -511,19 +491,13 @@ impl MatmulKernels for CudaDevice {
 /// A single (unbatched) product with a contiguous bias through cuBLASLt's BIAS epilogue;
 /// false when it does not apply (batched, f64, a strided bias, no algorithm), nothing queued.
 fn matmul_bias_fused(d: &CudaDevice, m: &Matmul, bias: &View) -> Result<bool> {
-    match contiguous_addr(bias)? {
-        Some(addr) => single_lt(d, m, Epilogue::Bias(addr)),
-        None => Ok(false),
+    let n = m.spec.n;
+    if !(n <= 1 || bias.layout.strides() == [1]) {
+        return Ok(false);
     }
-}
-
-/// The address of a view's first element when its elements are contiguous (row-major).
-fn contiguous_addr(v: &View) -> Result<Option<u64>> {
-    if !v.layout.is_contiguous() {
-        return Ok(None);
-    }
-    let size = v.storage.dtype().size_in_bytes() as u64;
-    Ok(Some(ptr(v.storage)? + v.layout.offset() as u64 * size))
+    let size = bias.storage.dtype().size_in_bytes() as u64;
+    let addr = ptr(bias.storage)? + bias.layout.offset() as u64 * size;
+    single_lt(d, m, Epilogue::Bias(addr))
 }
 
 /// One product of `m` through cuBLASLt with `epilogue`; false when it does not apply
