@@ -5,7 +5,7 @@
 //! the device's busy time. Off (the default), it costs one flag test per launch.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::cell::Cell;
 use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::CudaEvent;
@@ -25,22 +25,26 @@ pub struct KernelTime {
 /// Timed calls whose events have not been read yet: (name, start, end).
 static PENDING: Mutex<Vec<(String, CudaEvent, CudaEvent)>> = Mutex::new(Vec::new());
 
-/// Host waits on the device (stream synchronisations, including those of copies to the host):
-/// how many, and their nanoseconds. Always counted (an atomic add per wait), so a step's time
-/// can be split into the host's own work and its waits.
-static WAITS: AtomicU64 = AtomicU64::new(0);
-static WAIT_NS: AtomicU64 = AtomicU64::new(0);
-
-/// Adds one host wait of `ns` nanoseconds.
-pub(crate) fn count_wait(ns: u64) {
-    WAITS.fetch_add(1, Ordering::Relaxed);
-    WAIT_NS.fetch_add(ns, Ordering::Relaxed);
+thread_local! {
+    /// This thread's host waits on the device (stream synchronisations, including those of
+    /// copies to the host): how many, and their nanoseconds. Always counted, so a step's time
+    /// can be split into the host's own work and its waits; per thread, because a wait blocks
+    /// the thread that asked, and another thread's steps are not this one's.
+    static WAITS: Cell<(u64, u64)> = const { Cell::new((0, 0)) };
 }
 
-/// (host waits on the device, seconds waited) since the last call, and resets both.
+/// Adds one host wait of `ns` nanoseconds to the calling thread's count.
+pub(crate) fn count_wait(ns: u64) {
+    WAITS.with(|w| {
+        let (n, t) = w.get();
+        w.set((n + 1, t + ns));
+    });
+}
+
+/// The calling thread's (host waits on the device, seconds waited) since its last call, and
+/// resets both.
 pub fn take_host_waits() -> (u64, f64) {
-    let n = WAITS.swap(0, Ordering::Relaxed);
-    let ns = WAIT_NS.swap(0, Ordering::Relaxed);
+    let (n, ns) = WAITS.with(|w| w.replace((0, 0)));
     (n, ns as f64 * 1e-9)
 }
 
