@@ -4,8 +4,8 @@
 //! step runs as it would untimed (plus two event records per call), and the rows add up to
 //! the device's busy time. Off (the default), it costs one flag test per launch.
 
-use std::collections::HashMap;
 use std::cell::Cell;
+use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::CudaEvent;
