@@ -148,3 +148,140 @@ fn device_errors_are_typed() {
         Err(Error::DeviceUnavailable { .. })
     ));
 }
+
+// ---- GEMM epilogues write only their outputs -----------------------------------------------
+
+/// A tensor of `n` elements of `dtype` on the GPU holding `v` everywhere.
+fn filled(n: usize, dtype: DType, v: f64) -> Tensor {
+    Tensor::full(&[n], v, dtype, GPU).unwrap()
+}
+
+/// Whether `t` starts right where `before`'s block ends: a write past `before` lands in `t`.
+fn directly_after(before: &Tensor, t: &Tensor) -> bool {
+    let (a, b) = (before.storage().allocation(), t.storage().allocation());
+    a.addr() + a.size() as u64 == b.addr()
+}
+
+/// The largest |got - want| (got anywhere, any dtype; want on the CPU, same element count).
+fn max_diff(got: &Tensor, want: &Tensor) -> f64 {
+    let values = |t: &Tensor| t.to_dtype(DType::F64).unwrap().to_vec::<f64>().unwrap();
+    let (g, w) = (values(got), values(want));
+    assert_eq!(g.len(), w.len());
+    g.iter()
+        .zip(&w)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f64::max)
+}
+
+/// The backend's view of a tensor.
+fn view(t: &Tensor) -> ferrograd::backend::View<'_> {
+    ferrograd::backend::View {
+        storage: t.storage(),
+        layout: t.layout(),
+    }
+}
+
+/// The sentinel's elements that are no longer `v`.
+fn disturbed(sentinel: &Tensor, v: f64) -> usize {
+    let vals = sentinel
+        .to_dtype(DType::F64)
+        .unwrap()
+        .to_vec::<f64>()
+        .unwrap();
+    vals.iter().filter(|&&x| x != v).count()
+}
+
+/// cuBLASLt's bias and bias-gradient epilogues on a product with an odd row count (21): the
+/// output, the bias gradient and the blocks right after them are checked. Each output is
+/// sized to a whole number of 512-byte blocks, so any write past its end lands in a sentinel
+/// the allocator placed right after it.
+#[test]
+fn gemm_epilogues_write_nothing_past_their_outputs() {
+    use ferrograd::backend::View;
+    use ferrograd::backend::matmul::{MatmulSpec, matmul_bias, matmul_row_sums};
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    const MARK: f64 = 3.0;
+    let (rows, k, n) = (21usize, 32usize, 256usize);
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let mut g = Generator::new(5);
+        let mut randn = |shape: &[usize]| {
+            Tensor::randn_with(shape, DType::F32, Device::Cpu, &mut g)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+        };
+        let (x, w, b, gy) = (
+            randn(&[rows, k]),
+            randn(&[n, k]),
+            randn(&[n]),
+            randn(&[rows, n]),
+        );
+        let on_gpu = |t: &Tensor| t.to_device(GPU).unwrap();
+        let (xg, wg, bg, gyg) = (on_gpu(&x), on_gpu(&w), on_gpu(&b), on_gpu(&gy));
+
+        // Forward: out (21, 256) = x @ wᵀ + b, then a sentinel.
+        let out = filled(rows * n, dtype, 0.0);
+        let s1 = filled(4096, dtype, MARK);
+        assert!(
+            directly_after(&out, &s1),
+            "{dtype}: the sentinel is not adjacent"
+        );
+        let wt = wg.layout().permute(&[1, 0]).unwrap();
+        let spec = MatmulSpec {
+            batch: 1,
+            m: rows,
+            n,
+            k,
+        };
+        let wt_view = View {
+            storage: wg.storage(),
+            layout: &wt,
+        };
+        matmul_bias(&spec, view(&xg), wt_view, view(&bg), out.storage()).unwrap();
+        assert_eq!(
+            disturbed(&s1, MARK),
+            0,
+            "{dtype}: the biased product wrote past its output"
+        );
+        let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+        let want = f32s(&x).linear(&f32s(&w), Some(&f32s(&b))).unwrap();
+        let diff = max_diff(&out, &want);
+        assert!(diff < 0.25, "{dtype}: biased product off by {diff}");
+
+        // Backward: dW (256, 32) = gyᵀ x and db (256) = Σ_rows gy, each followed by a sentinel.
+        let dw = filled(n * k, dtype, 0.0);
+        let s2 = filled(4096, dtype, MARK);
+        let db = filled(n, dtype, 0.0);
+        let s3 = filled(4096, dtype, MARK);
+        assert!(
+            directly_after(&dw, &s2) && directly_after(&db, &s3),
+            "{dtype}: not adjacent"
+        );
+        let gyt = gyg.layout().permute(&[1, 0]).unwrap();
+        let spec = MatmulSpec {
+            batch: 1,
+            m: n,
+            n: k,
+            k: rows,
+        };
+        let gyt_view = View {
+            storage: gyg.storage(),
+            layout: &gyt,
+        };
+        let fused =
+            matmul_row_sums(&spec, gyt_view, view(&xg), dw.storage(), db.storage()).unwrap();
+        assert!(fused, "{dtype}: the GPU sums the bias gradient in the GEMM");
+        assert_eq!(
+            disturbed(&s2, MARK),
+            0,
+            "{dtype}: the weight gradient wrote past its end"
+        );
+        assert_eq!(
+            disturbed(&s3, MARK),
+            0,
+            "{dtype}: the bias gradient wrote past its end"
+        );
+        let diff = max_diff(&db, &f32s(&gy).sum(&[0], false).unwrap());
+        assert!(diff < 0.25, "{dtype}: bias gradient off by {diff}");
+    }
+}
