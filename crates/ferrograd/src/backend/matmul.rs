@@ -51,6 +51,11 @@ pub trait MatmulKernels {
     fn matmul_row_sums(&self, _m: &Matmul, _sums: &Storage) -> Result<bool> {
         Ok(false)
     }
+    /// Whether `matmul_row_sums` fuses here at all: callers that get false take the plain
+    /// path without allocating the fused call's outputs.
+    fn fuses_row_sums(&self) -> bool {
+        false
+    }
 }
 
 /// out (batch·m, n) += bias (n) broadcast over the rows, as the elementwise family adds.
@@ -67,29 +72,34 @@ pub(crate) fn add_bias_rows(m: &Matmul, bias: View) -> Result<()> {
     )
 }
 
-/// `out = a @ b` into a fresh output.
-pub fn matmul(spec: &MatmulSpec, a: View, b: View, out: &Storage) -> Result<()> {
+/// The product's arguments, validated.
+fn checked<'a>(
+    spec: &MatmulSpec,
+    a: View<'a>,
+    b: View<'a>,
+    out: &'a Storage,
+    beta: f64,
+) -> Result<Matmul<'a>> {
     let m = Matmul {
         spec: *spec,
         a,
         b,
         out,
-        beta: 0.0,
+        beta,
     };
     validate(&m)?;
+    Ok(m)
+}
+
+/// `out = a @ b` into a fresh output.
+pub fn matmul(spec: &MatmulSpec, a: View, b: View, out: &Storage) -> Result<()> {
+    let m = checked(spec, a, b, out, 0.0)?;
     backend(out.device())?.matmul(&m)
 }
 
 /// `out = a @ b + bias`, bias (n) added to every row of the fresh output.
 pub fn matmul_bias(spec: &MatmulSpec, a: View, b: View, bias: View, out: &Storage) -> Result<()> {
-    let m = Matmul {
-        spec: *spec,
-        a,
-        b,
-        out,
-        beta: 0.0,
-    };
-    validate(&m)?;
+    let m = checked(spec, a, b, out, 0.0)?;
     check::on_device("linear", out.device(), [bias.storage])?;
     check::same_dtype("linear", out.dtype(), bias.storage.dtype())?;
     if bias.layout.shape() != [spec.n] {
@@ -105,6 +115,11 @@ pub fn matmul_bias(spec: &MatmulSpec, a: View, b: View, bias: View, out: &Storag
     backend(out.device())?.matmul_bias(&m, bias)
 }
 
+/// Whether `device`'s backend sums a linear layer's bias gradient inside the GEMM.
+pub fn fuses_row_sums(device: crate::base::Device) -> Result<bool> {
+    Ok(backend(device)?.fuses_row_sums())
+}
+
 /// `out = a @ b` and `sums = Σ_k a[:, k]` (m) in one pass where the backend fuses them;
 /// Ok(false) (nothing written) where it does not.
 pub fn matmul_row_sums(
@@ -114,14 +129,7 @@ pub fn matmul_row_sums(
     out: &Storage,
     sums: &Storage,
 ) -> Result<bool> {
-    let m = Matmul {
-        spec: *spec,
-        a,
-        b,
-        out,
-        beta: 0.0,
-    };
-    validate(&m)?;
+    let m = checked(spec, a, b, out, 0.0)?;
     check::on_device("linear_backward", out.device(), [sums])?;
     check::same_dtype("linear_backward", out.dtype(), sums.dtype())?;
     if spec.batch != 1 || sums.len() != spec.m {
@@ -153,14 +161,7 @@ pub fn padded_gemm_width(device: crate::base::Device, dtype: DType, n: usize) ->
 /// `out = a @ b + beta·out` into an existing buffer; bumps `out`'s version (the caller's
 /// buffer is live: a momentum buffer, or a gradient being accumulated).
 pub fn matmul_acc(spec: &MatmulSpec, a: View, b: View, out: &Storage, beta: f64) -> Result<()> {
-    let m = Matmul {
-        spec: *spec,
-        a,
-        b,
-        out,
-        beta,
-    };
-    validate(&m)?;
+    let m = checked(spec, a, b, out, beta)?;
     backend(out.device())?.matmul(&m)?;
     out.bump_version();
     Ok(())

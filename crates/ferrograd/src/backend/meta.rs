@@ -205,11 +205,14 @@ impl MatmulKernels for MetaBackend {
     /// A GPU fuses the bias gradient into the weight-gradient GEMM (cuBLASLt's epilogue):
     /// a plan for one allocates what that GEMM does and no reduction scratch.
     fn matmul_row_sums(&self, m: &Matmul, _sums: &Storage) -> Result<bool> {
-        if planning_target() != Some(MetaTarget::Cuda) {
+        if !self.fuses_row_sums() {
             return Ok(false);
         }
         self.matmul(m)?;
         Ok(true)
+    }
+    fn fuses_row_sums(&self) -> bool {
+        planning_target() == Some(MetaTarget::Cuda)
     }
     /// The target's row alignment, so a plan for a GPU pads the same outputs.
     fn out_row_align(&self, dtype: DType) -> usize {

@@ -195,7 +195,8 @@ fn weight_and_bias_grads(
 /// not fuse them (nothing computed).
 fn weight_grad_with_row_sums(gt: &Tensor, x: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
     let (n_out, rows, k) = (gt.shape()[0], gt.shape()[1], x.shape()[1]);
-    if rows == 0 || n_out == 0 || k == 0 || gt.dtype() != x.dtype() {
+    let empty = rows == 0 || n_out == 0 || k == 0;
+    if empty || gt.dtype() != x.dtype() || !matmul::fuses_row_sums(x.device())? {
         return Ok(None);
     }
     let gw = Tensor::output_uninit(&[n_out, k], x.dtype(), x.device(), "linear_backward")?;

@@ -17,7 +17,7 @@
 
 use std::collections::HashMap;
 use std::ffi::c_void;
-use std::sync::Mutex;
+use std::sync::{LazyLock, Mutex};
 
 use cudarc::cublas::sys::cublasOperation_t;
 use cudarc::cublaslt::result as lt;
@@ -28,7 +28,7 @@ use cudarc::cublaslt::sys::{
 };
 
 use super::CudaDevice;
-use super::matmul::{Gemm, WORKSPACE_BYTES, workspace_addr};
+use super::matmul::{Gemm, WORKSPACE_BYTES};
 use crate::base::Result;
 
 /// One cuBLASLt handle per device, created on first use and kept for the process.
@@ -59,10 +59,15 @@ pub(super) enum Epilogue {
 }
 
 impl Epilogue {
-    fn lt(self) -> (cublasLtEpilogue_t, u64) {
+    /// cuBLASLt's epilogue, its vector's address and the call's row in the kernel times.
+    fn lt(self) -> (cublasLtEpilogue_t, u64, &'static str) {
         match self {
-            Epilogue::Bias(v) => (cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS, v),
-            Epilogue::BiasGrad(v) => (cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB, v),
+            Epilogue::Bias(v) => (cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS, v, "gemm+bias"),
+            Epilogue::BiasGrad(v) => (
+                cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB,
+                v,
+                "gemm+bias grad",
+            ),
         }
     }
 }
@@ -80,7 +85,8 @@ struct Key {
     aligns: [u32; 4],
 }
 
-static ALGOS: Mutex<Option<HashMap<Key, cublasLtMatmulAlgo_t>>> = Mutex::new(None);
+static ALGOS: LazyLock<Mutex<HashMap<Key, cublasLtMatmulAlgo_t>>> =
+    LazyLock::new(|| Mutex::new(HashMap::new()));
 
 /// The largest power of two (at most 256) that divides a device address: cuBLASLt's
 /// heuristic assumes 256-byte operands unless told otherwise.
@@ -145,19 +151,17 @@ fn lt_types(g: &Gemm) -> Option<(cudaDataType, cublasComputeType_t)> {
     Some((data, compute))
 }
 
-/// `out (m, n) = a @ b` for one product (no batch) with f32 scaling (f32, f16 and bf16 data)
-/// and the epilogue; its vector holds contiguous elements of the output's dtype.
-/// Ok(false): cuBLASLt has no algorithm for it and nothing was queued.
+/// `out (m, n) = a @ b` for one product (no batch, beta 0) with f32 scaling (f32, f16 and
+/// bf16 data) and the epilogue; its vector holds contiguous elements of the output's dtype.
+/// `ws` is the device's workspace block. Ok(false): not for cuBLASLt (f64), or it has no
+/// algorithm for it; nothing was queued.
 pub(super) fn gemm_epilogue(
     d: &CudaDevice,
     g: &Gemm,
-    a: u64,
-    b: u64,
+    (a, b): (u64, u64),
+    ws: u64,
     epilogue: Epilogue,
 ) -> Result<bool> {
-    if g.ty.wide || g.beta != 0.0 {
-        return Ok(false);
-    }
     let handle = handle(d)?;
     let op = |trans: bool| {
         if trans {
@@ -189,7 +193,7 @@ pub(super) fn gemm_epilogue(
         DescAttr::CUBLASLT_MATMUL_DESC_TRANSB,
         &op(g.a.trans),
     )?;
-    let (kind, vector) = epilogue.lt();
+    let (kind, vector, name) = epilogue.lt();
     set_desc(d, &ds, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &kind)?;
     let bias_ptr = vector as *const c_void;
     set_desc(
@@ -212,7 +216,6 @@ pub(super) fn gemm_epilogue(
             .map_err(|e| d.err("cublasLtMatrixLayoutCreate", e))?;
         ds.layouts.push(l);
     }
-    let ws = workspace_addr(d)?;
     let aligns = [
         alignment(b),
         alignment(a),
@@ -232,19 +235,14 @@ pub(super) fn gemm_epilogue(
     let cached = ALGOS
         .lock()
         .unwrap_or_else(|e| e.into_inner())
-        .get_or_insert_with(HashMap::new)
         .get(&key)
         .copied();
     let algo = match cached {
         Some(algo) => algo,
         None => match heuristic(d, handle, &mut ds, aligns)? {
             Some(algo) => {
-                ALGOS
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .get_or_insert_with(HashMap::new)
-                    .insert(key, algo);
-                algo
+                let mut algos = ALGOS.lock().unwrap_or_else(|e| e.into_inner());
+                *algos.entry(key).or_insert(algo)
             }
             None => return Ok(false),
         },
@@ -253,13 +251,7 @@ pub(super) fn gemm_epilogue(
     let [la, lb, lc] = [ds.layouts[0], ds.layouts[1], ds.layouts[2]];
     super::timing::timed(
         d,
-        || {
-            let what = match epilogue {
-                Epilogue::Bias(_) => "gemm+bias",
-                Epilogue::BiasGrad(_) => "gemm+bias grad",
-            };
-            format!("{what} {}x{}x{} {:?}", g.m, g.n, g.k, g.ty.data)
-        },
+        || format!("{name} {}x{}x{} {:?}", g.m, g.n, g.k, g.ty.data),
         || {
             // SAFETY: the operand and output addresses and leading dims come from layouts
             // of live device blocks validated by the matmul family (as for cuBLAS in

@@ -100,7 +100,7 @@ fn check_cublas_sizes(s: &MatmulSpec) -> Result<()> {
 pub(super) struct GemmType {
     pub(super) data: cudaDataType,
     pub(super) compute: cublasComputeType_t,
-    pub(super) wide: bool,
+    wide: bool,
     size: usize,
 }
 
@@ -173,11 +173,6 @@ fn ensure_workspace(d: &CudaDevice) -> Result<u64> {
     let addr = ws.addr();
     set.push((d.ordinal(), ws));
     Ok(addr)
-}
-
-/// The workspace block's address (allocated on first use).
-pub(super) fn workspace_addr(d: &CudaDevice) -> Result<u64> {
-    ensure_workspace(d)
 }
 
 // ---- operands ---------------------------------------------------------------------------------
@@ -483,6 +478,9 @@ impl MatmulKernels for CudaDevice {
     fn matmul_row_sums(&self, m: &Matmul, sums: &Storage) -> Result<bool> {
         single_lt(self, m, Epilogue::BiasGrad(ptr(sums)?))
     }
+    fn fuses_row_sums(&self) -> bool {
+        true
+    }
     fn out_row_align(&self, dtype: DType) -> usize {
         out_row_align(dtype)
     }
@@ -513,9 +511,13 @@ fn single_lt(d: &CudaDevice, m: &Matmul, epilogue: Epilogue) -> Result<bool> {
         return Ok(false);
     }
     let ty = GemmType::of(m.a.storage.dtype())?;
+    if ty.wide {
+        // f64: cuBLASLt's epilogues scale in f32 only.
+        return Ok(false);
+    }
     check_cublas_sizes(&m.spec)?;
     d.bind()?;
-    ensure_workspace(d)?;
+    let ws = ensure_workspace(d)?;
     let pa = Prepared::new(d, m.a)?;
     let pb = Prepared::new(d, m.b)?;
     let (va, vb) = (pa.view(m.a), pb.view(m.b));
@@ -531,7 +533,7 @@ fn single_lt(d: &CudaDevice, m: &Matmul, epilogue: Epilogue) -> Result<bool> {
         out: ptr(m.out)?,
         beta: 0.0,
     };
-    super::gemm_lt::gemm_epilogue(d, &call, at(&va)?, at(&vb)?, epilogue)
+    super::gemm_lt::gemm_epilogue(d, &call, (at(&va)?, at(&vb)?), ws, epilogue)
 }
 
 /// 128-byte rows: the alignment cuBLAS's fast kernels (TMA loads and stores) want of N and K.
