@@ -312,6 +312,25 @@ __device__ __forceinline__ void load_rows_async(u16* dst, const u16* base, const
     }
 }
 
+// The K tile of keys [k0, k0 + N) from stage `st` of `stages` (its V tile N rows after it),
+// once it has arrived. First waits until every warp is done with the other stage, then starts
+// the copies of the next key tile into it, so they fly while this tile is multiplied.
+template <int N>
+__device__ __forceinline__ const u16* kv_tile(u16* stages, int stage_elems, int st, int k0,
+                                              int keys, const u16* qkv, const Heads& kv,
+                                              const Heads& vv, int b, int h, const Problem& p) {
+    __syncthreads();
+    if (k0 + N < keys) {
+        u16* next = stages + (st ^ 1) * stage_elems;
+        load_rows_async<N>(next, qkv, kv, b, h, k0 + N, p);
+        load_rows_async<N>(next + N * LDS, qkv, vv, b, h, k0 + N, p);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    return stages + st * stage_elems;
+}
+
 // A warp's 16 accumulator rows (16 × D) · mul, stored to rows [r0, r0 + 16) of `v` below T.
 __device__ __forceinline__ void store_rows(u16* base, const Heads& v, int b, int h, int r0,
                                            const float acc[D / 8][4], float mul0, float mul1,
@@ -387,18 +406,8 @@ __device__ __forceinline__ void attn_fwd_impl(const u16* qkv, Heads qv, Heads kv
     const int row0 = q0 + warp * 16 + g;  // this thread's rows: row0 and row0 + 8
 
     for (int k0 = 0, st = 0; k0 < keys; k0 += BN, st ^= 1) {
-        // Every warp is done with the other stage (the previous tile, or the query tile):
-        // the next tile streams into it while this one is multiplied.
-        __syncthreads();
-        if (k0 + BN < keys) {
-            u16* next = smem + (st ^ 1) * FWD_STAGE;
-            load_rows_async<BN>(next, qkv, kv, b, h, k0 + BN, p);
-            load_rows_async<BN>(next + BN * LDS, qkv, vv, b, h, k0 + BN, p);
-        }
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
-        const u16* sk = smem + st * FWD_STAGE;
+        // Stage 1 held the query tile until the first pass through here.
+        const u16* sk = kv_tile<BN>(smem, FWD_STAGE, st, k0, keys, qkv, kv, vv, b, h, p);
         const u16* sv = sk + BN * LDS;
 
         float s[BN / 8][4];
@@ -686,17 +695,7 @@ __device__ __forceinline__ void attn_bwd_dq_impl(const u16* qkv, Heads qv, Heads
     for (int j = 0; j < D / 8; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
 
     for (int k0 = 0, st = 0; k0 < keys; k0 += BNQ, st ^= 1) {
-        // Every warp is done with the other stage: the next key tile streams into it.
-        __syncthreads();
-        if (k0 + BNQ < keys) {
-            u16* next = stages + (st ^ 1) * DQ_STAGE;
-            load_rows_async<BNQ>(next, qkv, kv, b, h, k0 + BNQ, p);
-            load_rows_async<BNQ>(next + BNQ * LDS, qkv, vv, b, h, k0 + BNQ, p);
-        }
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();
-        const u16* sk = stages + st * DQ_STAGE;
+        const u16* sk = kv_tile<BNQ>(stages, DQ_STAGE, st, k0, keys, qkv, kv, vv, b, h, p);
         const u16* sv = sk + BNQ * LDS;
 
         float s[BNQ / 8][4];
