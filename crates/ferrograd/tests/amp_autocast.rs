@@ -13,7 +13,9 @@ mod common;
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use amp_chains::{CHAINS, assert_steps_agree, case_name, chains_match_pytorch, gpt_step, leaves};
+use amp_chains::{
+    CHAINS, assert_steps_agree, case_name, chains_match_pytorch, gpt_step, leaves, token_batch,
+};
 use common::assert_same_bits;
 use ferrograd::amp::{
     AmpDType, autocast, autocast_disabled, autocast_dtype, is_autocast_enabled, set_autocast,
@@ -725,16 +727,7 @@ fn gpt_under_autocast_equals_the_explicit_cast_composition_bit_for_bit() {
             bias,
             ..GptConfig::tiny()
         };
-        let mut g = Generator::new(3);
-        let mut draw = || -> Tensor {
-            let v = g
-                .uniform(2 * 32, 0.0, 65.0)
-                .iter()
-                .map(|x| *x as i64)
-                .collect();
-            Tensor::from_vec(v, &[2, 32], CPU).unwrap()
-        };
-        let (ids, targets) = (draw(), draw());
+        let (ids, targets) = token_batch(3, CPU);
         // Two models with the same seed: the same weights, separate gradients.
         let mut model = Gpt::new(config.clone(), CPU).unwrap();
         model.set_recompute(recompute);

@@ -81,21 +81,26 @@ fn matmul_refuses_mismatched_operands_on_every_device() {
     }
 }
 
+/// Layer norm of rows x into y without weight or bias; `stat` takes both row statistics.
+fn plain_layer_norm(x: &Tensor, y: &Tensor, stat: &Tensor) -> ferrograd::Result<()> {
+    layer_norm(&LayerNorm {
+        x: view(x),
+        weight: None,
+        bias: None,
+        y: y.storage(),
+        mean: stat.storage(),
+        rstd: stat.storage(),
+        eps: 1e-5,
+    })
+}
+
 #[test]
 fn layer_norm_refuses_integer_rows_on_every_device() {
     for dev in DEVICES {
         let x = zeros(&[2, 3], DType::I64, dev);
         let y = zeros(&[2, 3], DType::I64, dev);
         let stat = zeros(&[2], DType::F32, dev);
-        let r = layer_norm(&LayerNorm {
-            x: view(&x),
-            weight: None,
-            bias: None,
-            y: y.storage(),
-            mean: stat.storage(),
-            rstd: stat.storage(),
-            eps: 1e-5,
-        });
+        let r = plain_layer_norm(&x, &y, &stat);
         assert!(
             matches!(r, Err(Error::UnsupportedDType { .. })),
             "{dev}: {r:?}"
@@ -182,17 +187,7 @@ fn half_beside_f32_is_the_only_mix_allowed_on_every_device() {
         assert!(matches!(wide, Err(Error::DType { .. })), "{dev}: {wide:?}");
 
         let stat = zeros(&[2], DType::F32, dev);
-        let norm = |x: &Tensor, y: &Tensor| {
-            layer_norm(&LayerNorm {
-                x: view(x),
-                weight: None,
-                bias: None,
-                y: y.storage(),
-                mean: stat.storage(),
-                rstd: stat.storage(),
-                eps: 1e-5,
-            })
-        };
+        let norm = |x: &Tensor, y: &Tensor| plain_layer_norm(x, y, &stat);
         assert!(norm(&f32s, &bf16).is_ok(), "{dev}: f32 rows, bf16 output");
         let up = norm(&bf16, &f32s);
         assert!(

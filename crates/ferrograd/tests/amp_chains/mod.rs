@@ -195,12 +195,9 @@ pub fn chains_match_pytorch(amp: AmpDType, device: Device) {
     }
 }
 
-/// Loss and gradients (on the CPU) of the tiny GPT on a fixed batch on `device`, under `amp`
-/// or in plain f32. The logits come from the tied head linear, so they have the region's
-/// dtype; the loss and the master gradients are f32.
-pub fn gpt_step(amp: Option<AmpDType>, device: Device) -> (f64, Vec<(String, Tensor)>) {
-    let model = Gpt::new(GptConfig::tiny(), device).unwrap();
-    let mut g = Generator::new(21);
+/// (ids, targets) of the tiny GPT: two (2, 32) batches of its 65 token ids, drawn from `seed`.
+pub fn token_batch(seed: u64, device: Device) -> (Tensor, Tensor) {
+    let mut g = Generator::new(seed);
     let mut draw = || -> Tensor {
         let v: Vec<i64> = g
             .uniform(2 * 32, 0.0, 65.0)
@@ -209,7 +206,15 @@ pub fn gpt_step(amp: Option<AmpDType>, device: Device) -> (f64, Vec<(String, Ten
             .collect();
         Tensor::from_vec(v, &[2, 32], device).unwrap()
     };
-    let (ids, targets) = (draw(), draw());
+    (draw(), draw())
+}
+
+/// Loss and gradients (on the CPU) of the tiny GPT on a fixed batch on `device`, under `amp`
+/// or in plain f32. The logits come from the tied head linear, so they have the region's
+/// dtype; the loss and the master gradients are f32.
+pub fn gpt_step(amp: Option<AmpDType>, device: Device) -> (f64, Vec<(String, Tensor)>) {
+    let model = Gpt::new(GptConfig::tiny(), device).unwrap();
+    let (ids, targets) = token_batch(21, device);
     let loss = {
         let _amp = amp.map(autocast);
         let (logits, loss) = model.forward_loss(&ids, Some(&targets)).unwrap();
