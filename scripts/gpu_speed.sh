@@ -5,13 +5,13 @@
 #
 # Usage: scripts/gpu_speed.sh [PYTHON_WITH_TORCH]
 # Environment: ROWS (space-separated subset of: attention gpt2-bf16 gpt2-bf16-weights
-#   gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-bf16-b32 gpt2-f32
+#   gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-bf16-b32 gpt2-f32 gpt2-bf16-recompute
 #   main-job gpt-10m gpt-10m-dropout; default all), OUT (a folder for the raw log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${1:-python3}"
 B=.bin
-ROWS="${ROWS:-attention gpt2-bf16 gpt2-bf16-weights gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-bf16-b32 gpt2-f32 main-job gpt-10m gpt-10m-dropout}"
+ROWS="${ROWS:-attention gpt2-bf16 gpt2-bf16-weights gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-bf16-b32 gpt2-f32 gpt2-bf16-recompute main-job gpt-10m gpt-10m-dropout}"
 LOG="${OUT:-/tmp}/gpu_speed.log"
 : >"$LOG"
 TABLE=()
@@ -34,9 +34,12 @@ row_attention() {
 
 # gpt2 rows: ours (strategies bench) against PyTorch's strategies.py with extra flags.
 # gpt2_row NAME STRATEGY FLAGS_BOTH TORCH_FLAGS TORCH_NAME
+# Leaves our output in GPT2_OURS, for rows that compare it with another of our runs.
+GPT2_OURS=
 gpt2_row() {
   local name=$1 strategy=$2 both=$3 torch_flags=$4 torch_name=$5 a p
   a=$(run "$B/strategies" --model gpt2 --strategy "$strategy" --device cuda --seq 1024 --steps 5 --warmup 3 $both)
+  GPT2_OURS=$a
   p=$(run "$PY" benches/pytorch/strategies.py --model gpt2 --strategy "$strategy" --device cuda --seq 1024 --steps 5 --warmup 3 $both $torch_flags)
   TABLE+=("| $name, step ms (peak) | $(field "$a" step_ms) ($(mib "$(field "$a" peak_bytes)")) | $(field "$p" step_ms) ($(mib "$(field "$p" peak_bytes)")) $torch_name | $(ratio "$(field "$a" step_ms)" "$(field "$p" step_ms)") |")
 }
@@ -61,6 +64,17 @@ row_gpt2-bf16-weights() {
 row_gpt2-bf16-b16() { gpt2_row "GPT-2 124M B16 T1024 bf16" bf16 "--batch 16" "$COMPILED" "torch.compile+SDPA+fused AdamW"; }
 row_gpt2-bf16-b32() { gpt2_row "GPT-2 124M B32 T1024 bf16" bf16 "--batch 32" "$COMPILED" "torch.compile+SDPA+fused AdamW"; }
 row_gpt2-f32() { gpt2_row "GPT-2 124M B8 T1024 f32" baseline "--batch 8" "--sdpa" "eager+SDPA"; }
+# Every block recomputed in backward under bf16 autocast, against PyTorch's per-block
+# torch.utils.checkpoint in the same autocast region; then what recomputation costs us: our
+# recompute-bf16 step over our own plain bf16 step (run again here, so the two share a machine
+# state).
+row_gpt2-bf16-recompute() {
+  local r b
+  gpt2_row "GPT-2 124M B8 T1024 bf16, every block recomputed" recompute-bf16 "--batch 8" "--sdpa" "eager+SDPA"
+  r=$(field "$GPT2_OURS" step_ms)
+  b=$(field "$(run "$B/strategies" --model gpt2 --strategy bf16 --device cuda --seq 1024 --steps 5 --warmup 3 --batch 8)" step_ms)
+  TABLE+=("| GPT-2 124M B8 T1024 bf16, recompute overhead (ours: recompute-bf16 / bf16 step ms) | $r / $b = $(ratio "$r" "$b") | - | - |")
+}
 
 # ferrograd train against benches/pytorch/gpt_step.py on the same flags.
 train_row() {

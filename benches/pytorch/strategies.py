@@ -13,7 +13,9 @@ ferrograd's, NOT scaled_dot_product_attention (whose fused kernels save far less
 
 Strategies (as the Rust bench): baseline, bf16 (torch.autocast), f16 (autocast + GradScaler),
 recompute (torch.utils.checkpoint, use_reentrant=False: the whole MLP forward / every GPT
-block), accum4 (4 micro-batches of B/4, each loss / 4), freeze (MLP "0.*"; GPT embeddings and
+block), recompute-bf16 (recompute's checkpointing inside bf16's autocast region: with
+use_reentrant=False the recomputation in backward runs under the forward's autocast state),
+accum4 (4 micro-batches of B/4, each loss / 4), freeze (MLP "0.*"; GPT embeddings and
 the first half of the blocks), step-in-backward (PyTorch has no built-in: one optimizer per
 parameter stepped from register_post_accumulate_grad_hook, as PyTorch's tutorial "How to save
 memory by fusing the optimizer step into the backward pass").
@@ -36,7 +38,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-STRATEGIES = ["baseline", "bf16", "f16", "recompute", "accum4", "freeze", "step-in-backward"]
+STRATEGIES = [
+    "baseline",
+    "bf16",
+    "f16",
+    "recompute",
+    "recompute-bf16",
+    "accum4",
+    "freeze",
+    "step-in-backward",
+]
+# The strategies whose forward is recomputed in backward.
+RECOMPUTE = ("recompute", "recompute-bf16")
 MODELS = ["mlp", "gpt2", "tiny-gpt"]
 MICRO_BATCHES = 4
 # --sdpa: attention through scaled_dot_product_attention (PyTorch's fused kernels).
@@ -168,7 +181,7 @@ def build(a, dev):
         y = torch.randn(a.batch, a.dim, device=dev)
         if a.strategy == "freeze":
             freeze(model, "0.*")
-        if a.strategy == "recompute":
+        if a.strategy in RECOMPUTE:
             # The whole forward is recomputed in backward; only x is kept.
             def loss_of(i, n):
                 out = checkpoint(model, micro(x, i, n), use_reentrant=False)
@@ -185,7 +198,7 @@ def build(a, dev):
     if a.vocab is not None:
         cfg["vocab"] = a.vocab
     model = Gpt(**cfg).to(dev)
-    if a.strategy == "recompute":
+    if a.strategy in RECOMPUTE:
         model.recompute = True
     if a.strategy == "freeze":
         for pattern in ["transformer.wte.*", "transformer.wpe.*"] + [
@@ -257,7 +270,7 @@ def make_step(a, dev, model, loss_of, make_opt):
             return loss
 
         return step
-    dtype = torch.bfloat16 if s == "bf16" else None
+    dtype = torch.bfloat16 if s in ("bf16", "recompute-bf16") else None
 
     def step():
         if dtype is not None:

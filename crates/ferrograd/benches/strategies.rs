@@ -17,6 +17,10 @@
 //! - `recompute`: MLP: the whole forward runs under `checkpoint_activations`, which keeps only
 //!   x; backward recomputes both Linears and the ReLU. GPT: every block is recomputed
 //!   (`Recompute::Every(1)`), keeping only each block's input.
+//! - `recompute-bf16`: `recompute`'s recomputation under `bf16`'s autocast: the forward and
+//!   loss inside `autocast(BF16)`, and backward replays the recomputed segments under that same
+//!   autocast state (so they cast as the forward did), f32 master weights. Measures what
+//!   recomputation costs on top of the usual mixed-precision step.
 //! - `bf16-weights` (GPT only): the model's parameters and activations in bf16, no autocast
 //!   (so no per-step casts), AdamW keeping f32 master copies (`with_master_weights`), as
 //!   llm.c trains. PyTorch has no twin of it here.
@@ -29,7 +33,7 @@
 //!   PyTorch has no twin of it. GPT (AdamW) is an error: Adam's step is not linear in g.
 //!
 //! Usage: cargo bench -p ferrograd --bench strategies -- --model mlp|gpt2|tiny-gpt
-//!   --strategy baseline|bf16|bf16-weights|f16|recompute|accum4|freeze|step-in-backward|step-in-backward-fused
+//!   --strategy baseline|bf16|bf16-weights|f16|recompute|recompute-bf16|accum4|freeze|step-in-backward|step-in-backward-fused
 //!   [--device cpu|cuda]
 //!   [--steps 10] [--warmup 3] [--dim 10000] [--batch B] [--seq T] [--vocab V]
 //! Prints a human line on stderr and one JSON line on stdout.
@@ -51,12 +55,14 @@ type Res<T> = std::result::Result<T, BoxError>;
 /// The loss of micro-batch `i` of `n` (`n = 1`: the whole batch).
 type LossFn = Box<dyn Fn(usize, usize) -> ferrograd::Result<Tensor>>;
 
-const STRATEGIES: [&str; 9] = [
+/// In the order of `Strategy`'s variants (`Strategy::name` indexes it by discriminant).
+const STRATEGIES: [&str; 10] = [
     "baseline",
     "bf16",
     "bf16-weights",
     "f16",
     "recompute",
+    "recompute-bf16",
     "accum4",
     "freeze",
     "step-in-backward",
@@ -73,6 +79,7 @@ enum Strategy {
     Bf16Weights,
     F16,
     Recompute,
+    RecomputeBf16,
     Accum4,
     Freeze,
     StepInBackward,
@@ -87,6 +94,7 @@ impl Strategy {
             Strategy::Bf16Weights,
             Strategy::F16,
             Strategy::Recompute,
+            Strategy::RecomputeBf16,
             Strategy::Accum4,
             Strategy::Freeze,
             Strategy::StepInBackward,
@@ -103,6 +111,20 @@ impl Strategy {
                 )
                 .into()
             })
+    }
+
+    /// Whether the forward is recomputed in backward (`recompute`, `recompute-bf16`).
+    fn recomputes(self) -> bool {
+        matches!(self, Strategy::Recompute | Strategy::RecomputeBf16)
+    }
+
+    /// The autocast dtype the forward and loss run under, if any.
+    fn autocast(self) -> Option<AmpDType> {
+        match self {
+            Strategy::Bf16 | Strategy::RecomputeBf16 => Some(AmpDType::BF16),
+            Strategy::F16 => Some(AmpDType::F16),
+            _ => None,
+        }
     }
 
     fn name(self) -> &'static str {
@@ -233,7 +255,7 @@ fn mlp(a: &Args) -> Res<(LossFn, Sgd)> {
     let opt = Sgd::new(trainable(&model), cfg)?;
     let x = Tensor::randn_with(&[b, d], DType::F32, dev, &mut g)?;
     let y = Tensor::randn_with(&[b, d], DType::F32, dev, &mut g)?;
-    let loss: LossFn = if a.strategy == Strategy::Recompute {
+    let loss: LossFn = if a.strategy.recomputes() {
         // The clones share the parameters; the segment keeps only x alive.
         let segment: Segment =
             Arc::new(move |xs: &[Tensor]| l2.forward(&l1.forward(&xs[0])?.relu()?));
@@ -282,7 +304,7 @@ fn gpt(a: &Args) -> Res<(LossFn, Adam)> {
     };
     let mut model = Gpt::new_with_dtype(cfg, dtype, a.device)?;
     match a.strategy {
-        Strategy::Recompute => model.set_recompute(Recompute::Every(1)),
+        Strategy::Recompute | Strategy::RecomputeBf16 => model.set_recompute(Recompute::Every(1)),
         Strategy::Freeze => {
             freeze(&model, "transformer.wte.*")?;
             freeze(&model, "transformer.wpe.*")?;
@@ -345,16 +367,14 @@ fn step<O: Optimizer + Send + 'static>(
         }
         return Ok(Ok(loss));
     }
-    let loss = match s {
-        Strategy::Bf16 => {
-            let _a = autocast(AmpDType::BF16);
+    // Autocast covers the forward and loss only; backward runs outside it (recomputed
+    // segments restore the forward's autocast state themselves).
+    let loss = match s.autocast() {
+        Some(dtype) => {
+            let _a = autocast(dtype);
             loss_of(0, 1)?
         }
-        Strategy::F16 => {
-            let _a = autocast(AmpDType::F16);
-            loss_of(0, 1)?
-        }
-        _ => loss_of(0, 1)?,
+        None => loss_of(0, 1)?,
     };
     match driver {
         Driver::Plain(opt) => {
