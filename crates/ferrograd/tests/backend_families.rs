@@ -85,6 +85,7 @@ fn matmul_refuses_mismatched_operands_on_every_device() {
 fn plain_layer_norm(x: &Tensor, y: &Tensor, stat: &Tensor) -> ferrograd::Result<()> {
     layer_norm(&LayerNorm {
         x: view(x),
+        residual: None,
         weight: None,
         bias: None,
         y: y.storage(),
@@ -201,6 +202,7 @@ fn half_beside_f32_is_the_only_mix_allowed_on_every_device() {
                 mean: view(&stat),
                 rstd: view(&stat),
                 gy: view(gy),
+                prior: None,
                 gx: gx.storage(),
                 gweight: None,
                 gbias: None,

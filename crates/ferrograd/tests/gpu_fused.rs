@@ -179,6 +179,82 @@ fn layer_norm_with_and_without_affine() {
     });
 }
 
+/// A norm on a residual stream: x's gradient from the other path (created after the norm, so
+/// pending when the norm's backward runs) is folded into the norm's gradient kernel — in
+/// place when only x holds it (mul's gradient), read from a shared buffer when another input
+/// holds it too (add's gradient with c requiring grad) — through the warp kernels (768) and
+/// the block kernels (1100), with f32 rows and a bf16 output, and in bf16.
+#[test]
+fn layer_norm_folds_the_residual_gradient() {
+    for (n, rows_dtype, out) in [
+        (768, DType::F32, DType::F32),
+        (1100, DType::F32, DType::F32),
+        (768, DType::F32, DType::BF16),
+        (768, DType::BF16, DType::BF16),
+    ] {
+        let x = randn(&[9, n], 50).to_dtype(rows_dtype).unwrap();
+        let (w, b) = (randn(&[n], 51), randn(&[n], 52));
+        let c = randn(&[9, n], 53).to_dtype(rows_dtype).unwrap();
+        let [w, b] = [w, b].map(|p| p.to_dtype(rows_dtype).unwrap());
+        let tol = if rows_dtype == DType::F32 {
+            TOL
+        } else {
+            (2e-2, 2e-2)
+        };
+        let norm = move |t: &[Tensor]| {
+            t[0].layer_norm_to(&[n], Some(&t[1]), Some(&t[2]), 1e-5, out)?
+                .to_dtype(rows_dtype)
+        };
+        let name = format!("layer_norm + x·c, n={n} {rows_dtype:?}->{out:?}");
+        compare(
+            &name,
+            &[x.clone(), w.clone(), b.clone(), c.clone()],
+            tol,
+            |t| norm(t)?.add(&t[0].mul(&t[3])?),
+        );
+        let name = format!("layer_norm + (x + c), n={n} {rows_dtype:?}->{out:?}");
+        compare(&name, &[x, w, b, c], tol, |t| {
+            norm(t)?.add(&t[0].add(&t[3])?)
+        });
+    }
+}
+
+/// The residual add and the norm after it in one kernel (`add_layer_norm_to`): s and y and
+/// every gradient against the CPU, through the warp kernels (768) and the block kernels
+/// (1100), for an f32 stream with an f32 or bf16 branch and output, and all in bf16.
+#[test]
+fn residual_add_and_layer_norm_in_one_kernel() {
+    for (n, stream, half) in [
+        (768, DType::F32, DType::F32),
+        (1100, DType::F32, DType::F32),
+        (768, DType::F32, DType::BF16),
+        (1100, DType::F32, DType::BF16),
+        (768, DType::BF16, DType::BF16),
+    ] {
+        let x = randn(&[9, n], 60).to_dtype(stream).unwrap();
+        let h = randn(&[9, n], 61).to_dtype(half).unwrap();
+        let [w, b] = [randn(&[n], 62), randn(&[n], 63)].map(|p| p.to_dtype(stream).unwrap());
+        let tol = if stream == DType::F32 {
+            TOL
+        } else {
+            (2e-2, 2e-2)
+        };
+        let step = move |t: &[Tensor]| {
+            t[0].add_layer_norm_to(&t[1], &[n], Some(&t[2]), Some(&t[3]), 1e-5, half)
+        };
+        // Both outputs reach the loss: y through a cast to the stream's dtype, s directly.
+        compare(
+            &format!("add + layer_norm n={n} {stream:?}+{half:?}"),
+            &[x, h, w, b],
+            tol,
+            |t| {
+                let (s, y) = step(t)?;
+                s.add(&y.to_dtype(stream)?)
+            },
+        );
+    }
+}
+
 /// Rows up to 1024 wide are held in a warp's registers (8, 16, 24 or 32 per lane); wider
 /// ones take a block per row. Each width at a slot boundary matches the CPU.
 #[test]

@@ -10,7 +10,7 @@
 //! chosen inputs instead of accumulating into `.grad`, running only the nodes that lead to
 //! them.
 
-use std::cell::Cell;
+use std::cell::{Cell, RefCell};
 use std::collections::{BinaryHeap, HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -274,7 +274,12 @@ fn walk(roots: Vec<(Edge, Tensor)>, pass: &mut Pass) -> Result<()> {
                     })
                     .collect();
                 let grads = match grad {
-                    Some(g) => run_node(node, g, &needs, pass)?,
+                    Some(g) => {
+                        let loan = PendingLoan::lend(&mut buffers, node, &needs, pass);
+                        let grads = run_node(node, g, &needs, pass)?;
+                        loan.settle(&mut buffers);
+                        grads
+                    }
                     None => vec![None; node.edges.len()],
                 };
                 for (next, g) in node.edges.iter().zip(grads) {
@@ -297,6 +302,81 @@ fn walk(roots: Vec<(Edge, Tensor)>, pass: &mut Pass) -> Result<()> {
         }
     }
     Ok(())
+}
+
+thread_local! {
+    /// The running node's pending input gradients (`PendingLoan`), by input index.
+    static PENDING: RefCell<Vec<Option<(usize, Tensor)>>> = const { RefCell::new(Vec::new()) };
+}
+
+/// The gradients other paths have already summed for a node's inputs, lent to its backward
+/// while it runs: a backward whose kernel can add as it writes (`take_pending_grad`) folds
+/// one in and saves the engine's separate add — a residual stream's gradient meets a layer
+/// norm's this way. What the backward does not take goes back to the buffers unchanged.
+/// Nothing is lent under create_graph (the sum must be recorded).
+struct PendingLoan {
+    /// The thread's loan before this one (a backward started from inside a hook), put back
+    /// when this one ends, on every path.
+    outer: Option<Vec<Option<(usize, Tensor)>>>,
+}
+
+impl PendingLoan {
+    fn lend(
+        buffers: &mut HashMap<usize, Tensor>,
+        node: &Node,
+        needs: &[bool],
+        pass: &Pass,
+    ) -> PendingLoan {
+        let mut lent = Vec::with_capacity(node.edges.len());
+        for (edge, &need) in node.edges.iter().zip(needs) {
+            let key = edge
+                .as_ref()
+                .filter(|_| need && !pass.create_graph)
+                .map(Edge::key);
+            // An input that appears twice is lent at its first index only.
+            lent.push(key.and_then(|k| buffers.remove(&k).map(|g| (k, g))));
+        }
+        PendingLoan {
+            outer: Some(PENDING.with(|p| p.replace(lent))),
+        }
+    }
+
+    /// Returns what the backward left to the buffers.
+    fn settle(mut self, buffers: &mut HashMap<usize, Tensor>) {
+        for (key, g) in self.end().into_iter().flatten() {
+            buffers.insert(key, g);
+        }
+    }
+
+    /// Ends the loan: the outer one is current again; returns what is left of this one.
+    fn end(&mut self) -> Vec<Option<(usize, Tensor)>> {
+        match self.outer.take() {
+            Some(outer) => PENDING.with(|p| p.replace(outer)),
+            None => Vec::new(),
+        }
+    }
+}
+
+impl Drop for PendingLoan {
+    fn drop(&mut self) {
+        self.end();
+    }
+}
+
+/// Inside a backward: the gradient that other paths have already summed for input `i`,
+/// taken when `fits` accepts it. The backward then owes the engine that gradient plus its
+/// own contribution as input `i`'s gradient (the engine no longer holds the prior one).
+/// None outside the engine, under create_graph, or when nothing is pending.
+pub(crate) fn take_pending_grad(i: usize, fits: impl FnOnce(&Tensor) -> bool) -> Option<Tensor> {
+    PENDING.with(|p| {
+        let mut p = p.borrow_mut();
+        let slot = p.get_mut(i)?;
+        if slot.as_ref().is_some_and(|(_, g)| fits(g)) {
+            slot.take().map(|(_, g)| g)
+        } else {
+            None
+        }
+    })
 }
 
 fn add_to_buffer(buffers: &mut HashMap<usize, Tensor>, key: usize, g: Tensor) -> Result<()> {

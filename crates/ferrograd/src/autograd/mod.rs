@@ -23,7 +23,9 @@ pub use crate::tensor::{
     SavedTensor, TensorHook,
 };
 pub use engine::BackwardOptions;
-pub(crate) use engine::{backward_id, saved_values_released_after_this_backward};
+pub(crate) use engine::{
+    backward_id, saved_values_released_after_this_backward, take_pending_grad,
+};
 pub use function::{CustomFunction, FunctionCtx, apply_custom};
 pub use functional::{GradOptions, grad};
 pub use grad_mode::{GradModeGuard, enable_grad, is_grad_enabled, no_grad};

@@ -30,8 +30,13 @@ pub struct SoftmaxBackward<'a> {
 /// F32, or F64 for F64 inputs), which may differ from x's. y has x's dtype, or f16/bf16 for
 /// an f32 x: each value is then rounded to f32 as x's own output would be, then to y's dtype
 /// (what a cast of the f32 output stores, without the f32 buffer).
+///
+/// With `residual`, the rows normalised are s = x + h, written to `sum` (x's dtype, R × N)
+/// on the way: a residual add and the norm after it in one pass. h (R, N) has y's dtype (x's,
+/// or the half output's beside f32 rows), and each s is rounded as the add op rounds it.
 pub struct LayerNorm<'a> {
     pub x: View<'a>,
+    pub residual: Option<Residual<'a>>,
     pub weight: Option<View<'a>>,
     pub bias: Option<View<'a>>,
     pub y: &'a Storage,
@@ -40,16 +45,27 @@ pub struct LayerNorm<'a> {
     pub eps: f64,
 }
 
+/// The branch added to a layer norm's rows, and where the sum goes.
+#[derive(Clone, Copy)]
+pub struct Residual<'a> {
+    pub h: View<'a>,
+    pub sum: &'a Storage,
+}
+
 /// gx (R, N) from x (R, N), weight (N), the saved mean and rstd (R) and gy (R, N); gweight
 /// and gbias (N) when wanted. gweight needs the weight. gy has x's dtype, or f16/bf16 for an
 /// f32 x (the gradient of a half output, read widened to f32 exactly); gx, gweight and gbias
-/// have x's dtype.
+/// have x's dtype. With `prior` (R, N) of x's dtype, gx = prior + the norm's gradient, each
+/// element rounded as a separate add would round it: a backward that folds the gradient its
+/// input already has from other paths (a residual stream's) into the one write of gx. prior
+/// may be gx's own storage; the sum is then written in place.
 pub struct LayerNormBackward<'a> {
     pub x: View<'a>,
     pub weight: Option<View<'a>>,
     pub mean: View<'a>,
     pub rstd: View<'a>,
     pub gy: View<'a>,
+    pub prior: Option<View<'a>>,
     pub gx: &'a Storage,
     pub gweight: Option<&'a Storage>,
     pub gbias: Option<&'a Storage>,
@@ -105,6 +121,11 @@ pub fn layer_norm(a: &LayerNorm) -> Result<()> {
     }
     check::mixed(OP, "the output", dtype, a.y.dtype())?;
     check::out(OP, a.y, rows * n, a.y.dtype())?;
+    if let Some(r) = &a.residual {
+        check::on_device(OP, a.y.device(), [r.h.storage, r.sum])?;
+        check::dense(OP, "the residual branch", &r.h, rows * n, a.y.dtype())?;
+        check::out(OP, r.sum, rows * n, dtype)?;
+    }
     stats(OP, a.mean, a.rstd, rows)?;
     backend(a.y.device())?.layer_norm(a)
 }
@@ -118,7 +139,14 @@ pub fn layer_norm_backward(a: &LayerNormBackward) -> Result<()> {
     }
     let device = a.gx.device();
     let outs = [Some(a.gx), a.gweight, a.gbias].into_iter().flatten();
-    let ins = [Some(a.x), a.weight, Some(a.mean), Some(a.rstd), Some(a.gy)];
+    let ins = [
+        Some(a.x),
+        a.weight,
+        Some(a.mean),
+        Some(a.rstd),
+        Some(a.gy),
+        a.prior,
+    ];
     check::on_device(
         OP,
         device,
@@ -135,6 +163,15 @@ pub fn layer_norm_backward(a: &LayerNormBackward) -> Result<()> {
     let gy_dtype = a.gy.storage.dtype();
     check::mixed(OP, "gy", dtype, gy_dtype)?;
     check::dense(OP, "gy", &a.gy, rows * n, gy_dtype)?;
+    if let Some(p) = &a.prior {
+        check::dense(OP, "prior", p, rows * n, dtype)?;
+        if std::ptr::eq(p.storage, a.gx) && p.layout.offset() != 0 {
+            return Err(Error::invalid(
+                OP,
+                "a prior in gx's storage must be gx itself",
+            ));
+        }
+    }
     check::out(OP, a.gx, rows * n, dtype)?;
     for g in [a.gweight, a.gbias].into_iter().flatten() {
         check::out(OP, g, n, dtype)?;

@@ -212,8 +212,9 @@ impl Block {
     pub fn forward_masked(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
         // attn and mlp each start with a Linear.
         let h = scoped("ln_1", || self.ln_1.forward_for_linear(x))?;
-        let x = x.add(&scoped("attn", || self.attn.forward_masked(&h, mask))?)?;
-        let h = scoped("ln_2", || self.ln_2.forward_for_linear(&x))?;
+        let a = scoped("attn", || self.attn.forward_masked(&h, mask))?;
+        // The residual add and ln_2 in one kernel.
+        let (x, h) = scoped("ln_2", || self.ln_2.add_forward_for_linear(x, &a))?;
         x.add(&scoped("mlp", || self.mlp.forward(&h))?)
     }
 }

@@ -70,6 +70,26 @@ impl LayerNorm {
     }
 }
 
+impl LayerNorm {
+    /// The residual step before a Linear: (x + branch, `forward_for_linear(x + branch)`),
+    /// bit for bit, with the add and the norm in one kernel where the dtypes allow
+    /// (`Tensor::add_layer_norm_to`). x, branch: (..., N).
+    pub fn add_forward_for_linear(&self, x: &Tensor, branch: &Tensor) -> Result<(Tensor, Tensor)> {
+        // The dtype of x + branch decides what forward_for_linear would write.
+        let sum = crate::ops::promoted_dtype(x, branch).unwrap_or(x.dtype());
+        let out = autocast::f32_policy_out(sum);
+        let dtype = autocast::lower_cast_target(out).unwrap_or(out);
+        x.add_layer_norm_to(
+            branch,
+            self.weight.shape(),
+            Some(&self.weight),
+            self.bias.as_ref(),
+            self.eps,
+            dtype,
+        )
+    }
+}
+
 impl Module for LayerNorm {
     /// x: (..., N) → (..., N)
     fn forward(&self, x: &Tensor) -> Result<Tensor> {

@@ -116,6 +116,12 @@ pub(crate) fn cast_f32_opt<const N: usize>(
     }
 }
 
+/// Whether `cast_f32_opt` would cast any of `inputs` (an op may then take its unfused path,
+/// which casts them itself).
+pub(crate) fn casts_to_f32(inputs: &[Option<&Tensor>]) -> bool {
+    autocast_dtype().is_some() && inputs.iter().flatten().any(|t| eligible(t, DType::F32))
+}
+
 /// The dtype an f32-policy op (a norm, softmax) writes for float inputs of `dtype` in the
 /// current region: f32 for f32/f16/bf16 inputs inside a region, `dtype` otherwise.
 pub(crate) fn f32_policy_out(dtype: DType) -> DType {

@@ -60,7 +60,7 @@ pub(crate) fn unary_forward(op: UnaryOp, x: &Tensor, name: &'static str) -> Resu
 /// wins, else F32 (f32 with a half, or f16 with bf16), except that a 0-dim operand does not
 /// widen a dimensioned one (bf16 (B, T, C) * f32 0-dim stays bf16). None when there is
 /// nothing to promote; integer/float mixes and device mismatches stay errors (`check_pair`).
-pub(super) fn promoted_dtype(a: &Tensor, b: &Tensor) -> Option<DType> {
+pub(crate) fn promoted_dtype(a: &Tensor, b: &Tensor) -> Option<DType> {
     let (da, db) = (a.dtype(), b.dtype());
     if da == db || !da.is_float() || !db.is_float() || a.device() != b.device() {
         return None;
@@ -88,10 +88,22 @@ fn widened(a: &Tensor, b: &Tensor) -> bool {
 /// shape, and cast to the half operand's dtype for it.
 fn widened_op(a: &Tensor, b: &Tensor, op: BinaryOp, name: &'static str) -> Result<Tensor> {
     let out = binary_kernel(op, a, b, DType::F32, name)?;
+    Ok(record_add_sub(a, b, out, op == BinaryOp::Sub, name))
+}
+
+/// Records `out = a + b` (`a - b` when `negate_b`) for autograd, however `out` was computed
+/// (a fused kernel may write it): g (negated for b of a Sub) summed to each operand's shape,
+/// and cast to each operand's dtype where it differs from out's.
+pub(super) fn record_add_sub(
+    a: &Tensor,
+    b: &Tensor,
+    out: Tensor,
+    negate_b: bool,
+    name: &'static str,
+) -> Tensor {
     let (sa, sb) = (a.shape().to_vec(), b.shape().to_vec());
     let (da, db) = (a.dtype(), b.dtype());
-    let negate_b = op == BinaryOp::Sub;
-    Ok(record(name, &[a, b], out, move |_, _| {
+    record(name, &[a, b], out, move |_, _| {
         move |g: &Tensor, n: &[bool]| {
             let gb = || {
                 let g = if negate_b { g.neg()? } else { g.clone() };
@@ -102,7 +114,7 @@ fn widened_op(a: &Tensor, b: &Tensor, op: BinaryOp, name: &'static str) -> Resul
                 grad_if(n[1], gb)?,
             ])
         }
-    }))
+    })
 }
 
 /// Both operands in their promoted dtype (autograd-aware casts: each gradient comes back in

@@ -7,10 +7,11 @@
 //! feeding a half-precision matmul (autocast's residual stream) writes f16/bf16 directly, and
 //! its backward reads the half gradient, with no cast kernel either way.
 
+use super::binary::record_add_sub;
 use super::{check_pair, stats_dtype};
-use crate::autograd::{SavedTensor, record};
+use crate::autograd::{SavedTensor, record, take_pending_grad};
 use crate::backend::mixes_with;
-use crate::backend::rows::{self, LayerNorm, LayerNormBackward};
+use crate::backend::rows::{self, LayerNorm, LayerNormBackward, Residual};
 use crate::base::{Error, Result};
 use crate::tensor::{DType, Tensor};
 
@@ -30,7 +31,9 @@ impl Tensor {
         if let Some([Some(x), w, b]) = super::autocast::cast_f32_opt([Some(self), weight, bias])? {
             return x.layer_norm(normalized_shape, w.as_ref(), b.as_ref(), eps);
         }
-        self.layer_norm_into(normalized_shape, weight, bias, eps, self.dtype())
+        Ok(self
+            .layer_norm_into(None, normalized_shape, weight, bias, eps, self.dtype())?
+            .1)
     }
 
     /// `layer_norm` with its output in `dtype`: equal, bit for bit, to
@@ -57,30 +60,81 @@ impl Tensor {
                 .layer_norm(normalized_shape, weight, bias, eps)?
                 .to_dtype(dtype);
         }
-        self.layer_norm_into(normalized_shape, weight, bias, eps, dtype)
+        Ok(self
+            .layer_norm_into(None, normalized_shape, weight, bias, eps, dtype)?
+            .1)
     }
 
-    /// The fused op, its output in `out` (x's dtype, or a half dtype for f32 x).
+    /// A pre-norm block's residual step: `(s, y)` with s = self + branch and y = s's layer
+    /// norm in `dtype` — equal, bit for bit, forward and backward, to
+    /// `let s = self.add(branch)?; let y = s.layer_norm_to(normalized_shape, weight, bias, eps, dtype)?;`.
+    /// One kernel writes both when branch has self's shape and `dtype` (an f32 stream with a
+    /// half-precision branch feeding a half-precision Linear, or all of one dtype) and no
+    /// autocast cast is due; anything else runs that composition.
+    #[track_caller]
+    #[allow(clippy::too_many_arguments)]
+    pub fn add_layer_norm_to(
+        &self,
+        branch: &Tensor,
+        normalized_shape: &[usize],
+        weight: Option<&Tensor>,
+        bias: Option<&Tensor>,
+        eps: f64,
+        dtype: DType,
+    ) -> Result<(Tensor, Tensor)> {
+        let _site = crate::memory::recorder::CallSite::enter();
+        let fusable = branch.shape() == self.shape()
+            && branch.dtype() == dtype
+            && self.dtype().is_float()
+            && mixes_with(self.dtype(), dtype)
+            && branch.device() == self.device()
+            && !super::autocast::casts_to_f32(&[Some(self), weight, bias]);
+        if !fusable {
+            let s = self.add(branch)?;
+            let y = s.layer_norm_to(normalized_shape, weight, bias, eps, dtype)?;
+            return Ok((s, y));
+        }
+        let (s, y) =
+            self.layer_norm_into(Some(branch), normalized_shape, weight, bias, eps, dtype)?;
+        Ok((s, y))
+    }
+
+    /// The fused op, its output in `out` (x's dtype, or a half dtype for f32 x), on
+    /// self + branch when there is a branch (of `out`'s dtype and self's shape). Returns the
+    /// rows normalised (self, or the recorded sum) and the output.
     fn layer_norm_into(
         &self,
+        branch: Option<&Tensor>,
         normalized_shape: &[usize],
         weight: Option<&Tensor>,
         bias: Option<&Tensor>,
         eps: f64,
         out: DType,
-    ) -> Result<Tensor> {
+    ) -> Result<(Tensor, Tensor)> {
         let rows = check_args(self, normalized_shape, weight, bias)?;
         let n: usize = normalized_shape.iter().product();
         // The kernel reads rows of the last dim: flatten to (R, N) and the parameters to (N).
         let x = self.detached_contiguous()?.reshape(&[rows, n])?;
         let flat = |p: &Tensor| p.detached_contiguous()?.reshape(&[n]);
         let (w, b) = (weight.map(flat).transpose()?, bias.map(flat).transpose()?);
+        let h = branch
+            .map(|h| h.detached_contiguous()?.reshape(&[rows, n]))
+            .transpose()?;
+        let sum = h
+            .as_ref()
+            .map(|_| Tensor::output_uninit(&[rows, n], self.dtype(), self.device(), "add"))
+            .transpose()?;
         let y = Tensor::output_uninit(self.shape(), out, self.device(), "layer_norm")?;
         let stats = stats_dtype(self.dtype());
         let mean = Tensor::output_uninit(&[rows], stats, self.device(), "layer_norm")?;
         let rstd = Tensor::output_uninit(&[rows], stats, self.device(), "layer_norm")?;
+        let residual = h.as_ref().zip(sum.as_ref()).map(|(h, s)| Residual {
+            h: h.view(),
+            sum: s.storage(),
+        });
         rows::layer_norm(&LayerNorm {
             x: x.view(),
+            residual,
             weight: w.as_ref().map(Tensor::view),
             bias: b.as_ref().map(Tensor::view),
             y: y.storage(),
@@ -88,8 +142,16 @@ impl Tensor {
             rstd: rstd.storage(),
             eps,
         })?;
-        let recorded: Vec<&Tensor> = [Some(self), weight, bias].into_iter().flatten().collect();
-        Ok(record("layer_norm", &recorded, y, |_, _| {
+        // The rows normalised: self, or the sum recorded as the add it is.
+        let (input, x) = match (branch, sum) {
+            (Some(branch), Some(sum)) => {
+                let s = sum.reshape(self.shape())?;
+                (record_add_sub(self, branch, s, false, "add"), sum)
+            }
+            _ => (self.clone(), x),
+        };
+        let recorded: Vec<&Tensor> = [Some(&input), weight, bias].into_iter().flatten().collect();
+        let y = record("layer_norm", &recorded, y, |_, _| {
             let saved = Saved {
                 x: SavedTensor::new(&x),
                 weight: w.as_ref().map(SavedTensor::new),
@@ -100,7 +162,8 @@ impl Tensor {
                 param_shape: normalized_shape.to_vec(),
             };
             move |g: &Tensor, needs: &[bool]| saved.backward(g, needs)
-        }))
+        });
+        Ok((input, y))
     }
 }
 
@@ -132,7 +195,21 @@ impl Saved {
         let grad = |shape: &[usize]| {
             Tensor::output_uninit(shape, x.dtype(), x.device(), "layer_norm_backward")
         };
-        let gx = grad(x.shape())?;
+        // x's gradient from its other uses (a residual stream's) is added as gx is written,
+        // in place when nothing else sees that buffer.
+        let prior = needs[0]
+            .then(|| {
+                take_pending_grad(0, |p| {
+                    p.shape() == self.x_shape.as_slice() && p.dtype() == x.dtype()
+                })
+            })
+            .flatten()
+            .map(|p| p.detached_contiguous()?.reshape(x.shape()))
+            .transpose()?;
+        let gx = match &prior {
+            Some(p) if p.is_exclusive() => p.clone(),
+            _ => grad(x.shape())?,
+        };
         let gw = w.map(|_| grad(&[n])).transpose()?;
         let gb = self.bias.then(|| grad(&[n])).transpose()?;
         rows::layer_norm_backward(&LayerNormBackward {
@@ -141,6 +218,7 @@ impl Saved {
             mean: self.mean.get().view(),
             rstd: self.rstd.get().view(),
             gy: g.view(),
+            prior: prior.as_ref().map(Tensor::view),
             gx: gx.storage(),
             gweight: gw.as_ref().map(|t| &**t.storage()),
             gbias: gb.as_ref().map(|t| &**t.storage()),

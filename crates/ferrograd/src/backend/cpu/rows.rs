@@ -21,7 +21,9 @@ use super::data::{CpuData, Elem, with_float};
 use super::elementwise::PAR_MIN;
 use super::vmath::{lane_sum, simd_fn};
 use super::{CpuRead, read, write};
-use crate::backend::rows::{LayerNorm, LayerNormBackward, RowKernels, Softmax, SoftmaxBackward};
+use crate::backend::rows::{
+    LayerNorm, LayerNormBackward, Residual, RowKernels, Softmax, SoftmaxBackward,
+};
 use crate::backend::{Storage, View, rows_cols};
 use crate::base::{DType, Layout};
 use crate::base::{Error, Result};
@@ -285,7 +287,7 @@ pub(super) fn max_and_log_sum<T: Elem>(x: &[T]) -> (f64, f64) {
 simd_fn!(fn softmax_row_v[T: Elem](log: bool, x: &[T], y: &mut [T], buf: &mut Vec<f64>) = softmax_row;);
 simd_fn!(fn softmax_backward_row_v[T: Elem](log: bool, y: &[T], gy: &[T], gx: &mut [T]) = softmax_backward_row;);
 simd_fn!(fn layer_norm_row_v[T: Elem, Y: Elem](x: &[T], w: Option<&[T]>, b: Option<&[T]>, eps: f64, y: &mut [Y]) -> (f64, f64) = layer_norm_row;);
-simd_fn!(fn layer_norm_backward_row_v[T: Elem, G: Elem](x: &[T], gy: &[G], w: Option<&[T]>, s: RowStats, gx: &mut [T], gh: &mut Vec<f64>) = layer_norm_backward_row;);
+simd_fn!(fn layer_norm_backward_row_v[T: Elem, G: Elem](x: &[T], gy: &[G], args: RowArgs<T>, gx: &mut [T], gh: &mut Vec<f64>) = layer_norm_backward_row;);
 
 // ---- softmax --------------------------------------------------------------------------------
 
@@ -368,8 +370,48 @@ fn layer_norm_same<T: Elem>(a: &LayerNorm) -> Result<()> {
     layer_norm::<T, T>(a)
 }
 
-/// Rows of `T` normalised into an output of `Y` (`T`, or a half type for f32 rows).
+/// Rows of `T` normalised into an output of `Y` (`T`, or a half type for f32 rows). With a
+/// residual branch, its sum with x is written first and normalised from there (the CPU has
+/// no memory traffic to save by fusing the two passes).
 fn layer_norm<T: Elem, Y: Elem>(a: &LayerNorm) -> Result<()> {
+    let Some(res) = a.residual else {
+        return layer_norm_rows::<T, Y>(a);
+    };
+    residual_sum::<T, Y>(a.x, res)?;
+    let layout = Layout::contiguous(a.x.layout.shape());
+    let s = View {
+        storage: res.sum,
+        layout: &layout,
+    };
+    layer_norm_rows::<T, Y>(&LayerNorm {
+        x: s,
+        residual: None,
+        ..*a
+    })
+}
+
+/// sum = x + h, each rounded in `T` as the add op rounds it (h widened to `T` exactly first).
+fn residual_sum<T: Elem, Y: Elem>(x: View, res: Residual) -> Result<()> {
+    const OP: &str = "layer_norm";
+    let views = [x, res.h];
+    let ins = Inputs::read(&views)?;
+    let (rows, n) = rows_cols(x.layout);
+    let (x, h) = (
+        ins.slice::<T>(OP, 0, rows * n)?,
+        ins.slice::<Y>(OP, 1, rows * n)?,
+    );
+    write(res.sum, |d| {
+        let s = typed_mut::<T>(OP, d, rows * n)?;
+        map_rows(s, rows, n, |r, sr, _| {
+            sr.iter_mut()
+                .zip(row(x, r, n).iter().zip(row(h, r, n)))
+                .for_each(|(o, (&x, &h))| *o = x + T::from_f64(h.to_f64()));
+        });
+        Ok(())
+    })
+}
+
+fn layer_norm_rows<T: Elem, Y: Elem>(a: &LayerNorm) -> Result<()> {
     const OP: &str = "layer_norm";
     let (eps, weight, bias) = (a.eps, a.weight.is_some(), a.bias.is_some());
     // [x, weight?, bias?]: one lock per distinct storage.
@@ -447,25 +489,48 @@ fn layer_norm_backward<T: Elem, G: Elem>(a: &LayerNormBackward) -> Result<()> {
     const OP: &str = "layer_norm_backward";
     let weight = a.weight.is_some();
     let k = weight as usize;
-    // [x, weight?, mean, rstd, gy]: one lock per distinct storage.
-    let views = match a.weight {
-        Some(w) => [a.x, w, a.mean, a.rstd, a.gy],
-        None => [a.x, a.mean, a.rstd, a.gy, a.gy],
-    };
-    let ins = Inputs::read(&views[..4 + k])?;
+    // A prior in gx's own storage is read from gx as it is overwritten (a lock on it for
+    // reading would block the write); any other is an input like gy.
+    let in_place = a.prior.is_some_and(|p| std::ptr::eq(p.storage, a.gx));
+    let prior = a.prior.filter(|_| !in_place);
+    // [x, weight?, mean, rstd, gy, prior?]: one lock per distinct storage.
+    let views: Vec<View> = [
+        Some(a.x),
+        a.weight,
+        Some(a.mean),
+        Some(a.rstd),
+        Some(a.gy),
+        prior,
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    let ins = Inputs::read(&views)?;
     let (rows, n) = rows_cols(a.x.layout);
     let x = ins.slice::<T>(OP, 0, rows * n)?;
     let w = weight.then(|| ins.slice::<T>(OP, 1, n)).transpose()?;
     let (mean, rstd) = (ins.f64s(OP, 1 + k, rows)?, ins.f64s(OP, 2 + k, rows)?);
     let gy = ins.slice::<G>(OP, 3 + k, rows * n)?;
+    let prior = prior
+        .map(|_| ins.slice::<T>(OP, 4 + k, rows * n))
+        .transpose()?;
+    let accumulate = a.prior.is_some();
     write(a.gx, |d| {
         let gx = typed_mut::<T>(OP, d, rows * n)?;
         map_rows(gx, rows, n, |r, gr, buf| {
+            if let Some(p) = prior {
+                gr.copy_from_slice(row(p, r, n));
+            }
             let rs = RowStats {
                 mean: mean[r],
                 rstd: rstd[r],
             };
-            layer_norm_backward_row_v(row(x, r, n), row(gy, r, n), w, rs, gr, buf)
+            let args = RowArgs {
+                w,
+                s: rs,
+                accumulate,
+            };
+            layer_norm_backward_row_v(row(x, r, n), row(gy, r, n), args, gr, buf)
         });
         Ok(())
     })?;
@@ -487,16 +552,25 @@ struct RowStats {
     rstd: f64,
 }
 
-/// gx = rstd (ĝ - mean(ĝ) - x̂ mean(ĝ x̂)) with x̂ = (x - mean) rstd and ĝ = gy · weight.
+/// What a layer-norm backward row reads besides x and gy: the weight, the row's statistics,
+/// and whether gx already holds a prior gradient to add to.
+struct RowArgs<'a, T> {
+    w: Option<&'a [T]>,
+    s: RowStats,
+    accumulate: bool,
+}
+
+/// gx = rstd (ĝ - mean(ĝ) - x̂ mean(ĝ x̂)) with x̂ = (x - mean) rstd and ĝ = gy · weight;
+/// prior + that when accumulating.
 #[inline(always)]
 fn layer_norm_backward_row<T: Elem, G: Elem>(
     x: &[T],
     gy: &[G],
-    w: Option<&[T]>,
-    s: RowStats,
+    args: RowArgs<T>,
     gx: &mut [T],
     gh: &mut Vec<f64>,
 ) {
+    let RowArgs { w, s, accumulate } = args;
     let n = x.len() as f64;
     let xhat = |v: T| (v.to_f64() - s.mean) * s.rstd;
     gh.clear();
@@ -507,9 +581,14 @@ fn layer_norm_backward_row<T: Elem, G: Elem>(
     let gh = &gh[..x.len()];
     let mean_g = lane_sum(gh.len(), |j| gh[j]) / n;
     let mean_gx = lane_sum(gh.len(), |j| gh[j] * xhat(x[j])) / n;
-    gx.iter_mut()
-        .zip(gh.iter().zip(x))
-        .for_each(|(o, (&g, &v))| *o = T::from_f64(s.rstd * (g - mean_g - xhat(v) * mean_gx)));
+    let local = |g: f64, v: T| T::from_f64(s.rstd * (g - mean_g - xhat(v) * mean_gx));
+    let outs = gx.iter_mut().zip(gh.iter().zip(x));
+    if accumulate {
+        // Rounded as `prior + local` in T, what the engine's separate add would store.
+        outs.for_each(|(o, (&g, &v))| *o = *o + local(g, v));
+    } else {
+        outs.for_each(|(o, (&g, &v))| *o = local(g, v));
+    }
 }
 
 /// (Σ_r gy x̂, Σ_r gy) per column. Fixed blocks of rows are summed in parallel, then the

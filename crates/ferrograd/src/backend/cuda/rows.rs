@@ -101,6 +101,10 @@ fn layer_norm(d: &CudaDevice, a: &LayerNorm) -> Result<()> {
     let (eps, s) = (a.eps, ln_suffix(OP, a.x.storage.dtype(), a.y.dtype())?);
     let (rows, n) = rows_cols(a.x.layout);
     let (x, w, b) = (addr(&a.x)?, optional(&a.weight)?, optional(&a.bias)?);
+    let (res, sum) = match &a.residual {
+        Some(r) => (addr(&r.h)?, ptr(r.sum)?),
+        None => (0, 0),
+    };
     let (y, mean, rstd) = (ptr(a.y)?, ptr(a.mean)?, ptr(a.rstd)?);
     let sk = float_code(OP, a.mean.dtype())?;
     if rows == 0 {
@@ -108,6 +112,8 @@ fn layer_norm(d: &CudaDevice, a: &LayerNorm) -> Result<()> {
     }
     let args = [
         Arg::Ptr(x),
+        Arg::Ptr(res),
+        Arg::Ptr(sum),
         Arg::Ptr(w),
         Arg::Ptr(b),
         Arg::Ptr(y),
@@ -148,6 +154,7 @@ fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
     let (mean, rstd) = (addr(&a.mean)?, addr(&a.rstd)?);
     let sk = float_code(OP, a.mean.storage.dtype())?;
     let (gy, gx) = (addr(&a.gy)?, ptr(a.gx)?);
+    let prior = optional(&a.prior)?;
     let gw = a.gweight.map(ptr).transpose()?.unwrap_or(0);
     let gb = a.gbias.map(ptr).transpose()?.unwrap_or(0);
     if rows == 0 {
@@ -158,7 +165,13 @@ fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
     let args = [
         &[Arg::Ptr(x), Arg::Ptr(w)][..],
         &stats,
-        &[Arg::Ptr(gy), Arg::Ptr(gx), i64_of(rows), i64_of(n)],
+        &[
+            Arg::Ptr(gy),
+            Arg::Ptr(prior),
+            Arg::Ptr(gx),
+            i64_of(rows),
+            i64_of(n),
+        ],
     ]
     .concat();
     let (kernel, cfg) = layer_norm_kernel("layer_norm_bwd", &s, rows, n);

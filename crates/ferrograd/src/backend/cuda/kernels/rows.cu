@@ -69,17 +69,39 @@ struct LnOut<T, T> {
     static __device__ __forceinline__ T of(double h) { return from_d<T>(h); }
 };
 
+// A residual sum s = x + h in the rows' type T, rounded as the add op rounds it: h of T, or
+// f16/bf16 beside f32 rows (widened exactly, as autocast's residual add reads it).
+__device__ __forceinline__ float residual_add(float x, float h) { return __fadd_rn(x, h); }
+__device__ __forceinline__ float residual_add(float x, f16_t h) { return __fadd_rn(x, to_f(h)); }
+__device__ __forceinline__ float residual_add(float x, bf16_t h) { return __fadd_rn(x, to_f(h)); }
+__device__ __forceinline__ double residual_add(double x, double h) { return __dadd_rn(x, h); }
+__device__ __forceinline__ f16_t residual_add(f16_t x, f16_t h) { return t_add(x, h); }
+__device__ __forceinline__ bf16_t residual_add(bf16_t x, bf16_t h) { return t_add(x, h); }
+
 // y = (x - mean) rstd [· w] [+ b]; mean and rstd (biased variance, two passes) stored with
-// kind sk. w and b may be null.
+// kind sk. w and b may be null. With a residual branch h (of y's type; null: none), the rows
+// are s = x + h, written to sum in the first pass and read back from there by the same
+// thread (each thread keeps its columns in every pass).
 template <typename T, typename Y>
-__device__ void layer_norm_fwd(const T* x, const T* w, const T* b, Y* y, void* mean, void* rstd,
-                               int sk, i64 rows, i64 n, double eps) {
+__device__ void layer_norm_fwd(const T* x, const Y* res, T* sum, const T* w, const T* b, Y* y,
+                               void* mean, void* rstd, int sk, i64 rows, i64 n, double eps) {
     __shared__ double sh[BLOCK];
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* xr = x + r * n;
         Y* yr = y + r * n;
         double s = 0.0;
-        for (i64 j = threadIdx.x; j < n; j += BLOCK) s += to_d(xr[j]);
+        if (res) {
+            const Y* hr = res + r * n;
+            T* sr = sum + r * n;
+            for (i64 j = threadIdx.x; j < n; j += BLOCK) {
+                const T v = residual_add(xr[j], hr[j]);
+                sr[j] = v;
+                s += to_d(v);
+            }
+            xr = sr;
+        } else {
+            for (i64 j = threadIdx.x; j < n; j += BLOCK) s += to_d(xr[j]);
+        }
         const double mu = block_sum(s, sh) / (double)n;
         double v = 0.0;
         for (i64 j = threadIdx.x; j < n; j += BLOCK) {
@@ -101,10 +123,16 @@ __device__ void layer_norm_fwd(const T* x, const T* w, const T* b, Y* y, void* m
     }
 }
 
-// gx = rstd (ĝ - mean(ĝ) - x̂ mean(ĝ x̂)) with x̂ = (x - mean) rstd and ĝ = gy · w.
+// gx = rstd (ĝ - mean(ĝ) - x̂ mean(ĝ x̂)) with x̂ = (x - mean) rstd and ĝ = gy · w; with a
+// prior (may be gx itself), gx = prior + that, rounded as a separate add in T would round it.
+template <typename T>
+__device__ __forceinline__ T ln_grad_out(const T* prior, i64 i, T local) {
+    return prior ? t_add(prior[i], local) : local;
+}
+
 template <typename T, typename Y>
 __device__ void layer_norm_bwd(const T* x, const T* w, const void* mean, const void* rstd, int sk,
-                               const Y* gy, T* gx, i64 rows, i64 n) {
+                               const Y* gy, const T* prior, T* gx, i64 rows, i64 n) {
     __shared__ double sh[BLOCK];
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* xr = x + r * n;
@@ -123,7 +151,7 @@ __device__ void layer_norm_bwd(const T* x, const T* w, const void* mean, const v
         for (i64 j = threadIdx.x; j < n; j += BLOCK) {
             const double gh = to_d(gr[j]) * (w ? to_d(w[j]) : 1.0);
             const double xh = (to_d(xr[j]) - mu) * rs;
-            outr[j] = from_d<T>(rs * (gh - mean_g - xh * mean_gx));
+            outr[j] = ln_grad_out(prior, r * n + j, from_d<T>(rs * (gh - mean_g - xh * mean_gx)));
         }
     }
 }
@@ -145,8 +173,9 @@ __device__ __forceinline__ i64 warp_row() { return (i64)blockIdx.x * (blockDim.x
 __device__ __forceinline__ i64 warp_rows() { return (i64)gridDim.x * (blockDim.x >> 5); }
 
 template <typename T, typename Y, int PER>
-__device__ void layer_norm_fwd_warp(const T* x, const T* w, const T* b, Y* y, void* mean,
-                                    void* rstd, int sk, i64 rows, i64 n, double eps) {
+__device__ void layer_norm_fwd_warp(const T* x, const Y* res, T* sum, const T* w, const T* b,
+                                    Y* y, void* mean, void* rstd, int sk, i64 rows, i64 n,
+                                    double eps) {
     const int lane = threadIdx.x & 31;
     for (i64 r = warp_row(); r < rows; r += warp_rows()) {
         const T* xr = x + r * n;
@@ -156,7 +185,12 @@ __device__ void layer_norm_fwd_warp(const T* x, const T* w, const T* b, Y* y, vo
 #pragma unroll
         for (int i = 0; i < PER; ++i) {
             const i64 j = lane + 32 * i;
-            v[i] = j < n ? to_f(xr[j]) : 0.0f;
+            T e = j < n ? xr[j] : T{};
+            if (res && j < n) {
+                e = residual_add(e, res[r * n + j]);
+                sum[r * n + j] = e;
+            }
+            v[i] = to_f(e);
             s += (double)v[i];
         }
         const double mu = warp_sum_d(s) / (double)n;
@@ -185,7 +219,7 @@ __device__ void layer_norm_fwd_warp(const T* x, const T* w, const T* b, Y* y, vo
 
 template <typename T, typename Y, int PER>
 __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, const void* rstd,
-                                    int sk, const Y* gy, T* gx, i64 rows, i64 n) {
+                                    int sk, const Y* gy, const T* prior, T* gx, i64 rows, i64 n) {
     const int lane = threadIdx.x & 31;
     for (i64 r = warp_row(); r < rows; r += warp_rows()) {
         const T* xr = x + r * n;
@@ -212,7 +246,7 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
             if (j >= n) break;
             const double gh = (double)gv[i] * (w ? to_d(w[j]) : 1.0);
             const double xh = ((double)xv[i] - mu) * rs;
-            outr[j] = from_d<T>(rs * (gh - mean_g - xh * mean_gx));
+            outr[j] = ln_grad_out(prior, r * n + j, from_d<T>(rs * (gh - mean_g - xh * mean_gx)));
         }
     }
 }
@@ -221,15 +255,16 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
 // rows, a bf16 output and output gradient).
 #define LN_WARP_KERNELS(S, T, Y, PER)                                                              \
     extern "C" __global__ void __launch_bounds__(BLOCK)                                            \
-        layer_norm_fwd_warp##PER##_##S(const T* x, const T* w, const T* b, Y* y, void* mean,       \
-                                       void* rstd, int sk, i64 rows, i64 n, double eps) {          \
-        layer_norm_fwd_warp<T, Y, PER>(x, w, b, y, mean, rstd, sk, rows, n, eps);                  \
+        layer_norm_fwd_warp##PER##_##S(const T* x, const Y* res, T* sum, const T* w, const T* b,   \
+                                       Y* y, void* mean, void* rstd, int sk, i64 rows, i64 n,      \
+                                       double eps) {                                               \
+        layer_norm_fwd_warp<T, Y, PER>(x, res, sum, w, b, y, mean, rstd, sk, rows, n, eps);        \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(BLOCK)                                            \
         layer_norm_bwd_warp##PER##_##S(const T* x, const T* w, const void* mean,                   \
-                                       const void* rstd, int sk, const Y* gy, T* gx, i64 rows,     \
-                                       i64 n) {                                                    \
-        layer_norm_bwd_warp<T, Y, PER>(x, w, mean, rstd, sk, gy, gx, rows, n);                     \
+                                       const void* rstd, int sk, const Y* gy, const T* prior,      \
+                                       T* gx, i64 rows, i64 n) {                                   \
+        layer_norm_bwd_warp<T, Y, PER>(x, w, mean, rstd, sk, gy, prior, gx, rows, n);              \
     }
 #define LN_WARP_SIZES(S, T, Y)                                                  \
     LN_WARP_KERNELS(S, T, Y, 8) LN_WARP_KERNELS(S, T, Y, 16) LN_WARP_KERNELS(S, T, Y, 24) \
@@ -311,14 +346,14 @@ extern "C" __global__ void __launch_bounds__(1024)
 // Layer norm of rows of T with an output (and output gradient) of Y; S as LN_WARP_KERNELS.
 #define LN_KERNELS(S, T, Y)                                                                        \
     extern "C" __global__ void __launch_bounds__(BLOCK)                                            \
-        layer_norm_fwd_##S(const T* x, const T* w, const T* b, Y* y, void* mean, void* rstd,       \
-                           int sk, i64 rows, i64 n, double eps) {                                  \
-        layer_norm_fwd<T, Y>(x, w, b, y, mean, rstd, sk, rows, n, eps);                            \
+        layer_norm_fwd_##S(const T* x, const Y* res, T* sum, const T* w, const T* b, Y* y,         \
+                           void* mean, void* rstd, int sk, i64 rows, i64 n, double eps) {          \
+        layer_norm_fwd<T, Y>(x, res, sum, w, b, y, mean, rstd, sk, rows, n, eps);                  \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(BLOCK)                                            \
         layer_norm_bwd_##S(const T* x, const T* w, const void* mean, const void* rstd, int sk,     \
-                           const Y* gy, T* gx, i64 rows, i64 n) {                                  \
-        layer_norm_bwd<T, Y>(x, w, mean, rstd, sk, gy, gx, rows, n);                               \
+                           const Y* gy, const T* prior, T* gx, i64 rows, i64 n) {                  \
+        layer_norm_bwd<T, Y>(x, w, mean, rstd, sk, gy, prior, gx, rows, n);                        \
     }                                                                                              \
     extern "C" __global__ void layer_norm_params_##S(const T* x, const Y* gy, const void* mean,    \
                                                      const void* rstd, int sk, double* part,       \
