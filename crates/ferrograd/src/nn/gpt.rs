@@ -13,8 +13,10 @@
 //!
 //! Under autocast the residual stream stays f32 while the Linears run in half precision:
 //! each LayerNorm writes the half input of the Linear after it (`forward_for_linear`), and the
-//! residual adds read the half branch outputs directly (f32 + half in `Tensor::add`), so no
-//! cast kernel runs between them in either direction.
+//! residual adds read the half branch outputs directly (f32 + half), so no cast kernel runs
+//! between them in either direction. Each residual add is done by the norm that reads its
+//! sum, in one kernel (`add_forward_for_linear`; a block's last add by the next block's
+//! ln_1, or ln_f), and each norm's backward adds the stream's gradient as it writes its own.
 
 use super::attention::{CausalSelfAttention, causal_mask};
 use super::mlp::Mlp;
@@ -210,12 +212,28 @@ pub struct Block {
 impl Block {
     /// x: (B, T, C) → (B, T, C) with a causal mask of at least (T, T).
     pub fn forward_masked(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let (x, m) = self.forward_open(x, None, mask)?;
+        x.add(&m)
+    }
+
+    /// The block on the stream `x + pending` (just `x` without a pending branch), its own
+    /// last residual add left open: returns (the stream after attention, the MLP's output),
+    /// whose sum is the block's output. Each residual add is done by the norm that reads
+    /// its sum, in the same kernel (`add_forward_for_linear`).
+    pub fn forward_open(
+        &self,
+        x: &Tensor,
+        pending: Option<&Tensor>,
+        mask: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
         // attn and mlp each start with a Linear.
-        let h = scoped("ln_1", || self.ln_1.forward_for_linear(x))?;
+        let (x, h) = scoped("ln_1", || match pending {
+            Some(p) => self.ln_1.add_forward_for_linear(x, p),
+            None => Ok((x.clone(), self.ln_1.forward_for_linear(x)?)),
+        })?;
         let a = scoped("attn", || self.attn.forward_masked(&h, mask))?;
-        // The residual add and ln_2 in one kernel.
-        let (x, h) = scoped("ln_2", || self.ln_2.add_forward_for_linear(x, &a))?;
-        x.add(&scoped("mlp", || self.mlp.forward(&h))?)
+        let (x, h) = scoped("ln_2", || self.ln_2.add_forward_for_linear(&x, &a))?;
+        Ok((x, scoped("mlp", || self.mlp.forward(&h))?))
     }
 }
 
@@ -342,17 +360,27 @@ impl Gpt {
         let tok = scoped("transformer.wte", || self.wte.forward(ids))?;
         let x = tok.add(&scoped("transformer.wpe", || self.wpe.forward(&pos))?)?;
         let mut x = scoped("transformer.drop", || self.drop.forward(&x))?;
+        // The stream is x + pending: a block's last residual add is done by the next norm.
+        let mut pending: Option<Tensor> = None;
         // Without a graph there is nothing to save, so recomputation would only cost time.
         let recording = crate::autograd::is_grad_enabled();
         for (i, block) in self.blocks.iter().enumerate() {
             let _scope = recorder::module_scope_indexed("transformer.h", i);
-            x = if recording && self.recompute.applies_to(i) {
-                block.forward_recomputed(&x, &self.mask)?
+            if recording && self.recompute.applies_to(i) {
+                // A recomputed block saves only its input: the whole stream.
+                if let Some(p) = pending.take() {
+                    x = x.add(&p)?;
+                }
+                x = block.forward_recomputed(&x, &self.mask)?;
             } else {
-                block.forward_masked(&x, &self.mask)?
-            };
+                let (stream, m) = block.forward_open(&x, pending.as_ref(), &self.mask)?;
+                (x, pending) = (stream, Some(m));
+            }
         }
-        let x = scoped("transformer.ln_f", || self.ln_f.forward_for_linear(&x))?;
+        let x = scoped("transformer.ln_f", || match &pending {
+            Some(p) => Ok(self.ln_f.add_forward_for_linear(&x, p)?.1),
+            None => self.ln_f.forward_for_linear(&x),
+        })?;
         let logits = scoped("lm_head", || x.linear(&self.wte.weight, None))?;
         let loss = targets
             .map(|y| logits.cross_entropy(y, IGNORE_INDEX))
