@@ -193,6 +193,25 @@ mod gpt_policy {
         }
         assert!(Recompute::Every(2).applies_to(0) && !Recompute::Every(2).applies_to(1));
         assert!(!Recompute::Off.applies_to(0));
+        assert_eq!("gelu".parse::<Recompute>().unwrap(), Recompute::Gelu);
+        assert_eq!(Recompute::Gelu.to_string(), "gelu");
+        assert!(
+            !Recompute::Gelu.applies_to(0),
+            "gelu recomputes no whole block"
+        );
+    }
+
+    #[test]
+    fn gelu_recomputation_frees_each_mlps_gelu_output_and_changes_no_bit() {
+        let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let (b, t, cfg) = (2, 32, config(0.1));
+        let (loss, grads, off) = step(Recompute::Off, 0.1);
+        let (l, g, gelu) = step(Recompute::Gelu, 0.1);
+        assert_eq!(l, loss);
+        assert_eq!(g, grads);
+        // Each block's (B, T, 4C) f32 GELU output is no longer held until backward.
+        let gelu_out = (b * t * 4 * cfg.n_embd * 4) as u64;
+        assert_eq!(off - gelu, cfg.n_layer as u64 * gelu_out);
     }
 
     #[test]

@@ -74,6 +74,11 @@ fn single_changes(job: &TrainJob) -> Vec<Change> {
     if f32_weights && t.amp.is_none() && job.optimizer == OptimizerChoice::AdamW && !job.zero {
         out.push(change("--weights bf16", |j| j.weights = DType::BF16));
     }
+    if t.recompute == Recompute::Off {
+        out.push(change("--recompute gelu", |j| {
+            j.trainer.recompute = Recompute::Gelu
+        }));
+    }
     for k in [1, 2] {
         if t.recompute != Recompute::Every(k) && k <= job.model.n_layer {
             out.push(change(&format!("--recompute every:{k}"), move |j| {

@@ -195,6 +195,7 @@ impl Init {
                 c_fc: self.linear(c, 4 * c, bias, INIT_STD)?,
                 c_proj: self.linear(4 * c, c, bias, proj_std)?,
                 dropout: self.dropout(cfg.dropout)?,
+                recompute_gelu: false,
             },
         })
     }
@@ -308,7 +309,6 @@ impl Gpt {
         })
     }
 
-    /// Chooses which blocks recompute their activations in backward (see `Recompute`).
     /// Fused attention kernels where the device has them (the default), or the composed
     /// matmul–softmax–matmul path everywhere.
     pub fn set_fused_attention(&mut self, on: bool) {
@@ -324,8 +324,13 @@ impl Gpt {
             .is_some_and(|b| b.attn.runs_fused(b.attn.c_attn.weight.device(), dtype))
     }
 
+    /// Chooses what backward recomputes instead of the forward saving it (see `Recompute`):
+    /// whole blocks, or each MLP's GELU output.
     pub fn set_recompute(&mut self, policy: Recompute) {
         self.recompute = policy;
+        for block in &mut self.blocks {
+            block.mlp.recompute_gelu = policy == Recompute::Gelu;
+        }
     }
 
     pub fn recompute(&self) -> Recompute {

@@ -1,5 +1,7 @@
 //! The transformer's feed-forward block, as in GPT-2: Linear(C, 4C) → GELU (tanh
-//! approximation) → Linear(4C, C) → dropout.
+//! approximation) → Linear(4C, C) → dropout. With `recompute_gelu` the GELU and the second
+//! Linear run as one op that saves the GELU's input only (`Tensor::gelu_linear`): the same
+//! values, and the (B, T, 4C) GELU output is recomputed in backward instead of kept.
 
 use super::state::prefixed;
 use super::{Dropout, Linear, Module};
@@ -14,13 +16,21 @@ pub struct Mlp {
     /// 4C → C
     pub c_proj: Linear,
     pub dropout: Dropout,
+    /// Recompute the GELU's output in backward instead of saving it.
+    pub recompute_gelu: bool,
 }
 
 impl Module for Mlp {
     /// x: (B, T, C) → (B, T, C)
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.c_fc.forward(x)?.gelu(GeluApprox::Tanh)?;
-        self.dropout.forward(&self.c_proj.forward(&h)?)
+        let pre = self.c_fc.forward(x)?;
+        let out = if self.recompute_gelu {
+            let (w, b) = (&self.c_proj.weight, self.c_proj.bias.as_ref());
+            pre.gelu_linear(GeluApprox::Tanh, w, b)?
+        } else {
+            self.c_proj.forward(&pre.gelu(GeluApprox::Tanh)?)?
+        };
+        self.dropout.forward(&out)
     }
 
     fn named_parameters(&self) -> Vec<(String, Tensor)> {

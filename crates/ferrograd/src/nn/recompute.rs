@@ -1,6 +1,6 @@
 //! The model-level recomputation policy: which transformer blocks run under
-//! `checkpoint_activations` (every block, every k-th block, none), and the recomputed forward
-//! of one block. A recomputed block keeps only its input (B, T, C); everything inside it is
+//! `checkpoint_activations` (every block, every k-th block, none) or, lighter, only each MLP's
+//! GELU output (`Recompute::Gelu`), and the recomputed forward of one block. A recomputed block keeps only its input (B, T, C); everything inside it is
 //! rebuilt during backward.
 //!
 //! Dropout: each block's dropouts own generators, so the segment snapshots them before the
@@ -24,13 +24,16 @@ pub enum Recompute {
     Off,
     /// Recompute blocks 0, k, 2k, ...: `Every(1)` recomputes every block.
     Every(usize),
+    /// Recompute only each MLP's GELU output (one elementwise pass per block in backward),
+    /// the largest activation a block saves.
+    Gelu,
 }
 
 impl Recompute {
     /// Whether block `index` is recomputed.
     pub fn applies_to(self, index: usize) -> bool {
         match self {
-            Recompute::Off => false,
+            Recompute::Off | Recompute::Gelu => false,
             Recompute::Every(k) => k > 0 && index.is_multiple_of(k),
         }
     }
@@ -45,12 +48,13 @@ impl FromStr for Recompute {
             Error::invalid(
                 "recompute",
                 format!(
-                    "unknown policy '{s}': use 'off' or 'every:K' (K ≥ 1; every:1 recomputes every block)"
+                    "unknown policy '{s}': use 'off', 'gelu' (each MLP's GELU output) or 'every:K' (K ≥ 1; every:1 recomputes every block)"
                 ),
             )
         };
         match s.split_once(':') {
             None if s == "off" || s == "none" => Ok(Recompute::Off),
+            None if s == "gelu" => Ok(Recompute::Gelu),
             Some(("every", k)) => match k.parse::<usize>() {
                 Ok(k) if k >= 1 => Ok(Recompute::Every(k)),
                 _ => Err(bad()),
@@ -65,6 +69,7 @@ impl std::fmt::Display for Recompute {
         match self {
             Recompute::Off => write!(f, "off"),
             Recompute::Every(k) => write!(f, "every:{k}"),
+            Recompute::Gelu => write!(f, "gelu"),
         }
     }
 }

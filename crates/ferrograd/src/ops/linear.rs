@@ -100,31 +100,15 @@ impl Tensor {
                     }
                     return Ok(grads);
                 }
-                let gx = match (&w, n[0]) {
-                    (Some(w), true) => {
-                        Some(aligned_gemm::input_grad(&g2, w.get())?.reshape(&x_shape)?)
-                    }
-                    _ => None,
-                };
-                let wants_bias = n.len() == 3 && n[2];
-                let (gw, gb) = match (&x, n[1]) {
-                    (Some(x), true) => {
-                        let x = x.get().reshape(&[rows, k])?;
-                        weight_and_bias_grads(leaf.as_ref(), &g2, &x, wants_bias)?
-                    }
-                    _ => (None, None),
-                };
-                let gb = match (gb, wants_bias) {
-                    (Some(gb), _) => Some(gb),
-                    (None, true) => Some(
-                        g2.reduce_dims(ReduceOp::Sum, &[0], "linear_backward")?
-                            .reshape(&[n_out])?,
-                    ),
-                    (None, false) => None,
-                };
-                let mut grads = vec![gx, gw];
-                if n.len() == 3 {
-                    grads.push(gb);
+                let w = w.as_ref().map(SavedTensor::get);
+                let x2 = x
+                    .as_ref()
+                    .filter(|_| n[1])
+                    .map(|x| x.get().reshape(&[rows, k]))
+                    .transpose()?;
+                let mut grads = kernel_grads(&g2, x2.as_ref(), w, leaf.as_ref(), n)?;
+                if let Some(gx) = grads[0].take() {
+                    grads[0] = Some(gx.reshape(&x_shape)?);
                 }
                 Ok(grads)
             }
@@ -135,6 +119,44 @@ impl Tensor {
     pub(crate) fn t_view(&self) -> Result<Tensor> {
         Ok(self.with_layout(self.layout().permute(&[1, 0])?))
     }
+}
+
+/// A linear layer's gradients outside create_graph, in its inputs' order [dx, dw, db (when
+/// `n` has a third entry)], each only where `n` asks: dx (rows, in) = g2 @ w from g2 (rows,
+/// out) and w (out, in); dw = g2ᵀ·x2 from x2 (rows, in), offered first to `leaf`'s gradient
+/// sink; db = Σ_rows g2, from dw's GEMM where the backend fuses it. dx is computed before dw.
+pub(super) fn kernel_grads(
+    g2: &Tensor,
+    x2: Option<&Tensor>,
+    w: Option<&Tensor>,
+    leaf: Option<&Tensor>,
+    n: &[bool],
+) -> Result<Vec<Option<Tensor>>> {
+    let gx = match (w, n[0]) {
+        (Some(w), true) => Some(aligned_gemm::input_grad(g2, w)?),
+        _ => None,
+    };
+    let wants_bias = n.len() == 3 && n[2];
+    let (gw, gb) = match (x2, n[1]) {
+        (Some(x2), true) => weight_and_bias_grads(leaf, g2, x2, wants_bias)?,
+        _ => (None, None),
+    };
+    let gb = match (gb, wants_bias) {
+        (Some(gb), _) => Some(gb),
+        (None, true) => {
+            let n_out = g2.shape()[1];
+            Some(
+                g2.reduce_dims(ReduceOp::Sum, &[0], "linear_backward")?
+                    .reshape(&[n_out])?,
+            )
+        }
+        (None, false) => None,
+    };
+    let mut grads = vec![gx, gw];
+    if n.len() == 3 {
+        grads.push(gb);
+    }
+    Ok(grads)
 }
 
 /// (dx, dw, db) as recorded ops for a create_graph backward. g: (N, out), x: (N, in),

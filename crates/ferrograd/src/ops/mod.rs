@@ -9,6 +9,7 @@ mod binary;
 mod cross_entropy;
 mod dropout;
 mod embedding;
+mod gelu_linear;
 mod inplace;
 mod linear;
 mod loss;

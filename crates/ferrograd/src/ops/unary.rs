@@ -21,7 +21,7 @@ pub enum GeluApprox {
 /// `op(g, saved)`, written into `g`'s own buffer when nothing else can see it (the engine
 /// hands each node a gradient it owns). This keeps one (B, T, C) buffer fewer alive at the
 /// backward peak than allocating a fresh result, as PyTorch's threshold_backward does.
-fn backward_into_grad(
+pub(super) fn backward_into_grad(
     op: BinaryOp,
     g: &Tensor,
     saved: &Tensor,
@@ -32,6 +32,14 @@ fn backward_into_grad(
         return Ok(g.clone());
     }
     binary_forward(op, g, saved, name)
+}
+
+/// The GELU's forward op and its backward (g · gelu'(x)) for `approx`.
+pub(super) fn gelu_kernels(approx: GeluApprox) -> (UnaryOp, BinaryOp) {
+    match approx {
+        GeluApprox::None => (UnaryOp::GeluErf, BinaryOp::GeluErfBackward),
+        GeluApprox::Tanh => (UnaryOp::GeluTanh, BinaryOp::GeluTanhBackward),
+    }
 }
 
 impl Tensor {
@@ -111,10 +119,7 @@ impl Tensor {
     #[track_caller]
     pub fn gelu(&self, approx: GeluApprox) -> Result<Tensor> {
         let _site = crate::memory::recorder::CallSite::enter();
-        let (op, back) = match approx {
-            GeluApprox::None => (UnaryOp::GeluErf, BinaryOp::GeluErfBackward),
-            GeluApprox::Tanh => (UnaryOp::GeluTanh, BinaryOp::GeluTanhBackward),
-        };
+        let (op, back) = gelu_kernels(approx);
         let out = unary_forward(op, self, "gelu")?;
         Ok(record("gelu", &[self], out, |_, _| {
             let x = SavedTensor::new(self);
