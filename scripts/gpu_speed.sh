@@ -5,13 +5,13 @@
 #
 # Usage: scripts/gpu_speed.sh [PYTHON_WITH_TORCH]
 # Environment: ROWS (space-separated subset of: attention gpt2-bf16 gpt2-bf16-weights
-#   gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-bf16-b32 gpt2-f32 gpt2-bf16-recompute
+#   gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-bf16-b32 gpt2-f32 gpt2-bf16-recompute gpt2-bf16-gelu
 #   main-job gpt-10m gpt-10m-dropout; default all), OUT (a folder for the raw log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${1:-python3}"
 B=.bin
-ROWS="${ROWS:-attention gpt2-bf16 gpt2-bf16-weights gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-bf16-b32 gpt2-f32 gpt2-bf16-recompute main-job gpt-10m gpt-10m-dropout}"
+ROWS="${ROWS:-attention gpt2-bf16 gpt2-bf16-weights gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-bf16-b32 gpt2-f32 gpt2-bf16-recompute gpt2-bf16-gelu main-job gpt-10m gpt-10m-dropout}"
 LOG="${OUT:-/tmp}/gpu_speed.log"
 : >"$LOG"
 TABLE=()
@@ -60,6 +60,17 @@ row_gpt2-bf16-weights() {
   a=$(run "$B/strategies" --model gpt2 --strategy bf16-weights --device cuda --seq 1024 --steps 5 --warmup 3 --batch 8)
   p=$(run "$PY" benches/pytorch/strategies.py --model gpt2 --strategy bf16 --device cuda --seq 1024 --steps 5 --warmup 3 --batch 8 $COMPILED)
   TABLE+=("| GPT-2 124M B8 T1024, bf16 weights + f32 master (ours) vs bf16 autocast, step ms (peak) | $(field "$a" step_ms) ($(mib "$(field "$a" peak_bytes)")) | $(field "$p" step_ms) ($(mib "$(field "$p" peak_bytes)")) torch.compile+SDPA+fused AdamW | $(ratio "$(field "$a" step_ms)" "$(field "$p" step_ms)") |")
+}
+# Each MLP's GELU output recomputed in backward (ours only; --recompute-gelu), with autocast
+# and with bf16 weights, against the same torch.compile step (whose partitioner recomputes
+# cheap pointwise ops such as the GELU by itself).
+row_gpt2-bf16-gelu() {
+  local a p
+  p=$(run "$PY" benches/pytorch/strategies.py --model gpt2 --strategy bf16 --device cuda --seq 1024 --steps 5 --warmup 3 --batch 8 $COMPILED)
+  for s in bf16 bf16-weights; do
+    a=$(run "$B/strategies" --model gpt2 --strategy $s --device cuda --seq 1024 --steps 5 --warmup 3 --batch 8 --recompute-gelu)
+    TABLE+=("| GPT-2 124M B8 T1024 $s, GELU recomputed (ours), step ms (peak) | $(field "$a" step_ms) ($(mib "$(field "$a" peak_bytes)")) | $(field "$p" step_ms) ($(mib "$(field "$p" peak_bytes)")) torch.compile+SDPA+fused AdamW | $(ratio "$(field "$a" step_ms)" "$(field "$p" step_ms)") |")
+  done
 }
 row_gpt2-bf16-b16() { gpt2_row "GPT-2 124M B16 T1024 bf16" bf16 "--batch 16" "$COMPILED" "torch.compile+SDPA+fused AdamW"; }
 row_gpt2-bf16-b32() { gpt2_row "GPT-2 124M B32 T1024 bf16" bf16 "--batch 32" "$COMPILED" "torch.compile+SDPA+fused AdamW"; }

@@ -29,7 +29,7 @@ DEVICE="${DEVICE:-cuda}"
 BIN="${STRATEGIES_BIN:-.bin/strategies}"
 DEADLINE_S="${DEADLINE_S:-560}"
 RUN_TIMEOUT_S="${RUN_TIMEOUT_S:-180}"
-STRATEGIES="${STRATEGIES:-baseline bf16 f16 recompute accum4 freeze step-in-backward step-in-backward-fused}"
+STRATEGIES="${STRATEGIES:-baseline bf16 f16 recompute recompute-bf16 accum4 freeze step-in-backward step-in-backward-fused}"
 if [ "$SMOKE" = 1 ]; then
   MODELS="${MODELS:-mlp tiny-gpt}"
   declare -A FLAGS=([mlp]="--dim 256 --batch 64 --steps 2 --warmup 1"

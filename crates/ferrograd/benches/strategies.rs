@@ -36,6 +36,7 @@
 //!   --strategy baseline|bf16|bf16-weights|f16|recompute|recompute-bf16|accum4|freeze|step-in-backward|step-in-backward-fused
 //!   [--device cpu|cuda]
 //!   [--steps 10] [--warmup 3] [--dim 10000] [--batch B] [--seq T] [--vocab V]
+//!   [--recompute-gelu] (GPT: each MLP's GELU output recomputed in backward)
 //! Prints a human line on stderr and one JSON line on stdout.
 
 use std::sync::Arc;
@@ -145,6 +146,9 @@ struct Args {
     /// The GPT's vocabulary, when not the model's own (GPT-2's 50257 padded to 50304, as
     /// nanoGPT and llm.c pad it, gives the head's GEMMs 16-byte-aligned rows).
     vocab: Option<usize>,
+    /// GPT: recompute each MLP's GELU output in backward (`Recompute::Gelu`) on top of the
+    /// strategy (any that does not already recompute whole blocks).
+    recompute_gelu: bool,
 }
 
 /// The value after flag `flag`, parsed.
@@ -159,6 +163,7 @@ fn parse_args() -> Res<Args> {
     let (mut model, mut strategy, mut device) = (None, None, Device::Cpu);
     let (mut steps, mut warmup) = (10, 3);
     let (mut dim, mut batch, mut seq, mut vocab) = (10000, None, None, None);
+    let mut recompute_gelu = false;
     let mut it = argv.iter();
     while let Some(flag) = it.next() {
         match flag.as_str() {
@@ -173,9 +178,10 @@ fn parse_args() -> Res<Args> {
             "--batch" => batch = Some(value(flag, it.next())?),
             "--seq" => seq = Some(value(flag, it.next())?),
             "--vocab" => vocab = Some(value(flag, it.next())?),
+            "--recompute-gelu" => recompute_gelu = true,
             other => {
                 return Err(format!(
-                    "unknown flag '{other}': use --model, --strategy, --device, --steps, --warmup, --dim, --batch, --seq, --vocab"
+                    "unknown flag '{other}': use --model, --strategy, --device, --steps, --warmup, --dim, --batch, --seq, --vocab, --recompute-gelu"
                 )
                 .into());
             }
@@ -213,6 +219,7 @@ fn parse_args() -> Res<Args> {
         batch,
         seq: seq.unwrap_or(default_seq),
         vocab,
+        recompute_gelu,
     })
 }
 
@@ -303,6 +310,12 @@ fn gpt(a: &Args) -> Res<(LossFn, Adam)> {
         DType::F32
     };
     let mut model = Gpt::new_with_dtype(cfg, dtype, a.device)?;
+    if a.recompute_gelu {
+        if a.strategy.recomputes() {
+            return Err("--recompute-gelu: this strategy already recomputes whole blocks".into());
+        }
+        model.set_recompute(Recompute::Gelu);
+    }
     match a.strategy {
         Strategy::Recompute | Strategy::RecomputeBf16 => model.set_recompute(Recompute::Every(1)),
         Strategy::Freeze => {
@@ -470,6 +483,9 @@ fn run() -> Res<()> {
     let a = parse_args()?;
     let fused = a.strategy == Strategy::StepInBackwardFused;
     let m = if a.model == "mlp" {
+        if a.recompute_gelu {
+            return Err("--recompute-gelu is for the GPT models (the MLP has no GELU)".into());
+        }
         if a.strategy == Strategy::Bf16Weights {
             return Err("bf16-weights keeps AdamW master copies: use it with a GPT model".into());
         }
@@ -498,8 +514,13 @@ fn run() -> Res<()> {
     } else {
         format!("B={} T={}", a.batch, a.seq)
     };
+    let gelu = if a.recompute_gelu {
+        " +recompute-gelu"
+    } else {
+        ""
+    };
     eprintln!(
-        "ferrograd {} {} {shape} device={} median_ms={:.2} peak_bytes={} reserved_bytes={} loss={:.4}",
+        "ferrograd {} {}{gelu} {shape} device={} median_ms={:.2} peak_bytes={} reserved_bytes={} loss={:.4}",
         a.model,
         a.strategy.name(),
         a.device,
@@ -517,6 +538,7 @@ fn run() -> Res<()> {
         "dim": if a.model == "mlp" { Some(a.dim) } else { None },
         "seq": if a.model == "mlp" { None } else { Some(a.seq) },
         "steps": a.steps,
+        "recompute_gelu": a.recompute_gelu,
         "step_ms": m.step_ms,
         "host_ms": m.host_ms,
         "host_waits_per_step": m.waits_per_step,
