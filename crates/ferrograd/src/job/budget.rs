@@ -265,7 +265,7 @@ fn largest_batch(
 }
 
 /// The rule `train --fit-budget` follows, in words.
-pub const FIT_RULE: &str = "keep the precision and the effective batch (--batch-size × --accum) you asked for; take the fewest micro-batches, then the least recomputation (off, every:2, every:1)";
+pub const FIT_RULE: &str = "keep the precision and the effective batch (--batch-size × --accum) you asked for; take the fewest micro-batches, then the least recomputation (off, gelu, every:2, every:1)";
 
 /// The configuration `train --fit-budget` runs: see `FIT_RULE`. Returns the job and its plan,
 /// or an error naming what the smallest configuration needs.
@@ -273,7 +273,12 @@ pub fn choose_for_budget(job: &TrainJob, target: Target, budget: u64) -> Result<
     let effective = job.batch_size * job.trainer.accum;
     let mut smallest: Option<Plan> = None;
     for accum in (1..=effective).filter(|a| effective.is_multiple_of(*a)) {
-        for recompute in [Recompute::Off, Recompute::Every(2), Recompute::Every(1)] {
+        for recompute in [
+            Recompute::Off,
+            Recompute::Gelu,
+            Recompute::Every(2),
+            Recompute::Every(1),
+        ] {
             let mut j = job.clone();
             j.batch_size = effective / accum;
             j.trainer.accum = accum;
