@@ -676,8 +676,7 @@ fn train_step(
             rng,
             device,
         )?;
-        let (_, loss) = model.forward_loss(&x, Some(&y))?;
-        let loss = loss.ok_or_else(|| Error::autograd("the model returned no loss"))?;
+        let loss = model.loss(&x, &y)?;
         Ok(MicroBatch {
             loss,
             tokens: x.numel(),
@@ -796,10 +795,7 @@ fn evaluate(
                 &mut g,
                 device,
             )?;
-            let (_, loss) = model.forward_loss(&x, Some(&y))?;
-            if let Some(l) = loss {
-                *mean += l.item()? / job.eval_batches as f64;
-            }
+            *mean += model.loss(&x, &y)?.item()? / job.eval_batches as f64;
         }
     }
     model.train(true);

@@ -359,6 +359,26 @@ impl Gpt {
         ids: &Tensor,
         targets: Option<&Tensor>,
     ) -> Result<(Tensor, Option<Tensor>)> {
+        let x = self.trunk(ids)?;
+        let logits = scoped("lm_head", || x.linear(&self.wte.weight, None))?;
+        let loss = targets
+            .map(|y| logits.cross_entropy(y, IGNORE_INDEX))
+            .transpose()?;
+        Ok((logits, loss))
+    }
+
+    /// ids, targets: I64 (B, T) → the mean cross-entropy, as `forward_loss`'s, without the
+    /// logits: the head and the loss run in row chunks (`Tensor::linear_cross_entropy`), so
+    /// the (B, T, V) logits — a step's largest block — never exist at once.
+    pub fn loss(&self, ids: &Tensor, targets: &Tensor) -> Result<Tensor> {
+        let x = self.trunk(ids)?;
+        scoped("lm_head", || {
+            x.linear_cross_entropy(&self.wte.weight, targets, IGNORE_INDEX)
+        })
+    }
+
+    /// ids (B, T) → the final norm's output (B, T, C), the head's input.
+    fn trunk(&self, ids: &Tensor) -> Result<Tensor> {
         let t = self.check_ids(ids)?;
         let pos = Tensor::arange(0.0, t as f64, 1.0, DType::I64, ids.device())?;
         // (B, T, C) + (T, C)
@@ -382,15 +402,10 @@ impl Gpt {
                 (x, pending) = (stream, Some(m));
             }
         }
-        let x = scoped("transformer.ln_f", || match &pending {
+        scoped("transformer.ln_f", || match &pending {
             Some(p) => Ok(self.ln_f.add_forward_for_linear(&x, p)?.1),
             None => self.ln_f.forward_for_linear(&x),
-        })?;
-        let logits = scoped("lm_head", || x.linear(&self.wte.weight, None))?;
-        let loss = targets
-            .map(|y| logits.cross_entropy(y, IGNORE_INDEX))
-            .transpose()?;
-        Ok((logits, loss))
+        })
     }
 
     /// T of valid (B, T) ids.

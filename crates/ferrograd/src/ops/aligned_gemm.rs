@@ -37,21 +37,80 @@ pub(crate) fn forward(x2: &Tensor, w: &Tensor) -> Result<Option<Tensor>> {
 /// dx = g2 @ w for g2 (rows, n), w (n, k): at the padded width when g2 is the padded layout
 /// `forward` makes (rows vp apart over a whole (rows, vp) block), else at the true width.
 pub(crate) fn input_grad(g2: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let vp = padded_width(w.device(), w.dtype(), g2.shape()[1])?;
+    if !is_padded_block(g2, vp, w) {
+        return matmul_forward(g2, w);
+    }
+    padded_input_grad(g2, vp, &zero_padded_rows(w, vp)?)
+}
+
+/// Whether g2 (rows, n) is `forward`'s padded layout at width vp over a whole block.
+fn is_padded_block(g2: &Tensor, vp: usize, w: &Tensor) -> bool {
     let (rows, n) = (g2.shape()[0], g2.shape()[1]);
-    let vp = padded_width(w.device(), w.dtype(), n)?;
     let l = g2.layout();
-    let padded_block = vp != n
+    vp != n
         && rows > 0
         && l.offset() == 0
         && l.strides() == [vp as isize, 1]
         && g2.storage().len() == rows * vp
-        && g2.dtype() == w.dtype();
-    if !padded_block {
-        return matmul_forward(g2, w);
-    }
+        && g2.dtype() == w.dtype()
+}
+
+/// `input_grad` on a padded block, with the padded weight wp (vp, k).
+fn padded_input_grad(g2: &Tensor, vp: usize, wp: &Tensor) -> Result<Tensor> {
     zero_padding_columns(g2, vp)?;
-    let full = g2.with_layout(Layout::contiguous(&[rows, vp]));
-    matmul_forward(&full, &zero_padded_rows(w, vp)?)
+    let full = g2.with_layout(Layout::contiguous(&[g2.shape()[0], vp]));
+    matmul_forward(&full, wp)
+}
+
+/// A head weight (n, k) ready for several products at the padded width (the chunked
+/// classifier's): zero-padded once, then `forward` and `input_grad` as the functions above.
+pub(crate) struct PaddedWeight {
+    w: Tensor,
+    /// The zero-padded copy (vp, k), when the device pads this width.
+    padded: Option<Tensor>,
+    vp: usize,
+}
+
+impl PaddedWeight {
+    pub(crate) fn new(w: &Tensor) -> Result<PaddedWeight> {
+        let (n, k) = (w.shape()[0], w.shape()[1]);
+        let vp = padded_width(w.device(), w.dtype(), n)?;
+        let padded = (vp != n && k > 0)
+            .then(|| zero_padded_rows(w, vp))
+            .transpose()?;
+        Ok(PaddedWeight {
+            w: w.detach(),
+            padded,
+            vp,
+        })
+    }
+
+    /// The width the products are computed at (n when nothing is padded).
+    pub(crate) fn padded_width(&self) -> usize {
+        self.vp
+    }
+
+    /// x2 @ wᵀ (rows, n), rows vp apart when padded.
+    pub(crate) fn forward(&self, x2: &Tensor) -> Result<Tensor> {
+        let (rows, n) = (x2.shape()[0], self.w.shape()[0]);
+        match &self.padded {
+            Some(wp) if rows > 0 => {
+                let out = matmul_forward(x2, &wp.t_view()?)?;
+                let vp = self.vp as isize;
+                Ok(out.with_layout(Layout::new(vec![rows, n], vec![vp, 1], 0)))
+            }
+            _ => matmul_forward(x2, &self.w.t_view()?),
+        }
+    }
+
+    /// g2 @ w (rows, k) for a gradient with `forward`'s layout (its padding is zeroed).
+    pub(crate) fn input_grad(&self, g2: &Tensor) -> Result<Tensor> {
+        match &self.padded {
+            Some(wp) if is_padded_block(g2, self.vp, &self.w) => padded_input_grad(g2, self.vp, wp),
+            _ => matmul_forward(g2, &self.w),
+        }
+    }
 }
 
 /// w (n, k) with vp - n zero rows appended, as a fresh (vp, k) temporary.

@@ -12,6 +12,7 @@ mod embedding;
 mod gelu_linear;
 mod inplace;
 mod linear;
+mod linear_cross_entropy;
 mod loss;
 mod matmul;
 mod movement;
