@@ -163,28 +163,24 @@ impl Head {
             })
             .transpose()?;
         let mut dw: Option<Tensor> = None;
+        let zero = Tensor::scalar(0.0, DType::F32, device)?;
         for r0 in (0..rows).step_by(chunk) {
             let n = chunk.min(rows - r0);
-            let x = self.x.narrow(0, r0, n)?;
+            let (x, t) = (self.x.narrow(0, r0, n)?, self.targets.narrow(0, r0, n)?);
             let logits = self.w.forward(&x)?;
-            let (loss, lse) = self.chunk_loss(&logits, r0, n)?;
+            let (loss, lse) = self.chunk_loss(&logits, &t)?;
             // The chunk's share of the counted targets weighs its mean, and its gradient.
             let count_c = counted(&ignored.narrow(0, r0, n)?, n)?;
             let share = count_c.div(&count)?;
-            let empty = binary_forward(
-                BinaryOp::Eq,
-                &count_c,
-                &Tensor::scalar(0.0, DType::F32, device)?,
-                "linear_cross_entropy",
-            )?
-            .to_dtype(DType::U8)?;
+            let empty = binary_forward(BinaryOp::Eq, &count_c, &zero, "linear_cross_entropy")?
+                .to_dtype(DType::U8)?;
             // An empty chunk's mean is NaN; it adds nothing.
             let term = loss
                 .mul(&share.to_dtype(self.loss_dtype)?)?
                 .masked_fill(&empty, 0.0)?;
             total = total.add(&term)?;
             let Some(dx) = &dx else { continue };
-            self.chunk_grad(&logits, &lse, &share, r0, n)?;
+            self.chunk_grad(&logits, &t, &lse, &share)?;
             dx.narrow(0, r0, n)?.copy_(&self.w.input_grad(&logits)?)?;
             let gt = logits.t_view()?;
             match &dw {
@@ -199,16 +195,15 @@ impl Head {
 
     /// The chunk's mean loss over its counted targets (NaN when it has none) and the
     /// log-sum-exp of each of its rows.
-    fn chunk_loss(&self, logits: &Tensor, r0: usize, n: usize) -> Result<(Tensor, Tensor)> {
+    fn chunk_loss(&self, logits: &Tensor, t: &Tensor) -> Result<(Tensor, Tensor)> {
         let device = logits.device();
         let loss = Tensor::output_uninit(&[], self.loss_dtype, device, "linear_cross_entropy")?;
         let lse = Tensor::output_uninit(
-            &[n],
+            &[t.numel()],
             stats_dtype(logits.dtype()),
             device,
             "linear_cross_entropy",
         )?;
-        let t = self.targets.narrow(0, r0, n)?;
         loss::cross_entropy(&CrossEntropy {
             logits: logits.view(),
             targets: t.view(),
@@ -221,15 +216,7 @@ impl Head {
 
     /// Overwrites the chunk's logits with their gradient for a loss gradient of 1:
     /// (softmax - onehot) · share / count_c = (softmax - onehot) / count.
-    fn chunk_grad(
-        &self,
-        logits: &Tensor,
-        lse: &Tensor,
-        share: &Tensor,
-        r0: usize,
-        n: usize,
-    ) -> Result<()> {
-        let t = self.targets.narrow(0, r0, n)?;
+    fn chunk_grad(&self, logits: &Tensor, t: &Tensor, lse: &Tensor, share: &Tensor) -> Result<()> {
         loss::cross_entropy_backward(&CrossEntropyBackward {
             logits: logits.view(),
             targets: t.view(),

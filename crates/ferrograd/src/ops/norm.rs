@@ -94,9 +94,7 @@ impl Tensor {
             let y = s.layer_norm_to(normalized_shape, weight, bias, eps, dtype)?;
             return Ok((s, y));
         }
-        let (s, y) =
-            self.layer_norm_into(Some(branch), normalized_shape, weight, bias, eps, dtype)?;
-        Ok((s, y))
+        self.layer_norm_into(Some(branch), normalized_shape, weight, bias, eps, dtype)
     }
 
     /// The fused op, its output in `out` (x's dtype, or a half dtype for f32 x), on
@@ -117,20 +115,20 @@ impl Tensor {
         let x = self.detached_contiguous()?.reshape(&[rows, n])?;
         let flat = |p: &Tensor| p.detached_contiguous()?.reshape(&[n]);
         let (w, b) = (weight.map(flat).transpose()?, bias.map(flat).transpose()?);
-        let h = branch
-            .map(|h| h.detached_contiguous()?.reshape(&[rows, n]))
-            .transpose()?;
-        let sum = h
-            .as_ref()
-            .map(|_| Tensor::output_uninit(&[rows, n], self.dtype(), self.device(), "add"))
+        // The branch as (R, N) and the buffer its sum with x goes to.
+        let added = branch
+            .map(|h| {
+                let sum = Tensor::output_uninit(&[rows, n], self.dtype(), self.device(), "add")?;
+                Ok::<_, Error>((h, h.detached_contiguous()?.reshape(&[rows, n])?, sum))
+            })
             .transpose()?;
         let y = Tensor::output_uninit(self.shape(), out, self.device(), "layer_norm")?;
         let stats = stats_dtype(self.dtype());
         let mean = Tensor::output_uninit(&[rows], stats, self.device(), "layer_norm")?;
         let rstd = Tensor::output_uninit(&[rows], stats, self.device(), "layer_norm")?;
-        let residual = h.as_ref().zip(sum.as_ref()).map(|(h, s)| Residual {
+        let residual = added.as_ref().map(|(_, h, sum)| Residual {
             h: h.view(),
-            sum: s.storage(),
+            sum: sum.storage(),
         });
         rows::layer_norm(&LayerNorm {
             x: x.view(),
@@ -143,12 +141,12 @@ impl Tensor {
             eps,
         })?;
         // The rows normalised: self, or the sum recorded as the add it is.
-        let (input, x) = match (branch, sum) {
-            (Some(branch), Some(sum)) => {
+        let (input, x) = match added {
+            Some((branch, _, sum)) => {
                 let s = sum.reshape(self.shape())?;
                 (record_add_sub(self, branch, s, false, "add"), sum)
             }
-            _ => (self.clone(), x),
+            None => (self.clone(), x),
         };
         let recorded: Vec<&Tensor> = [Some(&input), weight, bias].into_iter().flatten().collect();
         let y = record("layer_norm", &recorded, y, |_, _| {
