@@ -9,6 +9,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::caching::SegmentInfo;
+use super::private_pool::PrivatePoolId;
 use super::recorder::{self, Action, Origin, Record, SnapshotBlock, SnapshotSegment};
 use super::scope::{self, ScopeMemory};
 use super::stats::{DeviceStats, Pool};
@@ -35,6 +36,8 @@ pub struct SegmentEvent {
     pub reserved: bool,
     pub addr: u64,
     pub size: usize,
+    /// The stream the segment serves (a private pool's own for its segments).
+    pub stream: u64,
 }
 
 /// Total and free bytes of the device, as its driver reports them.
@@ -74,6 +77,20 @@ pub trait Policy: Send {
     /// Hands over the segment reserves and releases made since the last call, in order
     /// (buffered only while a recording runs). A policy without segments has none.
     fn drain_segment_events(&mut self, _out: &mut dyn FnMut(SegmentEvent)) {}
+    /// Whether the policy has private pools (the hooks below do nothing otherwise).
+    fn supports_private_pools(&self) -> bool {
+        false
+    }
+    /// Serves every request from `pool`'s own segments until `end_private_pool`.
+    fn begin_private_pool(&mut self, _pool: PrivatePoolId) {}
+    /// Serves requests from the shared pools again.
+    fn end_private_pool(&mut self) {}
+    /// `pool` is dead: its segments may go back to the device.
+    fn release_private_pool(&mut self, _pool: PrivatePoolId, _stats: &mut DeviceStats) {}
+    /// Bytes of the segments reserved for `pool`.
+    fn private_pool_reserved(&self, _pool: PrivatePoolId) -> usize {
+        0
+    }
 }
 
 struct LiveBlock {
@@ -272,7 +289,7 @@ impl Allocator {
                 addr: e.addr,
                 size: e.size as u64,
                 requested: 0,
-                stream,
+                stream: e.stream,
                 category: Category::Temporary,
                 origin,
             })
@@ -286,6 +303,7 @@ impl Allocator {
                 reserved,
                 addr: b.block.addr,
                 size: b.block.size,
+                stream,
             });
         }
     }

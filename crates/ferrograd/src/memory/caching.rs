@@ -32,27 +32,54 @@
 //!   updated incrementally exactly where PyTorch updates it (`alloc_found_block`,
 //!   `free_block`), so its allocated/freed totals match PyTorch's too.
 //!
+//! Private pools (CUDA-graph capture, PyTorch's `beginAllocateToPool` / `endAllocateToPool` /
+//! `releasePool`): while a pool is active every request is served from that pool's own
+//! segments, with all the rules above. A pool is a stream of its own (`pool_stream`), so its
+//! blocks never serve, and are never merged with, the shared pools' and other pools' blocks;
+//! its frees go back to its own free lists. Its segments count in `segment` and
+//! `reserved_bytes` (small or large by size, as in PyTorch) and its blocks in every other
+//! statistic like shared ones. While the pool lives (from its first begin until its release)
+//! neither `empty_cache` nor the retry after a refused device alloc gives its segments back.
+//! Its release gives back at once every segment of the pool that is entirely free; a segment
+//! still holding live blocks stays until they are freed, and then goes back at the next
+//! `empty_cache` or retry, like PyTorch's freeable graph pools — in between it serves nobody.
+//!
 //! Not implemented (all off by default in PyTorch): `max_split_size_mb` and oversize blocks,
-//! `roundup_power2_divisions`, garbage collection with a memory fraction, expandable segments,
-//! CUDA-graph private pools and cross-stream frees (`record_stream` events).
+//! `roundup_power2_divisions`, garbage collection with a memory fraction, expandable segments
+//! and cross-stream frees (`record_stream` events).
 
 mod pool;
 mod sizes;
 
 pub use pool::{BlockInfo, DEFAULT_STREAM, SegmentInfo, StreamId};
 
+use std::collections::HashSet;
+
 use super::allocator::{MemInfo, Policy, PolicyBlock, SegmentEvent};
 use super::device_memory::DeviceMemory;
+use super::private_pool::PrivatePoolId;
 use super::stats::{DeviceStats, Pool, StatArray};
 use pool::{Blocks, Released, Taken};
 use sizes::{MAX_REQUEST, allocation_size, round_size};
+
+/// Private pools' streams are this bit plus the pool's number: apart from every real stream,
+/// and small enough to stay exact where a snapshot stores it as a JSON or pickle integer.
+const PRIVATE_POOL_STREAMS: StreamId = 1 << 48;
+
+/// The stream a private pool's blocks are keyed on (what `segments()` shows for its segments).
+pub fn pool_stream(pool: PrivatePoolId) -> StreamId {
+    PRIVATE_POOL_STREAMS | StreamId::from(pool.0)
+}
 
 /// The caching policy over a device's raw memory `D`.
 pub struct CachingPolicy<D: DeviceMemory> {
     device: D,
     blocks: Blocks,
-    /// Stream that new requests are served on; only `DEFAULT_STREAM` exists so far.
+    /// Stream that new requests are served on: `DEFAULT_STREAM`, or the active private
+    /// pool's stream.
     stream: StreamId,
+    /// Streams of the private pools begun and not yet released: their segments stay.
+    live_pools: HashSet<StreamId>,
     /// Segment reserves and releases not yet handed to the recorder (only while recording).
     segment_events: Vec<SegmentEvent>,
 }
@@ -63,6 +90,7 @@ impl<D: DeviceMemory> CachingPolicy<D> {
             device,
             blocks: Blocks::default(),
             stream: DEFAULT_STREAM,
+            live_pools: HashSet::new(),
             segment_events: Vec::new(),
         }
     }
@@ -98,28 +126,37 @@ impl<D: DeviceMemory> CachingPolicy<D> {
     fn alloc_segment(&mut self, size: usize, pool: Pool, stats: &mut DeviceStats) -> Option<u64> {
         let addr = self.device.alloc(size)?;
         self.blocks.add_segment(addr, size, self.stream, pool);
-        self.note_segment(true, addr, size);
+        self.note_segment(true, addr, size, self.stream);
         stats.segment.increase(pool, 1);
         stats.reserved_bytes.increase(pool, size as i64);
         stats.num_device_alloc += 1;
         Some(addr)
     }
 
-    fn note_segment(&mut self, reserved: bool, addr: u64, size: usize) {
+    fn note_segment(&mut self, reserved: bool, addr: u64, size: usize, stream: StreamId) {
         if super::recorder::is_recording() {
             self.segment_events.push(SegmentEvent {
                 reserved,
                 addr,
                 size,
+                stream,
             });
         }
     }
 
-    /// `release_cached_blocks`: gives every entirely free segment back to the device.
+    /// `release_cached_blocks`: gives every entirely free segment back to the device, except
+    /// those of live private pools (a captured graph still uses their addresses).
     fn release_cached(&mut self, stats: &mut DeviceStats) {
-        for (addr, size, pool) in self.blocks.drain_free_segments() {
+        let live = &self.live_pools;
+        let drained = self.blocks.drain_free_segments(|s| !live.contains(&s));
+        self.give_back(drained, stats);
+    }
+
+    /// Returns segments taken out of the pools to the device.
+    fn give_back(&mut self, drained: Vec<(u64, usize, Pool, StreamId)>, stats: &mut DeviceStats) {
+        for (addr, size, pool, stream) in drained {
             self.device.free(addr, size);
-            self.note_segment(false, addr, size);
+            self.note_segment(false, addr, size, stream);
             stats.segment.decrease(pool, 1);
             stats.reserved_bytes.decrease(pool, size as i64);
             stats.num_device_free += 1;
@@ -230,6 +267,33 @@ impl<D: DeviceMemory> Policy for CachingPolicy<D> {
         for e in self.segment_events.drain(..) {
             out(e);
         }
+    }
+
+    fn supports_private_pools(&self) -> bool {
+        true
+    }
+
+    fn begin_private_pool(&mut self, pool: PrivatePoolId) {
+        self.stream = pool_stream(pool);
+        self.live_pools.insert(self.stream);
+    }
+
+    fn end_private_pool(&mut self) {
+        self.stream = DEFAULT_STREAM;
+    }
+
+    fn release_private_pool(&mut self, pool: PrivatePoolId, stats: &mut DeviceStats) {
+        let stream = pool_stream(pool);
+        self.live_pools.remove(&stream);
+        if self.stream == stream {
+            self.stream = DEFAULT_STREAM;
+        }
+        let drained = self.blocks.drain_free_segments(|s| s == stream);
+        self.give_back(drained, stats);
+    }
+
+    fn private_pool_reserved(&self, pool: PrivatePoolId) -> usize {
+        self.blocks.stream_bytes(pool_stream(pool))
     }
 }
 

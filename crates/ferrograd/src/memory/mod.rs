@@ -6,6 +6,7 @@ mod allocator;
 mod caching;
 mod device_memory;
 mod host;
+mod private_pool;
 pub mod recorder;
 mod scope;
 mod stats;
@@ -16,9 +17,10 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 pub use crate::base::{Category, CategoryBytes, LiveBlockInfo, OomReport, format_size};
 pub use allocator::{Allocation, Allocator, MemInfo, Policy, PolicyBlock, SegmentEvent};
-pub use caching::{BlockInfo, CachingPolicy, SegmentInfo, StreamId};
+pub use caching::{BlockInfo, CachingPolicy, SegmentInfo, StreamId, pool_stream};
 pub use device_memory::{DeviceMemory, SimulatedDevice, Unopened};
 pub use host::HostPolicy;
+pub use private_pool::PrivatePoolId;
 pub use scope::{ScopeGuard, ScopeMemory, enter_scope};
 pub use stats::{DeviceStats, Pool, SMALL_SIZE, Stat, StatArray};
 

@@ -239,12 +239,17 @@ impl Blocks {
         r.size
     }
 
-    /// Takes every free block that is a whole segment out of the pools and returns
-    /// `(addr, size, pool)` of each, large pool first, for the caller to give back.
-    pub fn drain_free_segments(&mut self) -> Vec<(u64, usize, Pool)> {
+    /// Takes every free block that is a whole segment on a stream `drain` accepts out of the
+    /// pools and returns `(addr, size, pool, stream)` of each, large pool first, for the
+    /// caller to give back.
+    pub fn drain_free_segments(
+        &mut self,
+        drain: impl Fn(StreamId) -> bool,
+    ) -> Vec<(u64, usize, Pool, StreamId)> {
         let whole: Vec<FreeKey> = [&self.large, &self.small]
             .into_iter()
             .flat_map(|set| set.iter().copied())
+            .filter(|&(stream, _, _)| drain(stream))
             .filter(|(_, _, addr)| self.all.get(addr).is_some_and(|b| !b.is_split()))
             .collect();
         whole
@@ -252,9 +257,18 @@ impl Blocks {
             .filter_map(|key| {
                 let b = self.all.remove(&key.2)?;
                 self.free_set(b.pool).remove(&key);
-                Some((b.addr, b.size, b.pool))
+                Some((b.addr, b.size, b.pool, b.stream))
             })
             .collect()
+    }
+
+    /// Bytes of the segments on `stream` (its blocks tile them).
+    pub fn stream_bytes(&self, stream: StreamId) -> usize {
+        self.all
+            .values()
+            .filter(|b| b.stream == stream)
+            .map(|b| b.size)
+            .sum()
     }
 
     /// Every segment with its blocks, by address.
@@ -395,15 +409,36 @@ mod tests {
         b.add_segment(BASE + 2 * MIB as u64, 20 * MIB, DEFAULT_STREAM, Pool::Large);
         b.add_segment(BASE + 22 * MIB as u64, 2 * MIB, DEFAULT_STREAM, Pool::Small);
         b.take(BASE, 512, 512).unwrap();
-        let drained = b.drain_free_segments();
+        let drained = b.drain_free_segments(|_| true);
         assert_eq!(
             drained,
             vec![
-                (BASE + 2 * MIB as u64, 20 * MIB, Pool::Large),
-                (BASE + 22 * MIB as u64, 2 * MIB, Pool::Small)
+                (BASE + 2 * MIB as u64, 20 * MIB, Pool::Large, DEFAULT_STREAM),
+                (BASE + 22 * MIB as u64, 2 * MIB, Pool::Small, DEFAULT_STREAM)
             ]
         );
         assert_eq!(layout(&b), vec![(512, true), (2 * MIB - 512, false)]);
+    }
+
+    #[test]
+    fn drain_and_stream_bytes_see_only_the_streams_asked_for() {
+        let mut b = Blocks::default();
+        b.add_segment(BASE, 2 * MIB, DEFAULT_STREAM, Pool::Small);
+        b.add_segment(BASE + 2 * MIB as u64, 20 * MIB, 7, Pool::Large);
+        b.take(BASE + 2 * MIB as u64, 4 * MIB, 1).unwrap();
+        assert_eq!(
+            (b.stream_bytes(7), b.stream_bytes(DEFAULT_STREAM)),
+            (20 * MIB, 2 * MIB)
+        );
+        assert!(
+            b.drain_free_segments(|s| s == 7).is_empty(),
+            "stream 7's segment is split"
+        );
+        assert_eq!(
+            b.drain_free_segments(|s| s != 7),
+            vec![(BASE, 2 * MIB, Pool::Small, DEFAULT_STREAM)]
+        );
+        assert_eq!(b.stream_bytes(DEFAULT_STREAM), 0);
     }
 
     #[test]

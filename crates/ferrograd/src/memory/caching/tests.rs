@@ -4,6 +4,7 @@
 
 use super::*;
 use crate::memory::device_memory::SimulatedDevice;
+use crate::memory::private_pool::PrivatePoolId;
 use crate::memory::stats::Stat;
 
 const KIB: usize = 1 << 10;
@@ -47,6 +48,29 @@ impl Fixture {
         segs.iter()
             .map(|s| s.blocks.iter().map(|b| (b.size, b.allocated)).collect())
             .collect()
+    }
+    fn begin(&mut self, pool: u32) -> PrivatePoolId {
+        let pool = PrivatePoolId(pool);
+        self.policy.begin_private_pool(pool);
+        pool
+    }
+    fn end(&mut self) {
+        self.policy.end_private_pool();
+    }
+    fn release(&mut self, pool: PrivatePoolId) {
+        self.policy.release_private_pool(pool, &mut self.stats);
+        self.check();
+    }
+    fn pool_reserved(&self, pool: PrivatePoolId) -> usize {
+        self.policy.private_pool_reserved(pool)
+    }
+    /// The stream of the segment holding `addr`.
+    fn stream_at(&self, addr: u64) -> Option<StreamId> {
+        let segs = self.policy.segments();
+        let seg = segs
+            .iter()
+            .find(|s| (s.addr..s.addr + s.size as u64).contains(&addr))?;
+        Some(seg.stream)
     }
     fn cur_reserved(&self) -> i64 {
         self.stats.reserved_bytes.all.current
@@ -514,6 +538,223 @@ fn random_workload_on_a_tight_device_keeps_the_books_exact() {
         f.free(&b);
     }
     assert_eq!(f.stats.inactive_split.all.current, 0);
+    f.empty_cache();
+    assert_eq!(
+        (f.cur_reserved(), f.policy.device().live_allocations()),
+        (0, 0)
+    );
+}
+
+#[test]
+fn a_private_pool_reserves_its_own_segments_apart_from_the_shared_ones() {
+    let mut f = Fixture::new(64 * MIB);
+    let s = f.malloc(MIB);
+    f.free(&s);
+    // A whole free 2 MiB shared segment would serve the request; the pool gets its own.
+    let pool = f.begin(1);
+    let p = f.malloc(MIB);
+    assert_ne!(p.addr, s.addr);
+    assert_eq!(f.stream_at(p.addr), Some(pool_stream(pool)));
+    assert_eq!(
+        (f.stats.num_device_alloc, f.cur_reserved()),
+        (2, 4 * MIB as i64)
+    );
+    assert_eq!(f.pool_reserved(pool), 2 * MIB);
+    // Private segments count in the small/large statistics by size, as in PyTorch.
+    assert_eq!(f.stats.segment.small_pool.current, 2);
+    f.end();
+    f.free(&p);
+    // Shared requests fill the shared segment, then need a new one: the pool's free
+    // segment serves nobody but the pool.
+    assert_eq!(f.malloc(MIB).addr, s.addr);
+    assert_eq!(f.malloc(MIB).addr, s.addr + MIB as u64);
+    let c = f.malloc(MIB);
+    assert_eq!(f.stream_at(c.addr), Some(DEFAULT_STREAM));
+    assert_eq!(f.stats.num_device_alloc, 3);
+    assert_eq!(f.pool_reserved(pool), 2 * MIB);
+    assert_eq!(f.cur_allocated(), 3 * MIB as i64);
+}
+
+#[test]
+fn two_private_pools_never_share_a_segment() {
+    let mut f = Fixture::new(64 * MIB);
+    let (one, two) = (PrivatePoolId(1), PrivatePoolId(2));
+    f.begin(1);
+    let a = f.malloc(4 * KIB);
+    f.free(&a);
+    f.end();
+    f.begin(2);
+    let b = f.malloc(4 * KIB);
+    f.end();
+    assert_eq!(f.stream_at(b.addr), Some(pool_stream(two)));
+    assert_eq!(f.stats.num_device_alloc, 2);
+    assert_eq!(
+        (f.pool_reserved(one), f.pool_reserved(two)),
+        (2 * MIB, 2 * MIB)
+    );
+}
+
+#[test]
+fn a_block_freed_in_a_private_pool_is_reused_by_the_next_pool_malloc() {
+    let mut f = Fixture::new(64 * MIB);
+    let pool = f.begin(1);
+    let a = f.malloc(4 * KIB);
+    let _b = f.malloc(4 * KIB);
+    f.free(&a);
+    assert_eq!(f.malloc(4 * KIB).addr, a.addr);
+    let d = f.malloc(3 * MIB);
+    f.free(&d);
+    assert_eq!(f.malloc(3 * MIB).addr, d.addr);
+    f.end();
+    let e = f.malloc(5 * MIB);
+    f.free(&e);
+    // A later capture into the same pool takes the pool's cached rest, not the free shared
+    // block of the same size.
+    f.begin(1);
+    assert_eq!(f.malloc(5 * MIB).addr, d.addr + 3 * MIB as u64);
+    assert_eq!(f.stream_at(e.addr), Some(DEFAULT_STREAM));
+    assert_eq!(
+        f.stats.num_device_alloc, 3,
+        "2 MiB + 20 MiB for the pool, 20 MiB shared"
+    );
+    assert_eq!(f.pool_reserved(pool), 22 * MIB);
+}
+
+#[test]
+fn empty_cache_keeps_a_live_pools_segments_and_release_gives_them_back() {
+    let mut f = Fixture::new(64 * MIB);
+    let s = f.malloc(1000);
+    f.free(&s);
+    let pool = f.begin(1);
+    let p = f.malloc(3 * MIB);
+    let q = f.malloc(1000);
+    f.free(&p);
+    f.end();
+    f.empty_cache();
+    // Only the shared 2 MiB segment went; the pool keeps its free 20 MiB and its 2 MiB.
+    assert_eq!(f.cur_reserved(), 22 * MIB as i64);
+    assert_eq!(f.stats.num_device_free, 1);
+    assert_eq!(f.pool_reserved(pool), 22 * MIB);
+    f.release(pool);
+    // The entirely free 20 MiB segment goes at once; the one holding q stays.
+    assert_eq!(f.cur_reserved(), 2 * MIB as i64);
+    assert_eq!(f.stats.num_device_free, 2);
+    assert_eq!(f.pool_reserved(pool), 2 * MIB);
+    f.free(&q);
+    assert_eq!(
+        f.cur_reserved(),
+        2 * MIB as i64,
+        "nothing goes back on free"
+    );
+    f.empty_cache();
+    assert_eq!((f.cur_reserved(), f.stats.num_device_free), (0, 3));
+    assert_eq!(f.policy.device().live_allocations(), 0);
+    assert_eq!(f.stats.segment.all, stat(0, 3, 3, 3));
+}
+
+#[test]
+fn the_retry_after_a_refused_device_alloc_keeps_a_live_pools_segments() {
+    let mut f = Fixture::new(24 * MIB);
+    let pool = f.begin(1);
+    let p = f.malloc(3 * MIB);
+    f.free(&p);
+    f.end();
+    // A shared 20 MiB segment does not fit beside the pool's free one, which must stay.
+    assert!(f.try_malloc(3 * MIB).is_none());
+    assert_eq!(f.stats.num_alloc_retries, 1);
+    assert_eq!(
+        (f.cur_reserved(), f.stats.num_device_free),
+        (20 * MIB as i64, 0)
+    );
+    assert_eq!(f.policy.device().failed_allocs(), 2);
+    f.release(pool);
+    assert_eq!((f.cur_reserved(), f.stats.num_device_free), (0, 1));
+    let b = f.malloc(3 * MIB);
+    assert_eq!(f.stream_at(b.addr), Some(DEFAULT_STREAM));
+    assert_eq!(f.stats.num_alloc_retries, 1);
+}
+
+#[test]
+fn the_retry_gives_back_a_released_pools_segments_once_free() {
+    let mut f = Fixture::new(24 * MIB);
+    let pool = f.begin(1);
+    let p = f.malloc(3 * MIB);
+    f.end();
+    f.release(pool);
+    assert_eq!(f.cur_reserved(), 20 * MIB as i64, "p still lives in it");
+    f.free(&p);
+    assert_eq!(f.pool_reserved(pool), 20 * MIB);
+    let b = f.malloc(3 * MIB);
+    assert_eq!(f.stats.num_alloc_retries, 1);
+    assert_eq!((f.stats.num_device_alloc, f.stats.num_device_free), (2, 1));
+    assert_eq!(f.stream_at(b.addr), Some(DEFAULT_STREAM));
+    assert_eq!(
+        (f.pool_reserved(pool), f.cur_reserved()),
+        (0, 20 * MIB as i64)
+    );
+}
+
+#[test]
+fn random_workload_with_private_pools_keeps_the_books_exact() {
+    // Captures begin, end and release at random among shared traffic on a tight device;
+    // `check` runs after every step, and every block must sit on the stream it was asked on.
+    let mut f = Fixture::new(96 * MIB);
+    let mut rng = Lcg(5);
+    let mut live = Vec::new();
+    let (mut next_pool, mut active, mut ended) = (1, None, Vec::new());
+    let (mut in_pools, mut released, mut ooms) = (0, 0, 0);
+    for _ in 0..3000 {
+        match rng.below(40) {
+            0 if active.is_none() => {
+                active = Some(f.begin(next_pool));
+                next_pool += 1;
+            }
+            1 if active.is_some() => {
+                f.end();
+                ended.extend(active.take());
+            }
+            2 if !ended.is_empty() => {
+                let pool = ended.swap_remove(rng.below(ended.len()));
+                f.release(pool);
+                released += 1;
+            }
+            3 => f.empty_cache(),
+            r if r < 26 => {
+                let n = match rng.below(3) {
+                    0 => rng.below(4 * KIB),
+                    1 => rng.below(MIB + KIB),
+                    _ => rng.below(24 * MIB),
+                };
+                let Some(b) = f.try_malloc(n) else {
+                    ooms += 1;
+                    continue;
+                };
+                let want = active.map_or(DEFAULT_STREAM, pool_stream);
+                assert!(b.size == 0 || f.stream_at(b.addr) == Some(want));
+                in_pools += usize::from(active.is_some());
+                live.push(b);
+            }
+            _ if !live.is_empty() => {
+                let b = live.swap_remove(rng.below(live.len()));
+                f.free(&b);
+            }
+            _ => {}
+        }
+    }
+    assert!(
+        in_pools > 100 && released > 20 && ooms > 0 && f.stats.num_alloc_retries > 0,
+        "the workload missed a case: {in_pools} pool mallocs, {released} releases, {ooms} OOMs"
+    );
+    for b in live.drain(..) {
+        f.free(&b);
+    }
+    if let Some(pool) = active.take() {
+        f.end();
+        ended.push(pool);
+    }
+    for pool in ended {
+        f.release(pool);
+    }
     f.empty_cache();
     assert_eq!(
         (f.cur_reserved(), f.policy.device().live_allocations()),
