@@ -4,12 +4,17 @@
 //! and delegates *where* bytes come from to a `Policy`: the host policy counts exact bytes
 //! (CPU tensors own their buffers), the caching policy hands out sub-blocks of reserved
 //! segments with PyTorch's rules. Tensor storages hold an `Allocation`, whose drop frees it.
+//!
+//! Private pools (see `private_pool`) are driven from here: while one is active, the drop of
+//! a block from outside it, or of a block pinned for it, is deferred until the pool's
+//! release; the block stays live and keeps its category, so the sums always equal
+//! `memory_allocated`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::caching::SegmentInfo;
-use super::private_pool::PrivatePoolId;
+use super::private_pool::{PoolBook, PrivatePoolBytes, PrivatePoolId};
 use super::recorder::{self, Action, Origin, Record, SnapshotBlock, SnapshotSegment};
 use super::scope::{self, ScopeMemory};
 use super::stats::{DeviceStats, Pool};
@@ -102,6 +107,12 @@ struct LiveBlock {
     origin: Origin,
     /// The scope of the thread that allocated it (see `scope`).
     scope: Option<u16>,
+    /// The stream the policy served it on (a private pool's own while one was active).
+    stream: u64,
+    /// The private pool it was allocated in, if any.
+    pool: Option<PrivatePoolId>,
+    /// Live private pools that pinned it: their graphs read it, so its free waits for them.
+    pins: Vec<PrivatePoolId>,
 }
 
 impl LiveBlock {
@@ -123,6 +134,7 @@ struct State {
     next_id: u64,
     /// Per-scope sums, indexed by scope id.
     scopes: Vec<ScopeMemory>,
+    pools: PoolBook,
 }
 
 impl State {
@@ -132,6 +144,17 @@ impl State {
             self.scopes.resize(i + 1, ScopeMemory::default());
         }
         self.scopes.get_mut(i)
+    }
+
+    /// The live private pool whose release the free of block `id` must wait for: a pool that
+    /// pinned it, else the active pool when the block is not its own (the graph being
+    /// captured may read it at every replay).
+    fn defer_to(&self, id: u64) -> Option<PrivatePoolId> {
+        let b = self.live.get(&id).filter(|b| b.block.size > 0)?;
+        if let Some(&pool) = b.pins.first() {
+            return Some(pool);
+        }
+        self.pools.active().filter(|&active| b.pool != Some(active))
     }
 }
 
@@ -161,6 +184,7 @@ impl Allocator {
                 live: HashMap::new(),
                 next_id: 1,
                 scopes: Vec::new(),
+                pools: PoolBook::default(),
             }),
         })
     }
@@ -220,6 +244,9 @@ impl Allocator {
             saved_refs: 0,
             origin,
             scope,
+            stream: st.policy.stream(),
+            pool: st.pools.active(),
+            pins: Vec::new(),
         };
         if recording {
             self.record_block(st, Action::Alloc, &live, category);
@@ -233,10 +260,19 @@ impl Allocator {
         })
     }
 
+    /// The drop of block `id`: freed now, or deferred until a private pool's release.
     fn free(&self, id: u64) {
-        let recording = recorder::is_recording();
         let mut st = self.lock();
         let st = &mut *st;
+        match st.defer_to(id) {
+            Some(pool) => st.pools.defer(pool, id),
+            None => self.free_now(st, id),
+        }
+    }
+
+    /// Takes block `id` out of the accounting and gives its bytes back to the policy.
+    fn free_now(&self, st: &mut State, id: u64) {
+        let recording = recorder::is_recording();
         if let Some(b) = st.live.remove(&id) {
             st.categories.sub(b.category(), b.block.size as u64);
             if let Some(s) = st.scope_mut(b.scope) {
@@ -267,7 +303,7 @@ impl Allocator {
             addr: b.block.addr,
             size: b.block.size as u64,
             requested: b.requested as u64,
-            stream: st.policy.stream(),
+            stream: b.stream,
             category,
             origin: b.origin,
         });
@@ -276,7 +312,7 @@ impl Allocator {
     /// Records the segments the policy reserved or released; for a policy with one segment
     /// per block, the front records the reserve (true) or release of `around`'s segment.
     fn record_segments(&self, st: &mut State, around: Option<(&LiveBlock, bool)>) {
-        let (device, stream) = (self.device, st.policy.stream());
+        let device = self.device;
         let origin = around.map_or(Origin::NONE, |(b, _)| b.origin);
         let mut emit = |e: SegmentEvent| {
             recorder::record(Record {
@@ -303,7 +339,7 @@ impl Allocator {
                 reserved,
                 addr: b.block.addr,
                 size: b.block.size,
-                stream,
+                stream: b.stream,
             });
         }
     }
@@ -333,7 +369,6 @@ impl Allocator {
             .filter(|b| b.block.size > 0)
             .map(|b| (b.block.addr, b))
             .collect();
-        let stream = st.policy.stream();
         let Some(segments) = st.policy.segments() else {
             let mut own: Vec<_> = live.values().collect();
             own.sort_by_key(|b| b.block.addr);
@@ -343,7 +378,7 @@ impl Allocator {
                     device: self.device,
                     addr: b.block.addr,
                     size: b.block.size as u64,
-                    stream,
+                    stream: b.stream,
                     pool: b.block.pool,
                     blocks: vec![SnapshotBlock {
                         addr: b.block.addr,
@@ -403,7 +438,7 @@ impl Allocator {
                         addr: b.block.addr,
                         size: b.block.size as u64,
                         requested: b.requested as u64,
-                        stream: st.policy.stream(),
+                        stream: b.stream,
                         category: after,
                         origin: b.origin,
                     });
@@ -507,6 +542,120 @@ impl Allocator {
     /// Number of live blocks (for leak checks in tests).
     pub fn live_blocks(&self) -> usize {
         self.lock().live.len()
+    }
+}
+
+/// Private pools (CUDA-graph capture). Pool ids are this allocator's own.
+impl Allocator {
+    /// A fresh pool id; the pool reserves nothing until it is begun.
+    pub fn create_private_pool(&self) -> PrivatePoolId {
+        self.lock().pools.create()
+    }
+
+    /// Serves every allocation of this device from `pool`'s own segments until
+    /// `end_private_pool`. A pool may be begun again after its end (several graphs sharing
+    /// one pool), until it is released.
+    pub fn begin_private_pool(&self, pool: PrivatePoolId) -> Result<()> {
+        let mut st = self.lock();
+        self.check_pools(&st, "begin_private_pool")?;
+        st.pools.begin(pool)?;
+        st.policy.begin_private_pool(pool);
+        Ok(())
+    }
+
+    /// Ends the active pool: allocations come from the shared pools again. The pool's
+    /// segments stay reserved for it until its release.
+    pub fn end_private_pool(&self) -> Result<()> {
+        let mut st = self.lock();
+        self.check_pools(&st, "end_private_pool")?;
+        st.pools.end()?;
+        st.policy.end_private_pool();
+        Ok(())
+    }
+
+    /// Keeps the live block starting at `addr` from being reused while the active pool lives
+    /// (its graph reads what was uploaded there during capture): when its `Allocation` is
+    /// dropped, the free waits for the pool's release.
+    pub fn pin_block(&self, addr: u64) -> Result<()> {
+        const OP: &str = "pin_block";
+        let mut st = self.lock();
+        let st = &mut *st;
+        let Some(pool) = st.pools.active() else {
+            return Err(Error::invalid(
+                OP,
+                "no private pool is active: a block is pinned for the pool being captured",
+            ));
+        };
+        let device = self.device;
+        let block = st
+            .live
+            .values_mut()
+            .find(|b| b.block.addr == addr && b.block.size > 0)
+            .ok_or_else(|| {
+                Error::invalid(OP, format!("no live block starts at {addr:#x} on {device}"))
+            })?;
+        if !block.pins.contains(&pool) {
+            block.pins.push(pool);
+        }
+        Ok(())
+    }
+
+    /// Ends `pool`'s life: performs the frees it deferred, in the order of the drops (a block
+    /// still pinned by another live pool waits for that one), then gives the pool's entirely
+    /// free segments back to the device; the others go once their blocks are freed, at the
+    /// next `empty_cache` (or retry after a refused device alloc).
+    pub fn release_private_pool(&self, pool: PrivatePoolId) -> Result<()> {
+        let recording = recorder::is_recording();
+        let mut st = self.lock();
+        let st = &mut *st;
+        self.check_pools(st, "release_private_pool")?;
+        let deferred = st.pools.release(pool)?;
+        for b in st.live.values_mut() {
+            b.pins.retain(|&p| p != pool);
+        }
+        for id in deferred {
+            match st.live.get(&id).and_then(|b| b.pins.first().copied()) {
+                Some(other) => st.pools.defer(other, id),
+                None => self.free_now(st, id),
+            }
+        }
+        st.policy.release_private_pool(pool, &mut st.stats);
+        if recording {
+            self.record_segments(st, None);
+        }
+        Ok(())
+    }
+
+    /// The bytes reserved for `pool` and those of its live blocks (zeros for an unknown pool).
+    pub fn private_pool_bytes(&self, pool: PrivatePoolId) -> PrivatePoolBytes {
+        let st = self.lock();
+        let allocated = st
+            .live
+            .values()
+            .filter(|b| b.pool == Some(pool))
+            .map(|b| b.block.size as u64)
+            .sum();
+        PrivatePoolBytes {
+            reserved: st.policy.private_pool_reserved(pool) as u64,
+            allocated,
+        }
+    }
+
+    /// Errors unless this device's policy has private pools.
+    fn check_pools(&self, st: &State, op: &'static str) -> Result<()> {
+        if st.policy.supports_private_pools() {
+            return Ok(());
+        }
+        let device = self.device;
+        let why = if st.policy.is_unopened() {
+            format!("{device} has not been opened by its backend yet")
+        } else {
+            format!("{device} has none")
+        };
+        Err(Error::invalid(
+            op,
+            format!("private memory pools exist only on CUDA devices; {why}"),
+        ))
     }
 }
 

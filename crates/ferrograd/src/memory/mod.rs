@@ -20,7 +20,7 @@ pub use allocator::{Allocation, Allocator, MemInfo, Policy, PolicyBlock, Segment
 pub use caching::{BlockInfo, CachingPolicy, SegmentInfo, StreamId, pool_stream};
 pub use device_memory::{DeviceMemory, SimulatedDevice, Unopened};
 pub use host::HostPolicy;
-pub use private_pool::PrivatePoolId;
+pub use private_pool::{PrivatePoolBytes, PrivatePoolId};
 pub use scope::{ScopeGuard, ScopeMemory, enter_scope};
 pub use stats::{DeviceStats, Pool, SMALL_SIZE, Stat, StatArray};
 
