@@ -142,6 +142,9 @@ fn zeros_like(src: &View) -> HostValues {
     }
 }
 
+/// The host runs each op as it is called: nothing to capture.
+impl crate::backend::capture::Capture for MetaBackend {}
+
 impl Backend for MetaBackend {
     fn zeros(&self, _: DType, _: usize, _: u64) -> Result<BackendData> {
         Ok(BackendData::Meta)

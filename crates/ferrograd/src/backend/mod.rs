@@ -9,6 +9,7 @@
 //! reference implementation; `cuda` mirrors it file for file; `meta` runs the validation only.
 
 pub mod attention;
+pub mod capture;
 mod check;
 pub mod cpu;
 pub mod cuda;
@@ -58,6 +59,7 @@ pub trait Backend:
     + LossKernels
     + IndexKernels
     + OptimKernels
+    + capture::Capture
     + Send
     + Sync
 {

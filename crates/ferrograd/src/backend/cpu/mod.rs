@@ -114,6 +114,9 @@ fn host_vec<T>(n: usize, values: impl Iterator<Item = T>) -> Result<Vec<T>> {
     Ok(v)
 }
 
+/// The host runs each op as it is called: nothing to capture.
+impl crate::backend::capture::Capture for CpuBackend {}
+
 impl Backend for CpuBackend {
     fn zeros(&self, dtype: DType, len: usize, _addr: u64) -> Result<BackendData> {
         Ok(BackendData::Cpu(CpuData::zeros(dtype, len)?))

@@ -20,6 +20,8 @@ pub struct CudaDevice {
     blas: CudaBlas,
     arch: &'static str,
     modules: Mutex<HashMap<&'static str, Arc<CudaModule>>>,
+    /// The staging of the stream capture in progress (None when not capturing).
+    pub(super) capture: Mutex<Option<super::capture::Staging>>,
 }
 
 static ALLOW_TF32: AtomicBool = AtomicBool::new(false);
@@ -127,6 +129,7 @@ impl CudaDevice {
             blas,
             arch: arch_name(major, minor),
             modules: Mutex::new(HashMap::new()),
+            capture: Mutex::new(None),
         })
     }
 
@@ -135,6 +138,9 @@ impl CudaDevice {
     }
     pub fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
+    }
+    pub(crate) fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
     }
     pub fn blas(&self) -> &CudaBlas {
         &self.blas
@@ -227,6 +233,9 @@ impl CudaDevice {
             return Ok(());
         }
         self.bind()?;
+        if let Some(recorded) = self.record_upload(ptr, bytes) {
+            return recorded;
+        }
         // No wait for the device: from pageable host memory (a Vec, never registered here)
         // the driver copies the bytes into its own staging buffer before returning, so the
         // source may go away at once, and the copy stays in stream order with the kernels.
@@ -249,6 +258,7 @@ impl CudaDevice {
             return Ok(out);
         }
         self.bind()?;
+        self.refuse_wait("reading values back to the host")?;
         // SAFETY: the source block holds len bytes; we synchronize before reading `out`.
         super::timing::timed(
             self,
@@ -263,6 +273,7 @@ impl CudaDevice {
     }
 
     pub fn synchronize(&self) -> Result<()> {
+        self.refuse_wait("synchronising with the device")?;
         let t0 = std::time::Instant::now();
         let r = self
             .stream

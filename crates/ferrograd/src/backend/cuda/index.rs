@@ -13,6 +13,7 @@ use super::launch::{
 };
 use super::{CudaDevice, ptr};
 use crate::backend::View;
+use crate::backend::capture::{self, IdCheck};
 use crate::backend::index::{IndexAdd, IndexKernels, IndexSelect, Where};
 use crate::base::{DType, Layout};
 use crate::base::{Error, Result};
@@ -57,7 +58,15 @@ fn matrix(l: &Layout) -> (usize, usize, i64, i64) {
 
 /// The ids read back and checked against `rows`, in row-major order.
 fn row_ids(d: &CudaDevice, op: &'static str, ids: &View, rows: usize) -> Result<Vec<i64>> {
-    let ids = host_i64s(d, ids)?;
+    let values = host_i64s(d, ids)?;
+    check_row_ids(op, &values, rows)?;
+    // A capture notes the check, to run it again on the values of each replay.
+    capture::note_ids(ptr(ids.storage)?, ids.layout, IdCheck::Rows { rows });
+    Ok(values)
+}
+
+/// Every id selects one of `rows` rows (the first that does not is named).
+pub(crate) fn check_row_ids(op: &'static str, ids: &[i64], rows: usize) -> Result<()> {
     let bad = ids
         .iter()
         .enumerate()
@@ -70,7 +79,7 @@ fn row_ids(d: &CudaDevice, op: &'static str, ids: &View, rows: usize) -> Result<
             ),
         });
     }
-    Ok(ids)
+    Ok(())
 }
 
 /// Kernel suffix of an element size (the gather and `where` move bits, whatever the type).

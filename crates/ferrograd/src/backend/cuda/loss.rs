@@ -11,6 +11,7 @@ use super::launch::{
     Arg, BLOCK, Module, addr, float_code, host_i64s, i64_of, launch, rows_cfg, suffix, temp,
 };
 use super::{CudaDevice, ptr};
+use crate::backend::capture::{self, IdCheck};
 use crate::backend::loss::{
     CrossEntropy, CrossEntropyBackward, LossKernels, MseLoss, MseLossBackward,
 };
@@ -40,7 +41,7 @@ impl LossKernels for CudaDevice {
 
 /// Every target is a class in [0, C) or the ignored index (the first that is not is named);
 /// returns how many are not ignored.
-fn check_targets(targets: &[i64], classes: usize, ignore_index: i64) -> Result<usize> {
+pub(crate) fn check_targets(targets: &[i64], classes: usize, ignore_index: i64) -> Result<usize> {
     let bad = targets
         .iter()
         .enumerate()
@@ -57,9 +58,16 @@ fn check_targets(targets: &[i64], classes: usize, ignore_index: i64) -> Result<u
 }
 
 /// The targets (R contiguous I64) checked on the host: (address, non-ignored count).
+/// A capture notes the check, to run it again on the values of each replay.
 fn targets(d: &CudaDevice, t: &View, classes: usize, ignore_index: i64) -> Result<(u64, usize)> {
-    let count = check_targets(&host_i64s(d, t)?, classes, ignore_index)?;
-    Ok((addr(t)?, count))
+    let counted = check_targets(&host_i64s(d, t)?, classes, ignore_index)?;
+    let check = IdCheck::Targets {
+        classes,
+        ignore_index,
+        counted,
+    };
+    capture::note_ids(ptr(t.storage)?, t.layout, check);
+    Ok((addr(t)?, counted))
 }
 
 /// Elements between the logits' rows (validated by the family).

@@ -59,7 +59,8 @@ pub(crate) fn timed<R>(
     name: impl FnOnce() -> String,
     f: impl FnOnce() -> Result<R>,
 ) -> Result<R> {
-    if !enabled() {
+    // Events recorded into a capture would be replayed, not read.
+    if !enabled() || d.is_capturing() {
         return f();
     }
     let event = || {

@@ -1,0 +1,350 @@
+//! Capturing a device's queued work into a graph that replays it (CUDA graphs), device
+//! independent: what a capture may and may not do, and the graph it leaves.
+//!
+//! A capture runs ordinary host code (a whole training step) while the device records every
+//! kernel, copy and memset instead of running them; `Graph::replay` then runs them all again
+//! with one launch. What makes a replay right or wrong:
+//!
+//! - Memory: every block handed out during the capture comes from a private pool of the
+//!   device's allocator, kept for the graph's life, so the recorded addresses stay the
+//!   graph's. A block from outside the pool freed during the capture stays allocated until
+//!   the graph goes (the graph may read it).
+//! - Host values: a kernel argument or an upload made during the capture is replayed as it
+//!   was. Values that change per step must reach the kernels through device memory that the
+//!   host rewrites before each replay (the optimizer's rate and step count, the batch), or
+//!   the capture must be refused (`refuse`: dropout keys drawn on the host).
+//! - Host checks: ids and class targets are checked on the host from the values they were
+//!   uploaded with. A capture notes each check (`note_ids`), and `Graph::check_input` runs
+//!   them again on the values a replay will use.
+//! - Waiting: nothing may read the device back while capturing; the backend says so as an
+//!   error, and the capture is abandoned.
+
+use std::cell::RefCell;
+
+use super::backend;
+use crate::base::{Device, Error, Layout, Result};
+use crate::memory::{self, PrivatePoolId};
+
+/// A host-side check a captured kernel launch relied on, for one input buffer.
+#[derive(Clone, Debug, PartialEq)]
+pub enum IdCheck {
+    /// Every id selects one of `rows` rows (an embedding lookup).
+    Rows { rows: usize },
+    /// Every target is a class below `classes` or `ignore_index`, and exactly `counted` of
+    /// them are not ignored (the loss divides by that count, baked into the launch).
+    Targets {
+        classes: usize,
+        ignore_index: i64,
+        counted: usize,
+    },
+}
+
+/// One noted check: the buffer's address, the layout the kernel read it with, the check.
+#[derive(Clone, Debug)]
+struct Note {
+    addr: u64,
+    layout: Layout,
+    check: IdCheck,
+}
+
+/// What the capture on this thread has learnt so far.
+struct Log {
+    device: Device,
+    notes: Vec<Note>,
+    refused: Option<String>,
+}
+
+thread_local! {
+    static ACTIVE: RefCell<Option<Log>> = const { RefCell::new(None) };
+}
+
+/// Whether this thread is capturing work on `device`.
+pub fn capturing_on(device: Device) -> bool {
+    ACTIVE.with(|a| a.borrow().as_ref().is_some_and(|l| l.device == device))
+}
+
+/// Whether this thread is capturing work on any device.
+pub fn capturing() -> bool {
+    ACTIVE.with(|a| a.borrow().is_some())
+}
+
+/// Marks the running capture (if any) as one that cannot be replayed, saying why; the
+/// capture then ends in that error instead of a graph.
+pub fn refuse(reason: impl Into<String>) {
+    ACTIVE.with(|a| {
+        if let Some(log) = a.borrow_mut().as_mut() {
+            log.refused.get_or_insert_with(|| reason.into());
+        }
+    });
+}
+
+/// Notes that a kernel launch checked the ids at `addr` (read through `layout`) on the host.
+pub(crate) fn note_ids(addr: u64, layout: &Layout, check: IdCheck) {
+    ACTIVE.with(|a| {
+        if let Some(log) = a.borrow_mut().as_mut() {
+            log.notes.push(Note {
+                addr,
+                layout: layout.clone(),
+                check,
+            });
+        }
+    });
+}
+
+/// A device's recorded work, replayable with one launch (the backend's half of a graph).
+pub trait GraphExec: Send {
+    /// Queues the recorded work once more on the device's stream.
+    fn launch(&self) -> Result<()>;
+}
+
+/// What a backend does to capture: start recording its stream, and stop, handing over the
+/// recording (or, on `abandon`, dropping it).
+/// Only CUDA devices capture; the defaults say so.
+pub trait Capture {
+    fn begin_capture(&self) -> Result<()> {
+        Err(no_graphs())
+    }
+    fn end_capture(&self) -> Result<Box<dyn GraphExec>> {
+        Err(no_graphs())
+    }
+    /// Ends a capture that failed, discarding what was recorded.
+    fn abandon_capture(&self) {}
+}
+
+fn no_graphs() -> Error {
+    Error::invalid("graph capture", "only CUDA devices capture graphs")
+}
+
+/// A captured piece of work, its private memory pool and the host checks it relied on.
+/// Dropping it waits for the device, then gives the pool back.
+pub struct Graph {
+    exec: Option<Box<dyn GraphExec>>,
+    device: Device,
+    pool: PrivatePoolId,
+    notes: Vec<Note>,
+}
+
+/// Whether an input's new values let a graph replay, and if not, why.
+#[derive(Clone, Debug, PartialEq)]
+pub enum InputCheck {
+    /// Every check the capture relied on holds.
+    Replayable,
+    /// The values are valid but the capture baked in something they change (a target count):
+    /// capture again.
+    Recapture(String),
+}
+
+/// Captures what `f` queues on `device` into a graph. The device is synchronised first (so a
+/// capture never overlaps earlier work) and its cached free segments are given back, and
+/// every block `f` allocates comes from a private pool. On error (from `f`, from the backend, or a `refuse`d capture) nothing was run on the
+/// device, the pool is given back, and the error says why.
+pub fn capture<R>(device: Device, f: impl FnOnce() -> Result<R>) -> Result<(Graph, R)> {
+    let Device::Cuda(_) = device else {
+        return Err(Error::NotSupportedOnDevice {
+            op: "graph capture",
+            device,
+        });
+    };
+    if capturing() {
+        return Err(Error::invalid(
+            "graph capture",
+            "a capture is already running on this thread; captures do not nest",
+        ));
+    }
+    let b = backend(device)?;
+    super::synchronize(device)?;
+    let alloc = memory::allocator(device)?;
+    // The pool reserves segments of its own: the shared cache's free segments (the eager
+    // steps' activations) go back first, so the device holds the step's bytes once, not twice.
+    alloc.empty_cache();
+    let pool = alloc.create_private_pool();
+    alloc.begin_private_pool(pool)?;
+    ACTIVE.with(|a| {
+        *a.borrow_mut() = Some(Log {
+            device,
+            notes: Vec::new(),
+            refused: None,
+        })
+    });
+    let ran = b.begin_capture().and_then(|()| {
+        let r = f();
+        let refused = ACTIVE.with(|a| a.borrow_mut().as_mut().and_then(|l| l.refused.take()));
+        match (r, refused) {
+            (Ok(r), None) => b.end_capture().map(|exec| (exec, r)),
+            (Ok(_), Some(why)) => {
+                b.abandon_capture();
+                Err(Error::invalid("graph capture", why))
+            }
+            (Err(e), _) => {
+                b.abandon_capture();
+                Err(e)
+            }
+        }
+    });
+    let log = ACTIVE.with(|a| a.borrow_mut().take());
+    let ended = alloc.end_private_pool();
+    let mut graph = Graph {
+        exec: None,
+        device,
+        pool,
+        notes: log.map(|l| l.notes).unwrap_or_default(),
+    };
+    match (ran, ended) {
+        (Ok((exec, r)), Ok(())) => {
+            graph.exec = Some(exec);
+            Ok((graph, r))
+        }
+        // `graph` (no exec) releases the pool as it drops.
+        (Err(e), _) | (Ok(_), Err(e)) => Err(e),
+    }
+}
+
+impl Graph {
+    /// Queues the captured work again.
+    pub fn replay(&self) -> Result<()> {
+        match &self.exec {
+            Some(exec) => exec.launch(),
+            None => Err(Error::invalid("graph replay", "the capture did not finish")),
+        }
+    }
+
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Bytes the graph's private pool holds on the device: (reserved, allocated now).
+    pub fn pool_bytes(&self) -> Result<(u64, u64)> {
+        let b = memory::allocator(self.device)?.private_pool_bytes(self.pool);
+        Ok((b.reserved, b.allocated))
+    }
+
+    /// Runs every host check the capture made on the buffer at `addr` against `values`, the
+    /// buffer's next contents (row-major, its whole storage): an out-of-range id is the
+    /// error the eager kernels raise; a changed target count asks for a new capture.
+    pub fn check_input(&self, addr: u64, values: &[i64]) -> Result<InputCheck> {
+        let mut verdict = InputCheck::Replayable;
+        for n in self.notes.iter().filter(|n| n.addr == addr) {
+            let read: Vec<i64> = n
+                .layout
+                .offsets()
+                .map(|o| values.get(o).copied())
+                .collect::<Option<_>>()
+                .ok_or_else(|| {
+                    Error::invalid(
+                        "graph replay",
+                        "the input has fewer values than the captured step read",
+                    )
+                })?;
+            if let Some(why) = run_check(&n.check, &read)? {
+                verdict = InputCheck::Recapture(why);
+            }
+        }
+        Ok(verdict)
+    }
+}
+
+/// An `IdCheck` on the values a kernel will read: Err as the eager check would fail,
+/// Some(reason) when the values are valid but differ from what the capture baked in.
+fn run_check(check: &IdCheck, ids: &[i64]) -> Result<Option<String>> {
+    match *check {
+        IdCheck::Rows { rows } => {
+            super::cuda::check_row_ids("index_select", ids, rows)?;
+            Ok(None)
+        }
+        IdCheck::Targets {
+            classes,
+            ignore_index,
+            counted,
+        } => {
+            let now = super::cuda::check_class_targets(ids, classes, ignore_index)?;
+            Ok((now != counted)
+                .then(|| format!("the batch counts {now} targets, the captured step {counted}")))
+        }
+    }
+}
+
+impl Drop for Graph {
+    fn drop(&mut self) {
+        // The pool's blocks may still be in use by a queued replay.
+        if let Some(exec) = self.exec.take() {
+            let _ = super::synchronize(self.device);
+            drop(exec);
+        }
+        if let Ok(a) = memory::allocator(self.device) {
+            let _ = a.release_private_pool(self.pool);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A graph with no device work, holding `notes` (the host has no pools: dropping it
+    /// releases nothing).
+    fn graph_with(notes: Vec<Note>) -> Graph {
+        let pool = memory::allocator(Device::Cpu)
+            .unwrap()
+            .create_private_pool();
+        Graph {
+            exec: None,
+            device: Device::Cpu,
+            pool,
+            notes,
+        }
+    }
+
+    #[test]
+    fn a_replay_runs_the_checks_the_capture_made_on_that_buffer() {
+        let whole = Layout::contiguous(&[2, 3]);
+        let g = graph_with(vec![
+            Note {
+                addr: 512,
+                layout: whole.clone(),
+                check: IdCheck::Rows { rows: 10 },
+            },
+            Note {
+                addr: 1024,
+                layout: whole,
+                check: IdCheck::Targets {
+                    classes: 10,
+                    ignore_index: -100,
+                    counted: 6,
+                },
+            },
+        ]);
+        let ok = [0, 9, 3, 4, 5, 1];
+        assert_eq!(g.check_input(512, &ok).unwrap(), InputCheck::Replayable);
+        assert_eq!(g.check_input(1024, &ok).unwrap(), InputCheck::Replayable);
+        // Nothing was noted at this address: nothing to check.
+        assert_eq!(g.check_input(4096, &[77]).unwrap(), InputCheck::Replayable);
+        let err = g.check_input(512, &[0, 10, 3, 4, 5, 1]).unwrap_err();
+        assert!(matches!(err, Error::Index { .. }), "{err}");
+        let err = g.check_input(1024, &[0, 1, 2, -1, 5, 1]).unwrap_err();
+        assert!(matches!(err, Error::Index { .. }), "{err}");
+        // Valid, but one target fewer is counted than the captured loss divides by.
+        let fewer = [0, 1, 2, -100, 5, 1];
+        assert!(matches!(
+            g.check_input(1024, &fewer).unwrap(),
+            InputCheck::Recapture(_)
+        ));
+        // Fewer values than the captured view read.
+        assert!(g.check_input(512, &[1, 2]).is_err());
+    }
+
+    #[test]
+    fn a_check_reads_the_values_through_the_captured_layout() {
+        // The kernel read every other id (a strided view from offset 1).
+        let g = graph_with(vec![Note {
+            addr: 512,
+            layout: Layout::new(vec![3], vec![2], 1),
+            check: IdCheck::Rows { rows: 5 },
+        }]);
+        // Out-of-range ids where the kernel does not read are not its business.
+        assert_eq!(
+            g.check_input(512, &[99, 1, 99, 2, 99, 4]).unwrap(),
+            InputCheck::Replayable
+        );
+        assert!(g.check_input(512, &[0, 1, 0, 7, 0, 4]).is_err());
+    }
+}
