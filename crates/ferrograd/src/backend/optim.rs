@@ -59,7 +59,15 @@ pub struct AdamStep<'a> {
     pub weight_decay: f64,
     pub decoupled: bool,
     pub step: u64,
+    /// Where the kernels read this step's scalars from, for a step that a graph replays:
+    /// device memory of at least `ADAM_SCALAR_BYTES` that `stage_adam_scalars` filled before
+    /// the capture and fills again before every replay (a kernel argument would replay the
+    /// captured step's rate and bias corrections). None: the backend passes them itself.
+    pub staged_scalars: Option<&'a Storage>,
 }
+
+/// Bytes of device memory that hold one Adam step's scalars (`AdamStep::staged_scalars`).
+pub const ADAM_SCALAR_BYTES: usize = 128;
 
 /// Gradient unscaling with an inf/NaN check over every gradient in one call (one launch per
 /// dtype on a GPU), in place: torch's `_amp_foreach_non_finite_check_and_unscale_`. Per
@@ -78,6 +86,25 @@ pub trait OptimKernels {
     fn sgd_step(&self, a: &SgdStep) -> Result<()>;
     fn adam_step(&self, a: &AdamStep) -> Result<()>;
     fn unscale_check(&self, a: &UnscaleCheck) -> Result<()>;
+    /// Writes the scalars of step `a` into `slot` (stream-ordered with the kernels) for
+    /// kernels that read them from there. Backends that read them on the host ignore it.
+    fn stage_adam_scalars(&self, _a: &AdamStep, _slot: &Storage) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Fills `slot` with the scalars of step `a` (lr, bias corrections...), for a later
+/// `adam_step` with `staged_scalars: Some(slot)`, which then reads them on the device.
+pub fn stage_adam_scalars(a: &AdamStep, slot: &Storage) -> Result<()> {
+    if slot.len() * slot.dtype().size_in_bytes() < ADAM_SCALAR_BYTES {
+        return Err(Error::invalid(
+            "adam",
+            format!("the scalars of a step need {ADAM_SCALAR_BYTES} bytes of device memory"),
+        ));
+    }
+    backend(slot.device())?.stage_adam_scalars(a, slot)?;
+    slot.bump_version();
+    Ok(())
 }
 
 /// Bumps the versions of the parameter and the momentum buffer.
@@ -120,6 +147,9 @@ pub fn adam_step(a: &AdamStep) -> Result<()> {
     if let Some(c) = &a.grad_scale {
         check::on_device("adam", device, [c.storage])?;
         check::dense("adam", "the gradient scale", c, 1, DType::F64)?;
+    }
+    if let Some(slot) = a.staged_scalars {
+        check::on_device("adam", device, [slot])?;
     }
     for p in a.params {
         adam_param(p)?;

@@ -229,4 +229,20 @@ impl Optimizer for JobOptimizer {
     fn apply_accumulated(&mut self, index: usize) -> Result<()> {
         self.inner_mut().apply_accumulated(index)
     }
+
+    fn graph_support(&self) -> std::result::Result<(), String> {
+        self.inner().graph_support()
+    }
+
+    fn prepare_graph_step(&mut self) -> Result<()> {
+        self.inner_mut().prepare_graph_step()
+    }
+
+    fn graph_step_replayed(&mut self) {
+        self.inner_mut().graph_step_replayed()
+    }
+
+    fn graph_step_abandoned(&mut self) {
+        self.inner_mut().graph_step_abandoned()
+    }
 }

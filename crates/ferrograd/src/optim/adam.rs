@@ -19,6 +19,7 @@
 
 use super::{Optimizer, check_lr};
 use crate::autograd::no_grad;
+use crate::backend::capture;
 use crate::backend::optim::{self, AdamParam, AdamStep};
 use crate::base::{Error, Result};
 use crate::memory::Category;
@@ -74,6 +75,20 @@ pub struct Adam {
     steps: u64,
     /// f16/bf16 parameters keep an f32 master copy.
     master_weights: bool,
+    /// For CUDA graphs: the device memory the replayed step reads its scalars from, and the
+    /// bookkeeping of the captured step.
+    graph: GraphStep,
+}
+
+/// What a graph-replayed Adam step keeps between steps.
+#[derive(Default)]
+struct GraphStep {
+    /// `ADAM_SCALAR_BYTES` on the parameters' device, staged before each capture or replay.
+    slot: Option<Tensor>,
+    /// The parameters the captured step updated (their step counts advance per replay).
+    members: Vec<usize>,
+    /// The step counts before the capture (`steps`, then each parameter's), to undo.
+    before: Option<(u64, Vec<Option<u64>>)>,
 }
 
 /// One parameter to update this step.
@@ -139,6 +154,7 @@ impl Adam {
             state: vec![None; n],
             steps: 0,
             master_weights: false,
+            graph: GraphStep::default(),
         })
     }
 
@@ -336,6 +352,47 @@ impl Adam {
         Ok(())
     }
 
+    /// The step's arguments for `params` at step count `step` (nothing staged).
+    fn step_scalars<'a>(
+        &self,
+        params: &'a [AdamParam<'a>],
+        grad_scale: Option<&'a Tensor>,
+        step: u64,
+    ) -> AdamStep<'a> {
+        let (beta1, beta2) = self.cfg.betas;
+        AdamStep {
+            params,
+            grad_scale: grad_scale.map(Tensor::view),
+            lr: self.cfg.lr,
+            beta1,
+            beta2,
+            eps: self.cfg.eps,
+            weight_decay: self.cfg.weight_decay,
+            decoupled: self.decoupled,
+            step,
+            staged_scalars: None,
+        }
+    }
+
+    /// The one step count every parameter with state has reached (a replayed step updates
+    /// them all alike), or why there is none.
+    fn common_step_count(&self) -> Result<u64> {
+        let mut counts = self.state.iter().flatten().map(|s| s.step);
+        let first = counts.next().ok_or_else(|| {
+            Error::invalid(
+                "Adam",
+                "a step must run before one is captured (it creates the moments)",
+            )
+        })?;
+        if counts.any(|c| c != first) {
+            return Err(Error::invalid(
+                "Adam",
+                "parameters at different step counts cannot share a captured step",
+            ));
+        }
+        Ok(first)
+    }
+
     /// One fused call for the parameters `members` (indices into `work`), all on one device
     /// and at step `step` after this update.
     fn run_group(
@@ -345,7 +402,6 @@ impl Adam {
         step: u64,
         grad_scale: Option<&Tensor>,
     ) -> Result<()> {
-        let (b1, b2) = self.cfg.betas;
         let mut params: Vec<AdamParam> = Vec::with_capacity(members.len());
         for &k in members {
             let w = &work[k];
@@ -368,17 +424,26 @@ impl Adam {
             }
             None => None,
         };
+        // A captured step reads the scalars staged for it (`prepare_graph_step`).
+        let device = work[members[0]].grad.device();
+        let staged = if capture::capturing_on(device) {
+            let slot = self.graph.slot.as_ref().ok_or_else(|| {
+                Error::invalid(
+                    "Adam",
+                    "a captured step needs its scalars staged first (prepare_graph_step)",
+                )
+            })?;
+            self.graph
+                .members
+                .extend(members.iter().map(|&k| work[k].index));
+            Some(&**slot.storage())
+        } else {
+            None
+        };
         // The entry function bumps every parameter's and state buffer's version.
         optim::adam_step(&AdamStep {
-            params: &params,
-            grad_scale: scale.as_ref().map(Tensor::view),
-            lr: self.cfg.lr,
-            beta1: b1,
-            beta2: b2,
-            eps: self.cfg.eps,
-            weight_decay: self.cfg.weight_decay,
-            decoupled: self.decoupled,
-            step,
+            staged_scalars: staged,
+            ..self.step_scalars(&params, scale.as_ref(), step)
         })?;
         for &k in members {
             if let Some(s) = self.state[work[k].index].as_mut() {
@@ -489,5 +554,59 @@ impl Optimizer for Adam {
         check_lr(if self.decoupled { "AdamW" } else { "Adam" }, lr)?;
         self.cfg.lr = lr;
         Ok(())
+    }
+
+    fn graph_support(&self) -> std::result::Result<(), String> {
+        Ok(())
+    }
+
+    /// Stages the coming step's scalars (rate, bias corrections) in the slot the captured
+    /// kernels read, and remembers the counts to undo a failed capture.
+    fn prepare_graph_step(&mut self) -> Result<()> {
+        let next = self.common_step_count()? + 1;
+        let Some(device) = self.params.first().map(Tensor::device) else {
+            return Ok(());
+        };
+        if self.graph.slot.is_none() {
+            self.graph.slot = Some(Tensor::alloc(
+                &[optim::ADAM_SCALAR_BYTES],
+                DType::U8,
+                device,
+                Category::OptimizerState,
+                "adam_graph_scalars",
+            )?);
+        }
+        if let Some(slot) = &self.graph.slot {
+            optim::stage_adam_scalars(&self.step_scalars(&[], None, next), slot.storage())?;
+        }
+        let counts = self
+            .state
+            .iter()
+            .map(|s| s.as_ref().map(|s| s.step))
+            .collect();
+        self.graph.before = Some((self.steps, counts));
+        self.graph.members.clear();
+        Ok(())
+    }
+
+    fn graph_step_replayed(&mut self) {
+        self.steps += 1;
+        for &i in &self.graph.members {
+            if let Some(s) = self.state[i].as_mut() {
+                s.step += 1;
+            }
+        }
+    }
+
+    fn graph_step_abandoned(&mut self) {
+        if let Some((steps, counts)) = self.graph.before.take() {
+            self.steps = steps;
+            for (s, c) in self.state.iter_mut().zip(counts) {
+                if let (Some(s), Some(c)) = (s.as_mut(), c) {
+                    s.step = c;
+                }
+            }
+        }
+        self.graph.members.clear();
     }
 }

@@ -110,6 +110,34 @@ pub trait Optimizer {
     fn apply_accumulated(&mut self, _index: usize) -> Result<()> {
         Err(no_gradient_free_step(self.name()))
     }
+
+    // CUDA graphs: a captured step replays its kernels with the arguments they were captured
+    // with, so every value that changes from step to step (the rate, the step count) must
+    // reach them through device memory that the host rewrites before each replay.
+
+    /// Whether a captured step of this optimizer can be replayed; the reason when not.
+    fn graph_support(&self) -> std::result::Result<(), String> {
+        Err(format!(
+            "{} passes its rate to the kernels as an argument, which a replayed graph would repeat",
+            self.name()
+        ))
+    }
+
+    /// Before the capture and before every replay: writes the coming step's per-step values
+    /// to the device, in stream order (only called when `graph_support` is Ok).
+    fn prepare_graph_step(&mut self) -> Result<()> {
+        Err(Error::invalid(
+            self.name(),
+            "this optimizer's steps cannot be replayed by a graph",
+        ))
+    }
+
+    /// After each replay: the host's bookkeeping of the step the graph ran (step counts).
+    fn graph_step_replayed(&mut self) {}
+
+    /// After a capture that failed (nothing ran on the device): undoes what the captured
+    /// step counted on the host.
+    fn graph_step_abandoned(&mut self) {}
 }
 
 fn no_gradient_free_step(name: &'static str) -> Error {

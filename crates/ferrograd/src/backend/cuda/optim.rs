@@ -4,11 +4,10 @@
 //! validated, so an error leaves every parameter untouched; a table upload waits for the
 //! stream (one synchronisation per step). Versions are bumped by the entry functions.
 
-use cudarc::driver::DeviceRepr;
-
-use super::launch::{Arg, Module, addr, i64_of, launch, suffix};
+use super::launch::{Arg, Module, addr, i64_of, launch, suffix, upload_words};
 use super::multi_tensor::{Groups, Row, Table};
 use super::{CudaDevice, ptr};
+use crate::backend::Storage;
 use crate::backend::optim::{
     AdamParam, AdamScalars, AdamStep, OptimKernels, SgdStep, UnscaleCheck,
 };
@@ -28,6 +27,9 @@ impl OptimKernels for CudaDevice {
     }
     fn unscale_check(&self, a: &UnscaleCheck) -> Result<()> {
         unscale_check(self, a)
+    }
+    fn stage_adam_scalars(&self, a: &AdamStep, slot: &Storage) -> Result<()> {
+        stage(self, a, slot)
     }
 }
 
@@ -81,16 +83,16 @@ struct AdamHyper {
     eps: f64,
     has_l2: i32,
     pad: i32,
-    /// Device address of the one f64 gradient scale, 0 for none.
-    grad_scale: u64,
 }
 
-// SAFETY: a #[repr(C)] struct of eight f64, two i32 and a u64, laid out as its C++ twin (80
-// bytes, no implicit padding).
-unsafe impl DeviceRepr for AdamHyper {}
+// SAFETY: #[repr(C)], eight f64 then two i32: 72 bytes, no padding, every bit pattern valid.
+unsafe impl bytemuck::Zeroable for AdamHyper {}
+// SAFETY: as above.
+unsafe impl bytemuck::Pod for AdamHyper {}
 
 impl AdamHyper {
-    fn of(k: &AdamScalars, grad_scale: u64) -> AdamHyper {
+    fn of(a: &AdamStep) -> AdamHyper {
+        let k = AdamScalars::of(a);
         AdamHyper {
             l2: k.l2,
             decay: k.decay,
@@ -100,15 +102,18 @@ impl AdamHyper {
             bc2_sqrt: k.bc2_sqrt,
             neg_step: k.neg_step_size,
             eps: k.eps,
-            // PyTorch adds wd·p only when wd != 0 (0·inf would be NaN).
             has_l2: (k.l2 != 0.0) as i32,
             pad: 0,
-            grad_scale,
         }
     }
 }
 
-/// Every parameter of one dtype in one launch (those with a master copy in another).
+/// Writes step `a`'s scalars into `slot` (in stream order: the previous step's kernels have
+/// read theirs by the time the copy lands).
+fn stage(d: &CudaDevice, a: &AdamStep, slot: &Storage) -> Result<()> {
+    d.copy_to_device(ptr(slot)?, bytemuck::bytes_of(&AdamHyper::of(a)))
+}
+
 fn adam(d: &CudaDevice, a: &AdamStep) -> Result<()> {
     let (mut groups, mut masters) = (Groups::new(), Groups::new());
     for p in a.params {
@@ -131,17 +136,25 @@ fn adam(d: &CudaDevice, a: &AdamStep) -> Result<()> {
         }
     }
     let grad_scale = a.grad_scale.as_ref().map(addr).transpose()?.unwrap_or(0);
-    let hyper = AdamHyper::of(&AdamScalars::of(a), grad_scale);
+    // The scalars: where the caller staged them, else uploaded here for this call.
+    let uploaded;
+    let hyper = match a.staged_scalars {
+        Some(slot) => ptr(slot)?,
+        None => {
+            uploaded = upload_words(d, &[AdamHyper::of(a)], "adam_scalars")?;
+            uploaded.addr()
+        }
+    };
+    let scalars = (hyper, grad_scale);
     for (dtype, rows) in groups.iter() {
-        adam_launch(d, "adam_multi", *dtype, rows, &hyper)?;
+        adam_launch(d, "adam_multi", *dtype, rows, scalars)?;
     }
     for (dtype, rows) in masters.iter() {
-        adam_launch(d, "adam_master_multi", *dtype, rows, &hyper)?;
+        adam_launch(d, "adam_master_multi", *dtype, rows, scalars)?;
     }
     Ok(())
 }
 
-/// One parameter's table row (grad, param, exp_avg, exp_avg_sq, validated).
 fn adam_row(p: &AdamParam) -> Result<AdamRow> {
     let n = p.param.len();
     if n == 0 {
@@ -162,18 +175,20 @@ fn adam_launch<const A: usize>(
     stem: &str,
     dtype: DType,
     rows: &[Row<A>],
-    hyper: &AdamHyper,
+    (hyper, grad_scale): (u64, u64),
 ) -> Result<()> {
     let Some(table) = Table::upload(d, rows, "adam_table")? else {
         return Ok(());
     };
     let name = format!("{stem}_{}", suffix("adam", dtype)?);
-    // {stem}_*(const Entry*, int, i64, AdamHyper): the table just uploaded.
+    // {stem}_*(const Entry*, int, i64, const AdamHyper*, const double*): the table just
+    // uploaded, the step's scalars, the gradient scale (null: none).
     let args = [
         Arg::Ptr(table.addr),
         Arg::I32(table.count),
         Arg::I64(table.chunks),
-        Arg::Struct(hyper),
+        Arg::Ptr(hyper),
+        Arg::Ptr(grad_scale),
     ];
     launch(d, &KERNELS, &name, table.config(), &args)
 }
@@ -218,6 +233,7 @@ mod tests {
 
     #[test]
     fn hyper_layout_matches_the_kernel() {
-        assert_eq!(std::mem::size_of::<AdamHyper>(), 80);
+        assert_eq!(std::mem::size_of::<AdamHyper>(), 72);
+        const { assert!(72 <= crate::backend::optim::ADAM_SCALAR_BYTES) };
     }
 }

@@ -24,7 +24,9 @@ struct AdamEntry {
     i64 first_chunk;  // Σ ceil(n / ADAM_CHUNK) over the entries before this one
 };
 
-// The step's scalars, derived on the host in f64. Mirrors `AdamHyper` in cuda/optim.rs.
+// The step's scalars, derived on the host in f64 and read from device memory (so that a
+// replayed graph reads the values the host staged for that step). Mirrors `AdamHyper` in
+// cuda/optim.rs.
 struct AdamHyper {
     double l2;        // g += l2 · p when has_l2 (coupled weight decay)
     double decay;     // p *= decay first (1 unless decoupled weight decay)
@@ -36,7 +38,6 @@ struct AdamHyper {
     double eps;
     int has_l2;
     int pad;
-    u64 grad_scale;   // device address of one f64 that multiplies every gradient, or 0
 };
 
 __device__ __forceinline__ float o_add(float a, float b) { return __fadd_rn(a, b); }
@@ -65,7 +66,8 @@ __device__ __forceinline__ int entry_of(const Entry* tab, int count, i64 c) {
 }
 
 template <typename T>
-__device__ void adam_multi(const AdamEntry* tab, int count, i64 chunks, const AdamHyper& h) {
+__device__ void adam_multi(const AdamEntry* tab, int count, i64 chunks, const AdamHyper& h,
+                           const double* grad_scale) {
     typedef typename T::C C;
     typedef typename T::S S;
     // Scalars rounded to the compute type, as the CPU's `AdamC::new` does.
@@ -73,8 +75,8 @@ __device__ void adam_multi(const AdamEntry* tab, int count, i64 chunks, const Ad
     const C bc2_sqrt = (C)h.bc2_sqrt, neg_step = (C)h.neg_step, eps = (C)h.eps;
     const C one = (C)1;
     // The clipping coefficient, read on the device (no host round trip for the norm).
-    const bool scaled = h.grad_scale != 0;
-    const C gscale = scaled ? (C)*(const double*)h.grad_scale : one;
+    const bool scaled = grad_scale != nullptr;
+    const C gscale = scaled ? (C)*grad_scale : one;
     // torch's lerp switches formula at |weight| = 0.5.
     const bool w1_small = w1 < (C)0.5 && w1 > (C)-0.5;
     for (i64 c = blockIdx.x; c < chunks; c += gridDim.x) {
@@ -118,13 +120,13 @@ struct AdamMasterEntry {
 
 template <typename T>
 __device__ void adam_master_multi(const AdamMasterEntry* tab, int count, i64 chunks,
-                                  const AdamHyper& h) {
+                                  const AdamHyper& h, const double* grad_scale) {
     const float l2 = (float)h.l2, decay = (float)h.decay, w1 = (float)h.w1;
     const float beta2 = (float)h.beta2, w2 = (float)h.w2, bc2_sqrt = (float)h.bc2_sqrt;
     const float neg_step = (float)h.neg_step, eps = (float)h.eps;
     const bool w1_small = w1 < 0.5f && w1 > -0.5f;
-    const bool scaled = h.grad_scale != 0;
-    const float gscale = scaled ? (float)*(const double*)h.grad_scale : 1.0f;
+    const bool scaled = grad_scale != nullptr;
+    const float gscale = scaled ? (float)*grad_scale : 1.0f;
     for (i64 c = blockIdx.x; c < chunks; c += gridDim.x) {
         const AdamMasterEntry e = tab[entry_of(tab, count, c)];
         const i64 start = (c - e.first_chunk) * (i64)ADAM_CHUNK;
@@ -154,18 +156,21 @@ __device__ void adam_master_multi(const AdamMasterEntry* tab, int count, i64 chu
 }
 
 extern "C" __global__ void __launch_bounds__(OPTIM_BLOCK)
-    adam_master_multi_bf16(const AdamMasterEntry* tab, int count, i64 chunks, AdamHyper h) {
-    adam_master_multi<BF16T>(tab, count, chunks, h);
+    adam_master_multi_bf16(const AdamMasterEntry* tab, int count, i64 chunks,
+                           const AdamHyper* h, const double* grad_scale) {
+    adam_master_multi<BF16T>(tab, count, chunks, *h, grad_scale);
 }
 extern "C" __global__ void __launch_bounds__(OPTIM_BLOCK)
-    adam_master_multi_f16(const AdamMasterEntry* tab, int count, i64 chunks, AdamHyper h) {
-    adam_master_multi<F16T>(tab, count, chunks, h);
+    adam_master_multi_f16(const AdamMasterEntry* tab, int count, i64 chunks,
+                          const AdamHyper* h, const double* grad_scale) {
+    adam_master_multi<F16T>(tab, count, chunks, *h, grad_scale);
 }
 
 #define OPTIM_KERNELS(SUFFIX, T)                                                               \
     extern "C" __global__ void __launch_bounds__(OPTIM_BLOCK)                                  \
-        adam_multi_##SUFFIX(const AdamEntry* tab, int count, i64 chunks, AdamHyper h) {        \
-        adam_multi<T>(tab, count, chunks, h);                                                  \
+        adam_multi_##SUFFIX(const AdamEntry* tab, int count, i64 chunks, const AdamHyper* h,   \
+                            const double* grad_scale) {                                        \
+        adam_multi<T>(tab, count, chunks, *h, grad_scale);                                     \
     }
 
 OPTIM_KERNELS(f32, F32T)
