@@ -84,6 +84,12 @@ pub struct TrainArgs {
     /// it) or composed (matmul, softmax, matmul; keeps the (B, H, T, T) probabilities).
     #[arg(long, default_value = "fused")]
     attention: AttentionPath,
+    /// On a GPU, capture one training step as a CUDA graph after a warm-up step and replay
+    /// it (on), or run every step op by op (off). Runs that a graph cannot replay (f16 loss
+    /// scaling, dropout, SGD, data parallel, step in backward) run op by op, and the log
+    /// says why.
+    #[arg(long, default_value = "on")]
+    cuda_graphs: Switch,
     /// Micro-batches per step (gradient accumulation).
     #[arg(long, default_value_t = 1)]
     accum: usize,
@@ -166,6 +172,13 @@ struct Amp(Option<DType>);
 /// The dtype of the model's parameters chosen by --weights.
 #[derive(Clone, Copy, Debug)]
 struct Weights(DType);
+
+/// An on/off option.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum Switch {
+    On,
+    Off,
+}
 
 /// Which attention path the model runs (`--attention`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
@@ -263,6 +276,7 @@ impl TrainArgs {
             memory_trace,
             ranks: self.ranks as usize,
             zero: self.zero == 1,
+            cuda_graphs: self.cuda_graphs == Switch::On,
         })
     }
 }
@@ -457,6 +471,11 @@ fn report(
             log.push(line);
         }
         Event::Leaks(report) => log.push(report.to_string()),
+        Event::Graphs(status) => {
+            let line = status.to_string();
+            say(&bar, &line);
+            log.push(line);
+        }
     })?;
     bar.finish_and_clear();
     if args.json {

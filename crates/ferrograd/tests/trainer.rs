@@ -518,3 +518,96 @@ fn freeze_and_recompute_are_composed_by_the_trainer() {
     .unwrap();
     assert_eq!(gpt.recompute(), Recompute::Every(1));
 }
+
+/// Ids and targets of micro-batch i of a step, on the host.
+fn host_batch(step: usize, i: usize) -> Vec<(Vec<i64>, Vec<usize>)> {
+    let ids = (0..2 * 16).map(|k| ((k * 7 + step * 3 + i) % 65) as i64);
+    let targets = (0..2 * 16).map(|k| ((k * 5 + step + 2 * i) % 65) as i64);
+    vec![
+        (ids.collect(), vec![2, 16]),
+        (targets.collect(), vec![2, 16]),
+    ]
+}
+
+#[test]
+fn a_graphed_step_on_the_cpu_is_the_eager_step_and_says_why() {
+    use ferrograd::train::{GraphStatus, StepGraph};
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let config = TrainerConfig {
+        accum: 2,
+        clip: Some(1.0),
+        ..TrainerConfig::default()
+    };
+    let run = |graphed: bool| {
+        let gpt = Gpt::new(GptConfig::tiny(), CPU).unwrap();
+        let opt = Adam::adamw(gpt.parameters(), AdamConfig::adamw_default()).unwrap();
+        let mut trainer = Trainer::new(opt, config.clone(), CPU).unwrap();
+        let mut graph = StepGraph::new(true, 1);
+        let mut losses = Vec::new();
+        for s in 0..3 {
+            let batches: Vec<_> = (0..2).map(|i| host_batch(s, i)).collect();
+            let r = if graphed {
+                trainer.step_graphed(&mut graph, &batches, |_, t| {
+                    Ok(MicroBatch {
+                        loss: gpt.loss(&t[0], &t[1])?,
+                        tokens: t[0].numel(),
+                    })
+                })
+            } else {
+                trainer.step(|i| {
+                    let [(x, xs), (y, ys)] = &batches[i][..] else {
+                        unreachable!()
+                    };
+                    let x = Tensor::from_vec(x.clone(), xs, CPU)?;
+                    let y = Tensor::from_vec(y.clone(), ys, CPU)?;
+                    Ok(MicroBatch {
+                        loss: gpt.loss(&x, &y)?,
+                        tokens: x.numel(),
+                    })
+                })
+            };
+            losses.push(r.unwrap().loss.value().unwrap());
+        }
+        let params: Vec<Vec<f32>> = gpt
+            .parameters()
+            .iter()
+            .map(|p| p.to_vec::<f32>().unwrap())
+            .collect();
+        (losses, params, graph.status())
+    };
+    let (graphed, graphed_params, status) = run(true);
+    let (eager, eager_params, _) = run(false);
+    assert_eq!(graphed, eager);
+    assert_eq!(graphed_params, eager_params);
+    let GraphStatus::Off(why) = status else {
+        panic!("the CPU replayed a graph: {status}");
+    };
+    assert!(why.contains("cpu"), "{why}");
+    // One set of inputs per micro-batch.
+    let gpt = Gpt::new(GptConfig::tiny(), CPU).unwrap();
+    let opt = Adam::adamw(gpt.parameters(), AdamConfig::adamw_default()).unwrap();
+    let mut trainer = Trainer::new(opt, config, CPU).unwrap();
+    let err = trainer
+        .step_graphed(
+            &mut StepGraph::new(true, 1),
+            &[host_batch(0, 0)].to_vec(),
+            |_, _| unreachable!(),
+        )
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("one set of inputs per micro-batch"),
+        "{err}"
+    );
+}
+
+#[test]
+fn only_a_cuda_device_captures() {
+    let Err(err) = ferrograd::backend::capture::capture(CPU, || Ok(())) else {
+        panic!("the CPU captured a graph");
+    };
+    assert!(
+        matches!(err, ferrograd::Error::NotSupportedOnDevice { .. }),
+        "{err}"
+    );
+}

@@ -108,6 +108,23 @@ impl TextDataset {
         if device == Device::Meta {
             return self.meta_batch(split, batch_size, block_size, g);
         }
+        let (x, y) = self.host_batch(split, batch_size, block_size, g)?;
+        let shape = [batch_size, block_size];
+        Ok((
+            Tensor::from_vec(x, &shape, device)?,
+            Tensor::from_vec(y, &shape, device)?,
+        ))
+    }
+
+    /// `batch`'s ids and targets on the host, row-major (batch_size, block_size) each: the
+    /// same draws from `g`, for a caller that writes them into buffers of its own.
+    pub fn host_batch(
+        &self,
+        split: Split,
+        batch_size: usize,
+        block_size: usize,
+        g: &mut Generator,
+    ) -> Result<(Vec<i64>, Vec<i64>)> {
         let starts = self.starts(split, batch_size, block_size, g)?;
         let tokens = self.tokens(split);
         let n = batch_size.checked_mul(block_size).ok_or_else(|| {
@@ -124,11 +141,7 @@ impl TextDataset {
             x.extend(tokens[i..i + block_size].iter().map(|&t| t as i64));
             y.extend(tokens[i + 1..i + 1 + block_size].iter().map(|&t| t as i64));
         }
-        let shape = [batch_size, block_size];
-        Ok((
-            Tensor::from_vec(x, &shape, device)?,
-            Tensor::from_vec(y, &shape, device)?,
-        ))
+        Ok((x, y))
     }
 
     /// A batch on the meta device, for a plan: the shapes and bytes of `batch`, no tokens (a

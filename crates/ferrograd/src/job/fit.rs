@@ -60,7 +60,7 @@ fn plan_with_data(
         evaluate(&mut model, data, &eval_job, 0, device)?;
         let mut losses = Losses::default();
         for _ in 0..steps {
-            let report = train_step(&mut trainer, &mut model, None, data, job, &mut rng, device)?;
+            let report = train_step(&mut trainer, &mut model, None, (data, &mut rng), job, None)?;
             losses.see(&report);
         }
         if evaluates_between {

@@ -37,8 +37,11 @@ use crate::dist::{DdpConfig, Reducer};
 use crate::memory;
 use crate::nn::{Gpt, GptConfig, Module};
 use crate::optim::{Optimizer, WarmupCosine};
-use crate::tensor::{Device, Generator, Readout};
-use crate::train::{InBackwardPath, MicroBatch, StepReport, Trainer, TrainerConfig};
+use crate::tensor::{Device, Generator, Readout, Tensor};
+use crate::train::{
+    GraphStatus, HostInputs, InBackwardPath, MicroBatch, StepGraph, StepReport, Trainer,
+    TrainerConfig,
+};
 
 /// Everything a run needs; `Default` is the CPU run the README shows.
 #[derive(Clone, Debug)]
@@ -96,6 +99,9 @@ pub struct TrainJob {
     pub ranks: usize,
     /// Shard AdamW's moments over the ranks (ZeRO-1) instead of averaging by DDP.
     pub zero: bool,
+    /// Capture one training step as a CUDA graph and replay it (true, the default), where
+    /// the run allows it (`GraphStatus` says why not); false: every step eager.
+    pub cuda_graphs: bool,
 }
 
 impl Default for TrainJob {
@@ -137,6 +143,7 @@ impl Default for TrainJob {
             memory_trace: None,
             ranks: 1,
             zero: false,
+            cuda_graphs: true,
         }
     }
 }
@@ -166,6 +173,8 @@ pub enum Event {
     MemoryTraced(TraceWritten),
     /// The leak check's verdict after the last step (with `detect_leaks`).
     Leaks(LeakReport),
+    /// Whether steps replay a CUDA graph, each time that changes (on, or off and why).
+    Graphs(GraphStatus),
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -336,6 +345,14 @@ fn run_replica(
     let mut leak_check = (job.detect_leaks && leader)
         .then(|| LeakCheck::new(job.device))
         .transpose()?;
+    // One eager step first: it compiles the kernels and makes the optimizer's state. Only a
+    // GPU run says how its steps run (elsewhere every op runs as it is called).
+    let on_gpu = matches!(job.device, Device::Cuda(_));
+    let mut step_graph = StepGraph::new(job.cuda_graphs && on_gpu, 1);
+    let mut graph_status = step_graph.status();
+    if on_gpu {
+        on_event(&Event::Graphs(graph_status.clone()));
+    }
     let started = Instant::now();
     let (mut losses, mut tokens) = (Losses::default(), 0usize);
     let mut tracing = job
@@ -377,11 +394,15 @@ fn run_replica(
             &mut trainer,
             &mut model,
             reducer.as_ref(),
-            &data,
+            (&data, &mut data_rng),
             job,
-            &mut data_rng,
-            job.device,
+            Some(&mut step_graph),
         )?;
+        let status = step_graph.status();
+        if on_gpu && status != graph_status {
+            on_event(&Event::Graphs(status.clone()));
+            graph_status = status;
+        }
         if let Some(g) = &group {
             data_parallel::group_report(&mut report, &**g, job.device)?;
         }
@@ -654,33 +675,46 @@ fn with_names(
         .collect()
 }
 
-/// One training step on a batch drawn from `rng` (each forward prepared by the DDP reducer
-/// when data-parallel).
+/// One training step on batches drawn from `rng`, one per micro-batch (each forward prepared
+/// by the DDP reducer when data-parallel). With a `StepGraph` the batches are drawn before
+/// the step, so that a replayed graph reads them from its own buffers; without one (a plan
+/// on the meta device) each micro-batch draws its own as its forward starts.
 fn train_step(
     trainer: &mut Trainer<JobOptimizer>,
     model: &mut Gpt,
     reducer: Option<&Reducer>,
-    data: &TextDataset,
+    (data, rng): (&TextDataset, &mut Generator),
     job: &TrainJob,
-    rng: &mut Generator,
-    device: Device,
+    graph: Option<&mut StepGraph>,
 ) -> Result<StepReport> {
-    trainer.step(|_| {
+    let shape = vec![job.batch_size, model.config.block_size];
+    let forward = |model: &mut Gpt, x: &Tensor, y: &Tensor| {
         if let Some(r) = reducer {
             r.prepare_forward()?;
         }
-        let (x, y) = data.batch(
-            Split::Train,
-            job.batch_size,
-            model.config.block_size,
-            rng,
-            device,
-        )?;
-        let loss = model.loss(&x, &y)?;
         Ok(MicroBatch {
-            loss,
+            loss: model.loss(x, y)?,
             tokens: x.numel(),
         })
+    };
+    let Some(graph) = graph else {
+        let device = trainer.device();
+        return trainer.step(|_| {
+            let (x, y) = data.batch(Split::Train, shape[0], shape[1], rng, device)?;
+            forward(model, &x, &y)
+        });
+    };
+    let mut inputs: HostInputs = Vec::with_capacity(trainer.config().accum);
+    for _ in 0..trainer.config().accum {
+        let (x, y) = data.host_batch(Split::Train, shape[0], shape[1], rng)?;
+        inputs.push(vec![(x, shape.clone()), (y, shape.clone())]);
+    }
+    trainer.step_graphed(graph, &inputs, |_, tensors| match tensors {
+        [x, y] => forward(model, x, y),
+        _ => Err(Error::invalid(
+            "train",
+            "a micro-batch takes ids and targets",
+        )),
     })
 }
 

@@ -297,6 +297,16 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
         &self.config
     }
 
+    /// The device whose memory the reports show.
+    pub fn device(&self) -> Device {
+        self.device
+    }
+
+    /// Whether gradients are reduced across data-parallel ranks.
+    pub(super) fn has_grad_sync(&self) -> bool {
+        self.grad_sync.is_some()
+    }
+
     /// Which step in backward runs (None: the optimizer steps after backward).
     pub fn in_backward_path(&self) -> Option<&InBackwardPath> {
         match &self.stepper {
@@ -365,7 +375,7 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
 
     /// The micro-batches; with a `GradSync`, only the last one's backward reduces gradients,
     /// and all of them must have been reduced before the step.
-    fn accumulate_synced(
+    pub(super) fn accumulate_synced(
         &self,
         how: &Accumulation<'_>,
         mut loss_of: impl FnMut(usize) -> Result<MicroBatch>,
@@ -385,7 +395,7 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
     }
 
     /// unscale → clip → step → update → zero_grad; returns (norm before clipping, stepped).
-    fn finish_step(&mut self) -> Result<(Option<Readout>, bool)> {
+    pub(super) fn finish_step(&mut self) -> Result<(Option<Readout>, bool)> {
         let Stepper::AfterBackward(opt) = &mut self.stepper else {
             // Every parameter already stepped inside backward and dropped its gradient.
             return Ok((None, true));
@@ -424,7 +434,7 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
     }
 
     /// Sets this step's rate from the schedule (if any); returns the rate in use.
-    fn set_scheduled_lr(&mut self) -> Result<f64> {
+    pub(super) fn set_scheduled_lr(&mut self) -> Result<f64> {
         let scheduled = self.config.schedule.map(|s| s.lr_at(self.step));
         self.with_optimizer(|o| {
             if let Some(lr) = scheduled {

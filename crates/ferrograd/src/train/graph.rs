@@ -1,0 +1,329 @@
+//! CUDA graphs for whole training steps: after a warm-up step runs eagerly (kernels compiled,
+//! optimizer state made), one step — forward, backward, clipping, optimizer — is captured,
+//! then every later step is one graph launch, with no host work per kernel.
+//!
+//!   each step:   write the batch into the captured step's input buffers (checked on the host
+//!                as the eager kernels check ids)  →  schedule's rate  →  optimizer stages the
+//!                step's scalars on the device  →  replay  →  optimizer counts the step
+//!
+//! The step's blocks live in the graph's private pool (backend/capture.rs): the accounting by
+//! category is the captured step's, and a replay allocates nothing. What cannot be replayed
+//! runs eagerly, and `GraphStatus` says why: a CPU device, f16 loss scaling (its skip decision
+//! is read on the host), data-parallel reduction, the step in backward, an optimizer whose
+//! rate is a kernel argument, dropout (its keys are drawn on the host), or a capture that
+//! failed. New input shapes, or a batch whose target count differs from the captured one,
+//! capture again.
+
+use std::time::Instant;
+
+use super::accumulate::{Accumulation, MicroBatch};
+use super::trainer::{StepReport, Trainer};
+use crate::backend::capture::{self, Graph, InputCheck};
+use crate::backend::{HostValues, backend};
+use crate::base::{Device, Error, Result};
+use crate::memory;
+use crate::optim::Optimizer;
+use crate::tensor::{DType, Readout, Tensor};
+
+/// One step's integer inputs (token ids, targets) per micro-batch, each with its values
+/// (row-major) and shape, in the order the micro-batch's forward reads them.
+pub type HostInputs = Vec<Vec<(Vec<i64>, Vec<usize>)>>;
+
+/// Whether steps replay a graph, and why not when they don't.
+#[derive(Clone, Debug, PartialEq)]
+pub enum GraphStatus {
+    /// Eager steps until the warm-up is done.
+    WarmingUp,
+    /// Steps replay the graph captured at `step`; its private pool reserves `pool_bytes`.
+    Replaying { step: u64, pool_bytes: u64 },
+    /// Every step runs eagerly, for this reason.
+    Off(String),
+}
+
+impl std::fmt::Display for GraphStatus {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            GraphStatus::WarmingUp => write!(f, "CUDA graphs: warming up"),
+            GraphStatus::Replaying { step, pool_bytes } => write!(
+                f,
+                "CUDA graphs: on, the step captured at step {step} replays ({} in its private pool)",
+                memory::format_size(*pool_bytes)
+            ),
+            GraphStatus::Off(why) => write!(f, "CUDA graphs: off, {why}"),
+        }
+    }
+}
+
+/// A captured step and what its replays read and write.
+/// Fields drop in order: the tensors go back to the pool before the graph releases it.
+struct Captured {
+    /// The step's input buffers per micro-batch, rewritten before each replay.
+    inputs: Vec<Vec<Tensor>>,
+    /// The mean loss and the gradient norm, rewritten by each replay.
+    loss: Tensor,
+    grad_norm: Option<Tensor>,
+    tokens: usize,
+    step: u64,
+    graph: Graph,
+}
+
+/// The graph of a run's steps (`Trainer::step_graphed`).
+pub struct StepGraph {
+    warmup: usize,
+    captured: Option<Captured>,
+    off: Option<String>,
+}
+
+impl StepGraph {
+    /// Graphs on: `warmup` eager steps, then a capture. Off: every step eager (`why`).
+    pub fn new(enabled: bool, warmup: usize) -> StepGraph {
+        StepGraph {
+            warmup,
+            captured: None,
+            off: (!enabled).then(|| "as asked (--cuda-graphs off)".to_string()),
+        }
+    }
+
+    pub fn status(&self) -> GraphStatus {
+        if let Some(why) = &self.off {
+            return GraphStatus::Off(why.clone());
+        }
+        match &self.captured {
+            Some(c) => GraphStatus::Replaying {
+                step: c.step,
+                pool_bytes: c.graph.pool_bytes().map_or(0, |(reserved, _)| reserved),
+            },
+            None => GraphStatus::WarmingUp,
+        }
+    }
+
+    /// Turns graphs off for the rest of the run, dropping any capture.
+    fn turn_off(&mut self, why: String) {
+        self.captured = None;
+        self.off = Some(why);
+    }
+}
+
+/// The tensors of one micro-batch's inputs on `device`.
+fn upload(inputs: &[(Vec<i64>, Vec<usize>)], device: Device) -> Result<Vec<Tensor>> {
+    inputs
+        .iter()
+        .map(|(v, shape)| Tensor::from_vec(v.clone(), shape, device))
+        .collect()
+}
+
+/// A device copy of a step output, so a report keeps its own step's value after the next
+/// replay rewrites the output.
+fn keep(t: &Tensor) -> Result<Readout> {
+    Ok(Readout::pending(t.contiguous_copy()?))
+}
+
+/// Writes `values` into input buffer `t` (in stream order, before the replay that reads it).
+fn overwrite(t: &Tensor, values: &[i64]) -> Result<()> {
+    if t.dtype() != DType::I64 || values.len() != t.storage().len() {
+        return Err(Error::invalid(
+            "graph replay",
+            "an input buffer takes as many I64 values as it holds",
+        ));
+    }
+    let addr = t.storage().allocation().addr();
+    backend(t.device())?.upload(DType::I64, HostValues::I64(values.to_vec()), addr)?;
+    t.storage().bump_version();
+    Ok(())
+}
+
+impl<O: Optimizer + Send + 'static> Trainer<O> {
+    /// Why this trainer's steps cannot be captured, if they cannot (checked before trying).
+    fn graph_refusal(&mut self) -> Option<String> {
+        let config = self.config();
+        let why = if !matches!(self.device(), Device::Cuda(_)) {
+            Some(format!("{} runs each op as it is called", self.device()))
+        } else if config.uses_scaler() {
+            Some("f16 loss scaling reads its inf/NaN check on the host at every step".into())
+        } else if config.step_in_backward {
+            Some("the step in backward is not captured".into())
+        } else if self.has_grad_sync() {
+            Some("data-parallel gradient reduction is not captured".into())
+        } else {
+            None
+        };
+        why.or_else(|| self.with_optimizer(|o| o.graph_support().err()).ok()?)
+    }
+
+    /// One optimizer step over `inputs`, one entry per micro-batch (see `StepGraph`): eager,
+    /// captured or replayed. `loss_of(i, tensors)` runs micro-batch i's forward on its input
+    /// tensors (in the order of `inputs[i]`) and returns its loss; it must read the batch
+    /// from those tensors only.
+    pub fn step_graphed(
+        &mut self,
+        graph: &mut StepGraph,
+        inputs: &HostInputs,
+        loss_of: impl FnMut(usize, &[Tensor]) -> Result<MicroBatch>,
+    ) -> Result<StepReport> {
+        if graph.off.is_none()
+            && graph.warmup == 0
+            && graph.captured.is_none()
+            && let Some(why) = self.graph_refusal()
+        {
+            graph.turn_off(why);
+        }
+        if inputs.len() != self.config().accum {
+            return Err(Error::invalid(
+                "Trainer",
+                format!(
+                    "a step takes one set of inputs per micro-batch: {} for {} micro-batches",
+                    inputs.len(),
+                    self.config().accum
+                ),
+            ));
+        }
+        if graph.off.is_some() || graph.warmup > 0 {
+            graph.warmup = graph.warmup.saturating_sub(1);
+            return self.eager(inputs, loss_of);
+        }
+        if let Some(c) = &graph.captured {
+            match replay_check(c, inputs)? {
+                InputCheck::Replayable => return self.replay(graph, inputs),
+                InputCheck::Recapture(_) => graph.captured = None,
+            }
+        }
+        self.capture_step(graph, inputs, loss_of)
+    }
+
+    /// An eager step, each micro-batch's inputs uploaded as its forward starts.
+    fn eager(
+        &mut self,
+        inputs: &HostInputs,
+        mut loss_of: impl FnMut(usize, &[Tensor]) -> Result<MicroBatch>,
+    ) -> Result<StepReport> {
+        let device = self.device();
+        self.step(|i| loss_of(i, &upload(&inputs[i], device)?))
+    }
+
+    /// Captures this step and runs it (the capture itself runs nothing); on failure, runs
+    /// it eagerly and turns graphs off with the reason.
+    fn capture_step(
+        &mut self,
+        graph: &mut StepGraph,
+        inputs: &HostInputs,
+        mut loss_of: impl FnMut(usize, &[Tensor]) -> Result<MicroBatch>,
+    ) -> Result<StepReport> {
+        let start = Instant::now();
+        let step = self.step_index();
+        memory::recorder::set_step(step);
+        let tensors = inputs
+            .iter()
+            .map(|m| upload(m, self.device()))
+            .collect::<Result<Vec<_>>>()?;
+        let lr = self.set_scheduled_lr()?;
+        self.with_optimizer(|o| o.prepare_graph_step())??;
+        let device = self.device();
+        let captured = capture::capture(device, || {
+            let how = Accumulation {
+                micro_batches: self.config().accum,
+                amp: self.config().amp,
+                scaler: None,
+            };
+            let done = self.accumulate_synced(&how, |i| loss_of(i, &tensors[i]))?;
+            let (grad_norm, _) = self.finish_step()?;
+            Ok((done, grad_norm))
+        });
+        let (g, (done, grad_norm)) = match captured {
+            Ok(c) => c,
+            Err(e) => {
+                // Nothing ran: undo the step's host bookkeeping, drop gradients that were
+                // never computed, and take the step eagerly.
+                self.with_optimizer(|o| {
+                    o.graph_step_abandoned();
+                    o.zero_grad_with(true)
+                })??;
+                graph.turn_off(format!("the capture failed: {e}"));
+                return self.step(|i| loss_of(i, &tensors[i]));
+            }
+        };
+        g.replay()?;
+        let loss = done.mean_loss.tensor().cloned().ok_or_else(|| {
+            Error::invalid("graph capture", "the step's loss is not on the device")
+        })?;
+        let grad_norm = grad_norm.and_then(|n| n.tensor().cloned());
+        graph.captured = Some(Captured {
+            graph: g,
+            inputs: tensors,
+            loss,
+            grad_norm,
+            tokens: done.tokens,
+            step,
+        });
+        let c = graph
+            .captured
+            .as_ref()
+            .ok_or_else(|| Error::invalid("graph", "lost"))?;
+        self.graph_report(c, lr, start)
+    }
+
+    /// One replay of the captured step on `inputs` (already checked).
+    fn replay(&mut self, graph: &mut StepGraph, inputs: &HostInputs) -> Result<StepReport> {
+        let start = Instant::now();
+        memory::recorder::set_step(self.step_index());
+        let c = graph
+            .captured
+            .as_ref()
+            .ok_or_else(|| Error::invalid("graph replay", "nothing is captured"))?;
+        for (t, (values, _)) in c.inputs.iter().flatten().zip(inputs.iter().flatten()) {
+            overwrite(t, values)?;
+        }
+        let lr = self.set_scheduled_lr()?;
+        self.with_optimizer(|o| o.prepare_graph_step())??;
+        c.graph.replay()?;
+        self.with_optimizer(|o| o.graph_step_replayed())?;
+        self.graph_report(c, lr, start)
+    }
+
+    /// The report of a captured or replayed step, its outputs copied so that it keeps them.
+    fn graph_report(&mut self, c: &Captured, lr: f64, start: Instant) -> Result<StepReport> {
+        let device = self.device();
+        let report = StepReport {
+            step: self.step_index(),
+            loss: keep(&c.loss)?,
+            lr,
+            grad_norm: c.grad_norm.as_ref().map(keep).transpose()?,
+            stepped: true,
+            scale: None,
+            in_backward: None,
+            tokens: c.tokens,
+            seconds: start.elapsed().as_secs_f64(),
+            memory_allocated: memory::memory_allocated(device)?,
+            max_memory_allocated: memory::max_memory_allocated(device)?,
+            memory_reserved: memory::memory_reserved(device)?,
+            rank_peaks: Readout::ready(Vec::new()),
+        };
+        self.set_step_index(self.step_index() + 1);
+        Ok(report)
+    }
+}
+
+/// Whether `inputs` fit the captured step: same shapes, and every host check the capture
+/// relied on holds (an out-of-range id is the eager kernels' error).
+fn replay_check(c: &Captured, inputs: &HostInputs) -> Result<InputCheck> {
+    let same_counts = c.inputs.len() == inputs.len()
+        && c.inputs.iter().zip(inputs).all(|(t, h)| t.len() == h.len());
+    let (statics, host) = (c.inputs.iter().flatten(), inputs.iter().flatten());
+    if !same_counts
+        || statics
+            .clone()
+            .zip(host.clone())
+            .any(|(t, (_, s))| t.shape() != s)
+    {
+        return Ok(InputCheck::Recapture("the inputs changed shape".into()));
+    }
+    let mut verdict = InputCheck::Replayable;
+    for (t, (values, _)) in statics.zip(host) {
+        let check = c
+            .graph
+            .check_input(t.storage().allocation().addr(), values)?;
+        if check != InputCheck::Replayable {
+            verdict = check;
+        }
+    }
+    Ok(verdict)
+}
