@@ -6,12 +6,14 @@
 # Usage: scripts/gpu_speed.sh [PYTHON_WITH_TORCH]
 # Environment: ROWS (space-separated subset of: attention gpt2-bf16 gpt2-bf16-weights
 #   gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-bf16-b32 gpt2-f32 gpt2-bf16-recompute gpt2-bf16-gelu
-#   main-job gpt-10m gpt-10m-dropout; default all), OUT (a folder for the raw log).
+#   gpt2-bf16-graphs main-job main-job-eager gpt-10m gpt-10m-eager gpt-10m-dropout; default
+#   all), OUT (a folder for the raw log). `ferrograd train` replays a captured step (CUDA
+#   graphs) by default; the -eager rows run it with --cuda-graphs off.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${1:-python3}"
 B=.bin
-ROWS="${ROWS:-attention gpt2-bf16 gpt2-bf16-weights gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-bf16-b32 gpt2-f32 gpt2-bf16-recompute gpt2-bf16-gelu main-job gpt-10m gpt-10m-dropout}"
+ROWS="${ROWS:-attention gpt2-bf16 gpt2-bf16-graphs gpt2-bf16-weights gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-bf16-b32 gpt2-f32 gpt2-bf16-recompute gpt2-bf16-gelu main-job main-job-eager gpt-10m gpt-10m-eager gpt-10m-dropout}"
 LOG="${OUT:-/tmp}/gpu_speed.log"
 : >"$LOG"
 TABLE=()
@@ -61,6 +63,17 @@ row_gpt2-bf16-weights() {
   p=$(run "$PY" benches/pytorch/strategies.py --model gpt2 --strategy bf16 --device cuda --seq 1024 --steps 5 --warmup 3 --batch 8 $COMPILED)
   TABLE+=("| GPT-2 124M B8 T1024, bf16 weights + f32 master (ours) vs bf16 autocast, step ms (peak) | $(field "$a" step_ms) ($(mib "$(field "$a" peak_bytes)")) | $(field "$p" step_ms) ($(mib "$(field "$p" peak_bytes)")) torch.compile+SDPA+fused AdamW | $(ratio "$(field "$a" step_ms)" "$(field "$p" step_ms)") |")
 }
+# The measured steps replay one captured step (ours only; --cuda-graphs), against the same
+# torch.compile step.
+row_gpt2-bf16-graphs() {
+  local a p
+  for s in bf16 bf16-weights; do
+    a=$(run "$B/strategies" --model gpt2 --strategy $s --device cuda --seq 1024 --steps 5 --warmup 3 --batch 8 --cuda-graphs)
+    p=$(run "$PY" benches/pytorch/strategies.py --model gpt2 --strategy bf16 --device cuda --seq 1024 --steps 5 --warmup 3 --batch 8 $COMPILED)
+    TABLE+=("| GPT-2 124M B8 T1024 $s, CUDA graph replayed (ours), step ms (peak) | $(field "$a" step_ms) ($(mib "$(field "$a" peak_bytes)")) | $(field "$p" step_ms) ($(mib "$(field "$p" peak_bytes)")) torch.compile+SDPA+fused AdamW | $(ratio "$(field "$a" step_ms)" "$(field "$p" step_ms)") |")
+  done
+}
+
 # Each MLP's GELU output recomputed in backward (ours only; --recompute-gelu), with autocast
 # and with bf16 weights, against the same torch.compile step (whose partitioner recomputes
 # cheap pointwise ops such as the GELU by itself).
@@ -96,9 +109,11 @@ train_row() {
 }
 
 row_main-job() { train_row "main job model (4×128, B16 T64, f32)" 300 "" ""; }
+row_main-job-eager() { train_row "main job model, --cuda-graphs off" 300 "--cuda-graphs off" ""; }
 GPT10="--n-layer 6 --n-head 6 --n-embd 384 --batch-size 64 --block-size 256 --amp bf16 --clip 1.0"
 GPT10_PT="--n-layer 6 --n-head 6 --n-embd 384 --batch 64 --block 256 --amp bf16 --clip 1.0"
 row_gpt-10m() { train_row "10.8M GPT B64 T256 bf16" 300 "$GPT10" "$GPT10_PT"; }
+row_gpt-10m-eager() { train_row "10.8M GPT B64 T256 bf16, --cuda-graphs off" 300 "$GPT10 --cuda-graphs off" "$GPT10_PT"; }
 row_gpt-10m-dropout() { train_row "10.8M GPT, dropout 0.2" 300 "$GPT10 --dropout 0.2" "$GPT10_PT --dropout 0.2"; }
 
 for r in $ROWS; do "row_$r"; done

@@ -37,6 +37,11 @@
 //!   [--device cpu|cuda]
 //!   [--steps 10] [--warmup 3] [--dim 10000] [--batch B] [--seq T] [--vocab V]
 //!   [--recompute-gelu] (GPT: each MLP's GELU output recomputed in backward)
+//!   [--cuda-graphs] (the measured steps replay one captured step)
+//! `--cuda-graphs` (GPU, strategies that step a plain optimizer): after the warm-up, one step
+//! is captured as a CUDA graph (`backend::capture`) and every measured step replays it: the
+//! optimizer stages its rate and step count on the device, then one graph launch.
+//!
 //! Prints a human line on stderr and one JSON line on stdout.
 
 use std::sync::Arc;
@@ -44,6 +49,7 @@ use std::time::Instant;
 
 use ferrograd::amp::{AmpDType, autocast};
 use ferrograd::autograd::{Segment, checkpoint_activations};
+use ferrograd::backend::capture::{Graph, capture};
 use ferrograd::nn::{Gpt, GptConfig, Linear, Module, Recompute, Relu, Sequential};
 use ferrograd::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use ferrograd::train::GradScaler;
@@ -149,6 +155,8 @@ struct Args {
     /// GPT: recompute each MLP's GELU output in backward (`Recompute::Gelu`) on top of the
     /// strategy (any that does not already recompute whole blocks).
     recompute_gelu: bool,
+    /// Replay a captured step (CUDA graphs) in the measured steps.
+    cuda_graphs: bool,
 }
 
 /// The value after flag `flag`, parsed.
@@ -163,7 +171,7 @@ fn parse_args() -> Res<Args> {
     let (mut model, mut strategy, mut device) = (None, None, Device::Cpu);
     let (mut steps, mut warmup) = (10, 3);
     let (mut dim, mut batch, mut seq, mut vocab) = (10000, None, None, None);
-    let mut recompute_gelu = false;
+    let (mut recompute_gelu, mut cuda_graphs) = (false, false);
     let mut it = argv.iter();
     while let Some(flag) = it.next() {
         match flag.as_str() {
@@ -179,9 +187,10 @@ fn parse_args() -> Res<Args> {
             "--seq" => seq = Some(value(flag, it.next())?),
             "--vocab" => vocab = Some(value(flag, it.next())?),
             "--recompute-gelu" => recompute_gelu = true,
+            "--cuda-graphs" => cuda_graphs = true,
             other => {
                 return Err(format!(
-                    "unknown flag '{other}': use --model, --strategy, --device, --steps, --warmup, --dim, --batch, --seq, --vocab, --recompute-gelu"
+                    "unknown flag '{other}': use --model, --strategy, --device, --steps, --warmup, --dim, --batch, --seq, --vocab, --recompute-gelu, --cuda-graphs"
                 )
                 .into());
             }
@@ -220,6 +229,7 @@ fn parse_args() -> Res<Args> {
         seq: seq.unwrap_or(default_seq),
         vocab,
         recompute_gelu,
+        cuda_graphs,
     })
 }
 
@@ -398,6 +408,42 @@ fn step<O: Optimizer + Send + 'static>(
     Ok(Err(loss))
 }
 
+/// Captures one step of a plain-driven strategy (the capture runs nothing; the graph and
+/// the step's loss tensor are returned).
+fn capture_step<O: Optimizer + Send + 'static>(
+    a: &Args,
+    loss_of: &LossFn,
+    driver: &mut Driver<O>,
+) -> Res<(Graph, Tensor)> {
+    let Driver::Plain(opt) = driver else {
+        return Err("--cuda-graphs: this strategy's step cannot be captured".into());
+    };
+    if a.strategy == Strategy::Accum4 {
+        return Err("--cuda-graphs: accum4 reads its loss on the host".into());
+    }
+    opt.graph_support()?;
+    opt.prepare_graph_step()?;
+    let (graph, loss) = capture(a.device, || step(a.strategy, loss_of, driver))?;
+    let loss = loss
+        .err()
+        .ok_or("--cuda-graphs: the captured step's loss is on the host")?;
+    Ok((graph, loss))
+}
+
+/// One replay of a captured step: the optimizer stages this step's scalars, the graph runs.
+fn replay<O: Optimizer + Send + 'static>(
+    graph: &Graph,
+    loss: &Tensor,
+    driver: &mut Driver<O>,
+) -> ferrograd::Result<Result<f64, Tensor>> {
+    if let Driver::Plain(opt) = driver {
+        opt.prepare_graph_step()?;
+        graph.replay()?;
+        opt.graph_step_replayed();
+    }
+    Ok(Err(loss.clone()))
+}
+
 struct Measured {
     step_ms: f64,
     /// How long the host took to queue a step (up to its last synchronisation): near
@@ -433,16 +479,23 @@ fn measure<O: Optimizer + Send + 'static>(
     let mut host = Vec::with_capacity(a.steps);
     let (mut waits, mut waited) = (0u64, 0f64);
     let mut last = f64::NAN;
+    let mut captured = None;
     for i in 0..a.warmup + a.steps {
         if i == a.warmup {
             memory::reset_peak_memory_stats(dev)?;
             // Kernel times (FERROGRAD_KERNEL_TIMES=1) of the measured steps only.
             ferrograd::backend::cuda::take_kernel_times();
         }
+        if a.cuda_graphs && i == a.warmup {
+            captured = Some(capture_step(a, &loss_of, &mut driver)?);
+        }
         ferrograd::backend::synchronize(dev)?;
         ferrograd::backend::cuda::take_host_waits();
         let t0 = Instant::now();
-        let loss = step(a.strategy, &loss_of, &mut driver)?;
+        let loss = match &captured {
+            Some((graph, loss)) => replay(graph, loss, &mut driver)?,
+            None => step(a.strategy, &loss_of, &mut driver)?,
+        };
         let queued = t0.elapsed().as_secs_f64() * 1e3;
         let (n, secs) = ferrograd::backend::cuda::take_host_waits();
         ferrograd::backend::synchronize(dev)?;
@@ -530,6 +583,7 @@ fn run() -> Res<()> {
         "seq": if a.model == "mlp" { None } else { Some(a.seq) },
         "steps": a.steps,
         "recompute_gelu": a.recompute_gelu,
+        "cuda_graphs": a.cuda_graphs,
         "step_ms": m.step_ms,
         "host_ms": m.host_ms,
         "host_waits_per_step": m.waits_per_step,

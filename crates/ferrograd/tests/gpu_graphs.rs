@@ -1,0 +1,335 @@
+//! CUDA graphs of whole training steps (`Trainer::step_graphed`, `--cuda-graphs`): a replayed
+//! step trains as the eager one does (same losses, same parameters), with a scheduled rate,
+//! clipping, accumulation and bf16 autocast; the graph's blocks stay in its private pool and
+//! the accounting by category still sums to `memory_allocated`; dropout, f16 loss scaling and
+//! SGD run eagerly and say why; an out-of-range id in a replayed batch is the eager error;
+//! new shapes capture again. Needs a CUDA device: without one every test fails.
+#![cfg(feature = "gpu-tests")]
+
+use std::sync::Mutex;
+
+use ferrograd::job::{self, Event, TrainJob};
+use ferrograd::nn::{Gpt, GptConfig, Module};
+use ferrograd::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig, WarmupCosine};
+use ferrograd::train::{GraphStatus, HostInputs, MicroBatch, StepGraph, Trainer, TrainerConfig};
+use ferrograd::{DType, Device, Error, Tensor, memory};
+
+const GPU: Device = Device::Cuda(0);
+static LOCK: Mutex<()> = Mutex::new(());
+
+fn config() -> GptConfig {
+    GptConfig {
+        vocab_size: 65,
+        block_size: 32,
+        n_layer: 2,
+        n_head: 2,
+        n_embd: 64,
+        dropout: 0.0,
+        bias: true,
+        seed: 0,
+    }
+}
+
+fn trainer_config(accum: usize) -> TrainerConfig {
+    TrainerConfig {
+        accum,
+        clip: Some(1.0),
+        amp: Some(DType::BF16),
+        schedule: Some(WarmupCosine {
+            max_lr: 3e-3,
+            min_lr: 3e-4,
+            warmup_steps: 2,
+            total_steps: 8,
+        }),
+        ..TrainerConfig::default()
+    }
+}
+
+/// Deterministic batches: (ids, targets) of micro-batch `i` of step `step`.
+fn inputs(step: usize, accum: usize, b: usize, t: usize) -> HostInputs {
+    (0..accum)
+        .map(|i| {
+            let ids: Vec<i64> = (0..b * t)
+                .map(|k| ((k * 7 + step * 13 + i * 5) % 65) as i64)
+                .collect();
+            let targets: Vec<i64> = (0..b * t)
+                .map(|k| ((k * 11 + step * 3 + i) % 65) as i64)
+                .collect();
+            vec![(ids, vec![b, t]), (targets, vec![b, t])]
+        })
+        .collect()
+}
+
+fn gpt() -> Gpt {
+    Gpt::new(config(), GPU)
+        .unwrap_or_else(|e| panic!("these tests need a CUDA device (cuda:0): {e}"))
+}
+
+fn adamw(model: &Gpt) -> Adam {
+    Adam::adamw(model.parameters(), AdamConfig::adamw_default()).unwrap()
+}
+
+fn forward(model: &Gpt) -> impl FnMut(usize, &[Tensor]) -> ferrograd::Result<MicroBatch> + '_ {
+    move |_, t| {
+        Ok(MicroBatch {
+            loss: model.loss(&t[0], &t[1])?,
+            tokens: t[0].numel(),
+        })
+    }
+}
+
+/// Losses of `steps` steps and the parameters after them, graphs on or off.
+fn train(graphs: bool, steps: usize, accum: usize) -> (Vec<f64>, Vec<Vec<f32>>, GraphStatus) {
+    let model = gpt();
+    let mut trainer = Trainer::new(adamw(&model), trainer_config(accum), GPU).unwrap();
+    let mut graph = StepGraph::new(graphs, 1);
+    let mut losses = Vec::new();
+    for s in 0..steps {
+        let r = trainer
+            .step_graphed(&mut graph, &inputs(s, accum, 4, 32), forward(&model))
+            .unwrap();
+        losses.push(r.loss.value().unwrap());
+    }
+    let params = model
+        .parameters()
+        .iter()
+        .map(|p| p.to_vec::<f32>().unwrap())
+        .collect();
+    (losses, params, graph.status())
+}
+
+#[test]
+fn a_replayed_step_trains_as_the_eager_one() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    for accum in [1, 2] {
+        let (eager_losses, eager_params, off) = train(false, 6, accum);
+        assert!(matches!(off, GraphStatus::Off(_)), "{off}");
+        let (losses, params, status) = train(true, 6, accum);
+        assert!(
+            matches!(status, GraphStatus::Replaying { step: 1, .. }),
+            "accum {accum}: {status}"
+        );
+        println!("accum {accum}: eager {eager_losses:?}\n          graph {losses:?}");
+        for (s, (g, e)) in losses.iter().zip(&eager_losses).enumerate() {
+            assert!(
+                (g - e).abs() <= 1e-5 * e.abs(),
+                "accum {accum}, step {s}: loss {g} replayed, {e} eager"
+            );
+        }
+        let worst = params
+            .iter()
+            .flatten()
+            .zip(eager_params.iter().flatten())
+            .map(|(g, e)| (g - e).abs())
+            .fold(0f32, f32::max);
+        println!("accum {accum}: largest parameter difference {worst:e}");
+        assert!(worst <= 1e-5, "accum {accum}: parameters differ by {worst}");
+    }
+}
+
+#[test]
+fn a_replay_allocates_nothing_and_the_accounting_holds() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let model = gpt();
+    let mut trainer = Trainer::new(adamw(&model), trainer_config(1), GPU).unwrap();
+    let mut graph = StepGraph::new(true, 1);
+    for s in 0..2 {
+        let r = trainer
+            .step_graphed(&mut graph, &inputs(s, 1, 4, 32), forward(&model))
+            .unwrap();
+        drop(r);
+    }
+    let GraphStatus::Replaying { pool_bytes, .. } = graph.status() else {
+        panic!("{}", graph.status());
+    };
+    assert!(pool_bytes > 0);
+    ferrograd::backend::synchronize(GPU).unwrap();
+    let alloc = memory::allocator(GPU).unwrap();
+    let (allocated, reserved) = (alloc.memory_allocated(), alloc.memory_reserved());
+    assert_eq!(alloc.by_category().total(), allocated);
+    for s in 2..5 {
+        // The report's copies of the loss and norm are the only allocations of a replay.
+        let r = trainer
+            .step_graphed(&mut graph, &inputs(s, 1, 4, 32), forward(&model))
+            .unwrap();
+        drop(r);
+        assert_eq!(alloc.memory_allocated(), allocated, "step {s}");
+        assert_eq!(alloc.memory_reserved(), reserved, "step {s}");
+        assert_eq!(alloc.by_category().total(), alloc.memory_allocated());
+    }
+    drop(graph);
+    // The pool's segments go back once the graph is gone.
+    alloc.empty_cache();
+    assert!(
+        alloc.memory_reserved() + pool_bytes <= reserved,
+        "the private pool ({pool_bytes} bytes) was kept: {} of {reserved} reserved",
+        alloc.memory_reserved()
+    );
+}
+
+#[test]
+fn an_out_of_range_id_in_a_replayed_batch_is_the_eager_error() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let model = gpt();
+    let mut trainer = Trainer::new(adamw(&model), trainer_config(1), GPU).unwrap();
+    let mut graph = StepGraph::new(true, 1);
+    for s in 0..3 {
+        trainer
+            .step_graphed(&mut graph, &inputs(s, 1, 4, 32), forward(&model))
+            .unwrap();
+    }
+    let mut bad = inputs(3, 1, 4, 32);
+    bad[0][0].0[17] = 65;
+    let err = trainer
+        .step_graphed(&mut graph, &bad, forward(&model))
+        .unwrap_err();
+    assert!(matches!(err, Error::Index { .. }), "{err}");
+    let mut bad = inputs(3, 1, 4, 32);
+    bad[0][1].0[3] = -1;
+    let err = trainer
+        .step_graphed(&mut graph, &bad, forward(&model))
+        .unwrap_err();
+    assert!(matches!(err, Error::Index { .. }), "{err}");
+    // Nothing was replayed: the next good batch still trains.
+    let r = trainer
+        .step_graphed(&mut graph, &inputs(3, 1, 4, 32), forward(&model))
+        .unwrap();
+    assert!(r.loss.value().unwrap().is_finite());
+}
+
+#[test]
+fn new_shapes_capture_again() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let model = gpt();
+    let mut trainer = Trainer::new(adamw(&model), trainer_config(1), GPU).unwrap();
+    let mut graph = StepGraph::new(true, 1);
+    for s in 0..3 {
+        trainer
+            .step_graphed(&mut graph, &inputs(s, 1, 4, 32), forward(&model))
+            .unwrap();
+    }
+    assert!(matches!(
+        graph.status(),
+        GraphStatus::Replaying { step: 1, .. }
+    ));
+    for s in 3..5 {
+        trainer
+            .step_graphed(&mut graph, &inputs(s, 1, 2, 16), forward(&model))
+            .unwrap();
+    }
+    assert!(
+        matches!(graph.status(), GraphStatus::Replaying { step: 3, .. }),
+        "{}",
+        graph.status()
+    );
+}
+
+#[test]
+fn what_a_graph_cannot_replay_runs_eagerly_and_says_why() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    // Dropout: refused during the capture, the step then runs eagerly.
+    let model = Gpt::new(
+        GptConfig {
+            dropout: 0.1,
+            ..config()
+        },
+        GPU,
+    )
+    .unwrap();
+    let mut trainer = Trainer::new(adamw(&model), trainer_config(1), GPU).unwrap();
+    let mut graph = StepGraph::new(true, 1);
+    for s in 0..3 {
+        let r = trainer
+            .step_graphed(&mut graph, &inputs(s, 1, 4, 32), forward(&model))
+            .unwrap();
+        assert!(r.loss.value().unwrap().is_finite());
+    }
+    let status = graph.status().to_string();
+    assert!(
+        status.contains("off") && status.contains("dropout"),
+        "{status}"
+    );
+    // f16 loss scaling and SGD: refused before any capture.
+    let model = gpt();
+    let f16 = TrainerConfig {
+        amp: Some(DType::F16),
+        ..trainer_config(1)
+    };
+    let mut trainer = Trainer::new(adamw(&model), f16, GPU).unwrap();
+    let mut graph = StepGraph::new(true, 1);
+    for s in 0..2 {
+        trainer
+            .step_graphed(&mut graph, &inputs(s, 1, 4, 32), forward(&model))
+            .unwrap();
+    }
+    assert!(graph.status().to_string().contains("loss scaling"));
+    let sgd = Sgd::new(model.parameters(), SgdConfig::default()).unwrap();
+    let mut trainer = Trainer::new(sgd, trainer_config(1), GPU).unwrap();
+    let mut graph = StepGraph::new(true, 1);
+    for s in 0..2 {
+        trainer
+            .step_graphed(&mut graph, &inputs(s, 1, 4, 32), forward(&model))
+            .unwrap();
+    }
+    assert!(
+        graph.status().to_string().contains("SGD"),
+        "{}",
+        graph.status()
+    );
+    assert_eq!(trainer.with_optimizer(|o| o.name()).unwrap(), "SGD");
+}
+
+#[test]
+fn the_job_replays_its_steps_and_reports_it() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let text: String = ferrograd::data::default_corpus()
+        .chars()
+        .take(20_000)
+        .collect();
+    let run = |graphs: bool| {
+        let job = TrainJob {
+            text: text.clone(),
+            model: GptConfig {
+                vocab_size: 0,
+                ..config()
+            },
+            batch_size: 8,
+            max_steps: 12,
+            eval_every: 6,
+            eval_batches: 2,
+            sample_chars: 0,
+            device: GPU,
+            trainer: trainer_config(1),
+            cuda_graphs: graphs,
+            ..TrainJob::default()
+        };
+        let mut statuses = Vec::new();
+        let summary = job::run(&job, &mut |e| {
+            if let Event::Graphs(s) = e {
+                statuses.push(s.clone());
+            }
+        })
+        .unwrap();
+        (summary, statuses)
+    };
+    let (eager, off) = run(false);
+    let (graphed, on) = run(true);
+    println!("eager: {off:?}\ngraphs: {on:?}");
+    assert!(matches!(off.as_slice(), [GraphStatus::Off(_)]), "{off:?}");
+    assert!(
+        on.iter()
+            .any(|s| matches!(s, GraphStatus::Replaying { step: 1, .. })),
+        "{on:?}"
+    );
+    for (what, g, e) in [
+        ("final loss", graphed.final_loss, eager.final_loss),
+        (
+            "val loss",
+            graphed.final_eval.val_loss,
+            eager.final_eval.val_loss,
+        ),
+    ] {
+        println!("{what}: graphs {g}, eager {e}");
+        assert!((g - e).abs() <= 1e-5 * e.abs(), "{what}: {g} vs {e}");
+    }
+}
