@@ -21,8 +21,8 @@
 
 use std::cell::RefCell;
 
-use super::backend;
-use crate::base::{Device, Error, Layout, Result};
+use super::{HostValues, backend};
+use crate::base::{DType, Device, Error, Layout, Result};
 use crate::memory::{self, PrivatePoolId};
 
 /// A host-side check a captured kernel launch relied on, for one input buffer.
@@ -47,10 +47,26 @@ struct Note {
     check: IdCheck,
 }
 
+/// Words a kernel of the step reads that the host derived from an input buffer (an
+/// embedding backward's grouping of the ids): before each replay they are made again from
+/// the replay's ids and written into the buffer, in stream order.
+pub(crate) type Derive = Box<dyn Fn(&[i64]) -> Result<Vec<i64>> + Send>;
+
+struct Derived {
+    /// The device buffer the kernel reads (kept for the graph's life).
+    buffer: u64,
+    /// The input buffer and the layout the words were derived through.
+    input: u64,
+    layout: Layout,
+    derive: Derive,
+}
+
 /// What the capture on this thread has learnt so far.
 struct Log {
     device: Device,
+    pool: PrivatePoolId,
     notes: Vec<Note>,
+    derived: Vec<Derived>,
     refused: Option<String>,
 }
 
@@ -91,6 +107,26 @@ pub(crate) fn note_ids(addr: u64, layout: &Layout, check: IdCheck) {
     });
 }
 
+/// Notes that the words in the device buffer at `buffer` were made from the ids at `input`
+/// (read through `layout`) by `derive`, which makes them again from a replay's ids.
+pub(crate) fn note_derived_buffer(buffer: u64, input: u64, layout: &Layout, derive: Derive) {
+    ACTIVE.with(|a| {
+        if let Some(log) = a.borrow_mut().as_mut() {
+            log.derived.push(Derived {
+                buffer,
+                input,
+                layout: layout.clone(),
+                derive,
+            });
+        }
+    });
+}
+
+/// The private pool of the capture running on this thread.
+pub(crate) fn active_pool() -> Option<PrivatePoolId> {
+    ACTIVE.with(|a| a.borrow().as_ref().map(|l| l.pool))
+}
+
 /// A device's recorded work, replayable with one launch (the backend's half of a graph).
 pub trait GraphExec: Send {
     /// Queues the recorded work once more on the device's stream.
@@ -122,6 +158,7 @@ pub struct Graph {
     device: Device,
     pool: PrivatePoolId,
     notes: Vec<Note>,
+    derived: Vec<Derived>,
 }
 
 /// Whether an input's new values let a graph replay, and if not, why.
@@ -162,7 +199,9 @@ pub fn capture<R>(device: Device, f: impl FnOnce() -> Result<R>) -> Result<(Grap
     ACTIVE.with(|a| {
         *a.borrow_mut() = Some(Log {
             device,
+            pool,
             notes: Vec::new(),
+            derived: Vec::new(),
             refused: None,
         })
     });
@@ -183,11 +222,13 @@ pub fn capture<R>(device: Device, f: impl FnOnce() -> Result<R>) -> Result<(Grap
     });
     let log = ACTIVE.with(|a| a.borrow_mut().take());
     let ended = alloc.end_private_pool();
+    let (notes, derived) = log.map_or_else(Default::default, |l| (l.notes, l.derived));
     let mut graph = Graph {
         exec: None,
         device,
         pool,
-        notes: log.map(|l| l.notes).unwrap_or_default(),
+        notes,
+        derived,
     };
     match (ran, ended) {
         (Ok((exec, r)), Ok(())) => {
@@ -212,6 +253,18 @@ impl Graph {
         self.device
     }
 
+    /// Makes every buffer the step derived from the input buffer at `addr` again from
+    /// `values` (its next contents, row-major over its whole storage) and writes it, in
+    /// stream order: after the last replay has read the old words, before the next reads.
+    pub fn refresh_input(&self, addr: u64, values: &[i64]) -> Result<()> {
+        let b = backend(self.device)?;
+        for d in self.derived.iter().filter(|d| d.input == addr) {
+            let words = (d.derive)(&read_through(&d.layout, values)?)?;
+            b.upload(DType::I64, HostValues::I64(words), d.buffer)?;
+        }
+        Ok(())
+    }
+
     /// Bytes the graph's private pool holds on the device: (reserved, allocated now).
     pub fn pool_bytes(&self) -> Result<(u64, u64)> {
         let b = memory::allocator(self.device)?.private_pool_bytes(self.pool);
@@ -224,23 +277,26 @@ impl Graph {
     pub fn check_input(&self, addr: u64, values: &[i64]) -> Result<InputCheck> {
         let mut verdict = InputCheck::Replayable;
         for n in self.notes.iter().filter(|n| n.addr == addr) {
-            let read: Vec<i64> = n
-                .layout
-                .offsets()
-                .map(|o| values.get(o).copied())
-                .collect::<Option<_>>()
-                .ok_or_else(|| {
-                    Error::invalid(
-                        "graph replay",
-                        "the input has fewer values than the captured step read",
-                    )
-                })?;
-            if let Some(why) = run_check(&n.check, &read)? {
+            if let Some(why) = run_check(&n.check, &read_through(&n.layout, values)?)? {
                 verdict = InputCheck::Recapture(why);
             }
         }
         Ok(verdict)
     }
+}
+
+/// The values a kernel reads through `layout` from a buffer holding `values`.
+fn read_through(layout: &Layout, values: &[i64]) -> Result<Vec<i64>> {
+    layout
+        .offsets()
+        .map(|o| values.get(o).copied())
+        .collect::<Option<_>>()
+        .ok_or_else(|| {
+            Error::invalid(
+                "graph replay",
+                "the input has fewer values than the captured step read",
+            )
+        })
 }
 
 /// An `IdCheck` on the values a kernel will read: Err as the eager check would fail,
@@ -291,6 +347,7 @@ mod tests {
             device: Device::Cpu,
             pool,
             notes,
+            derived: Vec::new(),
         }
     }
 

@@ -2,9 +2,11 @@
 //! optimizer state made), one step — forward, backward, clipping, optimizer — is captured,
 //! then every later step is one graph launch, with no host work per kernel.
 //!
-//!   each step:   write the batch into the captured step's input buffers (checked on the host
-//!                as the eager kernels check ids)  →  schedule's rate  →  optimizer stages the
-//!                step's scalars on the device  →  replay  →  optimizer counts the step
+//!   each step:   check the batch on the host as the eager kernels check ids  →  remake what
+//!                the step derived from its ids on the host (the embedding backward's grouping)
+//!                →  write both into the captured step's buffers  →  schedule's rate  →
+//!                optimizer stages the step's scalars on the device  →  replay  →  optimizer
+//!                counts the step (every write is stream-ordered: the host never waits)
 //!
 //! The step's blocks live in the graph's private pool (backend/capture.rs): the accounting by
 //! category is the captured step's, and a replay allocates nothing. What cannot be replayed
@@ -270,6 +272,10 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
             .as_ref()
             .ok_or_else(|| Error::invalid("graph replay", "nothing is captured"))?;
         for (t, (values, _)) in c.inputs.iter().flatten().zip(inputs.iter().flatten()) {
+            // What the step derived from its ids on the host (an embedding backward's
+            // grouping) is made again from these, then the ids themselves go up.
+            c.graph
+                .refresh_input(t.storage().allocation().addr(), values)?;
             overwrite(t, values)?;
         }
         let lr = self.set_scheduled_lr()?;

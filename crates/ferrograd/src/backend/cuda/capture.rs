@@ -14,8 +14,10 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, PinnedHostSlice};
 
 use super::CudaDevice;
-use crate::backend::capture::{Capture, GraphExec};
+use crate::backend::capture::{self, Capture, GraphExec};
+use crate::base::Device;
 use crate::base::{Error, Result};
+use crate::memory::{Allocation, Category};
 
 /// Page-locked bytes for the uploads of one capture. A step's uploads are tables of
 /// addresses and a few constants: kilobytes.
@@ -112,6 +114,31 @@ impl CudaDevice {
             }
             .map_err(|e| self.err("recording an upload", e))
         }))
+    }
+
+    /// A device buffer holding `words`, for a kernel of the step to read. Outside a capture:
+    /// a temporary, uploaded in stream order. During one: a block of the shared pools (so
+    /// no other captured work ever used it), written at once, whose free is deferred until
+    /// the graph is gone (backend/capture.rs: a block from outside the pool freed during the
+    /// capture); the graph rewrites it before each replay (`capture::note_derived_buffer`).
+    pub(crate) fn step_buffer(&self, words: &[i64], origin: &'static str) -> Result<Allocation> {
+        let alloc = crate::memory::allocator(Device::Cuda(self.ordinal()))?;
+        if !self.is_capturing() {
+            let block = alloc.malloc(words.len() * 8, Category::Temporary, origin)?;
+            self.copy_to_device(block.addr(), bytemuck::cast_slice(words))?;
+            return Ok(block);
+        }
+        alloc.end_private_pool()?;
+        let block = alloc.malloc(words.len() * 8, Category::Temporary, origin);
+        let pool = capture::active_pool()
+            .ok_or_else(|| Error::invalid("graph capture", "no capture runs on this thread"))?;
+        alloc.begin_private_pool(pool)?;
+        let block = block?;
+        // SAFETY: the block holds the words; the copy is synchronous (not recorded) and no
+        // queued work reads the block yet.
+        unsafe { cudarc::driver::result::memcpy_htod_sync(block.addr(), words) }
+            .map_err(|e| self.err("writing a step buffer", e))?;
+        Ok(block)
     }
 
     /// The error for reading the device back (or waiting for it) while capturing.

@@ -108,6 +108,8 @@ fn index_select(d: &CudaDevice, a: &IndexSelect) -> Result<()> {
     let id_addr = if id_view.layout.is_contiguous() {
         addr(id_view)?
     } else {
+        // Uploaded by value: a replayed graph would read the captured step's ids.
+        capture::refuse("index_select reads its ids through a non-contiguous view");
         staged = upload_words(d, &ids, "index_select")?;
         staged.addr()
     };
@@ -131,8 +133,10 @@ fn index_select(d: &CudaDevice, a: &IndexSelect) -> Result<()> {
 }
 
 /// Positions grouped by destination row (a stable counting sort), flattened for the kernel:
-/// [dest rows (U), group starts (U + 1), positions (N)], only rows that receive something.
-fn groups(ids: &[i64]) -> (Vec<i64>, usize) {
+/// [group count, dest rows (`capacity` slots), group starts (`capacity` + 1), positions (N)],
+/// only rows that receive something, unused slots zero; the capacity is the group count
+/// when None. Returns the table and its capacity, or None when the groups outnumber it.
+fn group_table(ids: &[i64], capacity: Option<usize>) -> Option<(Vec<i64>, usize)> {
     let mut order: Vec<usize> = (0..ids.len()).collect();
     order.sort_by_key(|&p| ids[p]); // stable: positions of one row stay in id order
     let mut dest = Vec::new();
@@ -143,17 +147,30 @@ fn groups(ids: &[i64]) -> (Vec<i64>, usize) {
             start.push(k as i64);
         }
     }
-    start.push(ids.len() as i64);
     let count = dest.len();
-    let flat = dest
-        .into_iter()
+    let capacity = capacity.unwrap_or(count);
+    if count > capacity {
+        return None;
+    }
+    dest.resize(capacity, 0);
+    start.resize(capacity + 1, ids.len() as i64);
+    let words = std::iter::once(count as i64)
+        .chain(dest)
         .chain(start)
         .chain(order.into_iter().map(|p| p as i64))
         .collect();
-    (flat, count)
+    Some((words, capacity))
+}
+
+fn too_many_groups() -> Error {
+    Error::invalid("index_add", "more id groups than the table holds")
 }
 
 /// gweight[ids[p], :] += g[p, :] for p in order, one block per destination row.
+///
+/// The grouping is made on the host from the ids. A captured step reads it from a buffer of
+/// its own, sized for the most groups the ids can make (one per id, at most one per row),
+/// which the graph makes again from each replay's ids (`capture::note_derived_buffer`).
 fn index_add(d: &CudaDevice, a: &IndexAdd) -> Result<()> {
     const OP: &str = "index_add";
     let (g, o) = (&a.grad, a.out);
@@ -163,28 +180,38 @@ fn index_add(d: &CudaDevice, a: &IndexAdd) -> Result<()> {
         // Zero-width rows: nothing to add (and no row count to check the ids against).
         return Ok(());
     }
-    let ids = row_ids(d, OP, &a.ids, o.len() / cols)?;
+    let rows = o.len() / cols;
+    let ids = row_ids(d, OP, &a.ids, rows)?;
     if n == 0 {
         return Ok(());
     }
-    let (flat, count) = groups(&ids);
-    let table = upload_words(d, &flat, "index_add")?;
+    let room = d.is_capturing().then_some(n.min(rows));
+    let (words, capacity) = group_table(&ids, room).ok_or_else(too_many_groups)?;
+    let table = d.step_buffer(&words, OP)?;
+    let derive = move |ids: &[i64]| -> Result<Vec<i64>> {
+        check_row_ids(OP, ids, rows)?;
+        Ok(group_table(ids, Some(capacity))
+            .ok_or_else(too_many_groups)?
+            .0)
+    };
+    let ids_at = ptr(a.ids.storage)?;
+    capture::note_derived_buffer(table.addr(), ids_at, a.ids.layout, Box::new(derive));
     let at = |i: usize| table.addr() + (i * 8) as u64;
     let args = [
         Arg::Ptr(addr(g)?),
         Arg::I64(rs),
         Arg::I64(cs),
+        Arg::Ptr(at(1)),
+        Arg::Ptr(at(1 + capacity)),
+        Arg::Ptr(at(2 * capacity + 2)),
         Arg::Ptr(at(0)),
-        Arg::Ptr(at(count)),
-        Arg::Ptr(at(2 * count + 1)),
-        i64_of(count),
         Arg::Ptr(ptr(o)?),
         i64_of(cols),
     ];
     // Threads walk the columns: no more than the row is wide (in whole warps).
     let threads = cols.next_multiple_of(32).min(BLOCK as usize) as u32;
     let cfg = LaunchConfig {
-        grid_dim: (count.clamp(1, MAX_ROW_BLOCKS) as u32, 1, 1),
+        grid_dim: (capacity.clamp(1, MAX_ROW_BLOCKS) as u32, 1, 1),
         block_dim: (threads, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -242,10 +269,29 @@ mod tests {
     #[test]
     fn groups_keep_id_order_within_a_row() {
         // ids: row 3 at positions 0 and 2, row 1 at 1 and 3.
-        let (flat, count) = groups(&[3, 1, 3, 1, 0]);
-        assert_eq!(count, 3);
-        assert_eq!(&flat[..3], &[0, 1, 3]); // destination rows
-        assert_eq!(&flat[3..7], &[0, 1, 3, 5]); // group starts
-        assert_eq!(&flat[7..], &[4, 1, 3, 0, 2]); // positions
+        let (flat, capacity) = group_table(&[3, 1, 3, 1, 0], None).unwrap();
+        assert_eq!(capacity, 3);
+        assert_eq!(flat[0], 3); // groups
+        assert_eq!(&flat[1..4], &[0, 1, 3]); // destination rows
+        assert_eq!(&flat[4..8], &[0, 1, 3, 5]); // group starts
+        assert_eq!(&flat[8..], &[4, 1, 3, 0, 2]); // positions
+    }
+
+    #[test]
+    fn a_table_with_room_pads_its_groups_and_keeps_its_size() {
+        // Room for 5 groups (a captured step's: one per id): 3 used, the rest inert.
+        let (flat, capacity) = group_table(&[3, 1, 3, 1, 0], Some(5)).unwrap();
+        assert_eq!(capacity, 5);
+        assert_eq!(flat.len(), 1 + 5 + 6 + 5);
+        assert_eq!(flat[0], 3);
+        assert_eq!(&flat[1..6], &[0, 1, 3, 0, 0]);
+        assert_eq!(&flat[6..12], &[0, 1, 3, 5, 5, 5]);
+        assert_eq!(&flat[12..], &[4, 1, 3, 0, 2]);
+        // Another batch of the same size makes a table of the same size.
+        let (other, _) = group_table(&[0, 1, 2, 3, 4], Some(5)).unwrap();
+        assert_eq!(other.len(), flat.len());
+        assert_eq!(other[0], 5);
+        // More groups than the room is refused.
+        assert!(group_table(&[0, 1, 2, 3, 4], Some(4)).is_none());
     }
 }

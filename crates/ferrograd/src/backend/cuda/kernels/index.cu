@@ -18,10 +18,12 @@ __device__ void index_select(const E* w, i64 rs, i64 cs, const i64* ids, E* out,
 }
 
 // out (V, d) row dest[u] += Σ g rows order[start[u]..start[u+1]) in that order, summed in double
-// and rounded once: one block per destination row, so the result is deterministic.
+// and rounded once: one block per destination row, so the result is deterministic. The number
+// of groups is read from the table (*groups), so a replayed graph can take another batch's.
 template <typename T>
 __device__ void index_add(const T* g, i64 rs, i64 cs, const i64* dest, const i64* start,
-                          const i64* order, i64 groups, T* out, i64 d) {
+                          const i64* order, const i64* groups_at, T* out, i64 d) {
+    const i64 groups = *groups_at;
     for (i64 u = blockIdx.x; u < groups; u += gridDim.x) {
         const i64 row = dest[u], s0 = start[u], s1 = start[u + 1];
         for (i64 col = threadIdx.x; col < d; col += blockDim.x) {
@@ -68,8 +70,8 @@ __device__ void where_select(const u8* cond, const E* a, const E* b, E* out, i64
 
 #define INDEX_KERNELS(S, T)                                                                        \
     extern "C" __global__ void index_add_##S(const T* g, i64 rs, i64 cs, const i64* dest,          \
-                                             const i64* start, const i64* order, i64 groups,       \
-                                             T* out, i64 d) {                                      \
+                                             const i64* start, const i64* order,                   \
+                                             const i64* groups, T* out, i64 d) {                   \
         index_add<T>(g, rs, cs, dest, start, order, groups, out, d);                               \
     }
 
