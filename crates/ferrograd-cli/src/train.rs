@@ -86,8 +86,9 @@ pub struct TrainArgs {
     attention: AttentionPath,
     /// On a GPU, capture one training step as a CUDA graph after a warm-up step and replay
     /// it (on), or run every step op by op (off). Runs that a graph cannot replay (f16 loss
-    /// scaling, dropout, SGD, data parallel, step in backward) run op by op, and the log
-    /// says why.
+    /// scaling, SGD, data parallel, step in backward) run op by op, and the log says why.
+    /// With dropout, replays draw their masks from the captured keys and a per-step seed:
+    /// reproducible, but not the masks of a run with graphs off.
     #[arg(long, default_value = "on")]
     cuda_graphs: Switch,
     /// Micro-batches per step (gradient accumulation).

@@ -1,9 +1,10 @@
 //! CUDA graphs of whole training steps (`Trainer::step_graphed`, `--cuda-graphs`): a replayed
 //! step trains as the eager one does (same losses, same parameters), with a scheduled rate,
 //! clipping, accumulation and bf16 autocast; the graph's blocks stay in its private pool and
-//! the accounting by category still sums to `memory_allocated`; dropout, f16 loss scaling and
-//! SGD run eagerly and say why; an out-of-range id in a replayed batch is the eager error;
-//! new shapes capture again. Needs a CUDA device: without one every test fails.
+//! the accounting by category still sums to `memory_allocated`; with dropout every replay
+//! draws new masks, and without it replays of one batch are bit for bit the same; f16 loss
+//! scaling and SGD run eagerly and say why; an out-of-range id in a replayed batch is the
+//! eager error; new shapes capture again. Needs a CUDA device: without one every test fails.
 #![cfg(feature = "gpu-tests")]
 
 use std::sync::Mutex;
@@ -224,31 +225,71 @@ fn new_shapes_capture_again() {
     );
 }
 
-#[test]
-fn what_a_graph_cannot_replay_runs_eagerly_and_says_why() {
-    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    // Dropout: refused during the capture, the step then runs eagerly.
+/// The losses of 6 steps on one batch at rate 0 (the parameters never change), graphs on;
+/// `amp`: bf16 runs the fused attention (its dropout inside the kernels), f32 the composed
+/// one (the dropout op).
+fn frozen_losses(dropout: f64, amp: Option<DType>) -> (Vec<f64>, GraphStatus) {
     let model = Gpt::new(
         GptConfig {
-            dropout: 0.1,
+            dropout,
             ..config()
         },
         GPU,
     )
     .unwrap();
-    let mut trainer = Trainer::new(adamw(&model), trainer_config(1), GPU).unwrap();
+    let still = AdamConfig {
+        lr: 0.0,
+        ..AdamConfig::adamw_default()
+    };
+    let opt = Adam::adamw(model.parameters(), still).unwrap();
+    let config = TrainerConfig {
+        amp,
+        ..TrainerConfig::default()
+    };
+    let mut trainer = Trainer::new(opt, config, GPU).unwrap();
     let mut graph = StepGraph::new(true, 1);
-    for s in 0..3 {
-        let r = trainer
-            .step_graphed(&mut graph, &inputs(s, 1, 4, 32), forward(&model))
-            .unwrap();
-        assert!(r.loss.value().unwrap().is_finite());
+    let losses = (0..6)
+        .map(|_| {
+            let r = trainer
+                .step_graphed(&mut graph, &inputs(0, 1, 4, 32), forward(&model))
+                .unwrap();
+            r.loss.value().unwrap()
+        })
+        .collect();
+    (losses, graph.status())
+}
+
+#[test]
+fn replays_draw_new_dropout_masks_and_are_otherwise_the_same() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    for amp in [None, Some(DType::BF16)] {
+        let (plain, status) = frozen_losses(0.0, amp);
+        assert!(matches!(status, GraphStatus::Replaying { .. }), "{status}");
+        println!("{amp:?}, no dropout: {plain:?}");
+        assert!(
+            plain.iter().all(|l| l.to_bits() == plain[0].to_bits()),
+            "{plain:?}"
+        );
+        let (dropped, status) = frozen_losses(0.2, amp);
+        assert!(matches!(status, GraphStatus::Replaying { .. }), "{status}");
+        println!("{amp:?}, dropout 0.2: {dropped:?}");
+        // Step 0 eager, step 1 the capture (seed 0), steps 2.. replays with their own seeds.
+        for (i, a) in dropped.iter().enumerate() {
+            assert!(a.is_finite());
+            for b in &dropped[i + 1..] {
+                assert_ne!(
+                    a.to_bits(),
+                    b.to_bits(),
+                    "two steps drew one mask: {dropped:?}"
+                );
+            }
+        }
     }
-    let status = graph.status().to_string();
-    assert!(
-        status.contains("off") && status.contains("dropout"),
-        "{status}"
-    );
+}
+
+#[test]
+fn what_a_graph_cannot_replay_runs_eagerly_and_says_why() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     // f16 loss scaling and SGD: refused before any capture.
     let model = gpt();
     let f16 = TrainerConfig {

@@ -11,8 +11,9 @@
 //!   the graph goes (the graph may read it).
 //! - Host values: a kernel argument or an upload made during the capture is replayed as it
 //!   was. Values that change per step must reach the kernels through device memory that the
-//!   host rewrites before each replay (the optimizer's rate and step count, the batch), or
-//!   the capture must be refused (`refuse`: dropout keys drawn on the host).
+//!   host rewrites before each replay (the optimizer's rate and step count, the batch and
+//!   what the host derived from it, the dropout seed that every mask's key is XORed with),
+//!   or the capture must be refused (`refuse`).
 //! - Host checks: ids and class targets are checked on the host from the values they were
 //!   uploaded with. A capture notes each check (`note_ids`), and `Graph::check_input` runs
 //!   them again on the values a replay will use.
@@ -67,6 +68,8 @@ struct Log {
     pool: PrivatePoolId,
     notes: Vec<Note>,
     derived: Vec<Derived>,
+    /// The step's dropout seed buffer, once a dropout kernel asked for it.
+    seed: Option<u64>,
     refused: Option<String>,
 }
 
@@ -122,6 +125,24 @@ pub(crate) fn note_derived_buffer(buffer: u64, input: u64, layout: &Layout, deri
     });
 }
 
+/// The device address of the running capture's dropout seed, made by `make` on first use
+/// (dropout kernels draw with key ^ seed; a replay writes a new seed). Outside a capture: 0.
+pub(crate) fn step_seed(make: impl FnOnce() -> Result<u64>) -> Result<u64> {
+    if let Some(seed) = ACTIVE.with(|a| a.borrow().as_ref().and_then(|l| l.seed)) {
+        return Ok(seed);
+    }
+    if !capturing() {
+        return Ok(0);
+    }
+    let seed = make()?;
+    ACTIVE.with(|a| {
+        if let Some(log) = a.borrow_mut().as_mut() {
+            log.seed = Some(seed);
+        }
+    });
+    Ok(seed)
+}
+
 /// The private pool of the capture running on this thread.
 pub(crate) fn active_pool() -> Option<PrivatePoolId> {
     ACTIVE.with(|a| a.borrow().as_ref().map(|l| l.pool))
@@ -159,6 +180,8 @@ pub struct Graph {
     pool: PrivatePoolId,
     notes: Vec<Note>,
     derived: Vec<Derived>,
+    /// The dropout seed the step's kernels read, if any dropout ran in it.
+    seed: Option<u64>,
 }
 
 /// Whether an input's new values let a graph replay, and if not, why.
@@ -202,6 +225,7 @@ pub fn capture<R>(device: Device, f: impl FnOnce() -> Result<R>) -> Result<(Grap
             pool,
             notes: Vec::new(),
             derived: Vec::new(),
+            seed: None,
             refused: None,
         })
     });
@@ -222,13 +246,15 @@ pub fn capture<R>(device: Device, f: impl FnOnce() -> Result<R>) -> Result<(Grap
     });
     let log = ACTIVE.with(|a| a.borrow_mut().take());
     let ended = alloc.end_private_pool();
-    let (notes, derived) = log.map_or_else(Default::default, |l| (l.notes, l.derived));
+    let (notes, derived, seed) =
+        log.map_or_else(Default::default, |l| (l.notes, l.derived, l.seed));
     let mut graph = Graph {
         exec: None,
         device,
         pool,
         notes,
         derived,
+        seed,
     };
     match (ran, ended) {
         (Ok((exec, r)), Ok(())) => {
@@ -263,6 +289,23 @@ impl Graph {
             b.upload(DType::I64, HostValues::I64(words), d.buffer)?;
         }
         Ok(())
+    }
+
+    /// Sets the seed that the next replay's dropout masks draw with (their keys are the
+    /// captured keys ^ seed; the capture itself ran with seed 0), in stream order. Nothing to
+    /// do when the step has no dropout.
+    pub fn set_dropout_seed(&self, seed: u64) -> Result<()> {
+        match self.seed {
+            Some(at) => backend(self.device)?
+                .upload(DType::I64, HostValues::I64(vec![seed as i64]), at)
+                .map(|_| ()),
+            None => Ok(()),
+        }
+    }
+
+    /// Whether the step draws dropout masks (then each replay needs a seed).
+    pub fn has_dropout(&self) -> bool {
+        self.seed.is_some()
     }
 
     /// Bytes the graph's private pool holds on the device: (reserved, allocated now).
@@ -348,6 +391,7 @@ mod tests {
             pool,
             notes,
             derived: Vec::new(),
+            seed: None,
         }
     }
 

@@ -101,7 +101,6 @@ impl Tensor {
                 ),
             ));
         }
-        super::dropout::refuse_capture();
         let dropout = AttentionDropout {
             key: rng.next_u64(),
             keep: 1.0 - p,

@@ -43,7 +43,6 @@ impl Tensor {
             }));
         }
         let (keep, key) = (1.0 - p, rng.next_u64());
-        refuse_capture();
         let out = masked(self, keep, key, "dropout")?;
         Ok(record("dropout", &[self], out, |_, _| {
             move |g: &Tensor, _: &[bool]| Ok(vec![Some(masked(g, keep, key, "dropout_backward")?)])
@@ -65,13 +64,4 @@ fn masked(x: &Tensor, keep: f64, key: u64, origin: &'static str) -> Result<Tenso
     let out = Tensor::output_uninit(x.shape(), x.dtype(), x.device(), origin)?;
     elementwise::dropout_apply(x.view(), out.storage(), keep, key)?;
     Ok(out)
-}
-
-/// A mask's key is drawn on the host and passed to the kernel: a captured graph would replay
-/// the same mask at every step, so a capture that draws one is refused.
-pub(crate) fn refuse_capture() {
-    crate::backend::capture::refuse(
-        "dropout draws its mask's key on the host at every step, and a replayed graph would \
-         repeat the captured step's mask",
-    );
 }

@@ -12,9 +12,14 @@
 //! category is the captured step's, and a replay allocates nothing. What cannot be replayed
 //! runs eagerly, and `GraphStatus` says why: a CPU device, f16 loss scaling (its skip decision
 //! is read on the host), data-parallel reduction, the step in backward, an optimizer whose
-//! rate is a kernel argument, dropout (its keys are drawn on the host), or a capture that
-//! failed. New input shapes, or a batch whose target count differs from the captured one,
-//! capture again.
+//! rate is a kernel argument, or a capture that failed. New input shapes, or a batch whose
+//! target count differs from the captured one, capture again.
+//!
+//! Dropout: the captured step's masks are drawn with the keys the host drew at the capture,
+//! each XORed on the device with a seed that every replay rewrites (`replay_seed` of the step
+//! index), so each step gets new masks and a recomputed segment replays its own. They are
+//! not the masks an eager run would draw (its keys come from the generator at every step),
+//! so a run with dropout is reproducible with graphs on or off, not across the two.
 
 use std::time::Instant;
 
@@ -280,6 +285,7 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
         }
         let lr = self.set_scheduled_lr()?;
         self.with_optimizer(|o| o.prepare_graph_step())??;
+        c.graph.set_dropout_seed(replay_seed(self.step_index()))?;
         c.graph.replay()?;
         self.with_optimizer(|o| o.graph_step_replayed())?;
         self.graph_report(c, lr, start)
@@ -306,6 +312,15 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
         self.set_step_index(self.step_index() + 1);
         Ok(report)
     }
+}
+
+/// The dropout seed of a replayed step (its masks' keys are the captured keys ^ this): a
+/// different one every step, the same for the same step of any run (splitmix64).
+fn replay_seed(step: u64) -> u64 {
+    let mut z = step.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
 }
 
 /// Whether `inputs` fit the captured step: same shapes, and every host check the capture

@@ -126,10 +126,12 @@ struct Problem {
     key: u64,
     inv_keep: f32,
     pad: i32,
+    /// 0, or the address of a captured step's seed: the kernels' key is then key ^ seed.
+    seed: u64,
 }
 
-// SAFETY: #[repr(C)]: four i32, two f32, i32, u32, u64, f32, i32, laid out as
-// `struct Problem` (48 bytes; the u64 falls on offset 32, so no implicit padding).
+// SAFETY: #[repr(C)]: four i32, two f32, i32, u32, u64, f32, i32, u64, laid out as
+// `struct Problem` (56 bytes; the u64s fall on offsets 32 and 48, so no implicit padding).
 unsafe impl DeviceRepr for Problem {}
 
 impl Problem {
@@ -165,6 +167,7 @@ impl Problem {
             key: dropout.map_or(0, |d| d.key),
             inv_keep: dropout.map_or(1.0, |d| (1.0 / d.keep) as f32),
             pad: 0,
+            seed: 0,
         })
     }
 
@@ -259,7 +262,10 @@ fn forward(d: &CudaDevice, a: &Attention) -> Result<()> {
     const OP: &str = "attention";
     let [q, k, v] = a.qkv.views().map(|v| operand(&v));
     let (q, k, v, out) = (q?, k?, v?, operand(&a.out)?);
-    let p = Problem::new(OP, a.qkv.q, (a.scale, a.causal, a.dropout), &[q, k, v, out])?;
+    let mut p = Problem::new(OP, a.qkv.q, (a.scale, a.causal, a.dropout), &[q, k, v, out])?;
+    if a.dropout.is_some() {
+        p.seed = d.dropout_seed()?;
+    }
     if p.is_empty() {
         return Ok(());
     }
@@ -285,12 +291,15 @@ fn backward(d: &CudaDevice, a: &AttentionBackward) -> Result<()> {
     let [gq, gk, gv] = a.grads.views().map(|v| operand(&v));
     let (q, k, v, gq, gk, gv) = (q?, k?, v?, gq?, gk?, gv?);
     let (out, gout) = (operand(&a.out)?, operand(&a.gout)?);
-    let p = Problem::new(
+    let mut p = Problem::new(
         OP,
         a.qkv.q,
         (a.scale, a.causal, a.dropout),
         &[q, k, v, gq, gk, gv, out, gout],
     )?;
+    if a.dropout.is_some() {
+        p.seed = d.dropout_seed()?;
+    }
     if p.is_empty() {
         return Ok(());
     }
@@ -343,4 +352,18 @@ fn backward(d: &CudaDevice, a: &AttentionBackward) -> Result<()> {
     ]);
     let cfg = p.tiles(Tiled::Dq, d_head);
     launch(d, m, kernel("attn_bwd_dq", a.dropout), cfg, &dq)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn problem_layout_matches_the_kernels() {
+        // attention.cu asserts sizeof(Problem) == 56 on its side.
+        assert_eq!(std::mem::size_of::<Problem>(), 56);
+        assert_eq!(std::mem::offset_of!(Problem, key), 32);
+        assert_eq!(std::mem::offset_of!(Problem, seed), 48);
+        assert_eq!(std::mem::size_of::<Heads>(), 32);
+    }
 }

@@ -141,6 +141,19 @@ impl CudaDevice {
         Ok(block)
     }
 
+    /// The address of the running capture's dropout seed (made on first use, 0 at first, so
+    /// the captured step draws the keys it was given), or 0 when not capturing: a replay
+    /// rewrites it, and every dropout kernel of the step draws with its key ^ seed.
+    pub(crate) fn dropout_seed(&self) -> Result<u64> {
+        if !self.is_capturing() {
+            return Ok(0);
+        }
+        capture::step_seed(|| {
+            // Dropped at once: a block from outside the pool stays until the graph goes.
+            Ok(self.step_buffer(&[0], "dropout_seed")?.addr())
+        })
+    }
+
     /// The error for reading the device back (or waiting for it) while capturing.
     pub(crate) fn refuse_wait(&self, what: &str) -> Result<()> {
         if self.is_capturing() {

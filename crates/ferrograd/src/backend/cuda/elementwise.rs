@@ -207,12 +207,14 @@ pub(crate) fn dropout_apply(
     check_bounds("dropout", &x)?;
     let (bits, _) = element_bits(dt, 1.0 / keep);
     let xp = dev_ptr(d, "dropout", x.storage)? + (x.layout.offset() * dt.size_in_bytes()) as u64;
-    // dropout_apply_*(const S*, S*, u64, u64, double, i64); x is contiguous (the family checks).
+    // dropout_apply_*(const S*, S*, u64, u64, const u64*, double, i64); x is contiguous (the
+    // family checks).
     let args = [
         Arg::Ptr(xp),
         Arg::Ptr(dev_ptr(d, "dropout", out)?),
         Arg::U64(bits),
         Arg::U64(key),
+        Arg::Ptr(d.dropout_seed()?),
         Arg::F64(keep),
         Arg::I64(n as i64),
     ];

@@ -78,7 +78,17 @@ struct Problem {
     u64 key;           // the dropout mask's Philox key
     float inv_keep;    // 1 / (1 - p): the kept probabilities' scale
     int pad;
+    u64 seed;          // 0, or the device address of a u64 that a replayed graph's step
+                       // rewrites: the key is then key ^ *seed (a new mask every replay)
 };
+
+static_assert(sizeof(Problem) == 56, "Problem must match its Rust twin (cuda/attention.rs)");
+
+// The problem with its dropout key for this launch (the dropout kernels' entries).
+__device__ __forceinline__ Problem keyed(Problem p) {
+    if (p.seed) p.key ^= *(const u64*)p.seed;
+    return p;
+}
 
 // Whether probability (query i, key j) of pair bh survives dropout. Its draw is the top 24
 // bits of word n % 4 of philox(n / 4, key) with n = (bh · T + i) · T + j: exactly the mask
@@ -501,7 +511,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 
 extern "C" __global__ void __launch_bounds__(THREADS)
     attn_fwd_dropout(const u16* qkv, Heads qv, Heads kv, Heads vv, u16* out, Heads ov, float* lse, Problem p) {
-    attn_fwd_impl<true>(qkv, qv, kv, vv, out, ov, lse, p);
+    attn_fwd_impl<true>(qkv, qv, kv, vv, out, ov, lse, keyed(p));
 }
 
 // ---- backward -------------------------------------------------------------------------------
@@ -657,7 +667,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 
 extern "C" __global__ void __launch_bounds__(THREADS)
     attn_bwd_dkdv_dropout(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov, const float* lse, const float* delta, u16* grads, Heads gkv, Heads gvv, Problem p) {
-    attn_bwd_dkdv_impl<true>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gkv, gvv, p);
+    attn_bwd_dkdv_impl<true>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gkv, gvv, keyed(p));
 }
 
 // dQ of 64 queries: every key tile they see. S = Q Kᵀ, P from lse, dP = dO Vᵀ,
@@ -742,5 +752,5 @@ extern "C" __global__ void __launch_bounds__(THREADS)
 
 extern "C" __global__ void __launch_bounds__(THREADS)
     attn_bwd_dq_dropout(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov, const float* lse, const float* delta, u16* grads, Heads gqv, Problem p) {
-    attn_bwd_dq_impl<true>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gqv, p);
+    attn_bwd_dq_impl<true>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gqv, keyed(p));
 }

@@ -481,9 +481,12 @@ extern "C" __global__ void fill_bits(void* dst, int size, u64 bits, i64 n) {
 // out[i] = x[i] · m_i, m_i = the mask value `bits` (1/keep in the dtype) where element i's draw
 // (24 bits of word i % 4 of philox(i / 4, key)) is below `keep`, else 0; the product in the
 // compute type, rounded once (as a multiply by a stored mask). One thread per group of four.
+// seed: null, or a captured step's seed (rewritten before each replay): the key is key ^ *seed.
 template <typename T>
 __device__ __forceinline__ void dropout_apply_run(const typename T::S* x, typename T::S* out,
-                                                  u64 bits, u64 key, double keep, i64 n) {
+                                                  u64 bits, u64 key, const u64* seed,
+                                                  double keep, i64 n) {
+    if (seed) key ^= *seed;
     typedef typename T::S S;
     S m;
     memcpy(&m, &bits, sizeof(S));  // little-endian: the low bytes hold the value
@@ -504,8 +507,9 @@ __device__ __forceinline__ void dropout_apply_run(const typename T::S* x, typena
 
 #define DROPOUT_KERNEL(SUFFIX, T)                                                             \
     extern "C" __global__ void dropout_apply_##SUFFIX(const T::S* x, T::S* out, u64 bits,     \
-                                                      u64 key, double keep, i64 n) {          \
-        dropout_apply_run<T>(x, out, bits, key, keep, n);                                     \
+                                                      u64 key, const u64* seed, double keep,  \
+                                                      i64 n) {                                \
+        dropout_apply_run<T>(x, out, bits, key, seed, keep, n);                               \
     }
 
 DROPOUT_KERNEL(f32, F32T)

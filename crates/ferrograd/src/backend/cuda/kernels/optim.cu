@@ -39,6 +39,7 @@ struct AdamHyper {
     int has_l2;
     int pad;
 };
+static_assert(sizeof(AdamHyper) == 72, "AdamHyper must match its Rust twin (cuda/optim.rs)");
 
 __device__ __forceinline__ float o_add(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ float o_sub(float a, float b) { return __fsub_rn(a, b); }
