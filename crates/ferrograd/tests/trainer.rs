@@ -611,3 +611,40 @@ fn only_a_cuda_device_captures() {
         "{err}"
     );
 }
+
+/// A step that reads values back cannot be captured as a CUDA graph (each read waits for the
+/// device): a full step (GPT, bf16 autocast, accumulation, clipping, AdamW) reads none, and
+/// neither does its report until the loss is looked at.
+#[test]
+fn a_training_step_reads_nothing_back_to_the_host() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let gpt = Gpt::new(GptConfig::tiny(), CPU).unwrap();
+    let opt = Adam::adamw(gpt.parameters(), AdamConfig::adamw_default()).unwrap();
+    let config = TrainerConfig {
+        accum: 2,
+        clip: Some(1.0),
+        amp: Some(DType::BF16),
+        ..TrainerConfig::default()
+    };
+    let mut trainer = Trainer::new(opt, config, CPU).unwrap();
+    let batches: Vec<_> = (0..2).map(|i| host_batch(0, i)).collect();
+    let mut graph = ferrograd::train::StepGraph::new(false, 0);
+    for _ in 0..2 {
+        let before = ferrograd::tensor::host_reads();
+        let report = trainer
+            .step_graphed(&mut graph, &batches, |_, t| {
+                Ok(MicroBatch {
+                    loss: gpt.loss(&t[0], &t[1])?,
+                    tokens: t[0].numel(),
+                })
+            })
+            .unwrap();
+        assert_eq!(
+            ferrograd::tensor::host_reads(),
+            before,
+            "the step read values back"
+        );
+        assert!(report.loss.value().unwrap().is_finite());
+        assert_eq!(ferrograd::tensor::host_reads(), before + 1);
+    }
+}

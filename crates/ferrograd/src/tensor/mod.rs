@@ -270,6 +270,7 @@ impl Tensor {
     // ---- reading values -------------------------------------------------------------------
 
     pub(crate) fn to_host(&self) -> Result<HostValues> {
+        HOST_READS.with(|n| n.set(n.get() + 1));
         backend::backend(self.device())?.to_host(self.view())
     }
 
@@ -314,4 +315,15 @@ impl fmt::Debug for Tensor {
         }
         write!(f, ")")
     }
+}
+
+thread_local! {
+    static HOST_READS: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// How many times this thread has read tensor values to the host. On a GPU each read waits
+/// for the device, and a step that reads cannot be captured as a CUDA graph: a training step
+/// should read nothing (its loss is read when a log shows it).
+pub fn host_reads() -> u64 {
+    HOST_READS.with(|n| n.get())
 }
