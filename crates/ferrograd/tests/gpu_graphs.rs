@@ -99,6 +99,20 @@ fn train(graphs: bool, steps: usize, accum: usize) -> (Vec<f64>, Vec<Vec<f32>>, 
     (losses, params, graph.status())
 }
 
+/// A trainer of `model` and its graph after `steps` steps of batch (4, 32): from step 2 on,
+/// replaying the step captured at step 1.
+fn replaying(model: &Gpt, steps: usize) -> (Trainer<Adam>, StepGraph) {
+    let mut trainer = Trainer::new(adamw(model), trainer_config(1), GPU).unwrap();
+    let mut graph = StepGraph::new(true, 1);
+    for s in 0..steps {
+        let r = trainer
+            .step_graphed(&mut graph, &inputs(s, 1, 4, 32), forward(model))
+            .unwrap();
+        drop(r);
+    }
+    (trainer, graph)
+}
+
 #[test]
 fn a_replayed_step_trains_as_the_eager_one() {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
@@ -132,14 +146,7 @@ fn a_replayed_step_trains_as_the_eager_one() {
 fn a_replay_allocates_nothing_and_the_accounting_holds() {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let model = gpt();
-    let mut trainer = Trainer::new(adamw(&model), trainer_config(1), GPU).unwrap();
-    let mut graph = StepGraph::new(true, 1);
-    for s in 0..2 {
-        let r = trainer
-            .step_graphed(&mut graph, &inputs(s, 1, 4, 32), forward(&model))
-            .unwrap();
-        drop(r);
-    }
+    let (mut trainer, mut graph) = replaying(&model, 2);
     let GraphStatus::Replaying { pool_bytes, .. } = graph.status() else {
         panic!("{}", graph.status());
     };
@@ -172,13 +179,7 @@ fn a_replay_allocates_nothing_and_the_accounting_holds() {
 fn an_out_of_range_id_in_a_replayed_batch_is_the_eager_error() {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let model = gpt();
-    let mut trainer = Trainer::new(adamw(&model), trainer_config(1), GPU).unwrap();
-    let mut graph = StepGraph::new(true, 1);
-    for s in 0..3 {
-        trainer
-            .step_graphed(&mut graph, &inputs(s, 1, 4, 32), forward(&model))
-            .unwrap();
-    }
+    let (mut trainer, mut graph) = replaying(&model, 3);
     let mut bad = inputs(3, 1, 4, 32);
     bad[0][0].0[17] = 65;
     let err = trainer
@@ -202,13 +203,7 @@ fn an_out_of_range_id_in_a_replayed_batch_is_the_eager_error() {
 fn new_shapes_capture_again() {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let model = gpt();
-    let mut trainer = Trainer::new(adamw(&model), trainer_config(1), GPU).unwrap();
-    let mut graph = StepGraph::new(true, 1);
-    for s in 0..3 {
-        trainer
-            .step_graphed(&mut graph, &inputs(s, 1, 4, 32), forward(&model))
-            .unwrap();
-    }
+    let (mut trainer, mut graph) = replaying(&model, 3);
     assert!(matches!(
         graph.status(),
         GraphStatus::Replaying { step: 1, .. }
