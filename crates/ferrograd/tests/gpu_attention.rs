@@ -1,5 +1,5 @@
-//! The GPU's fused causal attention (tensor-core FlashAttention-2, f16 and bf16) against an
-//! f64 reference of the same rounded inputs on the CPU, across every head dim it covers and
+//! The GPU's fused causal attention (FlashAttention-2: on tensor cores in f16 and bf16, in
+//! f32 FMAs in f32) against an f64 reference of the same rounded inputs on the CPU, across every head dim it covers and
 //! sequence lengths inside, at and past its 64-row tiles; against PyTorch's
 //! `scaled_dot_product_attention` fixture; against the composed attention inside the GPT
 //! model under autocast; dropout on the probabilities against the composed path's dropout
@@ -82,7 +82,11 @@ fn attention_and_grad(qkv: &Tensor, gout: &Tensor, n_head: usize) -> (Tensor, Te
 }
 
 fn tolerance(dtype: DType) -> f64 {
-    if dtype == DType::BF16 { 2.5e-2 } else { 4e-3 }
+    match dtype {
+        DType::BF16 => 2.5e-2,
+        DType::F16 => 4e-3,
+        _ => 1e-5,
+    }
 }
 
 #[test]
@@ -100,7 +104,7 @@ fn matches_an_f64_reference_at_every_head_dim_and_length() {
         (2, 257, 1, 128),
         (1, 300, 2, 64),
     ];
-    for dtype in [DType::BF16, DType::F16] {
+    for dtype in [DType::BF16, DType::F16, DType::F32] {
         for (i, &(b, t, h, d)) in cases.iter().enumerate() {
             assert!(causal_attention_supported(GPU, dtype, d));
             let c = h * d;
@@ -142,7 +146,7 @@ fn fixtures() -> &'static FixtureFile {
 }
 
 #[test]
-fn matches_pytorch_in_bf16_and_f16() {
+fn matches_pytorch_in_f32_bf16_and_f16() {
     let _l = lock();
     let f = fixtures();
     // gpt_f32: B 2, T 96, 2 heads of 64; tiles_f64: T 150, 2 heads of 16.
@@ -151,7 +155,7 @@ fn matches_pytorch_in_bf16_and_f16() {
         let gout = f.get(&format!("{case}.gout"));
         let want_out = f.get(&format!("{case}.out")).to_dtype(DType::F64).unwrap();
         let want_grad = f.get(&format!("{case}.gqkv")).to_dtype(DType::F64).unwrap();
-        for dtype in [DType::BF16, DType::F16] {
+        for dtype in [DType::BF16, DType::F16, DType::F32] {
             let x = qkv.to_dtype(dtype).unwrap().to_device(GPU).unwrap();
             let (out, grad) = attention_and_grad(&x, &gout, h);
             // The inputs' own rounding counts here too: 2⁻⁸ relative in bf16.
@@ -169,6 +173,16 @@ fn backward_is_bit_identical_from_run_to_run() {
     let _l = lock();
     let qkv = randn_gpu_bf16(&[2, 200, 3 * 128], 7);
     let gout = randn(&[2, 200, 128], 8);
+    let (_, a) = attention_and_grad(&qkv, &gout, 2);
+    let (_, b) = attention_and_grad(&qkv, &gout, 2);
+    let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
+    assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()));
+    // The f32 kernels too.
+    let qkv = randn(&[2, 200, 3 * 128], 7)
+        .to_dtype(DType::F32)
+        .unwrap()
+        .to_device(GPU)
+        .unwrap();
     let (_, a) = attention_and_grad(&qkv, &gout, 2);
     let (_, b) = attention_and_grad(&qkv, &gout, 2);
     let (a, b) = (a.to_vec::<f32>().unwrap(), b.to_vec::<f32>().unwrap());
@@ -227,16 +241,14 @@ fn forward_keeps_the_output_and_one_log_sum_exp_per_query() {
 
 #[test]
 fn other_dtypes_and_head_dims_are_left_to_the_composed_path() {
-    assert!(!causal_attention_supported(GPU, DType::F32, 64));
+    assert!(causal_attention_supported(GPU, DType::F32, 64));
+    assert!(!causal_attention_supported(GPU, DType::F64, 64));
+    assert!(!causal_attention_supported(GPU, DType::F32, 72));
     assert!(!causal_attention_supported(GPU, DType::BF16, 8));
     assert!(!causal_attention_supported(GPU, DType::BF16, 72));
     assert!(!causal_attention_supported(GPU, DType::F16, 256));
     let _l = lock();
-    let x = randn(&[1, 4, 3 * 16], 12)
-        .to_dtype(DType::F32)
-        .unwrap()
-        .to_device(GPU)
-        .unwrap();
+    let x = randn(&[1, 4, 3 * 16], 12).to_device(GPU).unwrap();
     let err = x.causal_attention(2).unwrap_err().to_string();
     assert!(err.contains("compose"), "{err}");
 }
@@ -277,18 +289,19 @@ fn composed_with_dropout(qkv: &Tensor, h: usize, p: f64, rng: &mut Generator) ->
 #[test]
 fn dropout_on_the_probabilities_draws_the_composed_paths_mask() {
     let _l = lock();
-    for (i, &(b, t, h, d, p)) in [
-        (2, 70, 2, 64, 0.2),
-        (1, 129, 3, 32, 0.5),
-        (1, 33, 1, 128, 0.1),
-    ]
-    .iter()
-    .enumerate()
-    {
-        assert!(causal_attention_dropout_supported(GPU, DType::BF16, d));
+    let cases = [
+        (DType::BF16, 2, 70, 2, 64, 0.2),
+        (DType::BF16, 1, 129, 3, 32, 0.5),
+        (DType::BF16, 1, 33, 1, 128, 0.1),
+        (DType::F32, 2, 70, 2, 64, 0.2),
+        (DType::F32, 1, 129, 3, 32, 0.5),
+        (DType::F32, 1, 33, 1, 128, 0.1),
+    ];
+    for (i, &(dtype, b, t, h, d, p)) in cases.iter().enumerate() {
+        assert!(causal_attention_dropout_supported(GPU, dtype, d));
         let c = h * d;
         let qkv = randn(&[b, t, 3 * c], 60 + i as u64)
-            .to_dtype(DType::BF16)
+            .to_dtype(dtype)
             .unwrap()
             .to_dtype(DType::F64)
             .unwrap();
@@ -305,7 +318,7 @@ fn dropout_on_the_probabilities_draws_the_composed_paths_mask() {
         let want_grad = x.grad().expect("a gradient");
 
         let y = qkv
-            .to_dtype(DType::BF16)
+            .to_dtype(dtype)
             .unwrap()
             .to_device(GPU)
             .unwrap()
@@ -320,22 +333,19 @@ fn dropout_on_the_probabilities_draws_the_composed_paths_mask() {
         let blocks = |bytes: usize| bytes.div_ceil(512) * 512;
         assert_eq!(
             grown,
-            (blocks(b * t * c * 2) + blocks(b * h * t * 4)) as u64
+            (blocks(b * t * c * dtype.size_in_bytes()) + blocks(b * h * t * 4)) as u64
         );
-        let g = gout.to_dtype(DType::BF16).unwrap().to_device(GPU).unwrap();
+        let g = gout.to_dtype(dtype).unwrap().to_device(GPU).unwrap();
         out.mul(&g).unwrap().sum_all().unwrap().backward().unwrap();
-        let what = format!("B{b} T{t} H{h} D{d} p{p}");
+        let what = format!("{dtype} B{b} T{t} H{h} D{d} p{p}");
         let eo = relative_error(&out.to_dtype(DType::F64).unwrap(), &want);
         let eg = relative_error(
             &y.grad().expect("a gradient").to_dtype(DType::F64).unwrap(),
             &want_grad,
         );
+        assert!(eo <= 2.0 * tolerance(dtype), "{what}: out error {eo:.2e}");
         assert!(
-            eo <= 2.0 * tolerance(DType::BF16),
-            "{what}: out error {eo:.2e}"
-        );
-        assert!(
-            eg <= 4.0 * tolerance(DType::BF16),
+            eg <= 4.0 * tolerance(dtype),
             "{what}: gradient error {eg:.2e}"
         );
         // Another seed is another mask: the comparison above could fail.

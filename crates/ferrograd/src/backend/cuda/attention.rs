@@ -1,9 +1,9 @@
-//! CUDA launchers of the attention family (backend/attention.rs; kernels in
-//! kernels/attention.cu): FlashAttention-2 on tensor cores for f16 and bf16 heads whose
-//! head dim is a multiple of 16 up to 128. Each (dtype, head dim) is its own NVRTC module,
-//! compiled on first use, so the kernels unroll over the head dim. Other dtypes and head
-//! dims are not covered (`supports` says so and the model composes matmul, softmax and
-//! matmul instead).
+//! CUDA launchers of the attention family (backend/attention.rs): FlashAttention-2 on tensor
+//! cores for f16 and bf16 heads (kernels/attention.cu) and in f32 FMAs for f32 heads
+//! (kernels/attention_f32.cu, the same kernels and arguments), head dims a multiple of 16 up
+//! to 128. Each (dtype, head dim) is its own NVRTC module, compiled on first use, so the
+//! kernels unroll over the head dim. Other dtypes and head dims are not covered (`supports`
+//! says so and the model composes matmul, softmax and matmul instead).
 //!
 //! Shapes: q, k, v, out, gout and the gradients (B, H, T, D) by strides, unit stride along D;
 //! lse and delta (B, H, T) dense f32. No temporaries: forward writes out and lse, backward
@@ -56,10 +56,32 @@ macro_rules! modules {
 static BF16: [Module; 8] = modules!("BF16");
 static F16: [Module; 8] = modules!("F16");
 
+/// The f32 kernels' module for head dim `$d`.
+macro_rules! module_f32 {
+    ($d:literal) => {
+        Module::with_defines(
+            concat!("attention_f32_", $d),
+            concat!("#define HEAD_DIM ", $d, "\n"),
+            include_str!("kernels/attention_f32.cu"),
+        )
+    };
+}
+
+static F32: [Module; 8] = [
+    module_f32!(16),
+    module_f32!(32),
+    module_f32!(48),
+    module_f32!(64),
+    module_f32!(80),
+    module_f32!(96),
+    module_f32!(112),
+    module_f32!(128),
+];
+
 /// Whether the fused kernels cover `dtype` and `head_dim` on a GPU. A free function, so the
 /// planner can ask without a GPU.
 pub(crate) fn supports(dtype: DType, head_dim: usize) -> bool {
-    matches!(dtype, DType::BF16 | DType::F16) && HEAD_DIMS.contains(&head_dim)
+    matches!(dtype, DType::BF16 | DType::F16 | DType::F32) && HEAD_DIMS.contains(&head_dim)
 }
 
 fn module(op: &'static str, dtype: DType, head_dim: usize) -> Result<&'static Module> {
@@ -67,11 +89,12 @@ fn module(op: &'static str, dtype: DType, head_dim: usize) -> Result<&'static Mo
     match (dtype, at) {
         (DType::BF16, Some(i)) => Ok(&BF16[i]),
         (DType::F16, Some(i)) => Ok(&F16[i]),
+        (DType::F32, Some(i)) => Ok(&F32[i]),
         _ => Err(Error::invalid(
             op,
             format!(
-                "the GPU's fused attention covers f16 and bf16 heads of dim 16, 32, ... 128, \
-                 not {dtype} with head dim {head_dim}; use the composed attention"
+                "the GPU's fused attention covers f32, f16 and bf16 heads of dim 16, 32, ... \
+                 128, not {dtype} with head dim {head_dim}; use the composed attention"
             ),
         )),
     }
@@ -176,8 +199,8 @@ impl Problem {
     }
 
     /// One CTA per 64 rows (queries or keys) of each (batch, head) pair, with the kernel's
-    /// shared memory for head dim `d`.
-    fn tiles(&self, kernel: Tiled, d: usize) -> LaunchConfig {
+    /// shared memory for head dim `d` and element type `dtype`.
+    fn tiles(&self, kernel: Tiled, d: usize, dtype: DType) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (
                 (self.t as usize).div_ceil(TILE) as u32,
@@ -185,7 +208,10 @@ impl Problem {
                 1,
             ),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: smem_bytes(kernel, d),
+            shared_mem_bytes: match dtype {
+                DType::F32 => smem_bytes_f32(kernel, d),
+                _ => smem_bytes(kernel, d),
+            },
         }
     }
 }
@@ -226,6 +252,21 @@ fn smem_bytes(kernel: Tiled, d: usize) -> u32 {
         _ => 0,
     };
     (elems * 2 + stats) as u32
+}
+
+/// Dynamic shared memory of an f32 tiled kernel at head dim `d`, in bytes: attention_f32.cu's
+/// FWD_SMEM_F32, DKDV_SMEM_F32 and DQ_SMEM_F32 (rows of d + 1 floats; 64-row CTA tiles,
+/// 32-row streamed tiles; probability tiles of 33-float rows).
+fn smem_bytes_f32(kernel: Tiled, d: usize) -> u32 {
+    const BM: usize = TILE;
+    const BN: usize = 32;
+    let (ldf, ldp) = (d + 1, BN + 1);
+    let floats = match kernel {
+        Tiled::Forward => (BM + 2 * BN) * ldf + BM * ldp,
+        Tiled::DkDv => (2 * BM + 2 * BN) * ldf + 2 * BN + 2 * BM * ldp,
+        Tiled::Dq => (2 * BM + 2 * BN) * ldf + BM * ldp,
+    };
+    (floats * 4) as u32
 }
 
 /// The kernel's name: each has a twin that applies dropout.
@@ -269,8 +310,8 @@ fn forward(d: &CudaDevice, a: &Attention) -> Result<()> {
     if p.is_empty() {
         return Ok(());
     }
-    let d_head = a.qkv.q.shape()[3];
-    let m = module(OP, a.qkv.storage.dtype(), d_head)?;
+    let (d_head, dtype) = (a.qkv.q.shape()[3], a.qkv.storage.dtype());
+    let m = module(OP, dtype, d_head)?;
     let args = [
         Arg::Ptr(q.0),
         Arg::Struct(&q.1),
@@ -281,7 +322,7 @@ fn forward(d: &CudaDevice, a: &Attention) -> Result<()> {
         Arg::Ptr(ptr(a.lse)?),
         Arg::Struct(&p),
     ];
-    let cfg = p.tiles(Tiled::Forward, d_head);
+    let cfg = p.tiles(Tiled::Forward, d_head, dtype);
     launch(d, m, kernel("attn_fwd", a.dropout), cfg, &args)
 }
 
@@ -303,8 +344,8 @@ fn backward(d: &CudaDevice, a: &AttentionBackward) -> Result<()> {
     if p.is_empty() {
         return Ok(());
     }
-    let d_head = a.qkv.q.shape()[3];
-    let m = module(OP, a.qkv.storage.dtype(), d_head)?;
+    let (d_head, dtype) = (a.qkv.q.shape()[3], a.qkv.storage.dtype());
+    let m = module(OP, dtype, d_head)?;
     let (lse, delta) = (addr(&a.lse)?, ptr(a.delta)?);
 
     let rows = (p.b * p.h * p.t) as usize;
@@ -336,7 +377,7 @@ fn backward(d: &CudaDevice, a: &AttentionBackward) -> Result<()> {
         Arg::Struct(&gv.1),
         Arg::Struct(&p),
     ]);
-    let cfg = p.tiles(Tiled::DkDv, d_head);
+    let cfg = p.tiles(Tiled::DkDv, d_head, dtype);
     launch(d, m, kernel("attn_bwd_dkdv", a.dropout), cfg, &dkdv)?;
 
     let mut dq = vec![Arg::Ptr(q.0)];
@@ -350,7 +391,7 @@ fn backward(d: &CudaDevice, a: &AttentionBackward) -> Result<()> {
         Arg::Struct(&gq.1),
         Arg::Struct(&p),
     ]);
-    let cfg = p.tiles(Tiled::Dq, d_head);
+    let cfg = p.tiles(Tiled::Dq, d_head, dtype);
     launch(d, m, kernel("attn_bwd_dq", a.dropout), cfg, &dq)
 }
 

@@ -1,0 +1,441 @@
+// attention_f32.cu — fused scaled-dot-product attention for f32 heads: FlashAttention-2's
+// algorithm in f32 FMAs (no tensor cores, no TF32: exact f32 products, as the composed path
+// without TF32 computes them). The correct slower path beside attention.cu's f16/bf16 kernels,
+// with the same kernels, arguments and results: forward writes out and lse (natural log),
+// attn_delta writes rowsum(gout ∘ out), and the backward is two kernels (dK/dV per key tile,
+// dQ per query tile), deterministic, causal tiles past the diagonal never visited. Each of
+// attn_fwd, attn_bwd_dkdv and attn_bwd_dq has a `_dropout` twin (the mask drawn as the
+// dropout op draws it over the composed path's probabilities, from the Problem's key).
+//
+// Compiled once per head dim: the launcher (cuda/attention.rs) prepends `#define HEAD_DIM n`.
+// Operands are (B, H, T, D) views with unit stride along D (`Heads`); lse and delta are dense
+// (B, H, T) f32.
+//
+// Work split: 128 threads; thread (r, c) = (tid / 8, tid % 8) owns 4 rows (4r .. 4r + 3) of
+// the CTA's 64 and, of a streamed tile, the columns c, c + 8, ...: score tiles live in
+// registers, row statistics are reduced over the 8 lanes of a row group by shuffles, and
+// probabilities go through shared memory (rows padded by one float, so the 8 column lanes
+// and the 4 row groups of a warp read distinct banks) for the product with the next operand.
+
+#define D HEAD_DIM
+#define THREADS 128
+#define BM 64
+// Keys per streamed tile (forward, dQ) and queries per tile (dK/dV).
+#define BN 32
+#define LDF (D + 1)
+#define LDP (BN + 1)
+#define RPT 4           // rows per thread
+#define CPT (BN / 8)    // tile columns per thread
+#define DPT (D / 8)     // head-dim columns per thread
+
+// Dynamic shared memory per kernel, in bytes; mirrored by `smem_bytes` in cuda/attention.rs
+// and checked on entry. Forward: Q (64 rows), K and V tiles, P. dK/dV: K and V (64 rows),
+// Q and dO tiles, lse and delta rows, Pᵀ and dSᵀ. dQ: Q and dO (64 rows), K and V tiles, dS.
+#define FWD_SMEM_F32 (((BM + 2 * BN) * LDF + BM * LDP) * 4)
+#define DKDV_SMEM_F32 (((2 * BM + 2 * BN) * LDF + 2 * BN + 2 * BM * LDP) * 4)
+#define DQ_SMEM_F32 (((2 * BM + 2 * BN) * LDF + BM * LDP) * 4)
+
+#define LOG2E 1.4426950408889634f
+#define LN2 0.6931471805599453f
+
+#if D % 16 != 0 || D > 128
+#error "HEAD_DIM must be a multiple of 16, at most 128"
+#endif
+
+// Mirrors `Heads` in cuda/attention.rs (#[repr(C)]).
+struct Heads {
+    i64 offset, sb, sh, st;
+};
+
+// Mirrors `Problem` in cuda/attention.rs (attention.cu's twin).
+struct Problem {
+    int b, h, t, causal;
+    float scale;
+    float scale_log2;
+    int vec;
+    u32 threshold;
+    u64 key;
+    float inv_keep;
+    int pad;
+    u64 seed;
+};
+static_assert(sizeof(Problem) == 56, "Problem must match its Rust twin (cuda/attention.rs)");
+
+__device__ __forceinline__ Problem keyed(Problem p) {
+    if (p.seed) p.key ^= *(const u64*)p.seed;
+    return p;
+}
+
+// Probability (query i, key j) of pair bh survives dropout: attention.cu's `kept`.
+__device__ __forceinline__ bool kept(const Problem& p, int bh, int i, int j) {
+    u64 n = ((u64)bh * p.t + i) * p.t + j;
+    u32 w[4];
+    philox4x32_10(n >> 2, p.key, w);
+    const u32 x = (n & 2) ? ((n & 1) ? w[3] : w[2]) : ((n & 1) ? w[1] : w[0]);
+    return (x >> 8) < p.threshold;
+}
+
+__device__ __forceinline__ i64 row_at(const Heads& v, int b, int h, i64 t) {
+    return v.offset + (i64)b * v.sb + (i64)h * v.sh + t * v.st;
+}
+
+__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
+
+extern __shared__ float smem_f32[];
+
+__device__ __forceinline__ void check_smem(u32 need) {
+    u32 have;
+    asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(have));
+    if (have < need) __trap();
+}
+
+// Rows [t0, t0 + n) of a view into shared memory (row stride LDF), zeros past T.
+__device__ __forceinline__ void load_rows(float* dst, int n, const float* base, const Heads& v,
+                                          int b, int h, int t0, const Problem& p) {
+    for (int idx = threadIdx.x; idx < n * D; idx += THREADS) {
+        const int r = idx / D, c = idx % D, t = t0 + r;
+        dst[r * LDF + c] = t < p.t ? base[row_at(v, b, h, t) + c] : 0.f;
+    }
+}
+
+// The query tile of this CTA: the heaviest (causal) tiles are scheduled first.
+__device__ __forceinline__ int tile_index(const Problem& p) {
+    return p.causal ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+}
+
+// acc[i][j] = Σ_k a[(4r + i) · LDF + k] · bt[(c + 8j) · LDF + k]: rows of `a` against rows of
+// `bt` (this thread's 4 rows, its CPT columns).
+__device__ __forceinline__ void rows_dot_rows(float acc[RPT][CPT], const float* a,
+                                              const float* bt, int r, int c) {
+#pragma unroll
+    for (int i = 0; i < RPT; ++i)
+#pragma unroll
+        for (int j = 0; j < CPT; ++j) acc[i][j] = 0.f;
+#pragma unroll 8
+    for (int k = 0; k < D; ++k) {
+        float av[RPT], bv[CPT];
+#pragma unroll
+        for (int i = 0; i < RPT; ++i) av[i] = a[(4 * r + i) * LDF + k];
+#pragma unroll
+        for (int j = 0; j < CPT; ++j) bv[j] = bt[(c + 8 * j) * LDF + k];
+#pragma unroll
+        for (int i = 0; i < RPT; ++i)
+#pragma unroll
+            for (int j = 0; j < CPT; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+    }
+}
+
+// acc[i][m] += Σ_j w[(4r + i) · LDP + j] · rows[j · LDF + c + 8m] for j < n: this thread's 4
+// rows of a (64 × n) weight tile times an (n × D) row tile, at its DPT head-dim columns.
+__device__ __forceinline__ void weights_times_rows(float acc[RPT][DPT], const float* w,
+                                                   const float* rows, int n, int r, int c) {
+    for (int j = 0; j < n; ++j) {
+        float wv[RPT];
+#pragma unroll
+        for (int i = 0; i < RPT; ++i) wv[i] = w[(4 * r + i) * LDP + j];
+#pragma unroll
+        for (int m = 0; m < DPT; ++m) {
+            const float x = rows[j * LDF + c + 8 * m];
+#pragma unroll
+            for (int i = 0; i < RPT; ++i) acc[i][m] = fmaf(wv[i], x, acc[i][m]);
+        }
+    }
+}
+
+// Reductions over the 8 lanes of a row group (lanes 8q .. 8q + 7 of a warp).
+__device__ __forceinline__ float group_max(float v) {
+#pragma unroll
+    for (int s = 1; s < 8; s <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, s));
+    return v;
+}
+__device__ __forceinline__ float group_sum(float v) {
+#pragma unroll
+    for (int s = 1; s < 8; s <<= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
+    return v;
+}
+
+// This thread's 4 rows of a (64 × D) accumulator into a view, times `scale`, rows past T left.
+__device__ __forceinline__ void store_rows(float* base, const Heads& v, int b, int h, int t0,
+                                           const float acc[RPT][DPT], const float scale[RPT],
+                                           const Problem& p, int r, int c) {
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+        const int t = t0 + 4 * r + i;
+        if (t >= p.t) continue;
+        float* row = base + row_at(v, b, h, t);
+#pragma unroll
+        for (int m = 0; m < DPT; ++m) row[c + 8 * m] = acc[i][m] * scale[i];
+    }
+}
+
+// ---- forward ----------------------------------------------------------------------------------
+
+template <bool DROP>
+__device__ __forceinline__ void attn_fwd_impl(const float* qkv, Heads qv, Heads kv, Heads vv,
+                                              float* out, Heads ov, float* lse, Problem p) {
+    check_smem(FWD_SMEM_F32);
+    float* const sq = smem_f32;
+    float* const sk = sq + BM * LDF;
+    float* const sv = sk + BN * LDF;
+    float* const sp = sv + BN * LDF;
+    const int r = threadIdx.x >> 3, c = threadIdx.x & 7;
+    const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
+    const int q0 = tile_index(p) * BM;
+    const int keys = p.causal ? min(p.t, q0 + BM) : p.t;
+    load_rows(sq, BM, qkv, qv, b, h, q0, p);
+
+    float o[RPT][DPT], m[RPT], l[RPT];
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+        m[i] = neg_inf();
+        l[i] = 0.f;
+#pragma unroll
+        for (int d = 0; d < DPT; ++d) o[i][d] = 0.f;
+    }
+    for (int k0 = 0; k0 < keys; k0 += BN) {
+        __syncthreads();  // the last tile's K, V and P are used up
+        load_rows(sk, BN, qkv, kv, b, h, k0, p);
+        load_rows(sv, BN, qkv, vv, b, h, k0, p);
+        __syncthreads();
+        float s[RPT][CPT];
+        rows_dot_rows(s, sq, sk, r, c);
+#pragma unroll
+        for (int i = 0; i < RPT; ++i) {
+            const int row = q0 + 4 * r + i;
+            float mx = m[i];
+#pragma unroll
+            for (int j = 0; j < CPT; ++j) {
+                const int col = k0 + c + 8 * j;
+                float v = s[i][j] * p.scale_log2;
+                if (col >= p.t || (p.causal && col > row)) v = neg_inf();
+                s[i][j] = v;
+                mx = fmaxf(mx, v);
+            }
+            mx = group_max(mx);
+            // A row with every key so far masked keeps m = -inf (exp2 of -inf - -inf is NaN).
+            const float base = mx == neg_inf() ? 0.f : mx;
+            const float alpha = exp2f(m[i] - base);
+            m[i] = mx;
+            l[i] *= alpha;
+#pragma unroll
+            for (int d = 0; d < DPT; ++d) o[i][d] *= alpha;
+#pragma unroll
+            for (int j = 0; j < CPT; ++j) {
+                float pr = exp2f(s[i][j] - base);
+                l[i] += pr;
+                // Dropout acts on what multiplies V, not on the normaliser l.
+                if (DROP && !kept(p, bh, row, k0 + c + 8 * j)) pr = 0.f;
+                sp[(4 * r + i) * LDP + c + 8 * j] = pr;
+            }
+        }
+        __syncthreads();
+        weights_times_rows(o, sp, sv, BN, r, c);
+    }
+    float inv[RPT];
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+        l[i] = group_sum(l[i]);
+        inv[i] = l[i] > 0.f ? (DROP ? p.inv_keep : 1.f) / l[i] : 0.f;
+        const int row = q0 + 4 * r + i;
+        if (c == 0 && row < p.t)
+            lse[(i64)bh * p.t + row] = l[i] > 0.f ? (m[i] + log2f(l[i])) * LN2 : neg_inf();
+    }
+    store_rows(out, ov, b, h, q0, o, inv, p, r, c);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    attn_fwd(const float* qkv, Heads qv, Heads kv, Heads vv, float* out, Heads ov, float* lse,
+             Problem p) {
+    attn_fwd_impl<false>(qkv, qv, kv, vv, out, ov, lse, p);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    attn_fwd_dropout(const float* qkv, Heads qv, Heads kv, Heads vv, float* out, Heads ov,
+                     float* lse, Problem p) {
+    attn_fwd_impl<true>(qkv, qv, kv, vv, out, ov, lse, keyed(p));
+}
+
+// ---- backward ---------------------------------------------------------------------------------
+
+// delta[row] = Σ_d gout · out, one warp per (b, h, t) row.
+extern "C" __global__ void attn_delta(const float* out, Heads ov, const float* gout, Heads gv,
+                                      float* delta, Problem p) {
+    const int lane = threadIdx.x & 31;
+    const i64 rows = (i64)p.b * p.h * p.t;
+    const i64 warps = (i64)gridDim.x * (THREADS / 32);
+    for (i64 rw = (i64)blockIdx.x * (THREADS / 32) + (threadIdx.x >> 5); rw < rows; rw += warps) {
+        const int t = (int)(rw % p.t), bh = (int)(rw / p.t);
+        const int b = bh / p.h, h = bh % p.h;
+        const float* o = out + row_at(ov, b, h, t);
+        const float* go = gout + row_at(gv, b, h, t);
+        float acc = 0.f;
+        for (int c = lane; c < D; c += 32) acc = fmaf(o[c], go[c], acc);
+#pragma unroll
+        for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+        if (lane == 0) delta[rw] = acc;
+    }
+}
+
+// dK, dV of 64 keys: every query tile at or after them (causal) recomputes its probabilities
+// from lse, on transposed products (keys as rows): Sᵀ = K Qᵀ, dV += (P ∘ M)ᵀ dO,
+// dPᵀ = V dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ ∘ Mᵀ − delta), dK += dSᵀ Q (M: the dropout mask as 0 or
+// 1 / keep, all ones without dropout).
+template <bool DROP>
+__device__ __forceinline__ void attn_bwd_dkdv_impl(const float* qkv, Heads qv, Heads kv,
+                                                   Heads vv, const float* gout, Heads gov,
+                                                   const float* lse, const float* delta,
+                                                   float* grads, Heads gkv, Heads gvv,
+                                                   Problem p) {
+    check_smem(DKDV_SMEM_F32);
+    float* const sk = smem_f32;
+    float* const sv = sk + BM * LDF;
+    float* const sq = sv + BM * LDF;
+    float* const sdo = sq + BN * LDF;
+    float* const sl = sdo + BN * LDF;  // the query tile's lse, then its delta
+    float* const sd = sl + BN;
+    float* const spt = sd + BN;        // (P ∘ M)ᵀ: 64 keys × BN queries
+    float* const sdst = spt + BM * LDP;  // dSᵀ
+    const int r = threadIdx.x >> 3, c = threadIdx.x & 7;
+    const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
+    const int k0 = blockIdx.x * BM;
+    const int first = p.causal ? (k0 / BN) * BN : 0;
+    load_rows(sk, BM, qkv, kv, b, h, k0, p);
+    load_rows(sv, BM, qkv, vv, b, h, k0, p);
+
+    float dk[RPT][DPT], dv[RPT][DPT];
+#pragma unroll
+    for (int i = 0; i < RPT; ++i)
+#pragma unroll
+        for (int d = 0; d < DPT; ++d) dk[i][d] = dv[i][d] = 0.f;
+
+    for (int q0 = first; q0 < p.t; q0 += BN) {
+        __syncthreads();  // the last tile is used up
+        load_rows(sq, BN, qkv, qv, b, h, q0, p);
+        load_rows(sdo, BN, gout, gov, b, h, q0, p);
+        for (int i = threadIdx.x; i < BN; i += THREADS) {
+            const int t = q0 + i;
+            sl[i] = t < p.t ? lse[(i64)bh * p.t + t] : 0.f;
+            sd[i] = t < p.t ? delta[(i64)bh * p.t + t] : 0.f;
+        }
+        __syncthreads();
+        float pt[RPT][CPT], dpt[RPT][CPT];
+        rows_dot_rows(pt, sk, sq, r, c);
+        rows_dot_rows(dpt, sv, sdo, r, c);
+#pragma unroll
+        for (int i = 0; i < RPT; ++i) {
+            const int key = k0 + 4 * r + i;
+#pragma unroll
+            for (int j = 0; j < CPT; ++j) {
+                const int qi = c + 8 * j, q = q0 + qi;
+                float pr = exp2f(pt[i][j] * p.scale_log2 - sl[qi] * LOG2E);
+                // Queries past T (zero rows) and, causally, before the key have none.
+                if (q >= p.t || (p.causal && q < key)) pr = 0.f;
+                float mk = 1.f;
+                if (DROP) mk = (q < p.t && key < p.t && kept(p, bh, q, key)) ? p.inv_keep : 0.f;
+                spt[(4 * r + i) * LDP + qi] = pr * mk;
+                sdst[(4 * r + i) * LDP + qi] = pr * (dpt[i][j] * mk - sd[qi]);
+            }
+        }
+        __syncthreads();
+        weights_times_rows(dv, spt, sdo, BN, r, c);
+        weights_times_rows(dk, sdst, sq, BN, r, c);
+    }
+    float ones[RPT], scales[RPT];
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+        ones[i] = 1.f;
+        scales[i] = p.scale;
+    }
+    store_rows(grads, gkv, b, h, k0, dk, scales, p, r, c);
+    store_rows(grads, gvv, b, h, k0, dv, ones, p, r, c);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    attn_bwd_dkdv(const float* qkv, Heads qv, Heads kv, Heads vv, const float* gout, Heads gov,
+                  const float* lse, const float* delta, float* grads, Heads gkv, Heads gvv,
+                  Problem p) {
+    attn_bwd_dkdv_impl<false>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gkv, gvv, p);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    attn_bwd_dkdv_dropout(const float* qkv, Heads qv, Heads kv, Heads vv, const float* gout,
+                          Heads gov, const float* lse, const float* delta, float* grads,
+                          Heads gkv, Heads gvv, Problem p) {
+    attn_bwd_dkdv_impl<true>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gkv, gvv, keyed(p));
+}
+
+// dQ of 64 queries: every key tile they see. S = Q Kᵀ, P from lse, dP = (dO Vᵀ) ∘ M,
+// dS = P ∘ (dP − delta), dQ += dS K.
+template <bool DROP>
+__device__ __forceinline__ void attn_bwd_dq_impl(const float* qkv, Heads qv, Heads kv, Heads vv,
+                                                 const float* gout, Heads gov, const float* lse,
+                                                 const float* delta, float* grads, Heads gqv,
+                                                 Problem p) {
+    check_smem(DQ_SMEM_F32);
+    float* const sq = smem_f32;
+    float* const sdo = sq + BM * LDF;
+    float* const sk = sdo + BM * LDF;
+    float* const sv = sk + BN * LDF;
+    float* const sds = sv + BN * LDF;
+    const int r = threadIdx.x >> 3, c = threadIdx.x & 7;
+    const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
+    const int q0 = tile_index(p) * BM;
+    const int keys = p.causal ? min(p.t, q0 + BM) : p.t;
+    load_rows(sq, BM, qkv, qv, b, h, q0, p);
+    load_rows(sdo, BM, gout, gov, b, h, q0, p);
+    float l2[RPT], dl[RPT];
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) {
+        const int row = q0 + 4 * r + i;
+        // Rows past T: lse +inf, so their probabilities are 0.
+        l2[i] = row < p.t ? lse[(i64)bh * p.t + row] * LOG2E : __int_as_float(0x7f800000);
+        dl[i] = row < p.t ? delta[(i64)bh * p.t + row] : 0.f;
+    }
+    float dq[RPT][DPT];
+#pragma unroll
+    for (int i = 0; i < RPT; ++i)
+#pragma unroll
+        for (int d = 0; d < DPT; ++d) dq[i][d] = 0.f;
+
+    for (int k0 = 0; k0 < keys; k0 += BN) {
+        __syncthreads();  // the last tile is used up
+        load_rows(sk, BN, qkv, kv, b, h, k0, p);
+        load_rows(sv, BN, qkv, vv, b, h, k0, p);
+        __syncthreads();
+        float s[RPT][CPT], dp[RPT][CPT];
+        rows_dot_rows(s, sq, sk, r, c);
+        rows_dot_rows(dp, sdo, sv, r, c);
+#pragma unroll
+        for (int i = 0; i < RPT; ++i) {
+            const int row = q0 + 4 * r + i;
+#pragma unroll
+            for (int j = 0; j < CPT; ++j) {
+                const int col = k0 + c + 8 * j;
+                float pr = exp2f(s[i][j] * p.scale_log2 - l2[i]);
+                if (col >= p.t || (p.causal && col > row)) pr = 0.f;
+                float g = dp[i][j];
+                if (DROP) g = (row < p.t && col < p.t && kept(p, bh, row, col)) ? g * p.inv_keep : 0.f;
+                sds[(4 * r + i) * LDP + c + 8 * j] = pr * (g - dl[i]);
+            }
+        }
+        __syncthreads();
+        weights_times_rows(dq, sds, sk, BN, r, c);
+    }
+    float scales[RPT];
+#pragma unroll
+    for (int i = 0; i < RPT; ++i) scales[i] = p.scale;
+    store_rows(grads, gqv, b, h, q0, dq, scales, p, r, c);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    attn_bwd_dq(const float* qkv, Heads qv, Heads kv, Heads vv, const float* gout, Heads gov,
+                const float* lse, const float* delta, float* grads, Heads gqv, Problem p) {
+    attn_bwd_dq_impl<false>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gqv, p);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    attn_bwd_dq_dropout(const float* qkv, Heads qv, Heads kv, Heads vv, const float* gout,
+                        Heads gov, const float* lse, const float* delta, float* grads,
+                        Heads gqv, Problem p) {
+    attn_bwd_dq_impl<true>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gqv, keyed(p));
+}
