@@ -347,7 +347,7 @@ fn read_through(layout: &Layout, values: &[i64]) -> Result<Vec<i64>> {
 fn run_check(check: &IdCheck, ids: &[i64]) -> Result<Option<String>> {
     match *check {
         IdCheck::Rows { rows } => {
-            super::cuda::check_row_ids("index_select", ids, rows)?;
+            super::index::check_row_ids("index_select", ids, rows)?;
             Ok(None)
         }
         IdCheck::Targets {
@@ -355,7 +355,7 @@ fn run_check(check: &IdCheck, ids: &[i64]) -> Result<Option<String>> {
             ignore_index,
             counted,
         } => {
-            let now = super::cuda::check_class_targets(ids, classes, ignore_index)?;
+            let now = super::loss::check_class_targets(ids, classes, ignore_index)?;
             Ok((now != counted)
                 .then(|| format!("the batch counts {now} targets, the captured step {counted}")))
         }

@@ -145,3 +145,20 @@ fn ids(op: &'static str, v: &View) -> Result<()> {
     }
     check::within(op, v)
 }
+
+/// Every id selects one of `rows` rows (the first that does not is named).
+pub(crate) fn check_row_ids(op: &'static str, ids: &[i64], rows: usize) -> Result<()> {
+    let bad = ids
+        .iter()
+        .enumerate()
+        .find(|&(_, &id)| id < 0 || id as u64 >= rows as u64);
+    if let Some((pos, &id)) = bad {
+        return Err(Error::Index {
+            op,
+            detail: format!(
+                "index {id} (at position {pos} of the ids) is out of range for {rows} rows; valid indices are 0..{rows}"
+            ),
+        });
+    }
+    Ok(())
+}

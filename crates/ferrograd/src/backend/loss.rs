@@ -8,7 +8,7 @@
 use super::check::{self, rows_cols};
 use super::{Storage, View, backend};
 use crate::base::DType;
-use crate::base::Result;
+use crate::base::{Error, Result};
 
 /// Mean over targets != ignore_index of -log softmax(logits)[target] (NaN when all are
 /// ignored). logits (R, C) rows of unit stride, evenly spaced (contiguous, or padded to the
@@ -138,4 +138,26 @@ fn pair(op: &'static str, x: &View, y: &View) -> Result<(usize, DType)> {
     check::dense(op, "the input", x, n, dtype)?;
     check::dense(op, "the target", y, n, dtype)?;
     Ok((n, dtype))
+}
+
+/// Every target is a class in [0, C) or the ignored index (the first that is not is named);
+/// returns how many are not ignored.
+pub(crate) fn check_class_targets(
+    targets: &[i64],
+    classes: usize,
+    ignore_index: i64,
+) -> Result<usize> {
+    let bad = targets
+        .iter()
+        .enumerate()
+        .find(|&(_, &t)| t != ignore_index && (t < 0 || t as u64 >= classes as u64));
+    if let Some((i, &t)) = bad {
+        return Err(Error::Index {
+            op: "cross_entropy",
+            detail: format!(
+                "target {t} at position {i} is not a class index: targets must be in [0, {classes}) or equal ignore_index ({ignore_index})"
+            ),
+        });
+    }
+    Ok(targets.iter().filter(|&&t| t != ignore_index).count())
 }

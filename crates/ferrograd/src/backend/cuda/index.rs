@@ -14,6 +14,7 @@ use super::launch::{
 use super::{CudaDevice, ptr};
 use crate::backend::View;
 use crate::backend::capture::{self, IdCheck};
+use crate::backend::index::check_row_ids;
 use crate::backend::index::{IndexAdd, IndexKernels, IndexSelect, Where};
 use crate::base::{DType, Layout};
 use crate::base::{Error, Result};
@@ -63,23 +64,6 @@ fn row_ids(d: &CudaDevice, op: &'static str, ids: &View, rows: usize) -> Result<
     // A capture notes the check, to run it again on the values of each replay.
     capture::note_ids(ptr(ids.storage)?, ids.layout, IdCheck::Rows { rows });
     Ok(values)
-}
-
-/// Every id selects one of `rows` rows (the first that does not is named).
-pub(crate) fn check_row_ids(op: &'static str, ids: &[i64], rows: usize) -> Result<()> {
-    let bad = ids
-        .iter()
-        .enumerate()
-        .find(|&(_, &id)| id < 0 || id as u64 >= rows as u64);
-    if let Some((pos, &id)) = bad {
-        return Err(Error::Index {
-            op,
-            detail: format!(
-                "index {id} (at position {pos} of the ids) is out of range for {rows} rows; valid indices are 0..{rows}"
-            ),
-        });
-    }
-    Ok(())
 }
 
 /// Kernel suffix of an element size (the gather and `where` move bits, whatever the type).

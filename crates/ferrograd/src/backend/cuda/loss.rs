@@ -12,6 +12,7 @@ use super::launch::{
 };
 use super::{CudaDevice, ptr};
 use crate::backend::capture::{self, IdCheck};
+use crate::backend::loss::check_class_targets;
 use crate::backend::loss::{
     CrossEntropy, CrossEntropyBackward, LossKernels, MseLoss, MseLossBackward,
 };
@@ -39,28 +40,10 @@ impl LossKernels for CudaDevice {
 
 // ---- cross-entropy ----------------------------------------------------------------------------
 
-/// Every target is a class in [0, C) or the ignored index (the first that is not is named);
-/// returns how many are not ignored.
-pub(crate) fn check_targets(targets: &[i64], classes: usize, ignore_index: i64) -> Result<usize> {
-    let bad = targets
-        .iter()
-        .enumerate()
-        .find(|&(_, &t)| t != ignore_index && (t < 0 || t as u64 >= classes as u64));
-    if let Some((i, &t)) = bad {
-        return Err(Error::Index {
-            op: "cross_entropy",
-            detail: format!(
-                "target {t} at position {i} is not a class index: targets must be in [0, {classes}) or equal ignore_index ({ignore_index})"
-            ),
-        });
-    }
-    Ok(targets.iter().filter(|&&t| t != ignore_index).count())
-}
-
 /// The targets (R contiguous I64) checked on the host: (address, non-ignored count).
 /// A capture notes the check, to run it again on the values of each replay.
 fn targets(d: &CudaDevice, t: &View, classes: usize, ignore_index: i64) -> Result<(u64, usize)> {
-    let counted = check_targets(&host_i64s(d, t)?, classes, ignore_index)?;
+    let counted = check_class_targets(&host_i64s(d, t)?, classes, ignore_index)?;
     let check = IdCheck::Targets {
         classes,
         ignore_index,

@@ -23,9 +23,7 @@ mod rows;
 mod timing;
 
 pub use device::{CudaDevice, allow_tf32, device, device_count, driver_present, set_allow_tf32};
-pub(crate) use index::check_row_ids;
 pub use info::{CudaInfo, GpuInfo, cuda_info};
-pub(crate) use loss::check_targets as check_class_targets;
 pub use memory::CudaMemory;
 pub use timing::{KernelTime, take_host_waits, take_kernel_times};
 // What the planner asks of a GPU without one: the fused attention's coverage, cuBLAS's
