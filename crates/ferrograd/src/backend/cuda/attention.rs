@@ -255,12 +255,12 @@ fn smem_bytes(kernel: Tiled, d: usize) -> u32 {
 }
 
 /// Dynamic shared memory of an f32 tiled kernel at head dim `d`, in bytes: attention_f32.cu's
-/// FWD_SMEM_F32, DKDV_SMEM_F32 and DQ_SMEM_F32 (rows of d + 1 floats; 64-row CTA tiles,
-/// 32-row streamed tiles; probability tiles of 33-float rows).
+/// FWD_SMEM_F32, DKDV_SMEM_F32 and DQ_SMEM_F32 (rows of d + 4 floats; 64-row CTA tiles,
+/// 32-row streamed tiles; probability tiles of 36-float rows).
 fn smem_bytes_f32(kernel: Tiled, d: usize) -> u32 {
     const BM: usize = TILE;
     const BN: usize = 32;
-    let (ldf, ldp) = (d + 1, BN + 1);
+    let (ldf, ldp) = (d + 4, BN + 4);
     let floats = match kernel {
         Tiled::Forward => (BM + 2 * BN) * ldf + BM * ldp,
         Tiled::DkDv => (2 * BM + 2 * BN) * ldf + 2 * BN + 2 * BM * ldp,

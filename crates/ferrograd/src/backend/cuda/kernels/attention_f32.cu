@@ -12,21 +12,23 @@
 // (B, H, T) f32.
 //
 // Work split: 128 threads; thread (r, c) = (tid / 8, tid % 8) owns 4 rows (4r .. 4r + 3) of
-// the CTA's 64 and, of a streamed tile, the columns c, c + 8, ...: score tiles live in
-// registers, row statistics are reduced over the 8 lanes of a row group by shuffles, and
-// probabilities go through shared memory (rows padded by one float, so the 8 column lanes
-// and the 4 row groups of a warp read distinct banks) for the product with the next operand.
+// the CTA's 64; of a streamed tile, the columns c, c + 8, ...; of the head dim, the pairs
+// 2c, 2c + 1 in every group of 16. Score tiles live in registers, row statistics are reduced
+// over the 8 lanes of a row group by shuffles, and probabilities go through shared memory for
+// the product with the next operand. Shared rows are padded by 4 floats: products read them
+// as float4 along the head dim and the probabilities as float4 along the tile, and the 8
+// lanes of a row group then fall in distinct banks (broadcast across lanes reading one row).
 
 #define D HEAD_DIM
 #define THREADS 128
 #define BM 64
 // Keys per streamed tile (forward, dQ) and queries per tile (dK/dV).
 #define BN 32
-#define LDF (D + 1)
-#define LDP (BN + 1)
+#define LDF (D + 4)
+#define LDP (BN + 4)
 #define RPT 4           // rows per thread
 #define CPT (BN / 8)    // tile columns per thread
-#define DPT (D / 8)     // head-dim columns per thread
+#define DPT (D / 8)     // head-dim columns per thread: pairs 2c + 16m', m' < D / 16
 
 // Dynamic shared memory per kernel, in bytes; mirrored by `smem_bytes` in cuda/attention.rs
 // and checked on entry. Forward: Q (64 rows), K and V tiles, P. dK/dV: K and V (64 rows),
@@ -81,7 +83,8 @@ __device__ __forceinline__ i64 row_at(const Heads& v, int b, int h, i64 t) {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
-extern __shared__ float smem_f32[];
+extern __shared__ float4 smem_v4[];
+#define smem_f32 ((float*)smem_v4)
 
 __device__ __forceinline__ void check_smem(u32 need) {
     u32 have;
@@ -103,41 +106,58 @@ __device__ __forceinline__ int tile_index(const Problem& p) {
     return p.causal ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
 }
 
+// The head-dim column of this thread's accumulator m: pairs 2c, 2c + 1 of each 16.
+__device__ __forceinline__ int dim_col(int c, int m) { return 16 * (m >> 1) + 2 * c + (m & 1); }
+
 // acc[i][j] = Σ_k a[(4r + i) · LDF + k] · bt[(c + 8j) · LDF + k]: rows of `a` against rows of
-// `bt` (this thread's 4 rows, its CPT columns).
+// `bt` (this thread's 4 rows, its CPT columns), k in order, four at a time.
 __device__ __forceinline__ void rows_dot_rows(float acc[RPT][CPT], const float* a,
                                               const float* bt, int r, int c) {
 #pragma unroll
     for (int i = 0; i < RPT; ++i)
 #pragma unroll
         for (int j = 0; j < CPT; ++j) acc[i][j] = 0.f;
-#pragma unroll 8
-    for (int k = 0; k < D; ++k) {
-        float av[RPT], bv[CPT];
+#pragma unroll 4
+    for (int k = 0; k < D; k += 4) {
+        float4 av[RPT], bv[CPT];
 #pragma unroll
-        for (int i = 0; i < RPT; ++i) av[i] = a[(4 * r + i) * LDF + k];
+        for (int i = 0; i < RPT; ++i) av[i] = *(const float4*)&a[(4 * r + i) * LDF + k];
 #pragma unroll
-        for (int j = 0; j < CPT; ++j) bv[j] = bt[(c + 8 * j) * LDF + k];
+        for (int j = 0; j < CPT; ++j) bv[j] = *(const float4*)&bt[(c + 8 * j) * LDF + k];
 #pragma unroll
         for (int i = 0; i < RPT; ++i)
 #pragma unroll
-            for (int j = 0; j < CPT; ++j) acc[i][j] = fmaf(av[i], bv[j], acc[i][j]);
+            for (int j = 0; j < CPT; ++j) {
+                float s = fmaf(av[i].x, bv[j].x, acc[i][j]);
+                s = fmaf(av[i].y, bv[j].y, s);
+                s = fmaf(av[i].z, bv[j].z, s);
+                acc[i][j] = fmaf(av[i].w, bv[j].w, s);
+            }
     }
 }
 
-// acc[i][m] += Σ_j w[(4r + i) · LDP + j] · rows[j · LDF + c + 8m] for j < n: this thread's 4
-// rows of a (64 × n) weight tile times an (n × D) row tile, at its DPT head-dim columns.
+// acc[i][m] += Σ_j w[(4r + i) · LDP + j] · rows[j · LDF + dim_col(c, m)] for j < n (a
+// multiple of 4), in order: this thread's 4 rows of a (64 × n) weight tile times an (n × D)
+// row tile, at its DPT head-dim columns.
 __device__ __forceinline__ void weights_times_rows(float acc[RPT][DPT], const float* w,
                                                    const float* rows, int n, int r, int c) {
-    for (int j = 0; j < n; ++j) {
-        float wv[RPT];
+    for (int j = 0; j < n; j += 4) {
+        float4 w4[RPT];
 #pragma unroll
-        for (int i = 0; i < RPT; ++i) wv[i] = w[(4 * r + i) * LDP + j];
+        for (int i = 0; i < RPT; ++i) w4[i] = *(const float4*)&w[(4 * r + i) * LDP + j];
 #pragma unroll
-        for (int m = 0; m < DPT; ++m) {
-            const float x = rows[j * LDF + c + 8 * m];
+        for (int jj = 0; jj < 4; ++jj) {
+            const float* row = rows + (j + jj) * LDF + 2 * c;
 #pragma unroll
-            for (int i = 0; i < RPT; ++i) acc[i][m] = fmaf(wv[i], x, acc[i][m]);
+            for (int mm = 0; mm < D / 16; ++mm) {
+                const float2 x = *(const float2*)&row[16 * mm];
+#pragma unroll
+                for (int i = 0; i < RPT; ++i) {
+                    const float wv = jj == 0 ? w4[i].x : jj == 1 ? w4[i].y : jj == 2 ? w4[i].z : w4[i].w;
+                    acc[i][2 * mm] = fmaf(wv, x.x, acc[i][2 * mm]);
+                    acc[i][2 * mm + 1] = fmaf(wv, x.y, acc[i][2 * mm + 1]);
+                }
+            }
         }
     }
 }
@@ -164,7 +184,7 @@ __device__ __forceinline__ void store_rows(float* base, const Heads& v, int b, i
         if (t >= p.t) continue;
         float* row = base + row_at(v, b, h, t);
 #pragma unroll
-        for (int m = 0; m < DPT; ++m) row[c + 8 * m] = acc[i][m] * scale[i];
+        for (int m = 0; m < DPT; ++m) row[dim_col(c, m)] = acc[i][m] * scale[i];
     }
 }
 
