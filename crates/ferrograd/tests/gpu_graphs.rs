@@ -357,6 +357,13 @@ fn the_job_replays_its_steps_and_reports_it() {
             .any(|s| matches!(s, GraphStatus::Replaying { step: 1, .. })),
         "{on:?}"
     );
+    let said = |s: &job::JobSummary| s.cuda_graphs.clone().unwrap_or_default();
+    assert!(said(&eager).contains("off"), "{}", said(&eager));
+    assert!(
+        said(&graphed).starts_with("CUDA graphs: on"),
+        "{}",
+        said(&graphed)
+    );
     for (what, g, e) in [
         ("final loss", graphed.final_loss, eager.final_loss),
         (

@@ -325,6 +325,8 @@ fn the_default_run_learns_in_a_few_dozen_steps() {
     assert!(s.by_category_at_peak["optimizer_state"] > 0);
     // The planner's peak, made before the run, is the measured peak.
     assert_eq!(s.predicted_peak_bytes, s.peak_bytes);
+    // CUDA graphs are a GPU's: the CPU's summary does not speak of them.
+    assert_eq!(s.cuda_graphs, None);
 }
 
 #[test]

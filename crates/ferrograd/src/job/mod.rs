@@ -221,6 +221,10 @@ pub struct JobSummary {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub leak_check: Option<LeakSummary>,
     pub device: String,
+    /// On a GPU: how the steps ran at the end (`GraphStatus` in words: replaying a captured
+    /// step, or eager and why).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cuda_graphs: Option<String>,
     pub sample: String,
     /// Each rank's peak by category (data-parallel runs only).
     #[serde(skip_serializing_if = "Vec::is_empty")]
@@ -502,6 +506,7 @@ fn run_replica(
         peak_reserved_bytes,
         leak_check: leak_report.as_ref().map(LeakSummary::from),
         device: job.device.to_string(),
+        cuda_graphs: on_gpu.then(|| step_graph.status().to_string()),
         sample,
         ranks,
     })
@@ -573,6 +578,7 @@ fn follower_summary(eval: EvalReport) -> JobSummary {
         peak_reserved_bytes: 0,
         leak_check: None,
         device: String::new(),
+        cuda_graphs: None,
         sample: String::new(),
         ranks: Vec::new(),
     }
