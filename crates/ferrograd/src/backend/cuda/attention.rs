@@ -29,7 +29,10 @@ macro_rules! module {
         Module::with_defines(
             concat!("attention_", $elem, "_", $d),
             concat!("#define ATTN_", $elem, "\n#define HEAD_DIM ", $d, "\n"),
-            include_str!("kernels/attention.cu"),
+            concat!(
+                include_str!("kernels/attention_common.cuh"),
+                include_str!("kernels/attention.cu")
+            ),
         )
     };
 }
@@ -62,7 +65,10 @@ macro_rules! module_f32 {
         Module::with_defines(
             concat!("attention_f32_", $d),
             concat!("#define HEAD_DIM ", $d, "\n"),
-            include_str!("kernels/attention_f32.cu"),
+            concat!(
+                include_str!("kernels/attention_common.cuh"),
+                include_str!("kernels/attention_f32.cu")
+            ),
         )
     };
 }

@@ -81,7 +81,12 @@ mod tests {
         ("loss.cu", include_str!("kernels/loss.cu")),
         ("index.cu", include_str!("kernels/index.cu")),
         ("optim.cu", include_str!("kernels/optim.cu")),
+        (
+            "attention_common.cuh",
+            include_str!("kernels/attention_common.cuh"),
+        ),
         ("attention.cu", include_str!("kernels/attention.cu")),
+        ("attention_f32.cu", include_str!("kernels/attention_f32.cu")),
     ];
 
     /// Identifiers shaped like codes (DT_X, U_X, B_X, R_X) in a source, comments included.

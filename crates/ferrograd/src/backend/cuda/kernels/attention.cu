@@ -55,54 +55,10 @@
 #define DKDV_SMEM ((2 * BM * LDS + 2 * DKDV_STAGE) * 2 + 2 * 2 * BQ * 4)
 #define DQ_SMEM ((2 * BM * LDS + 2 * DQ_STAGE) * 2)
 
-#define LOG2E 1.4426950408889634f
-#define LN2 0.6931471805599453f
 
 #if D % 16 != 0 || D > 128
 #error "HEAD_DIM must be a multiple of 16, at most 128"
 #endif
-
-// A (B, H, T, D) view: element offset and strides of b, h and t (D has unit stride).
-// Mirrors `Heads` in cuda/attention.rs (#[repr(C)]).
-struct Heads {
-    i64 offset, sb, sh, st;
-};
-
-// The problem. Mirrors `Problem` in cuda/attention.rs.
-struct Problem {
-    int b, h, t, causal;
-    float scale;       // applied to q·k
-    float scale_log2;  // scale · log2(e): scores in base 2, so exp is one exp2
-    int vec;           // 1: every row start is 16-byte aligned (8-element loads)
-    u32 threshold;     // dropout on the probabilities: kept where a 24-bit draw is below it
-    u64 key;           // the dropout mask's Philox key
-    float inv_keep;    // 1 / (1 - p): the kept probabilities' scale
-    int pad;
-    u64 seed;          // 0, or the device address of a u64 that a replayed graph's step
-                       // rewrites: the key is then key ^ *seed (a new mask every replay)
-};
-
-static_assert(sizeof(Problem) == 56, "Problem must match its Rust twin (cuda/attention.rs)");
-
-// The problem with its dropout key for this launch (the dropout kernels' entries).
-__device__ __forceinline__ Problem keyed(Problem p) {
-    if (p.seed) p.key ^= *(const u64*)p.seed;
-    return p;
-}
-
-// Whether probability (query i, key j) of pair bh survives dropout. Its draw is the top 24
-// bits of word n % 4 of philox(n / 4, key) with n = (bh · T + i) · T + j: exactly the mask
-// the dropout op draws over the composed path's (B, H, T, T) probabilities.
-__device__ __forceinline__ u32 pick(const u32 w[4], u64 n) {
-    return (n & 2) ? ((n & 1) ? w[3] : w[2]) : ((n & 1) ? w[1] : w[0]);
-}
-
-__device__ __forceinline__ bool kept(const Problem& p, int bh, int i, int j) {
-    u64 n = ((u64)bh * p.t + i) * p.t + j;
-    u32 w[4];
-    philox4x32_10(n >> 2, p.key, w);
-    return (pick(w, n) >> 8) < p.threshold;
-}
 
 // kept() of (i, j) and (i, j + 1): one Philox call when both fall in one group of four.
 __device__ __forceinline__ void kept2(const Problem& p, int bh, int i, int j, bool k[2]) {
@@ -114,9 +70,7 @@ __device__ __forceinline__ void kept2(const Problem& p, int bh, int i, int j, bo
     k[1] = (pick(w, n + 1) >> 8) < p.threshold;
 }
 
-__device__ __forceinline__ i64 row_at(const Heads& v, int b, int h, i64 t) {
-    return v.offset + (i64)b * v.sb + (i64)h * v.sh + t * v.st;
-}
+
 
 // ---- tensor-core primitives ------------------------------------------------------------
 
@@ -267,19 +221,6 @@ __device__ __forceinline__ void load_rows(u16* dst, const u16* base, const Heads
 
 extern __shared__ uint4 dyn_smem[];
 
-// The launch's dynamic shared memory, in bytes.
-__device__ __forceinline__ u32 dyn_smem_bytes() {
-    u32 r;
-    asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(r));
-    return r;
-}
-
-// A launcher that sized the buffers differently from these formulas faults at once instead
-// of reading past them.
-__device__ __forceinline__ void check_smem(u32 need) {
-    if (dyn_smem_bytes() < need) __trap();
-}
-
 // 16 bytes from `src`, or zeros when `bytes` is 0 (nothing is read then).
 __device__ __forceinline__ void cp_async16(u16* dst, const u16* src, int bytes) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
@@ -375,13 +316,6 @@ __device__ __forceinline__ float quad_max(float v) {
 __device__ __forceinline__ float quad_sum(float v) {
     v += __shfl_xor_sync(0xffffffffu, v, 1);
     return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
-
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-
-// The query tile of this CTA: the heaviest (causal) tiles are scheduled first.
-__device__ __forceinline__ int tile_index(const Problem& p) {
-    return p.causal ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
 }
 
 // ---- forward ----------------------------------------------------------------------------------

@@ -37,60 +37,12 @@
 #define DKDV_SMEM_F32 (((2 * BM + 2 * BN) * LDF + 2 * BN + 2 * BM * LDP) * 4)
 #define DQ_SMEM_F32 (((2 * BM + 2 * BN) * LDF + BM * LDP) * 4)
 
-#define LOG2E 1.4426950408889634f
-#define LN2 0.6931471805599453f
-
 #if D % 16 != 0 || D > 128
 #error "HEAD_DIM must be a multiple of 16, at most 128"
 #endif
 
-// Mirrors `Heads` in cuda/attention.rs (#[repr(C)]).
-struct Heads {
-    i64 offset, sb, sh, st;
-};
-
-// Mirrors `Problem` in cuda/attention.rs (attention.cu's twin).
-struct Problem {
-    int b, h, t, causal;
-    float scale;
-    float scale_log2;
-    int vec;
-    u32 threshold;
-    u64 key;
-    float inv_keep;
-    int pad;
-    u64 seed;
-};
-static_assert(sizeof(Problem) == 56, "Problem must match its Rust twin (cuda/attention.rs)");
-
-__device__ __forceinline__ Problem keyed(Problem p) {
-    if (p.seed) p.key ^= *(const u64*)p.seed;
-    return p;
-}
-
-// Probability (query i, key j) of pair bh survives dropout: attention.cu's `kept`.
-__device__ __forceinline__ bool kept(const Problem& p, int bh, int i, int j) {
-    u64 n = ((u64)bh * p.t + i) * p.t + j;
-    u32 w[4];
-    philox4x32_10(n >> 2, p.key, w);
-    const u32 x = (n & 2) ? ((n & 1) ? w[3] : w[2]) : ((n & 1) ? w[1] : w[0]);
-    return (x >> 8) < p.threshold;
-}
-
-__device__ __forceinline__ i64 row_at(const Heads& v, int b, int h, i64 t) {
-    return v.offset + (i64)b * v.sb + (i64)h * v.sh + t * v.st;
-}
-
-__device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
-
 extern __shared__ float4 smem_v4[];
 #define smem_f32 ((float*)smem_v4)
-
-__device__ __forceinline__ void check_smem(u32 need) {
-    u32 have;
-    asm("mov.u32 %0, %%dynamic_smem_size;\n" : "=r"(have));
-    if (have < need) __trap();
-}
 
 // Rows [t0, t0 + n) of a view into shared memory (row stride LDF), zeros past T.
 __device__ __forceinline__ void load_rows(float* dst, int n, const float* base, const Heads& v,
@@ -99,11 +51,6 @@ __device__ __forceinline__ void load_rows(float* dst, int n, const float* base, 
         const int r = idx / D, c = idx % D, t = t0 + r;
         dst[r * LDF + c] = t < p.t ? base[row_at(v, b, h, t) + c] : 0.f;
     }
-}
-
-// The query tile of this CTA: the heaviest (causal) tiles are scheduled first.
-__device__ __forceinline__ int tile_index(const Problem& p) {
-    return p.causal ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
 }
 
 // The head-dim column of this thread's accumulator m: pairs 2c, 2c + 1 of each 16.
