@@ -2,6 +2,9 @@
 # GPU tests and benchmarks in two steps, for a GPU machine that has no Rust toolchain:
 #   scripts/gpu_tests.sh build   # here: builds the GPU test binaries, the CLI and the benches into .bin/
 #   scripts/gpu_tests.sh run     # on the GPU machine: runs every test binary, prints a pass/fail summary
+# Environment for run: ONLY (space-separated test binaries to run, default all), FILTER (a test
+# name filter passed to each), SANITIZE=1 (each under compute-sanitizer's memcheck, which
+# reports any access outside a live allocation), OUT (a folder for the logs).
 # The GPU test targets (tests/gpu_*.rs and the CUDA variants of the golden tests) exist only
 # with the `gpu-tests` feature and fail, not skip, when no GPU is present.
 set -euo pipefail
@@ -25,11 +28,15 @@ build() {
 }
 
 run() {
-  local pass=0 fail=0
+  local pass=0 fail=0 wrap=()
+  if [ "${SANITIZE:-0}" = 1 ]; then
+    wrap=("${SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}" --tool memcheck --error-exitcode 1)
+  fi
   for t in "$BIN"/tests/*; do
     local name log
     name=$(basename "$t"); log=$(mktemp)
-    if "$t" --test-threads=1 >"$log" 2>&1; then status=PASS; pass=$((pass + 1)); else status=FAIL; fail=$((fail + 1)); fi
+    if [ -n "${ONLY:-}" ] && ! printf ' %s ' $ONLY | grep -q " $name "; then continue; fi
+    if "${wrap[@]}" "$t" --test-threads=1 ${FILTER:-} >"$log" 2>&1; then status=PASS; pass=$((pass + 1)); else status=FAIL; fail=$((fail + 1)); fi
     printf '%-18s %s  %s\n' "$name" "$status" "$(grep -E '^test result' "$log" | tail -1)"
     if [ "$status" = FAIL ]; then grep -E -A3 -e '--- FAILED|panicked|^failures:' "$log" | head -40 || true; fi
     [ -n "${OUT:-}" ] && cp "$log" "$OUT/$name.log"
