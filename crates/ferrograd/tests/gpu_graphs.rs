@@ -12,7 +12,9 @@ use std::sync::Mutex;
 use ferrograd::job::{self, Event, TrainJob};
 use ferrograd::nn::{Gpt, GptConfig, Module};
 use ferrograd::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig, WarmupCosine};
-use ferrograd::train::{GraphStatus, HostInputs, MicroBatch, StepGraph, Trainer, TrainerConfig};
+use ferrograd::train::{
+    GraphStatus, HostInput, HostInputs, MicroBatch, StepGraph, Trainer, TrainerConfig,
+};
 use ferrograd::{DType, Device, Error, Tensor, memory};
 
 const GPU: Device = Device::Cuda(0);
@@ -56,7 +58,10 @@ fn inputs(step: usize, accum: usize, b: usize, t: usize) -> HostInputs {
             let targets: Vec<i64> = (0..b * t)
                 .map(|k| ((k * 11 + step * 3 + i) % 65) as i64)
                 .collect();
-            vec![(ids, vec![b, t]), (targets, vec![b, t])]
+            vec![
+                HostInput::new(ids, &[b, t]),
+                HostInput::new(targets, &[b, t]),
+            ]
         })
         .collect()
 }
@@ -181,13 +186,13 @@ fn an_out_of_range_id_in_a_replayed_batch_is_the_eager_error() {
     let model = gpt();
     let (mut trainer, mut graph) = replaying(&model, 3);
     let mut bad = inputs(3, 1, 4, 32);
-    bad[0][0].0[17] = 65;
+    bad[0][0].values[17] = 65;
     let err = trainer
         .step_graphed(&mut graph, &bad, forward(&model))
         .unwrap_err();
     assert!(matches!(err, Error::Index { .. }), "{err}");
     let mut bad = inputs(3, 1, 4, 32);
-    bad[0][1].0[3] = -1;
+    bad[0][1].values[3] = -1;
     let err = trainer
         .step_graphed(&mut graph, &bad, forward(&model))
         .unwrap_err();

@@ -520,12 +520,13 @@ fn freeze_and_recompute_are_composed_by_the_trainer() {
 }
 
 /// Ids and targets of micro-batch i of a step, on the host.
-fn host_batch(step: usize, i: usize) -> Vec<(Vec<i64>, Vec<usize>)> {
+fn host_batch(step: usize, i: usize) -> Vec<ferrograd::train::HostInput> {
+    use ferrograd::train::HostInput;
     let ids = (0..2 * 16).map(|k| ((k * 7 + step * 3 + i) % 65) as i64);
     let targets = (0..2 * 16).map(|k| ((k * 5 + step + 2 * i) % 65) as i64);
     vec![
-        (ids.collect(), vec![2, 16]),
-        (targets.collect(), vec![2, 16]),
+        HostInput::new(ids.collect(), &[2, 16]),
+        HostInput::new(targets.collect(), &[2, 16]),
     ]
 }
 
@@ -555,11 +556,11 @@ fn a_graphed_step_on_the_cpu_is_the_eager_step_and_says_why() {
                 })
             } else {
                 trainer.step(|i| {
-                    let [(x, xs), (y, ys)] = &batches[i][..] else {
+                    let [x, y] = &batches[i][..] else {
                         unreachable!()
                     };
-                    let x = Tensor::from_vec(x.clone(), xs, CPU)?;
-                    let y = Tensor::from_vec(y.clone(), ys, CPU)?;
+                    let x = Tensor::from_vec(x.values.clone(), &x.shape, CPU)?;
+                    let y = Tensor::from_vec(y.values.clone(), &y.shape, CPU)?;
                     Ok(MicroBatch {
                         loss: gpt.loss(&x, &y)?,
                         tokens: x.numel(),

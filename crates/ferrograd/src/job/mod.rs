@@ -39,7 +39,7 @@ use crate::nn::{Gpt, GptConfig, Module};
 use crate::optim::{Optimizer, WarmupCosine};
 use crate::tensor::{Device, Generator, Readout, Tensor};
 use crate::train::{
-    GraphStatus, HostInputs, InBackwardPath, MicroBatch, StepGraph, StepReport, Trainer,
+    GraphStatus, HostInput, HostInputs, InBackwardPath, MicroBatch, StepGraph, StepReport, Trainer,
     TrainerConfig,
 };
 
@@ -713,7 +713,7 @@ fn train_step(
     let mut inputs: HostInputs = Vec::with_capacity(trainer.config().accum);
     for _ in 0..trainer.config().accum {
         let (x, y) = data.host_batch(Split::Train, shape[0], shape[1], rng)?;
-        inputs.push(vec![(x, shape.clone()), (y, shape.clone())]);
+        inputs.push(vec![HostInput::new(x, &shape), HostInput::new(y, &shape)]);
     }
     trainer.step_graphed(graph, &inputs, |_, tensors| match tensors {
         [x, y] => forward(model, x, y),

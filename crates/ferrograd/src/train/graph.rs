@@ -32,9 +32,25 @@ use crate::memory;
 use crate::optim::Optimizer;
 use crate::tensor::{DType, Readout, Tensor};
 
-/// One step's integer inputs (token ids, targets) per micro-batch, each with its values
-/// (row-major) and shape, in the order the micro-batch's forward reads them.
-pub type HostInputs = Vec<Vec<(Vec<i64>, Vec<usize>)>>;
+/// One integer input of a micro-batch (its token ids, its targets): values in row-major order
+/// and the shape.
+#[derive(Clone, Debug, PartialEq)]
+pub struct HostInput {
+    pub values: Vec<i64>,
+    pub shape: Vec<usize>,
+}
+
+impl HostInput {
+    pub fn new(values: Vec<i64>, shape: &[usize]) -> HostInput {
+        HostInput {
+            values,
+            shape: shape.to_vec(),
+        }
+    }
+}
+
+/// One step's inputs per micro-batch, in the order the micro-batch's forward reads them.
+pub type HostInputs = Vec<Vec<HostInput>>;
 
 /// Whether steps replay a graph, and why not when they don't.
 #[derive(Clone, Debug, PartialEq)]
@@ -112,10 +128,10 @@ impl StepGraph {
 }
 
 /// The tensors of one micro-batch's inputs on `device`.
-fn upload(inputs: &[(Vec<i64>, Vec<usize>)], device: Device) -> Result<Vec<Tensor>> {
+fn upload(inputs: &[HostInput], device: Device) -> Result<Vec<Tensor>> {
     inputs
         .iter()
-        .map(|(v, shape)| Tensor::from_vec(v.clone(), shape, device))
+        .map(|i| Tensor::from_vec(i.values.clone(), &i.shape, device))
         .collect()
 }
 
@@ -276,12 +292,12 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
             .captured
             .as_ref()
             .ok_or_else(|| Error::invalid("graph replay", "nothing is captured"))?;
-        for (t, (values, _)) in c.inputs.iter().flatten().zip(inputs.iter().flatten()) {
+        for (t, input) in c.inputs.iter().flatten().zip(inputs.iter().flatten()) {
             // What the step derived from its ids on the host (an embedding backward's
             // grouping) is made again from these, then the ids themselves go up.
             c.graph
-                .refresh_input(t.storage().allocation().addr(), values)?;
-            overwrite(t, values)?;
+                .refresh_input(t.storage().allocation().addr(), &input.values)?;
+            overwrite(t, &input.values)?;
         }
         let lr = self.set_scheduled_lr()?;
         self.with_optimizer(|o| o.prepare_graph_step())??;
@@ -333,15 +349,15 @@ fn replay_check(c: &Captured, inputs: &HostInputs) -> Result<InputCheck> {
         || statics
             .clone()
             .zip(host.clone())
-            .any(|(t, (_, s))| t.shape() != s)
+            .any(|(t, i)| t.shape() != i.shape)
     {
         return Ok(InputCheck::Recapture("the inputs changed shape".into()));
     }
     let mut verdict = InputCheck::Replayable;
-    for (t, (values, _)) in statics.zip(host) {
+    for (t, input) in statics.zip(host) {
         let check = c
             .graph
-            .check_input(t.storage().allocation().addr(), values)?;
+            .check_input(t.storage().allocation().addr(), &input.values)?;
         if check != InputCheck::Replayable {
             verdict = check;
         }
