@@ -19,6 +19,10 @@
 //!   them again on the values a replay will use.
 //! - Waiting: nothing may read the device back while capturing; the backend says so as an
 //!   error, and the capture is abandoned.
+//! - Ownership: a capture owns its device. The device has one stream and one active pool, so
+//!   work another thread queued on it meanwhile would be recorded instead of run, and its
+//!   blocks would come from the graph's pool: capture from the only thread using the device
+//!   (as a training loop does).
 
 use std::cell::RefCell;
 
