@@ -319,6 +319,10 @@ impl Optimizer for Zero1 {
         "AdamW (ZeRO-1)"
     }
 
+    fn graph_support(&self) -> std::result::Result<(), String> {
+        Err("ZeRO-1 reduces and gathers across ranks inside its step, which is not captured".into())
+    }
+
     fn lr(&self) -> f64 {
         self.cfg.lr
     }
