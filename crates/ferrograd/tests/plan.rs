@@ -415,3 +415,103 @@ fn bf16_weights_with_master_copies_are_planned_to_the_byte() {
         }
     }
 }
+
+/// A plan for a GPU runs CUDA graphs as the GPU would (the meta device captures into a
+/// private pool and replays nothing): warm-up, capture, replays that allocate nothing, the
+/// accounting by category still summing to `memory_allocated`, the pool given back when the
+/// graph goes, and new shapes captured again.
+#[test]
+fn a_gpu_plan_captures_and_replays_steps_as_the_gpu_would() {
+    use ferrograd::nn::Gpt;
+    use ferrograd::train::{GraphStatus, HostInput, MicroBatch, StepGraph, Trainer};
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let batch = |b: usize, t: usize| {
+        let ids: Vec<i64> = (0..b * t).map(|k| (k % 65) as i64).collect();
+        vec![vec![
+            HostInput::new(ids.clone(), &[b, t]),
+            HostInput::new(ids, &[b, t]),
+        ]]
+    };
+    let gpu = Target::Cuda { capacity: 80 << 30 };
+    plan::plan(gpu, PlanOptions::default(), |device| {
+        let gpt = Gpt::new(GptConfig::tiny(), device)?;
+        let opt = Adam::adamw(gpt.parameters(), AdamConfig::adamw_default())?;
+        let config = TrainerConfig {
+            clip: Some(1.0),
+            amp: Some(DType::BF16),
+            ..TrainerConfig::default()
+        };
+        let mut trainer = Trainer::new(opt, config, device)?;
+        let mut graph = StepGraph::new(true, 1);
+        let mut step = |graph: &mut StepGraph, b: usize, t: usize| {
+            trainer
+                .step_graphed(graph, &batch(b, t), |_, x| {
+                    Ok(MicroBatch {
+                        loss: gpt.loss(&x[0], &x[1])?,
+                        tokens: x[0].numel(),
+                    })
+                })
+                .map(drop)
+        };
+        step(&mut graph, 4, 32)?;
+        assert_eq!(graph.status(), GraphStatus::WarmingUp);
+        step(&mut graph, 4, 32)?;
+        let GraphStatus::Replaying {
+            step: 1,
+            pool_bytes,
+        } = graph.status()
+        else {
+            panic!("no capture: {}", graph.status());
+        };
+        assert!(pool_bytes > 0);
+        let alloc = memory::allocator(device)?;
+        let (allocated, reserved) = (alloc.memory_allocated(), alloc.memory_reserved());
+        for _ in 0..3 {
+            step(&mut graph, 4, 32)?;
+            assert_eq!(alloc.memory_allocated(), allocated, "a replay allocated");
+            assert_eq!(alloc.memory_reserved(), reserved, "a replay reserved");
+            assert_eq!(alloc.by_category().total(), alloc.memory_allocated());
+        }
+        // Other shapes: a new capture (the old graph and its pool go).
+        step(&mut graph, 2, 16)?;
+        assert!(
+            matches!(graph.status(), GraphStatus::Replaying { step: 5, .. }),
+            "{}",
+            graph.status()
+        );
+        assert_eq!(alloc.by_category().total(), alloc.memory_allocated());
+        drop(graph);
+        alloc.empty_cache();
+        assert!(alloc.memory_reserved() < reserved, "the pool was kept");
+        Ok(())
+    })
+    .unwrap();
+}
+
+/// The job's plan for a GPU captures its second step as the run will: the same allocated
+/// peak as with graphs off, and the reserved bytes the graph's pool adds.
+#[test]
+fn a_gpu_jobs_plan_counts_its_cuda_graph() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let plan_of = |cuda_graphs: bool| {
+        let job = TrainJob {
+            device: Device::Cuda(0),
+            cuda_graphs,
+            eval_every: 0,
+            ..small_job(TrainerConfig::default())
+        };
+        job::plan_job(
+            &job,
+            Target::Cuda { capacity: 80 << 30 },
+            PlanOptions::default(),
+        )
+        .unwrap()
+    };
+    let (on, off) = (plan_of(true), plan_of(false));
+    println!(
+        "graphs on: {} / {} bytes; off: {} / {}",
+        on.peak_allocated, on.peak_reserved, off.peak_allocated, off.peak_reserved
+    );
+    assert!(on.peak_allocated >= off.peak_allocated);
+    assert!(on.peak_reserved > off.peak_reserved);
+}

@@ -81,6 +81,16 @@ thread_local! {
     static ACTIVE: RefCell<Option<Log>> = const { RefCell::new(None) };
 }
 
+/// Whether `device` captures graphs: a GPU, or the meta device while it plans for one (its
+/// capture takes the same memory and replays nothing).
+pub fn can_capture(device: Device) -> bool {
+    match device {
+        Device::Cuda(_) => true,
+        Device::Meta => super::plans_for_cuda(),
+        Device::Cpu => false,
+    }
+}
+
 /// Whether this thread is capturing work on `device`.
 pub fn capturing_on(device: Device) -> bool {
     ACTIVE.with(|a| a.borrow().as_ref().is_some_and(|l| l.device == device))
@@ -176,12 +186,53 @@ fn no_graphs() -> Error {
     Error::invalid("graph capture", "only CUDA devices capture graphs")
 }
 
+/// A private memory pool of a device's allocator, given back when dropped. Work can run in it
+/// before its capture (`run`): a warm-up step whose activations come from the pool leaves
+/// the shared segments to what lives on (parameters, optimizer state), and the capture then
+/// reuses the pool's segments instead of reserving the step's bytes a second time.
+pub struct Pool {
+    device: Device,
+    id: PrivatePoolId,
+}
+
+impl Pool {
+    /// A new pool on `device` (one that captures: `can_capture`).
+    pub fn new(device: Device) -> Result<Pool> {
+        if !can_capture(device) {
+            return Err(Error::NotSupportedOnDevice {
+                op: "private memory pool",
+                device,
+            });
+        }
+        let id = memory::allocator(device)?.create_private_pool();
+        Ok(Pool { device, id })
+    }
+
+    /// Runs `f` with every allocation of the device served from this pool (not captured).
+    pub fn run<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        let alloc = memory::allocator(self.device)?;
+        alloc.begin_private_pool(self.id)?;
+        let r = f();
+        alloc.end_private_pool()?;
+        r
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        if let Ok(a) = memory::allocator(self.device) {
+            let _ = a.release_private_pool(self.id);
+        }
+    }
+}
+
 /// A captured piece of work, its private memory pool and the host checks it relied on.
 /// Dropping it waits for the device, then gives the pool back.
 pub struct Graph {
     exec: Option<Box<dyn GraphExec>>,
     device: Device,
-    pool: PrivatePoolId,
+    /// Dropped after `drop` has waited for the device (fields drop after the body).
+    pool: Pool,
     notes: Vec<Note>,
     derived: Vec<Derived>,
     /// The dropout seed the step's kernels read, if any dropout ran in it.
@@ -200,15 +251,22 @@ pub enum InputCheck {
 
 /// Captures what `f` queues on `device` into a graph. The device is synchronised first (so a
 /// capture never overlaps earlier work) and its cached free segments are given back, and
-/// every block `f` allocates comes from a private pool. On error (from `f`, from the backend, or a `refuse`d capture) nothing was run on the
-/// device, the pool is given back, and the error says why.
+/// every block `f` allocates comes from a new private pool. On error (from `f`, from the
+/// backend, or a `refuse`d capture) nothing was run on the device, the pool is given back,
+/// and the error says why.
 pub fn capture<R>(device: Device, f: impl FnOnce() -> Result<R>) -> Result<(Graph, R)> {
-    let Device::Cuda(_) = device else {
+    if !can_capture(device) {
         return Err(Error::NotSupportedOnDevice {
             op: "graph capture",
             device,
         });
-    };
+    }
+    capture_in(Pool::new(device)?, f)
+}
+
+/// `capture`, in `pool` (where warm-up steps may have run: the capture reuses its segments).
+pub fn capture_in<R>(pool: Pool, f: impl FnOnce() -> Result<R>) -> Result<(Graph, R)> {
+    let device = pool.device;
     if capturing() {
         return Err(Error::invalid(
             "graph capture",
@@ -221,12 +279,11 @@ pub fn capture<R>(device: Device, f: impl FnOnce() -> Result<R>) -> Result<(Grap
     // The pool reserves segments of its own: the shared cache's free segments (the eager
     // steps' activations) go back first, so the device holds the step's bytes once, not twice.
     alloc.empty_cache();
-    let pool = alloc.create_private_pool();
-    alloc.begin_private_pool(pool)?;
+    alloc.begin_private_pool(pool.id)?;
     ACTIVE.with(|a| {
         *a.borrow_mut() = Some(Log {
             device,
-            pool,
+            pool: pool.id,
             notes: Vec::new(),
             derived: Vec::new(),
             seed: None,
@@ -314,7 +371,7 @@ impl Graph {
 
     /// Bytes the graph's private pool holds on the device: (reserved, allocated now).
     pub fn pool_bytes(&self) -> Result<(u64, u64)> {
-        let b = memory::allocator(self.device)?.private_pool_bytes(self.pool);
+        let b = memory::allocator(self.device)?.private_pool_bytes(self.pool.id);
         Ok((b.reserved, b.allocated))
     }
 
@@ -373,9 +430,6 @@ impl Drop for Graph {
             let _ = super::synchronize(self.device);
             drop(exec);
         }
-        if let Ok(a) = memory::allocator(self.device) {
-            let _ = a.release_private_pool(self.pool);
-        }
     }
 }
 
@@ -386,9 +440,12 @@ mod tests {
     /// A graph with no device work, holding `notes` (the host has no pools: dropping it
     /// releases nothing).
     fn graph_with(notes: Vec<Note>) -> Graph {
-        let pool = memory::allocator(Device::Cpu)
-            .unwrap()
-            .create_private_pool();
+        let pool = Pool {
+            device: Device::Cpu,
+            id: memory::allocator(Device::Cpu)
+                .unwrap()
+                .create_private_pool(),
+        };
         Graph {
             exec: None,
             device: Device::Cpu,

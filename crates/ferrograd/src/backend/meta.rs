@@ -9,6 +9,7 @@
 //! plan counts every byte the real step takes.
 
 use super::attention::{Attention, AttentionBackward, AttentionKernels};
+use super::capture::{Capture, GraphExec};
 use super::elementwise::ElementwiseKernels;
 use super::index::{IndexAdd, IndexKernels, IndexSelect, Where};
 use super::loss::{CrossEntropy, CrossEntropyBackward, LossKernels, MseLoss, MseLossBackward};
@@ -142,8 +143,37 @@ fn zeros_like(src: &View) -> HostValues {
     }
 }
 
-/// The host runs each op as it is called: nothing to capture.
-impl crate::backend::capture::Capture for MetaBackend {}
+/// Whether a plan for a CUDA device runs: then the meta device captures as the GPU would
+/// (the allocator's private pool, deferred frees), and its graphs replay nothing.
+pub(crate) fn plans_for_cuda() -> bool {
+    planning_target() == Some(MetaTarget::Cuda)
+}
+
+/// A planned graph: the kernels wrote nothing, so a replay has nothing to run.
+struct PlannedGraph;
+
+impl GraphExec for PlannedGraph {
+    fn launch(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// Outside a plan for a GPU, the meta device has nothing to capture.
+impl Capture for MetaBackend {
+    fn begin_capture(&self) -> Result<()> {
+        if plans_for_cuda() {
+            Ok(())
+        } else {
+            Err(Error::invalid(
+                "graph capture",
+                "the meta device captures only while planning for a CUDA device",
+            ))
+        }
+    }
+    fn end_capture(&self) -> Result<Box<dyn GraphExec>> {
+        Ok(Box::new(PlannedGraph))
+    }
+}
 
 impl Backend for MetaBackend {
     fn zeros(&self, _: DType, _: usize, _: u64) -> Result<BackendData> {

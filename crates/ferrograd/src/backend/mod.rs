@@ -31,6 +31,7 @@ pub use elementwise::{BinaryOp, ElementwiseKernels, UnaryOp};
 pub use index::IndexKernels;
 pub use loss::LossKernels;
 pub use matmul::{MatmulKernels, MatmulSpec};
+pub(crate) use meta::plans_for_cuda;
 pub use meta::{MetaTarget, PlanningScope, plan_as};
 pub use optim::OptimKernels;
 pub use reduce::{ReduceKernels, ReduceOp};

@@ -15,6 +15,7 @@ use crate::data::TextDataset;
 use crate::nn::Module;
 use crate::plan::{self, Plan, PlanOptions, Target};
 use crate::tensor::Generator;
+use crate::train::StepGraph;
 
 /// The planner's target for a job's device: the host, or a GPU with its free memory.
 pub fn target_of(device: Device) -> Result<Target> {
@@ -59,8 +60,19 @@ fn plan_with_data(
         let mut rng = Generator::new(job.seed);
         evaluate(&mut model, data, &eval_job, 0, device)?;
         let mut losses = Losses::default();
+        // A GPU run captures its second step as a CUDA graph: so does its plan (the meta
+        // device then takes the graph's memory as the GPU would).
+        let graphs = job.cuda_graphs && matches!(job.device, Device::Cuda(_));
+        let mut graph = graphs.then(|| StepGraph::new(true, 1));
         for _ in 0..steps {
-            let report = train_step(&mut trainer, &mut model, None, (data, &mut rng), job, None)?;
+            let report = train_step(
+                &mut trainer,
+                &mut model,
+                None,
+                (data, &mut rng),
+                job,
+                graph.as_mut(),
+            )?;
             losses.see(&report);
         }
         if evaluates_between {

@@ -245,4 +245,8 @@ impl Optimizer for JobOptimizer {
     fn graph_step_abandoned(&mut self) {
         self.inner_mut().graph_step_abandoned()
     }
+
+    fn make_state(&mut self) -> Result<()> {
+        self.inner_mut().make_state()
+    }
 }

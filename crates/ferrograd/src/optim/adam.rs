@@ -319,11 +319,17 @@ impl Adam {
 
     /// Creates the zeroed moments of parameters stepping for the first time.
     fn ensure_state(&mut self, work: &[Work]) -> Result<()> {
-        for w in work {
-            if self.state[w.index].is_some() {
+        self.ensure_state_of(work.iter().map(|w| w.index))
+    }
+
+    /// Creates the zeroed moments (and master copies) of the parameters `indices` that have
+    /// none yet.
+    fn ensure_state_of(&mut self, indices: impl Iterator<Item = usize>) -> Result<()> {
+        for index in indices {
+            if self.state[index].is_some() {
                 continue;
             }
-            let p = &self.params[w.index];
+            let p = &self.params[index];
             let master = self.keeps_master(p);
             let dtype = if master { DType::F32 } else { p.dtype() };
             let alloc = |origin| {
@@ -342,7 +348,7 @@ impl Adam {
             } else {
                 None
             };
-            self.state[w.index] = Some(AdamState {
+            self.state[index] = Some(AdamState {
                 exp_avg: alloc("adam_exp_avg")?,
                 exp_avg_sq: alloc("adam_exp_avg_sq")?,
                 step: 0,
@@ -558,6 +564,13 @@ impl Optimizer for Adam {
 
     fn graph_support(&self) -> std::result::Result<(), String> {
         Ok(())
+    }
+
+    /// Every parameter's moments (and master copy) now, zeroed as its first step would make
+    /// them.
+    fn make_state(&mut self) -> Result<()> {
+        let _g = no_grad();
+        self.ensure_state_of(0..self.params.len())
     }
 
     /// Stages the coming step's scalars (rate, bias corrections) in the slot the captured

@@ -135,6 +135,13 @@ pub trait Optimizer {
     /// After each replay: the host's bookkeeping of the step the graph ran (step counts).
     fn graph_step_replayed(&mut self) {}
 
+    /// Makes the optimizer's state now instead of at each parameter's first step, so that it
+    /// is allocated beside the parameters rather than among a step's activations (whose
+    /// segments then come back whole before a capture). Default: no state to make.
+    fn make_state(&mut self) -> Result<()> {
+        Ok(())
+    }
+
     /// After a capture that failed (nothing ran on the device): undoes what the captured
     /// step counted on the host.
     fn graph_step_abandoned(&mut self) {}

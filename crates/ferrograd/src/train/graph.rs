@@ -25,7 +25,7 @@ use std::time::Instant;
 
 use super::accumulate::{Accumulation, MicroBatch};
 use super::trainer::{StepReport, Trainer};
-use crate::backend::capture::{self, Graph, InputCheck};
+use crate::backend::capture::{self, Graph, InputCheck, Pool};
 use crate::backend::{HostValues, backend};
 use crate::base::{Device, Error, Result};
 use crate::memory;
@@ -93,6 +93,10 @@ struct Captured {
 /// The graph of a run's steps (`Trainer::step_graphed`).
 pub struct StepGraph {
     warmup: usize,
+    /// Whether the optimizer's state was made before the first step (`make_state`).
+    state_made: bool,
+    /// The pool the warm-up steps run in and the capture then takes.
+    pool: Option<Pool>,
     captured: Option<Captured>,
     off: Option<String>,
 }
@@ -102,6 +106,8 @@ impl StepGraph {
     pub fn new(enabled: bool, warmup: usize) -> StepGraph {
         StepGraph {
             warmup,
+            state_made: false,
+            pool: None,
             captured: None,
             off: (!enabled).then(|| "as asked (--cuda-graphs off)".to_string()),
         }
@@ -123,6 +129,7 @@ impl StepGraph {
     /// Turns graphs off for the rest of the run, dropping any capture.
     fn turn_off(&mut self, why: String) {
         self.captured = None;
+        self.pool = None;
         self.off = Some(why);
     }
 }
@@ -159,7 +166,7 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
     /// Why this trainer's steps cannot be captured, if they cannot (checked before trying).
     fn graph_refusal(&mut self) -> Option<String> {
         let config = self.config();
-        let why = if !matches!(self.device(), Device::Cuda(_)) {
+        let why = if !capture::can_capture(self.device()) {
             Some(format!("{} runs each op as it is called", self.device()))
         } else if config.uses_scaler() {
             Some("f16 loss scaling reads its inf/NaN check on the host at every step".into())
@@ -184,7 +191,6 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
         loss_of: impl FnMut(usize, &[Tensor]) -> Result<MicroBatch>,
     ) -> Result<StepReport> {
         if graph.off.is_none()
-            && graph.warmup == 0
             && graph.captured.is_none()
             && let Some(why) = self.graph_refusal()
         {
@@ -200,9 +206,26 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
                 ),
             ));
         }
-        if graph.off.is_some() || graph.warmup > 0 {
-            graph.warmup = graph.warmup.saturating_sub(1);
+        if graph.off.is_none() && !graph.state_made {
+            // Beside the parameters, not among the warm-up's activations: those segments
+            // then come back whole before the capture, which reserves its own.
+            self.with_optimizer(|o| o.make_state())??;
+            graph.state_made = true;
+        }
+        if graph.off.is_some() {
             return self.eager(inputs, loss_of);
+        }
+        if graph.warmup > 0 {
+            // In the pool the capture will take: the warm-up's activations leave the shared
+            // segments to what lives on, and the capture reuses their segments.
+            graph.warmup -= 1;
+            let pool = match graph.pool.take() {
+                Some(p) => p,
+                None => Pool::new(self.device())?,
+            };
+            let report = pool.run(|| self.eager(inputs, loss_of));
+            graph.pool = Some(pool);
+            return report;
         }
         if let Some(c) = &graph.captured {
             match replay_check(c, inputs)? {
@@ -240,8 +263,11 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
             .collect::<Result<Vec<_>>>()?;
         let lr = self.set_scheduled_lr()?;
         self.with_optimizer(|o| o.prepare_graph_step())??;
-        let device = self.device();
-        let captured = capture::capture(device, || {
+        let pool = match graph.pool.take() {
+            Some(p) => p,
+            None => Pool::new(self.device())?,
+        };
+        let captured = capture::capture_in(pool, || {
             let how = Accumulation {
                 micro_batches: self.config().accum,
                 amp: self.config().amp,
