@@ -199,6 +199,8 @@ fn plan_once(
     let outcome = {
         let _scope = plan_as(target.meta_target())?;
         memory::reset_peak_memory_stats(Device::Meta)?;
+        // A planned run starts at step 0, whatever step the last run left the recorder at.
+        memory::recorder::set_step(0);
         run(Device::Meta)
     };
     let alloc = memory::allocator(Device::Meta)?;
