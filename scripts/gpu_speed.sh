@@ -105,6 +105,8 @@ train_row() {
   local name=$1 steps=$2 flags=$3 torch_flags=$4 a p
   a=$(run "$B/ferrograd" train --device cuda --max-steps "$steps" --eval-every 0 --sample-chars 0 --json $flags)
   p=$(run "$PY" benches/pytorch/gpt_step.py --device cuda --steps "$steps" --warmup-steps 20 $torch_flags)
+  # How our steps ran: replaying a CUDA graph, or eager.
+  case "$(field "$a" cuda_graphs)" in "CUDA graphs: on"*) name="$name [graph]" ;; *) name="$name [eager]" ;; esac
   TABLE+=("| $name, tokens/s (peak) | $(field "$a" tokens_per_s) ($(mib "$(field "$a" peak_bytes)")) | $(kv "$p" tokens_per_s) ($(mib "$(kv "$p" peak_bytes)")) eager+SDPA | $(ratio "$(field "$a" tokens_per_s)" "$(kv "$p" tokens_per_s)") |")
 }
 
