@@ -6,8 +6,7 @@
 //! segments with PyTorch's rules. Tensor storages hold an `Allocation`, whose drop frees it.
 //!
 //! Private pools (see `private_pool`) are driven from here: while one is active, the drop of
-//! a block from outside it, or of a block pinned for it, is deferred until the pool's
-//! release; the block stays live and keeps its category, so the sums always equal
+//! a block from outside it is deferred until the pool's release; the block stays live and keeps its category, so the sums always equal
 //! `memory_allocated`.
 
 use std::collections::HashMap;
@@ -111,8 +110,6 @@ struct LiveBlock {
     stream: u64,
     /// The private pool it was allocated in, if any.
     pool: Option<PrivatePoolId>,
-    /// Live private pools that pinned it: their graphs read it, so its free waits for them.
-    pins: Vec<PrivatePoolId>,
 }
 
 impl LiveBlock {
@@ -146,14 +143,11 @@ impl State {
         self.scopes.get_mut(i)
     }
 
-    /// The live private pool whose release the free of block `id` must wait for: a pool that
-    /// pinned it, else the active pool when the block is not its own (the graph being
-    /// captured may read it at every replay).
+    /// The live private pool whose release the free of block `id` must wait for: the active
+    /// pool when the block is not its own (the graph being captured may read it at every
+    /// replay).
     fn defer_to(&self, id: u64) -> Option<PrivatePoolId> {
         let b = self.live.get(&id).filter(|b| b.block.size > 0)?;
-        if let Some(&pool) = b.pins.first() {
-            return Some(pool);
-        }
         self.pools.active().filter(|&active| b.pool != Some(active))
     }
 }
@@ -246,7 +240,6 @@ impl Allocator {
             scope,
             stream: st.policy.stream(),
             pool: st.pools.active(),
-            pins: Vec::new(),
         };
         if recording {
             self.record_block(st, Action::Alloc, &live, category);
@@ -573,35 +566,8 @@ impl Allocator {
         Ok(())
     }
 
-    /// Keeps the live block starting at `addr` from being reused while the active pool lives
-    /// (its graph reads what was uploaded there during capture): when its `Allocation` is
-    /// dropped, the free waits for the pool's release.
-    pub fn pin_block(&self, addr: u64) -> Result<()> {
-        const OP: &str = "pin_block";
-        let mut st = self.lock();
-        let st = &mut *st;
-        let Some(pool) = st.pools.active() else {
-            return Err(Error::invalid(
-                OP,
-                "no private pool is active: a block is pinned for the pool being captured",
-            ));
-        };
-        let device = self.device;
-        let block = st
-            .live
-            .values_mut()
-            .find(|b| b.block.addr == addr && b.block.size > 0)
-            .ok_or_else(|| {
-                Error::invalid(OP, format!("no live block starts at {addr:#x} on {device}"))
-            })?;
-        if !block.pins.contains(&pool) {
-            block.pins.push(pool);
-        }
-        Ok(())
-    }
-
-    /// Ends `pool`'s life: performs the frees it deferred, in the order of the drops (a block
-    /// still pinned by another live pool waits for that one), then gives the pool's entirely
+    /// Ends `pool`'s life: performs the frees it deferred, in the order of the drops, then
+    /// gives the pool's entirely
     /// free segments back to the device; the others go once their blocks are freed, at the
     /// next `empty_cache` (or retry after a refused device alloc).
     pub fn release_private_pool(&self, pool: PrivatePoolId) -> Result<()> {
@@ -609,15 +575,8 @@ impl Allocator {
         let mut st = self.lock();
         let st = &mut *st;
         self.check_pools(st, "release_private_pool")?;
-        let deferred = st.pools.release(pool)?;
-        for b in st.live.values_mut() {
-            b.pins.retain(|&p| p != pool);
-        }
-        for id in deferred {
-            match st.live.get(&id).and_then(|b| b.pins.first().copied()) {
-                Some(other) => st.pools.defer(other, id),
-                None => self.free_now(st, id),
-            }
+        for id in st.pools.release(pool)? {
+            self.free_now(st, id);
         }
         st.policy.release_private_pool(pool, &mut st.stats);
         if recording {

@@ -7,7 +7,7 @@
 //! and never gives them back while the pool lives). This file holds the pool's id and the
 //! front's bookkeeping: which pools exist, which one is active, and the frees that wait for
 //! a pool's release because its graph may still read the block (a block from outside the
-//! pool dropped during capture, or a block pinned during capture).
+//! pool dropped during capture).
 //!
 //! The active pool is the device's, not a thread's or a stream's (PyTorch routes by capture
 //! stream; this device has one stream): every allocation on the device while it is active

@@ -1,5 +1,4 @@
-//! Private pools through the allocator front on a simulated device: deferred and pinned
-//! frees, the pool's bytes, and the errors, with the category sums checked against
+//! Private pools through the allocator front on a simulated device: deferred frees, the pool's bytes, and the errors, with the category sums checked against
 //! `memory_allocated` after every step.
 
 use std::sync::Arc;
@@ -79,57 +78,6 @@ fn a_shared_block_dropped_during_capture_stays_allocated_until_release() {
 }
 
 #[test]
-fn a_pinned_block_dropped_after_capture_stays_until_release() {
-    let (a, _dev) = allocator(64 * MIB);
-    let shared = alloc(&a, 8 * KIB, Category::Input);
-    let pool = a.create_private_pool();
-    a.begin_private_pool(pool).unwrap();
-    let constant = alloc(&a, 4 * KIB, Category::Parameter);
-    let addr = constant.addr();
-    a.pin_block(addr).unwrap();
-    a.pin_block(shared.addr()).unwrap();
-    a.end_private_pool().unwrap();
-    drop_checked(&a, constant);
-    drop_checked(&a, shared);
-    assert_eq!(a.memory_allocated(), (12 * KIB) as u64);
-    assert_eq!(a.by_category().get(Category::Input), (8 * KIB) as u64);
-    assert_eq!(a.private_pool_bytes(pool), bytes(2 * MIB, 4 * KIB));
-    // A second capture into the pool does not get the pinned block's bytes.
-    a.begin_private_pool(pool).unwrap();
-    let y = alloc(&a, 4 * KIB, Category::Temporary);
-    assert_eq!(y.addr(), addr + (4 * KIB) as u64);
-    drop_checked(&a, y);
-    a.end_private_pool().unwrap();
-    a.release_private_pool(pool).unwrap();
-    sums_match(&a);
-    assert_eq!((a.memory_allocated(), a.live_blocks()), (0, 0));
-    assert_eq!(
-        a.memory_reserved(),
-        2 * MIB as u64,
-        "the shared segment stays cached"
-    );
-}
-
-#[test]
-fn a_block_pinned_by_two_pools_waits_for_both() {
-    let (a, _dev) = allocator(64 * MIB);
-    let x = alloc(&a, 4 * KIB, Category::Parameter);
-    let (one, two) = (a.create_private_pool(), a.create_private_pool());
-    for pool in [one, two] {
-        a.begin_private_pool(pool).unwrap();
-        a.pin_block(x.addr()).unwrap();
-        a.end_private_pool().unwrap();
-    }
-    drop_checked(&a, x);
-    a.release_private_pool(one).unwrap();
-    sums_match(&a);
-    assert_eq!(a.memory_allocated(), (4 * KIB) as u64, "two still reads it");
-    a.release_private_pool(two).unwrap();
-    sums_match(&a);
-    assert_eq!((a.memory_allocated(), a.live_blocks()), (0, 0));
-}
-
-#[test]
 fn releasing_a_pool_with_live_blocks_keeps_their_segment_until_empty_cache() {
     let (a, dev) = allocator(64 * MIB);
     let pool = a.create_private_pool();
@@ -187,23 +135,6 @@ fn unknown_active_and_released_pools_are_refused() {
     ] {
         assert!(err.to_string().contains("already released"), "{err}");
     }
-}
-
-#[test]
-fn pin_needs_an_active_pool_and_a_live_block() {
-    let (a, _dev) = allocator(64 * MIB);
-    let x = alloc(&a, 4 * KIB, Category::Parameter);
-    let err = a.pin_block(x.addr()).unwrap_err().to_string();
-    assert!(err.contains("no private pool is active"), "{err}");
-    let pool = a.create_private_pool();
-    a.begin_private_pool(pool).unwrap();
-    let err = a.pin_block(x.addr() + 512).unwrap_err().to_string();
-    assert!(err.contains("no live block starts at"), "{err}");
-    assert!(
-        a.pin_block(0).is_err(),
-        "a zero-byte block has nothing to keep"
-    );
-    a.pin_block(x.addr()).unwrap();
 }
 
 #[test]
