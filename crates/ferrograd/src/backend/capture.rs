@@ -364,11 +364,6 @@ impl Graph {
         }
     }
 
-    /// Whether the step draws dropout masks (then each replay needs a seed).
-    pub fn has_dropout(&self) -> bool {
-        self.seed.is_some()
-    }
-
     /// Bytes the graph's private pool holds on the device: (reserved, allocated now).
     pub fn pool_bytes(&self) -> Result<(u64, u64)> {
         let b = memory::allocator(self.device)?.private_pool_bytes(self.pool.id);

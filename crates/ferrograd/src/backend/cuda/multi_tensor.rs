@@ -56,6 +56,8 @@ pub(crate) struct Table {
     pub addr: u64,
     pub count: i32,
     pub chunks: i64,
+    /// Where the words uploaded after the table start (`upload_with`; the table's end).
+    pub trailer: u64,
     _block: Allocation,
 }
 
@@ -67,10 +69,23 @@ impl Table {
         rows: &[Row<A>],
         label: &'static str,
     ) -> Result<Option<Table>> {
-        let (words, chunks) = table_words(rows);
+        Table::upload_with(d, rows, &[], label)
+    }
+
+    /// `upload`, with `trailer` uploaded right after the table in the same copy (a launch's
+    /// scalars: one upload instead of two).
+    pub fn upload_with<const A: usize>(
+        d: &CudaDevice,
+        rows: &[Row<A>],
+        trailer: &[u64],
+        label: &'static str,
+    ) -> Result<Option<Table>> {
+        let (mut words, chunks) = table_words(rows);
         if chunks == 0 {
             return Ok(None);
         }
+        let table_len = words.len();
+        words.extend_from_slice(trailer);
         let count = i32::try_from(rows.len())
             .map_err(|_| Error::invalid(label, "more than 2^31 tensors in one launch"))?;
         let block = crate::memory::allocator(Device::Cuda(d.ordinal()))?.malloc(
@@ -83,6 +98,7 @@ impl Table {
             addr: block.addr(),
             count,
             chunks: chunks as i64,
+            trailer: block.addr() + (table_len * 8) as u64,
             _block: block,
         }))
     }

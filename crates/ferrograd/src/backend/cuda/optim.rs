@@ -4,7 +4,7 @@
 //! validated, so an error leaves every parameter untouched; a table upload waits for the
 //! stream (one synchronisation per step). Versions are bumped by the entry functions.
 
-use super::launch::{Arg, Module, addr, i64_of, launch, suffix, upload_words};
+use super::launch::{Arg, Module, addr, i64_of, launch, suffix};
 use super::multi_tensor::{Groups, Row, Table};
 use super::{CudaDevice, ptr};
 use crate::backend::Storage;
@@ -136,21 +136,19 @@ fn adam(d: &CudaDevice, a: &AdamStep) -> Result<()> {
         }
     }
     let grad_scale = a.grad_scale.as_ref().map(addr).transpose()?.unwrap_or(0);
-    // The scalars: where the caller staged them, else uploaded here for this call.
-    let uploaded;
-    let hyper = match a.staged_scalars {
-        Some(slot) => ptr(slot)?,
-        None => {
-            uploaded = upload_words(d, &[AdamHyper::of(a)], "adam_scalars")?;
-            uploaded.addr()
-        }
+    // The scalars: where the caller staged them, else uploaded with each launch's table.
+    let staged = a.staged_scalars.map(ptr).transpose()?;
+    let hyper = AdamHyper::of(a);
+    let scalars = Scalars {
+        staged,
+        words: bytemuck::cast_slice(std::slice::from_ref(&hyper)),
+        grad_scale,
     };
-    let scalars = (hyper, grad_scale);
     for (dtype, rows) in groups.iter() {
-        adam_launch(d, "adam_multi", *dtype, rows, scalars)?;
+        adam_launch(d, "adam_multi", *dtype, rows, &scalars)?;
     }
     for (dtype, rows) in masters.iter() {
-        adam_launch(d, "adam_master_multi", *dtype, rows, scalars)?;
+        adam_launch(d, "adam_master_multi", *dtype, rows, &scalars)?;
     }
     Ok(())
 }
@@ -169,17 +167,32 @@ fn adam_row(p: &AdamParam) -> Result<AdamRow> {
     Ok(Row { addrs, n })
 }
 
+/// An Adam launch's scalars: staged on the device (`staged_scalars`), or `words` to upload
+/// behind its table; and the gradient scale's address (0: none).
+struct Scalars<'a> {
+    staged: Option<u64>,
+    words: &'a [u64],
+    grad_scale: u64,
+}
+
 /// `{stem}_{dtype}` over `rows` (AdamEntry or AdamMasterEntry tables: A = 4 or 5).
 fn adam_launch<const A: usize>(
     d: &CudaDevice,
     stem: &str,
     dtype: DType,
     rows: &[Row<A>],
-    (hyper, grad_scale): (u64, u64),
+    scalars: &Scalars,
 ) -> Result<()> {
-    let Some(table) = Table::upload(d, rows, "adam_table")? else {
+    let trailer = if scalars.staged.is_some() {
+        &[][..]
+    } else {
+        scalars.words
+    };
+    let Some(table) = Table::upload_with(d, rows, trailer, "adam_table")? else {
         return Ok(());
     };
+    let hyper = scalars.staged.unwrap_or(table.trailer);
+    let grad_scale = scalars.grad_scale;
     let name = format!("{stem}_{}", suffix("adam", dtype)?);
     // {stem}_*(const Entry*, int, i64, const AdamHyper*, const double*): the table just
     // uploaded, the step's scalars, the gradient scale (null: none).
