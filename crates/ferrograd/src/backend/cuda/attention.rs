@@ -1,21 +1,18 @@
 //! CUDA launchers of the attention family (backend/attention.rs): FlashAttention-2 on tensor
 //! cores for f16 and bf16 heads (kernels/attention.cu) and in f32 FMAs for f32 heads
-//! (kernels/attention_f32.cu), head dims a multiple of 16 up
+//! (kernels/attention_f32.cu, the same kernels and arguments), head dims a multiple of 16 up
 //! to 128. Each (dtype, head dim) is its own NVRTC module, compiled on first use, so the
 //! kernels unroll over the head dim. Other dtypes and head dims are not covered (`supports`
 //! says so and the model composes matmul, softmax and matmul instead).
 //!
 //! Shapes: q, k, v, out, gout and the gradients (B, H, T, D) by strides, unit stride along D;
-//! lse and delta (B, H, T) dense f32. Forward writes out and lse. The f16/bf16 backward
-//! writes delta, then dK, dV and dQ in one kernel, which sums dQ's shares across key blocks in
-//! a temporary (f32 (B·H, T, D) plus a few counters; `backward_scratch_bytes`); the f32
-//! backward writes delta, then dK/dV, then dQ, with no temporary. Dropout on the
-//! probabilities runs in the kernels' twins (Philox in-kernel, the mask replayed in backward
-//! from its key; none is stored).
+//! lse and delta (B, H, T) dense f32. No temporaries: forward writes out and lse, backward
+//! writes delta, then dK/dV, then dQ. Dropout on the probabilities runs in the kernels' twins
+//! (Philox in-kernel, the mask replayed in backward from its key; none is stored).
 
 use cudarc::driver::{DeviceRepr, LaunchConfig};
 
-use super::launch::{Arg, Module, addr, launch, temp};
+use super::launch::{Arg, Module, addr, launch};
 use super::{CudaDevice, ptr};
 use crate::backend::View;
 use crate::backend::attention::{Attention, AttentionBackward, AttentionDropout, AttentionKernels};
@@ -225,29 +222,42 @@ impl Problem {
     }
 }
 
-/// The tiled kernels: the forward, the f16/bf16 backward, the f32 backward's two.
+/// The three tiled kernels.
 #[derive(Clone, Copy)]
 enum Tiled {
     Forward,
-    Backward,
     DkDv,
     Dq,
 }
 
-/// Dynamic shared memory of an f16/bf16 tiled kernel at head dim `d`, in bytes: attention.cu's
-/// FWD_SMEM and BWD_SMEM from its tile sizes (the kernels check it on entry). Padded rows of
-/// d + 8 elements; keys per streamed tile (forward) and queries per tile (backward) shrink at
-/// wide heads, as BN and BQ do there. The backward holds its 64 keys' K and V, two stages of
-/// (Q, dO) tiles and of their (lse, delta) rows, and the dS tile (BQ × 64, rows of 72).
+/// Dynamic shared memory of a tiled kernel at head dim `d`, in bytes: attention.cu's
+/// FWD_SMEM, DKDV_SMEM and DQ_SMEM from its tile sizes (the kernels check it on entry).
+/// Padded rows of d + 8 elements; keys per streamed tile (forward), queries per tile (dK/dV)
+/// and keys per tile (dQ) shrink at wide heads, as BN, BQ and BNQ do there.
 fn smem_bytes(kernel: Tiled, d: usize) -> u32 {
     let lds = d + 8;
+    let rows = TILE;
     let bn = if d <= 64 { 64 } else { 32 };
-    let bq = backward_query_tile(d);
-    let bytes = match kernel {
-        Tiled::Forward => 2 * (2 * bn * lds) * 2,
-        _ => (2 * TILE * lds + 2 * (2 * bq * lds)) * 2 + 2 * 2 * bq * 4 + bq * (TILE + 8) * 2,
+    let bq = match d {
+        0..=64 => 64,
+        65..=96 => 32,
+        _ => 16,
     };
-    bytes as u32
+    let bnq = match d {
+        0..=64 => 64,
+        65..=112 => 32,
+        _ => 16,
+    };
+    let elems = match kernel {
+        Tiled::Forward => 2 * (2 * bn * lds),
+        Tiled::DkDv => 2 * rows * lds + 2 * (2 * bq * lds),
+        Tiled::Dq => 2 * rows * lds + 2 * (2 * bnq * lds),
+    };
+    let stats = match kernel {
+        Tiled::DkDv => 2 * 2 * bq * 4,
+        _ => 0,
+    };
+    (elems * 2 + stats) as u32
 }
 
 /// Dynamic shared memory of an f32 tiled kernel at head dim `d`, in bytes: attention_f32.cu's
@@ -259,8 +269,7 @@ fn smem_bytes_f32(kernel: Tiled, d: usize) -> u32 {
     let (ldf, ldp) = (d + 4, BN + 4);
     let floats = match kernel {
         Tiled::Forward => (BM + 2 * BN) * ldf + BM * ldp,
-        // (f32 heads have no one-kernel backward: its first kernel is dK/dV.)
-        Tiled::DkDv | Tiled::Backward => (2 * BM + 2 * BN) * ldf + 2 * BN + 2 * BM * ldp,
+        Tiled::DkDv => (2 * BM + 2 * BN) * ldf + 2 * BN + 2 * BM * ldp,
         Tiled::Dq => (2 * BM + 2 * BN) * ldf + BM * ldp,
     };
     (floats * 4) as u32
@@ -361,102 +370,35 @@ fn backward(d: &CudaDevice, a: &AttentionBackward) -> Result<()> {
     ];
     launch(d, m, "attn_delta", delta_cfg, &delta_args)?;
 
-    let mut args = vec![
-        Arg::Ptr(q.0),
-        Arg::Struct(&q.1),
-        Arg::Struct(&k.1),
-        Arg::Struct(&v.1),
+    let heads = [Arg::Struct(&q.1), Arg::Struct(&k.1), Arg::Struct(&v.1)];
+    let mut dkdv = vec![Arg::Ptr(q.0)];
+    dkdv.extend(heads);
+    dkdv.extend([
         Arg::Ptr(gout.0),
         Arg::Struct(&gout.1),
         Arg::Ptr(lse),
         Arg::Ptr(delta),
-    ];
-    if dtype == DType::F32 {
-        return backward_f32(d, m, a, &p, d_head, args, (gq, gk, gv));
-    }
-    // One kernel: dK and dV per key block, dQ summed across the key blocks in `scratch`.
-    let layout = ScratchLayout::of(rows / p.t as usize, p.t as usize, d_head);
-    let scratch = temp(d, layout.bytes(), OP)?;
-    d.memset_zero(scratch.addr(), layout.sync_bytes)?;
-    args.extend([
-        Arg::Ptr(gq.0),
-        Arg::Struct(&gq.1),
-        Arg::Struct(&gk.1),
-        Arg::Struct(&gv.1),
-        Arg::Ptr(scratch.addr() + layout.sync_bytes as u64),
-        Arg::Ptr(scratch.addr()),
-        Arg::Struct(&p),
-    ]);
-    let cfg = p.tiles(Tiled::Backward, d_head, dtype);
-    launch(d, m, kernel("attn_bwd", a.dropout), cfg, &args)
-}
-
-/// The f32 kernels' backward (attention_f32.cu): dK/dV, then dQ, each recomputing the
-/// probabilities; no scratch. `args` holds the arguments both kernels open with.
-fn backward_f32(
-    d: &CudaDevice,
-    m: &'static Module,
-    a: &AttentionBackward,
-    p: &Problem,
-    d_head: usize,
-    args: Vec<Arg>,
-    (gq, gk, gv): ((u64, Heads), (u64, Heads), (u64, Heads)),
-) -> Result<()> {
-    let mut dkdv = args.clone();
-    dkdv.extend([
         Arg::Ptr(gk.0),
         Arg::Struct(&gk.1),
         Arg::Struct(&gv.1),
-        Arg::Struct(p),
+        Arg::Struct(&p),
     ]);
-    let cfg = p.tiles(Tiled::DkDv, d_head, DType::F32);
+    let cfg = p.tiles(Tiled::DkDv, d_head, dtype);
     launch(d, m, kernel("attn_bwd_dkdv", a.dropout), cfg, &dkdv)?;
 
-    let mut dq = args;
-    dq.extend([Arg::Ptr(gq.0), Arg::Struct(&gq.1), Arg::Struct(p)]);
-    let cfg = p.tiles(Tiled::Dq, d_head, DType::F32);
+    let mut dq = vec![Arg::Ptr(q.0)];
+    dq.extend(heads);
+    dq.extend([
+        Arg::Ptr(gout.0),
+        Arg::Struct(&gout.1),
+        Arg::Ptr(lse),
+        Arg::Ptr(delta),
+        Arg::Ptr(gq.0),
+        Arg::Struct(&gq.1),
+        Arg::Struct(&p),
+    ]);
+    let cfg = p.tiles(Tiled::Dq, d_head, dtype);
     launch(d, m, kernel("attn_bwd_dq", a.dropout), cfg, &dq)
-}
-
-/// Queries per tile of the f16/bf16 backward at head dim `d` (attention.cu's BQ).
-fn backward_query_tile(d: usize) -> usize {
-    match d {
-        0..=64 => 64,
-        65..=96 => 32,
-        _ => 16,
-    }
-}
-
-/// The f16/bf16 backward's scratch: the `sync` ints (a work ticket, then one count per
-/// (pair, query tile)), padded to 256 bytes, then dQ's running sums, (B·H, T, D) f32.
-struct ScratchLayout {
-    sync_bytes: usize,
-    sum_bytes: usize,
-}
-
-impl ScratchLayout {
-    fn of(pairs: usize, t: usize, d_head: usize) -> ScratchLayout {
-        let counts = pairs * t.div_ceil(backward_query_tile(d_head));
-        ScratchLayout {
-            sync_bytes: ((1 + counts) * 4).next_multiple_of(256),
-            sum_bytes: pairs * t * d_head * 4,
-        }
-    }
-    fn bytes(&self) -> usize {
-        self.sync_bytes + self.sum_bytes
-    }
-}
-
-/// The scratch bytes the backward of `a` takes from the allocator while it runs (none for
-/// f32 heads or an empty problem). A free function, so the planner counts the same bytes.
-pub(crate) fn backward_scratch_bytes(a: &AttentionBackward) -> Option<usize> {
-    let s = a.qkv.q.shape();
-    let dtype = a.qkv.storage.dtype();
-    let empty = s.iter().take(3).any(|&n| n == 0);
-    if dtype == DType::F32 || empty || !supports(dtype, s[3]) {
-        return None;
-    }
-    Some(ScratchLayout::of(s[0] * s[1], s[2], s[3]).bytes())
 }
 
 #[cfg(test)]
@@ -470,17 +412,5 @@ mod tests {
         assert_eq!(std::mem::offset_of!(Problem, key), 32);
         assert_eq!(std::mem::offset_of!(Problem, seed), 48);
         assert_eq!(std::mem::size_of::<Heads>(), 32);
-    }
-
-    #[test]
-    fn the_backward_scratch_holds_the_counters_and_dq_sums_in_f32() {
-        // GPT-2's attention at batch 8: 96 pairs, 16 query tiles of 64 each.
-        let s = ScratchLayout::of(96, 1024, 64);
-        assert_eq!(s.sync_bytes, 6400); // (1 + 96 · 16) · 4 = 6148, padded to 256
-        assert_eq!(s.sum_bytes, 96 * 1024 * 64 * 4);
-        // Wide heads take queries 16 at a time: (1 + 2 · 7) · 4 = 60 → 256.
-        assert_eq!(ScratchLayout::of(2, 100, 128).sync_bytes, 256);
-        assert_eq!(backward_query_tile(96), 32);
-        assert_eq!(smem_bytes(Tiled::Backward, 64), 65_536);
     }
 }

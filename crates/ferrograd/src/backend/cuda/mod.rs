@@ -28,7 +28,6 @@ pub use memory::CudaMemory;
 pub use timing::{KernelTime, take_host_waits, take_kernel_times};
 // What the planner asks of a GPU without one: the fused attention's coverage, cuBLAS's
 // workspace, which matmul operands cuBLAS needs copied, and the kernels' larger temporaries.
-pub(crate) use attention::backward_scratch_bytes as attention_backward_scratch_bytes;
 pub(crate) use attention::supports as supports_attention;
 pub(crate) use launch::temp_bytes;
 pub(crate) use loss::nll_scratch_bytes;

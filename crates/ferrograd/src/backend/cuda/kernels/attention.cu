@@ -9,15 +9,17 @@
 // Operands: q, k, v, out, gout and the three gradients are (B, H, T, D) views with unit stride
 // along D, described by `Heads` (element offset and the b, h, t strides); lse and delta are
 // dense (B, H, T) f32. Kernels:
+// Each of attn_fwd, attn_bwd_dkdv and attn_bwd_dq has a twin with a `_dropout` suffix that
+// applies dropout to the probabilities (a compile-time switch: the plain kernels keep their
+// registers). Kernels:
 //   attn_fwd      one CTA per (64 queries, b·h): Q in registers, K/V tiles streamed through
 //                 shared memory, online softmax; writes out and lse = log Σ exp(scaled scores).
 //   attn_delta    delta = rowsum(gout ∘ out) per query, f32.
-//   attn_bwd      one CTA per (64 keys, b·h): every query tile that sees those keys, the
-//                 probabilities recomputed from lse once; dK and dV accumulate in registers,
-//                 dQ's shares are summed across the key blocks in a fixed order (f32, in a
-//                 scratch buffer), so the backward is deterministic without float atomics.
-// attn_fwd and attn_bwd each have a twin with a `_dropout` suffix that applies dropout to the
-// probabilities (a compile-time switch: the plain kernels keep their registers).
+//   attn_bwd_dkdv one CTA per (64 keys, b·h): every query tile that sees those keys, the
+//                 probabilities recomputed from lse; dK and dV accumulate in registers.
+//   attn_bwd_dq   one CTA per (64 queries, b·h): every key tile the queries see; dQ in
+//                 registers. Two kernels instead of float atomics: the backward is
+//                 deterministic.
 // Causal tiles past the diagonal are never visited. Streamed tiles are double-buffered in
 // dynamic shared memory: the next tile's cp.async copies are in flight while the current one
 // is multiplied (the launcher sizes the buffers with the *_SMEM formulas below).
@@ -33,21 +35,25 @@
 // Shared-memory rows are padded by 16 bytes, so the 8 row addresses of one ldmatrix fall in
 // distinct banks.
 #define LDS (D + 8)
-// Queries per CTA of the forward kernel, keys per CTA of the backward: 16 per warp.
+// Queries per CTA of the forward and dQ kernels, keys per CTA of dK/dV: 16 per warp.
 #define BM 64
-// Keys per streamed tile of the forward, and queries per tile of the backward: smaller at
-// wide heads so the accumulators fit in registers.
+// Keys per streamed tile (forward, dQ), and queries per tile of the dK/dV kernel: smaller
+// at wide heads so the accumulators fit in registers and the tiles in 48 KiB.
 #define BN (D <= 64 ? 64 : 32)
 #define BQ (D <= 64 ? 64 : (D <= 96 ? 32 : 16))
+// Keys per tile of the dQ kernel, whose Q and dO tiles also stay in shared memory.
+#define BNQ (D <= 64 ? 64 : (D <= 112 ? 32 : 16))
 
 // Dynamic shared memory per kernel, in bytes; mirrored by `smem_bytes` in cuda/attention.rs
 // and checked on entry. Forward: two stages of (K, V) tiles; the query tile borrows stage 1
-// until its fragments are in registers. Backward: the CTA's K and V, then two stages of
-// (Q, dO) tiles and of their (lse, delta) rows, then the dS tile (BWD_SMEM, further down).
+// until its fragments are in registers. dK/dV: the CTA's K and V, then two stages of
+// (Q, dO) tiles and of their (lse, delta) rows. dQ: the CTA's Q and dO, two (K, V) stages.
 #define FWD_STAGE (2 * BN * LDS)
 #define DKDV_STAGE (2 * BQ * LDS)
+#define DQ_STAGE (2 * BNQ * LDS)
 #define FWD_SMEM (2 * FWD_STAGE * 2)
 #define DKDV_SMEM ((2 * BM * LDS + 2 * DKDV_STAGE) * 2 + 2 * 2 * BQ * 4)
+#define DQ_SMEM ((2 * BM * LDS + 2 * DQ_STAGE) * 2)
 
 
 #if D % 16 != 0 || D > 128
@@ -464,8 +470,12 @@ extern "C" __global__ void attn_delta(const u16* out, Heads ov, const u16* gout,
     }
 }
 
+// dK, dV of 64 keys: every query tile at or after them (causal) recomputes its probabilities.
+// Warp w owns keys k0 + 16w .. k0 + 16w + 15, so nothing is shared between warps but the
+// tiles. Works on transposed products (keys as rows): Sᵀ = K Qᵀ, dV += Pᵀ dO,
+// dPᵀ = V dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ Q.
 // The (Q, dO) tile of queries [q0, q0 + BQ) and their (lse, delta) rows into one stage of
-// the backward kernel, in flight; rows past T are zeros (the kernel masks them).
+// the dK/dV kernel, in flight; rows past T are zeros (the kernel masks them).
 __device__ __forceinline__ void load_query_stage(u16* sq, float* sl, const u16* qkv, const Heads& qv,
                                                  const u16* gout, const Heads& gov, const float* lse,
                                                  const float* delta, int bh, int q0, const Problem& p) {
@@ -481,162 +491,22 @@ __device__ __forceinline__ void load_query_stage(u16* sq, float* sl, const u16* 
     }
 }
 
-
-// ---- backward: one kernel for dK, dV and dQ ------------------------------------------------
-//
-// One CTA per (64 keys, b·h): every query tile at or after those keys (causal) recomputes its
-// probabilities. Warp w owns keys k0 + 16w .. k0 + 16w + 15, so nothing is shared between
-// warps but the tiles. Works on transposed products (keys as rows): Sᵀ = K Qᵀ, dV += Pᵀ dO,
-// dPᵀ = V dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ Q; dK and dV accumulate in registers.
-// dS goes through shared memory (queries as rows), and this key block's share of dQ, dS K,
-// is added to the query tile's running sum in `dq_sum` ((B·H, T, D) f32). The shares of one
-// query tile are added in key-block order, each CTA waiting for the previous key block's CTA
-// to have added its own, so the sums are the same on every run (deterministic, without float
-// atomics); the last key block writes dQ itself, in the element type. Nothing recomputes the
-// probabilities a second time for dQ.
-//
-// `sync` (ints, zeroed before the launch): [0] hands out the CTAs' work in the order they
-// start, [1 + bh·NQT + i] counts the key blocks that have added into query tile i of pair bh.
-// A CTA only ever waits for a CTA that started before it, so the waits always end.
-
-// dS tile of BQ queries × 64 keys in shared memory (rows padded by 16 bytes, as LDS).
-#define LDK (BM + 8)
-#define BWD_SMEM (DKDV_SMEM + BQ * LDK * 2)
-// dQ's share of a key block: BQ / 16 row blocks of 16 queries, the head dim split in column
-// pairs (16 wide) among the warps left over: a warp owns row block (w mod ROW_BLOCKS) and
-// column pairs w / ROW_BLOCKS, + DQ_GROUPS, ...
-#define ROW_BLOCKS (BQ / 16)
-#define DQ_GROUPS (WARPS / ROW_BLOCKS)
-#define DQ_PAIRS ((D / 16 + DQ_GROUPS - 1) / DQ_GROUPS)
-
-__device__ __forceinline__ int ld_acquire(const int* p) {
-    int v;
-    asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-
-__device__ __forceinline__ void st_release(int* p, int v) {
-    asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(p), "r"(v) : "memory");
-}
-
-// This thread's dSᵀ fragments (16 keys of warp `warp` × BQ queries) into the dS tile, stored
-// with queries as rows.
-__device__ __forceinline__ void store_ds(u16* sds, const float ds[BQ / 8][4], int warp, int lane) {
-    const int g = lane >> 2, t4 = lane & 3;
-#pragma unroll
-    for (int j = 0; j < BQ / 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-            sds[(j * 8 + 2 * t4 + (e & 1)) * LDK + warp * 16 + g + (e >> 1) * 8] =
-                f32_to_elem(ds[j][e]);
-}
-
-// This warp's part of the key block's dQ share: dS (its 16 queries × 64 keys) · K (64 × its
-// column pairs).
-__device__ __forceinline__ void dq_share(float dq[2 * DQ_PAIRS][4], const u16* sds, const u16* sk,
-                                         int warp, int lane) {
-    const int rb = warp % ROW_BLOCKS, cg = warp / ROW_BLOCKS;
-#pragma unroll
-    for (int i = 0; i < 2 * DQ_PAIRS; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) {
-        u32 af[4];
-        ldsm_x4(af, sds + (rb * 16 + a_row(lane)) * LDK + kk * 16 + a_col(lane));
-#pragma unroll
-        for (int i = 0; i < DQ_PAIRS; ++i) {
-            const int dn = cg + i * DQ_GROUPS;
-            if (dn < D / 16) {
-                u32 bf[4];
-                ldsm_x4_t(bf, sk + (kk * 16 + a_row(lane)) * LDS + dn * 16 + a_col(lane));
-                mma(dq[2 * i], af, bf[0], bf[1]);
-                mma(dq[2 * i + 1], af, bf[2], bf[3]);
-            }
-        }
-    }
-}
-
-// Adds this key block's (index kb) dQ share of query tile [q0, q0 + BQ) into its running sum
-// once key blocks 0 .. kb − 1 have added theirs; the tile's last key block (`last`) writes
-// scale · sum as dQ instead, and block 0 writes its share without reading.
-__device__ __forceinline__ void add_dq_share(const float dq[2 * DQ_PAIRS][4], float* dq_sum,
-                                             int* count, int kb, int last, u16* grads,
-                                             const Heads& gqv, int bh, int q0, const Problem& p,
-                                             int warp, int lane) {
-    if (kb > 0) {
-        if (threadIdx.x == 0)
-            while (ld_acquire(count) < kb) __nanosleep(32);
-        __syncthreads();
-    }
-    const int g = lane >> 2, t4 = lane & 3;
-    const int rb = warp % ROW_BLOCKS, cg = warp / ROW_BLOCKS;
-    const int b = bh / p.h, h = bh % p.h;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int t = q0 + rb * 16 + g + half * 8;
-        if (t >= p.t) continue;
-        float* sum = dq_sum + ((i64)bh * p.t + t) * D;
-        u16* row = grads + row_at(gqv, b, h, t);
-#pragma unroll
-        for (int i = 0; i < 2 * DQ_PAIRS; ++i) {
-            const int dn = cg + (i >> 1) * DQ_GROUPS;
-            if (dn >= D / 16) continue;
-            const int c = dn * 16 + (i & 1) * 8 + 2 * t4;
-            float2 v = make_float2(dq[i][2 * half], dq[i][2 * half + 1]);
-            if (kb > 0) {
-                float2 s = __ldcg((const float2*)(sum + c));
-                v.x += s.x;
-                v.y += s.y;
-            }
-            if (kb < last) {
-                __stcg((float2*)(sum + c), v);
-            } else {
-                u16 lo = f32_to_elem(v.x * p.scale), hi = f32_to_elem(v.y * p.scale);
-                if (p.vec) {
-                    *(u32*)(row + c) = (u32)lo | ((u32)hi << 16);
-                } else {
-                    row[c] = lo;
-                    row[c + 1] = hi;
-                }
-            }
-        }
-    }
-    if (kb < last) {
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            __threadfence();
-            st_release(count, kb + 1);
-        }
-    }
-}
-
-// Query tiles of BQ rows per pair (the `sync` counters' stride).
-__device__ __forceinline__ int query_tiles(const Problem& p) { return (p.t + BQ - 1) / BQ; }
-
+// dK, dV of 64 keys: every query tile at or after them (causal) recomputes its probabilities.
+// Warp w owns keys k0 + 16w .. k0 + 16w + 15, so nothing is shared between warps but the
+// tiles. Works on transposed products (keys as rows): Sᵀ = K Qᵀ, dV += Pᵀ dO,
+// dPᵀ = V dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ Q.
 template <bool DROP>
-__device__ __forceinline__ void attn_bwd_impl(const u16* qkv, Heads qv, Heads kv, Heads vv,
-                                              const u16* gout, Heads gov, const float* lse,
-                                              const float* delta, u16* grads, Heads gqv,
-                                              Heads gkv, Heads gvv, float* dq_sum, int* sync,
-                                              Problem p) {
-    check_smem(BWD_SMEM);
+__device__ __forceinline__ void attn_bwd_dkdv_impl(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov, const float* lse, const float* delta, u16* grads, Heads gkv, Heads gvv, Problem p) {
+    check_smem(DKDV_SMEM);
     u16* const sk = (u16*)dyn_smem;
     u16* const sv = sk + BM * LDS;
-    u16* const stages = sv + BM * LDS;                       // 2 × (Q tile, dO tile)
+    u16* const stages = sv + BM * LDS;                 // 2 × (Q tile, dO tile)
     float* const stats = (float*)(stages + 2 * DKDV_STAGE);  // 2 × (lse, delta)
-    u16* const sds = (u16*)(stats + 2 * 2 * BQ);             // dS (BQ queries × 64 keys)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t4 = lane & 3;
-
-    // Work in start order: key block 0 of every pair first (causally the heaviest), then 1...
-    __shared__ int ticket;
-    if (threadIdx.x == 0) ticket = atomicAdd(sync, 1);
-    __syncthreads();
-    const int pairs = p.b * p.h;
-    const int kb = ticket / pairs, bh = ticket % pairs, b = bh / p.h, h = bh % p.h;
-    const int k0 = kb * BM;
+    const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
+    const int k0 = blockIdx.x * BM;
     const int first = p.causal ? (k0 / BQ) * BQ : 0;
-    const int key_blocks = (p.t + BM - 1) / BM;
-    int* const counts = sync + 1 + (i64)bh * query_tiles(p);
 
     load_rows_async<BM>(sk, qkv, kv, b, h, k0, p);
     load_rows_async<BM>(sv, qkv, vv, b, h, k0, p);
@@ -653,8 +523,7 @@ __device__ __forceinline__ void attn_bwd_impl(const u16* qkv, Heads qv, Heads kv
         for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
 
     for (int q0 = first, st = 0; q0 < p.t; q0 += BQ, st ^= 1) {
-        // Every warp is done with the other stage (and the dS tile): the next query tile
-        // streams into it.
+        // Every warp is done with the other stage: the next query tile streams into it.
         __syncthreads();
         if (q0 + BQ < p.t)
             load_query_stage(stages + (st ^ 1) * DKDV_STAGE, stats + (st ^ 1) * 2 * BQ, qkv, qv,
@@ -719,31 +588,103 @@ __device__ __forceinline__ void attn_bwd_impl(const u16* qkv, Heads qv, Heads kv
                 ds[j][e] = pt[j][e] * (dp - sd[qi]);
             }
         }
-        store_ds(sds, ds, warp, lane);
         acc_times_rows<BQ>(dk, ds, sq, lane);
-        __syncthreads();
-
-        float dq[2 * DQ_PAIRS][4];
-        dq_share(dq, sds, sk, warp, lane);
-        const int last = p.causal ? (min(q0 + BQ, p.t) - 1) / BM : key_blocks - 1;
-        add_dq_share(dq, dq_sum, counts + q0 / BQ, kb, last, grads, gqv, bh, q0, p, warp, lane);
     }
     store_rows(grads, gkv, b, h, k0 + warp * 16, dk, p.scale, p.scale, p, lane);
     store_rows(grads, gvv, b, h, k0 + warp * 16, dv, 1.f, 1.f, p, lane);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-    attn_bwd(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov,
-             const float* lse, const float* delta, u16* grads, Heads gqv, Heads gkv, Heads gvv,
-             float* dq_sum, int* sync, Problem p) {
-    attn_bwd_impl<false>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gqv, gkv, gvv, dq_sum,
-                         sync, p);
+    attn_bwd_dkdv(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov, const float* lse, const float* delta, u16* grads, Heads gkv, Heads gvv, Problem p) {
+    attn_bwd_dkdv_impl<false>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gkv, gvv, p);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
-    attn_bwd_dropout(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov,
-                     const float* lse, const float* delta, u16* grads, Heads gqv, Heads gkv,
-                     Heads gvv, float* dq_sum, int* sync, Problem p) {
-    attn_bwd_impl<true>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gqv, gkv, gvv, dq_sum,
-                        sync, keyed(p));
+    attn_bwd_dkdv_dropout(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov, const float* lse, const float* delta, u16* grads, Heads gkv, Heads gvv, Problem p) {
+    attn_bwd_dkdv_impl<true>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gkv, gvv, keyed(p));
+}
+
+// dQ of 64 queries: every key tile they see. S = Q Kᵀ, P from lse, dP = dO Vᵀ,
+// dS = P ∘ (dP − delta), dQ += dS K.
+template <bool DROP>
+__device__ __forceinline__ void attn_bwd_dq_impl(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov, const float* lse, const float* delta, u16* grads, Heads gqv, Problem p) {
+    check_smem(DQ_SMEM);
+    u16* const sq = (u16*)dyn_smem;
+    u16* const sdo = sq + BM * LDS;
+    u16* const stages = sdo + BM * LDS;  // 2 × (K tile, V tile)
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
+    const int q0 = tile_index(p) * BM;
+    const int keys = p.causal ? min(p.t, q0 + BM) : p.t;
+
+    load_rows_async<BM>(sq, qkv, qv, b, h, q0, p);
+    load_rows_async<BM>(sdo, gout, gov, b, h, q0, p);
+    load_rows_async<BNQ>(stages, qkv, kv, b, h, 0, p);
+    load_rows_async<BNQ>(stages + BNQ * LDS, qkv, vv, b, h, 0, p);
+    cp_async_commit();
+    const int row0 = q0 + warp * 16 + g;
+    float l2[2], dl[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        int row = row0 + i * 8;
+        l2[i] = row < p.t ? lse[(i64)bh * p.t + row] * LOG2E : __int_as_float(0x7f800000);
+        dl[i] = row < p.t ? delta[(i64)bh * p.t + row] : 0.f;
+    }
+    const u16* wq = sq + warp * 16 * LDS;
+    const u16* wdo = sdo + warp * 16 * LDS;
+
+    float dq[D / 8][4];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
+
+    for (int k0 = 0, st = 0; k0 < keys; k0 += BNQ, st ^= 1) {
+        const u16* sk = kv_tile<BNQ>(stages, DQ_STAGE, st, k0, keys, qkv, kv, vv, b, h, p);
+        const u16* sv = sk + BNQ * LDS;
+
+        float s[BNQ / 8][4];
+        rows_times_rows_t<BNQ>(s, wq, sk, lane);
+        const bool edge = k0 + BNQ > p.t || (p.causal && k0 + BNQ > q0 + warp * 16);
+#pragma unroll
+        for (int j = 0; j < BNQ / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int col = k0 + j * 8 + 2 * t4 + (e & 1);
+                int i = e >> 1;
+                float v = exp2f(s[j][e] * p.scale_log2 - l2[i]);
+                if (edge && (col >= p.t || (p.causal && col > row0 + i * 8))) v = 0.f;
+                s[j][e] = v;
+            }
+        }
+        float ds[BNQ / 8][4];
+        rows_times_rows_t<BNQ>(ds, wdo, sv, lane);
+        if (DROP) {
+#pragma unroll
+            for (int j = 0; j < BNQ / 8; ++j) {
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    bool k[2];
+                    kept2(p, bh, row0 + i * 8, k0 + j * 8 + 2 * t4, k);
+                    ds[j][2 * i] = k[0] ? ds[j][2 * i] * p.inv_keep : 0.f;
+                    ds[j][2 * i + 1] = k[1] ? ds[j][2 * i + 1] * p.inv_keep : 0.f;
+                }
+            }
+        }
+#pragma unroll
+        for (int j = 0; j < BNQ / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ds[j][e] = s[j][e] * (ds[j][e] - dl[e >> 1]);
+        acc_times_rows<BNQ>(dq, ds, sk, lane);
+    }
+    store_rows(grads, gqv, b, h, q0 + warp * 16, dq, p.scale, p.scale, p, lane);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    attn_bwd_dq(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov, const float* lse, const float* delta, u16* grads, Heads gqv, Problem p) {
+    attn_bwd_dq_impl<false>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gqv, p);
+}
+
+extern "C" __global__ void __launch_bounds__(THREADS)
+    attn_bwd_dq_dropout(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov, const float* lse, const float* delta, u16* grads, Heads gqv, Problem p) {
+    attn_bwd_dq_impl<true>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gqv, keyed(p));
 }
