@@ -86,8 +86,17 @@ fn forward(model: &Gpt) -> impl FnMut(usize, &[Tensor]) -> ferrograd::Result<Mic
 
 /// Losses of `steps` steps and the parameters after them, graphs on or off.
 fn train(graphs: bool, steps: usize, accum: usize) -> (Vec<f64>, Vec<Vec<f32>>, GraphStatus) {
+    train_with(graphs, steps, trainer_config(accum))
+}
+
+fn train_with(
+    graphs: bool,
+    steps: usize,
+    config: TrainerConfig,
+) -> (Vec<f64>, Vec<Vec<f32>>, GraphStatus) {
+    let accum = config.accum;
     let model = gpt();
-    let mut trainer = Trainer::new(adamw(&model), trainer_config(accum), GPU).unwrap();
+    let mut trainer = Trainer::new(adamw(&model), config, GPU).unwrap();
     let mut graph = StepGraph::new(graphs, 1);
     let mut losses = Vec::new();
     for s in 0..steps {
@@ -147,6 +156,55 @@ fn a_replayed_step_trains_as_the_eager_one() {
     }
 }
 
+/// Each per-step value on its own: the scheduled rate without clipping, clipping at a
+/// constant rate, and neither.
+#[test]
+fn a_replay_follows_the_schedule_and_the_clipping_each_alone() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let base = trainer_config(1);
+    let variants = [
+        (
+            "schedule, no clipping",
+            TrainerConfig {
+                clip: None,
+                ..base.clone()
+            },
+        ),
+        (
+            "clipping, constant rate",
+            TrainerConfig {
+                schedule: None,
+                ..base.clone()
+            },
+        ),
+        (
+            "neither",
+            TrainerConfig {
+                clip: None,
+                schedule: None,
+                ..base
+            },
+        ),
+    ];
+    let mut wrong = Vec::new();
+    for (what, config) in variants {
+        let (eager, _, _) = train_with(false, 6, config.clone());
+        let (graph, _, status) = train_with(true, 6, config);
+        println!("{what} ({status}): eager {eager:?}\n  graph {graph:?}");
+        if eager
+            .iter()
+            .zip(&graph)
+            .any(|(e, g)| (g - e).abs() > 1e-5 * e.abs())
+        {
+            wrong.push(what);
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "replays differ from eager steps with: {wrong:?}"
+    );
+}
+
 #[test]
 fn a_replay_allocates_nothing_and_the_accounting_holds() {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
@@ -173,6 +231,11 @@ fn a_replay_allocates_nothing_and_the_accounting_holds() {
     drop(graph);
     // The pool's segments go back once the graph is gone.
     alloc.empty_cache();
+    println!(
+        "after the graph: allocated {} by category {:?}",
+        alloc.memory_allocated(),
+        alloc.by_category()
+    );
     assert!(
         alloc.memory_reserved() + pool_bytes <= reserved,
         "the private pool ({pool_bytes} bytes) was kept: {} of {reserved} reserved",
