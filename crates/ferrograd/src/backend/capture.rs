@@ -69,7 +69,6 @@ struct Derived {
 /// What the capture on this thread has learnt so far.
 struct Log {
     device: Device,
-    pool: PrivatePoolId,
     notes: Vec<Note>,
     derived: Vec<Derived>,
     /// The step's dropout seed buffer, once a dropout kernel asked for it.
@@ -155,11 +154,6 @@ pub(crate) fn step_seed(make: impl FnOnce() -> Result<u64>) -> Result<u64> {
         }
     });
     Ok(seed)
-}
-
-/// The private pool of the capture running on this thread.
-pub(crate) fn active_pool() -> Option<PrivatePoolId> {
-    ACTIVE.with(|a| a.borrow().as_ref().map(|l| l.pool))
 }
 
 /// A device's recorded work, replayable with one launch (the backend's half of a graph).
@@ -283,7 +277,6 @@ pub fn capture_in<R>(pool: Pool, f: impl FnOnce() -> Result<R>) -> Result<(Graph
     ACTIVE.with(|a| {
         *a.borrow_mut() = Some(Log {
             device,
-            pool: pool.id,
             notes: Vec::new(),
             derived: Vec::new(),
             seed: None,

@@ -107,7 +107,7 @@ fn cuda_matmul_scratch(m: &Matmul) -> Result<Vec<Allocation>> {
         if let Some(p) = p.as_mut()
             && p.cublas_workspace.is_none()
         {
-            p.cublas_workspace = Some(kernel_block(
+            p.cublas_workspace = Some(crate::memory::allocator(Device::Meta)?.malloc_shared(
                 super::cuda::CUBLAS_WORKSPACE_BYTES,
                 Category::Workspace,
                 "cublas workspace",

@@ -253,6 +253,25 @@ impl Allocator {
         })
     }
 
+    /// `malloc` from the shared pools even while a private pool is active, for a block that
+    /// outlives any capture (the cuBLAS workspace, kept for the process; a step buffer that
+    /// a graph rewrites): made in the pool, it would keep the pool's segment after the graph.
+    pub fn malloc_shared(
+        self: &Arc<Self>,
+        requested: usize,
+        category: Category,
+        origin: &'static str,
+    ) -> Result<Allocation> {
+        let active = self.lock().pools.active();
+        let Some(pool) = active else {
+            return self.malloc(requested, category, origin);
+        };
+        self.end_private_pool()?;
+        let block = self.malloc(requested, category, origin);
+        self.begin_private_pool(pool)?;
+        block
+    }
+
     /// The drop of block `id`: freed now, or deferred until a private pool's release.
     fn free(&self, id: u64) {
         let mut st = self.lock();

@@ -128,12 +128,7 @@ impl CudaDevice {
             self.copy_to_device(block.addr(), bytemuck::cast_slice(words))?;
             return Ok(block);
         }
-        alloc.end_private_pool()?;
-        let block = alloc.malloc(words.len() * 8, Category::Temporary, origin);
-        let pool = capture::active_pool()
-            .ok_or_else(|| Error::invalid("graph capture", "no capture runs on this thread"))?;
-        alloc.begin_private_pool(pool)?;
-        let block = block?;
+        let block = alloc.malloc_shared(words.len() * 8, Category::Temporary, origin)?;
         // SAFETY: the block holds the words; the copy is synchronous (not recorded) and no
         // queued work reads the block yet.
         unsafe { cudarc::driver::result::memcpy_htod_sync(block.addr(), words) }

@@ -154,7 +154,8 @@ fn ensure_workspace(d: &CudaDevice) -> Result<u64> {
     if let Some((_, ws)) = set.iter().find(|(o, _)| *o == d.ordinal()) {
         return Ok(ws.addr());
     }
-    let ws = crate::memory::allocator(Device::Cuda(d.ordinal()))?.malloc(
+    // From the shared pools: a first GEMM inside a graph's pool would otherwise pin it.
+    let ws = crate::memory::allocator(Device::Cuda(d.ordinal()))?.malloc_shared(
         WORKSPACE_BYTES,
         Category::Workspace,
         "cublas workspace",

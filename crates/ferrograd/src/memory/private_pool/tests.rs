@@ -169,3 +169,25 @@ fn an_out_of_memory_retry_keeps_a_live_pools_segments() {
     let x = alloc(&a, 3 * MIB, Category::Temporary);
     assert_eq!((x.size(), a.memory_reserved()), (3 * MIB, 20 * MIB as u64));
 }
+
+#[test]
+fn a_shared_block_made_while_a_pool_is_active_lives_outside_it() {
+    let (a, _dev) = allocator(64 * MIB);
+    let pool = a.create_private_pool();
+    a.begin_private_pool(pool).unwrap();
+    let inside = alloc(&a, 4 * KIB, Category::Temporary);
+    let kept = a
+        .malloc_shared(3 * MIB, Category::Workspace, "test")
+        .unwrap();
+    sums_match(&a);
+    // The pool is still the active one, and holds only its own block's segment.
+    assert_eq!(a.private_pool_bytes(pool), bytes(2 * MIB, 4 * KIB));
+    drop_checked(&a, inside);
+    a.end_private_pool().unwrap();
+    a.release_private_pool(pool).unwrap();
+    a.empty_cache();
+    // The pool's segment went back; the shared block (one 20 MiB segment) lives on.
+    assert_eq!(a.memory_reserved(), 20 * MIB as u64);
+    assert_eq!(a.by_category().get(Category::Workspace), 3 * MIB as u64);
+    drop_checked(&a, kept);
+}
