@@ -443,7 +443,7 @@ fn a_gpu_plan_captures_and_replays_steps_as_the_gpu_would() {
         };
         let mut trainer = Trainer::new(opt, config, device)?;
         let mut graph = StepGraph::new(true, 1);
-        let mut step = |graph: &mut StepGraph, b: usize, t: usize| {
+        let step = |trainer: &mut Trainer<Adam>, graph: &mut StepGraph, b: usize, t: usize| {
             trainer
                 .step_graphed(graph, &batch(b, t), |_, x| {
                     Ok(MicroBatch {
@@ -453,9 +453,9 @@ fn a_gpu_plan_captures_and_replays_steps_as_the_gpu_would() {
                 })
                 .map(drop)
         };
-        step(&mut graph, 4, 32)?;
+        step(&mut trainer, &mut graph, 4, 32)?;
         assert_eq!(graph.status(), GraphStatus::WarmingUp);
-        step(&mut graph, 4, 32)?;
+        step(&mut trainer, &mut graph, 4, 32)?;
         let GraphStatus::Replaying {
             step: 1,
             pool_bytes,
@@ -467,13 +467,22 @@ fn a_gpu_plan_captures_and_replays_steps_as_the_gpu_would() {
         let alloc = memory::allocator(device)?;
         let (allocated, reserved) = (alloc.memory_allocated(), alloc.memory_reserved());
         for _ in 0..3 {
-            step(&mut graph, 4, 32)?;
+            step(&mut trainer, &mut graph, 4, 32)?;
             assert_eq!(alloc.memory_allocated(), allocated, "a replay allocated");
             assert_eq!(alloc.memory_reserved(), reserved, "a replay reserved");
             assert_eq!(alloc.by_category().total(), alloc.memory_allocated());
         }
+        // Every replay advanced every parameter's count (the bias corrections of the next
+        // replay are staged from it): warm-up, capture, three replays.
+        trainer.with_optimizer(|o| {
+            assert_eq!(o.step_count(), 5);
+            let counts: Vec<u64> = (0..o.params().len())
+                .map(|i| o.state(i).map_or(0, |s| s.step))
+                .collect();
+            assert!(counts.iter().all(|&c| c == 5), "step counts {counts:?}");
+        })?;
         // Other shapes: a new capture (the old graph and its pool go).
-        step(&mut graph, 2, 16)?;
+        step(&mut trainer, &mut graph, 2, 16)?;
         assert!(
             matches!(graph.status(), GraphStatus::Replaying { step: 5, .. }),
             "{}",

@@ -501,6 +501,14 @@ impl Adam {
         let _g = no_grad();
         let work = self.collect_work()?;
         self.ensure_state(&work)?;
+        // A captured step records the parameters it updates afresh (`run_group`); a replay's
+        // staging must not forget them, or their counts stop advancing.
+        if work
+            .first()
+            .is_some_and(|w| capture::capturing_on(w.grad.device()))
+        {
+            self.graph.members.clear();
+        }
         for ((_, step), members) in groups(&work, &self.state) {
             self.run_group(&work, &members, step, grad_scale)?;
         }
@@ -598,7 +606,6 @@ impl Optimizer for Adam {
             .map(|s| s.as_ref().map(|s| s.step))
             .collect();
         self.graph.before = Some((self.steps, counts));
-        self.graph.members.clear();
         Ok(())
     }
 
