@@ -204,12 +204,12 @@ impl Problem {
         self.b == 0 || self.h == 0 || self.t == 0
     }
 
-    /// One CTA per tile of rows (queries or keys) of each (batch, head) pair, with the
-    /// kernel's shared memory for head dim `d` and element type `dtype`.
+    /// One CTA per 64 rows (queries or keys) of each (batch, head) pair, with the kernel's
+    /// shared memory for head dim `d` and element type `dtype`.
     fn tiles(&self, kernel: Tiled, d: usize, dtype: DType) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (
-                (self.t as usize).div_ceil(tile_rows(kernel, d, dtype)) as u32,
+                (self.t as usize).div_ceil(TILE) as u32,
                 (self.b * self.h) as u32,
                 1,
             ),
@@ -219,15 +219,6 @@ impl Problem {
                 _ => smem_bytes(kernel, d),
             },
         }
-    }
-}
-
-/// Rows (queries or keys) per CTA: 64, but 128 queries in the f16/bf16 forward at head dims
-/// up to 64, whose warps take two 16-row blocks each (attention.cu's FWD_BM).
-fn tile_rows(kernel: Tiled, d: usize, dtype: DType) -> usize {
-    match (kernel, dtype) {
-        (Tiled::Forward, DType::BF16 | DType::F16) if d <= 64 => 2 * TILE,
-        _ => TILE,
     }
 }
 

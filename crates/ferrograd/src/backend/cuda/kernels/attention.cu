@@ -12,7 +12,7 @@
 // Each of attn_fwd, attn_bwd_dkdv and attn_bwd_dq has a twin with a `_dropout` suffix that
 // applies dropout to the probabilities (a compile-time switch: the plain kernels keep their
 // registers). Kernels:
-//   attn_fwd      one CTA per (FWD_BM queries, b·h): Q in registers, K/V tiles streamed through
+//   attn_fwd      one CTA per (64 queries, b·h): Q in registers, K/V tiles streamed through
 //                 shared memory, online softmax; writes out and lse = log Σ exp(scaled scores).
 //   attn_delta    delta = rowsum(gout ∘ out) per query, f32.
 //   attn_bwd_dkdv one CTA per (64 keys, b·h): every query tile that sees those keys, the
@@ -35,15 +35,11 @@
 // Shared-memory rows are padded by 16 bytes, so the 8 row addresses of one ldmatrix fall in
 // distinct banks.
 #define LDS (D + 8)
-// Queries per CTA of the dQ kernel, keys per CTA of dK/dV: 16 per warp.
+// Queries per CTA of the forward and dQ kernels, keys per CTA of dK/dV: 16 per warp.
 #define BM 64
 // Keys per streamed tile (forward, dQ), and queries per tile of the dK/dV kernel: smaller
 // at wide heads so the accumulators fit in registers and the tiles in 48 KiB.
 #define BN (D <= 64 ? 64 : 32)
-// 16-row query blocks per warp in the forward, and queries per forward CTA: two blocks at
-// narrow heads, so every K and V fragment read from shared memory feeds two products.
-#define RB (D <= 64 ? 2 : 1)
-#define FWD_BM (WARPS * 16 * RB)
 #define BQ (D <= 64 ? 64 : (D <= 96 ? 32 : 16))
 // Keys per tile of the dQ kernel, whose Q and dO tiles also stay in shared memory.
 #define BNQ (D <= 64 ? 64 : (D <= 112 ? 32 : 16))
@@ -324,71 +320,6 @@ __device__ __forceinline__ float quad_sum(float v) {
 
 // ---- forward ----------------------------------------------------------------------------------
 
-// One 16-row block of a warp's queries through one key tile: s holds its raw scores (16 × BN)
-// on entry. Scales them into base 2, masks keys past T and (causally) after the query, updates
-// the running max m and sum l of both rows of this thread, rescales o, leaves the
-// probabilities (dropped ones zeroed) in s. row0: this thread's first row.
-template <bool DROP>
-__device__ __forceinline__ void online_softmax(float s[BN / 8][4], float o[D / 8][4], float m[2],
-                                               float l[2], int row0, int k0, bool edge, int bh,
-                                               const Problem& p, int t4) {
-    float mx[2] = {m[0], m[1]};
-#pragma unroll
-    for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-            float v = s[j][e] * p.scale_log2;
-            if (edge) {
-                int col = k0 + j * 8 + 2 * t4 + (e & 1);
-                int row = row0 + (e >> 1) * 8;
-                if (col >= p.t || (p.causal && col > row)) v = neg_inf();
-            }
-            s[j][e] = v;
-            mx[e >> 1] = fmaxf(mx[e >> 1], v);
-        }
-    }
-    float alpha[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        mx[i] = quad_max(mx[i]);
-        // A row with every key so far masked keeps m = -inf; exp2 of (-inf) - (-inf) is
-        // NaN, so such rows subtract 0 instead.
-        float base = mx[i] == neg_inf() ? 0.f : mx[i];
-        alpha[i] = exp2f(m[i] - base);
-        m[i] = mx[i];
-        l[i] *= alpha[i];
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-            float p0 = exp2f(s[j][2 * i] - base), p1 = exp2f(s[j][2 * i + 1] - base);
-            s[j][2 * i] = p0;
-            s[j][2 * i + 1] = p1;
-            l[i] += p0 + p1;
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-        o[j][0] *= alpha[0];
-        o[j][1] *= alpha[0];
-        o[j][2] *= alpha[1];
-        o[j][3] *= alpha[1];
-    }
-    // Dropout acts on what multiplies V, not on the normaliser l (scaled at the end).
-    if (DROP) {
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                bool k[2];
-                kept2(p, bh, row0 + i * 8, k0 + j * 8 + 2 * t4, k);
-                if (!k[0]) s[j][2 * i] = 0.f;
-                if (!k[1]) s[j][2 * i + 1] = 0.f;
-            }
-        }
-    }
-}
-
-// Each warp owns RB blocks of 16 queries (FWD_BM per CTA): every K and V fragment read from
-// shared memory feeds RB products.
 template <bool DROP>
 __device__ __forceinline__ void attn_fwd_impl(const u16* qkv, Heads qv, Heads kv, Heads vv, u16* out, Heads ov, float* lse, Problem p) {
     check_smem(FWD_SMEM);
@@ -397,103 +328,114 @@ __device__ __forceinline__ void attn_fwd_impl(const u16* qkv, Heads qv, Heads kv
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t4 = lane & 3;
     const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
-    const int q0 = tile_index(p) * FWD_BM;
-    const int keys = p.causal ? min(p.t, q0 + FWD_BM) : p.t;
-    const int w0 = q0 + warp * 16 * RB;  // this warp's first query
+    const int q0 = tile_index(p) * BM;
+    const int keys = p.causal ? min(p.t, q0 + BM) : p.t;
 
-    load_rows_async<FWD_BM>(sq, qkv, qv, b, h, q0, p);
+    load_rows_async<BM>(sq, qkv, qv, b, h, q0, p);
     load_rows_async<BN>(smem, qkv, kv, b, h, 0, p);
     load_rows_async<BN>(smem + BN * LDS, qkv, vv, b, h, 0, p);
     cp_async_commit();
     cp_async_wait<0>();
     __syncthreads();
     // This warp's queries as A operands, kept in registers for every key tile.
-    u32 qf[RB][D / 16][4];
+    u32 qf[D / 16][4];
 #pragma unroll
-    for (int r = 0; r < RB; ++r)
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk)
-            ldsm_x4(qf[r][kk], sq + (w0 - q0 + r * 16 + a_row(lane)) * LDS + kk * 16 + a_col(lane));
+    for (int kk = 0; kk < D / 16; ++kk)
+        ldsm_x4(qf[kk], sq + (warp * 16 + a_row(lane)) * LDS + kk * 16 + a_col(lane));
 
-    float o[RB][D / 8][4];
-    float m[RB][2], l[RB][2];
+    float o[D / 8][4];
 #pragma unroll
-    for (int r = 0; r < RB; ++r) {
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) o[r][j][0] = o[r][j][1] = o[r][j][2] = o[r][j][3] = 0.f;
-        m[r][0] = m[r][1] = neg_inf();
-        l[r][0] = l[r][1] = 0.f;
-    }
+    for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
+    const int row0 = q0 + warp * 16 + g;  // this thread's rows: row0 and row0 + 8
 
     for (int k0 = 0, st = 0; k0 < keys; k0 += BN, st ^= 1) {
         // Stage 1 held the query tile until the first pass through here.
         const u16* sk = kv_tile<BN>(smem, FWD_STAGE, st, k0, keys, qkv, kv, vv, b, h, p);
         const u16* sv = sk + BN * LDS;
-        // Row blocks whose queries all precede this key tile see none of it (causal).
-        bool live[RB];
-#pragma unroll
-        for (int r = 0; r < RB; ++r) live[r] = !p.causal || k0 <= w0 + r * 16 + 15;
 
-        float s[RB][BN / 8][4];
+        float s[BN / 8][4];
 #pragma unroll
-        for (int r = 0; r < RB; ++r)
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j) s[r][j][0] = s[r][j][1] = s[r][j][2] = s[r][j][3] = 0.f;
+        for (int j = 0; j < BN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
 #pragma unroll
         for (int kk = 0; kk < D / 16; ++kk) {
 #pragma unroll
             for (int nn = 0; nn < BN / 16; ++nn) {
                 u32 bf[4];
                 ldsm_x4(bf, sk + (nn * 16 + b_row(lane)) * LDS + kk * 16 + b_col(lane));
-#pragma unroll
-                for (int r = 0; r < RB; ++r) {
-                    if (!live[r]) continue;
-                    mma(s[r][2 * nn], qf[r][kk], bf[0], bf[1]);
-                    mma(s[r][2 * nn + 1], qf[r][kk], bf[2], bf[3]);
-                }
+                mma(s[2 * nn], qf[kk], bf[0], bf[1]);
+                mma(s[2 * nn + 1], qf[kk], bf[2], bf[3]);
             }
         }
-#pragma unroll
-        for (int r = 0; r < RB; ++r) {
-            if (!live[r]) continue;
-            const int rq = w0 + r * 16;
-            const bool edge = k0 + BN > p.t || (p.causal && k0 + BN > rq);
-            online_softmax<DROP>(s[r], o[r], m[r], l[r], rq + g, k0, edge, bh, p, t4);
-        }
-        // O += P V, each V fragment shared by the row blocks.
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) {
-            u32 af[RB][4];
-#pragma unroll
-            for (int r = 0; r < RB; ++r) acc_to_a(af[r], s[r][2 * kk], s[r][2 * kk + 1]);
-#pragma unroll
-            for (int dn = 0; dn < D / 16; ++dn) {
-                u32 bf[4];
-                ldsm_x4_t(bf, sv + (kk * 16 + a_row(lane)) * LDS + dn * 16 + a_col(lane));
-#pragma unroll
-                for (int r = 0; r < RB; ++r) {
-                    if (!live[r]) continue;
-                    mma(o[r][2 * dn], af[r], bf[0], bf[1]);
-                    mma(o[r][2 * dn + 1], af[r], bf[2], bf[3]);
-                }
-            }
-        }
-    }
 
+        // Scale into base 2; mask keys past T and, causally, keys after the query.
+        const bool edge = k0 + BN > p.t || (p.causal && k0 + BN > q0 + warp * 16);
+        float mx[2] = {m[0], m[1]};
 #pragma unroll
-    for (int r = 0; r < RB; ++r) {
-        float inv[2];
-        const int row0 = w0 + r * 16 + g;
+        for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                float v = s[j][e] * p.scale_log2;
+                if (edge) {
+                    int col = k0 + j * 8 + 2 * t4 + (e & 1);
+                    int row = row0 + (e >> 1) * 8;
+                    if (col >= p.t || (p.causal && col > row)) v = neg_inf();
+                }
+                s[j][e] = v;
+                mx[e >> 1] = fmaxf(mx[e >> 1], v);
+            }
+        }
+        float alpha[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            float sum = quad_sum(l[r][i]);
-            inv[i] = sum > 0.f ? (DROP ? p.inv_keep : 1.f) / sum : 0.f;
-            int row = row0 + i * 8;
-            if (t4 == 0 && row < p.t)
-                lse[(i64)bh * p.t + row] = sum > 0.f ? (m[r][i] + log2f(sum)) * LN2 : neg_inf();
+            mx[i] = quad_max(mx[i]);
+            // A row with every key so far masked keeps m = -inf; exp2 of (-inf) - (-inf) is
+            // NaN, so such rows subtract 0 instead.
+            float base = mx[i] == neg_inf() ? 0.f : mx[i];
+            alpha[i] = exp2f(m[i] - base);
+            m[i] = mx[i];
+            l[i] *= alpha[i];
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+                float p0 = exp2f(s[j][2 * i] - base), p1 = exp2f(s[j][2 * i + 1] - base);
+                s[j][2 * i] = p0;
+                s[j][2 * i + 1] = p1;
+                l[i] += p0 + p1;
+            }
         }
-        store_rows(out, ov, b, h, w0 + r * 16, o[r], inv[0], inv[1], p, lane);
+#pragma unroll
+        for (int j = 0; j < D / 8; ++j) {
+            o[j][0] *= alpha[0];
+            o[j][1] *= alpha[0];
+            o[j][2] *= alpha[1];
+            o[j][3] *= alpha[1];
+        }
+        // Dropout acts on what multiplies V, not on the normaliser l (scaled at the end).
+        if (DROP) {
+#pragma unroll
+            for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    bool k[2];
+                    kept2(p, bh, row0 + i * 8, k0 + j * 8 + 2 * t4, k);
+                    if (!k[0]) s[j][2 * i] = 0.f;
+                    if (!k[1]) s[j][2 * i + 1] = 0.f;
+                }
+            }
+        }
+        acc_times_rows<BN>(o, s, sv, lane);
     }
+
+    float inv[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        l[i] = quad_sum(l[i]);
+        inv[i] = l[i] > 0.f ? (DROP ? p.inv_keep : 1.f) / l[i] : 0.f;
+        int row = row0 + i * 8;
+        if (t4 == 0 && row < p.t)
+            lse[(i64)bh * p.t + row] = l[i] > 0.f ? (m[i] + log2f(l[i])) * LN2 : neg_inf();
+    }
+    store_rows(out, ov, b, h, q0 + warp * 16, o, inv[0], inv[1], p, lane);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
