@@ -439,9 +439,6 @@ impl Adam {
                     "a captured step needs its scalars staged first (prepare_graph_step)",
                 )
             })?;
-            self.graph
-                .members
-                .extend(members.iter().map(|&k| work[k].index));
             Some(&**slot.storage())
         } else {
             None
@@ -501,13 +498,13 @@ impl Adam {
         let _g = no_grad();
         let work = self.collect_work()?;
         self.ensure_state(&work)?;
-        // A captured step records the parameters it updates afresh (`run_group`); a replay's
-        // staging must not forget them, or their counts stop advancing.
+        // A captured step records the parameters it updates: each replay advances their
+        // counts (`graph_step_replayed`).
         if work
             .first()
             .is_some_and(|w| capture::capturing_on(w.grad.device()))
         {
-            self.graph.members.clear();
+            self.graph.members = work.iter().map(|w| w.index).collect();
         }
         for ((_, step), members) in groups(&work, &self.state) {
             self.run_group(&work, &members, step, grad_scale)?;
