@@ -4,7 +4,7 @@ heads split as views exactly as GPT-2's attention does, forward and forward + ba
 milliseconds per call and TFLOP/s counted the same way. Prints one JSON line.
 
 Usage: python benches/pytorch/attention.py [--batch 8] [--heads 12] [--seq 1024] [--head-dim 64]
-       [--dtype bf16|f16|f32] [--iters 50] [--device cuda|cpu]
+       [--dtype bf16|f16|f32] [--iters 50] [--device cuda|cpu] [--dropout 0]
 """
 import argparse
 import json
@@ -42,6 +42,7 @@ def main():
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--dropout", type=float, default=0.0)
     a = p.parse_args()
     b, h, t, d = a.batch, a.heads, a.seq, a.head_dim
     dtype = {"f16": torch.float16, "f32": torch.float32}.get(a.dtype, torch.bfloat16)
@@ -52,7 +53,8 @@ def main():
     def attention():
         q, k, v = qkv.split(c, dim=2)
         q, k, v = (x.view(b, t, h, d).transpose(1, 2) for x in (q, k, v))
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                              dropout_p=a.dropout)
 
     def both():
         attention().backward(gout)
@@ -63,7 +65,7 @@ def main():
     fb = median_ms(both, a.iters, a.device)
     flops = 4.0 * b * h * t * t * d / 2.0
     print(json.dumps({"impl": "pytorch", "batch": b, "heads": h, "seq": t, "head_dim": d,
-                      "dtype": a.dtype, "fwd_ms": round(fwd, 4), "fwd_bwd_ms": round(fb, 4),
+                      "dtype": a.dtype, "dropout": a.dropout, "fwd_ms": round(fwd, 4), "fwd_bwd_ms": round(fb, 4),
                       "fwd_tflops": round(flops / fwd / 1e9, 1),
                       "fwd_bwd_tflops": round(3.5 * flops / fb / 1e9, 1)}))
 

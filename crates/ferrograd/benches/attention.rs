@@ -4,13 +4,14 @@
 //! it). The PyTorch twin is benches/pytorch/attention.py (scaled_dot_product_attention).
 //!
 //! Usage: cargo bench -p ferrograd --bench attention -- [--batch 8] [--heads 12] [--seq 1024]
-//!   [--head-dim 64] [--dtype bf16|f16|f32] [--iters 50] [--device cuda|cpu]
+//!   [--head-dim 64] [--dtype bf16|f16|f32] [--iters 50] [--device cuda|cpu] [--dropout 0]
+//! `--dropout P`: dropout on the probabilities, inside the kernels (a new mask every call).
 //! Prints one JSON line.
 
 use std::time::Instant;
 
 use ferrograd::backend::synchronize;
-use ferrograd::{BackwardOptions, DType, Device, Tensor};
+use ferrograd::{BackwardOptions, DType, Device, Generator, Tensor};
 
 fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
     let args: Vec<String> = std::env::args().collect();
@@ -56,12 +57,15 @@ fn main() -> ferrograd::Result<()> {
         _ => DType::BF16,
     };
     let dev: Device = arg("--device", "cuda".to_string()).parse()?;
+    let dropout = arg("--dropout", 0.0f64);
+    let rng = std::cell::RefCell::new(Generator::new(0));
     let c = h * d;
     let qkv = Tensor::randn(&[b, t, 3 * c], dtype, dev)?.requires_grad_(true)?;
     let gout = Tensor::randn(&[b, t, c], dtype, dev)?;
-    let forward = || qkv.causal_attention(h).map(|_| ());
+    let attention = || qkv.causal_attention_dropout(h, dropout, &mut rng.borrow_mut());
+    let forward = || attention().map(|_| ());
     let both = || {
-        let out = qkv.causal_attention(h)?;
+        let out = attention()?;
         out.backward_with(BackwardOptions {
             gradient: Some(gout.clone()),
             ..Default::default()
@@ -72,7 +76,7 @@ fn main() -> ferrograd::Result<()> {
     let both_ms = median_ms(dev, iters, &both)?;
     let flops = 4.0 * (b * h * t * t * d) as f64 / 2.0;
     println!(
-        "{{\"impl\":\"ferrograd\",\"batch\":{b},\"heads\":{h},\"seq\":{t},\"head_dim\":{d},\"dtype\":\"{dtype}\",\"fwd_ms\":{fwd_ms:.4},\"fwd_bwd_ms\":{both_ms:.4},\"fwd_tflops\":{:.1},\"fwd_bwd_tflops\":{:.1}}}",
+        "{{\"impl\":\"ferrograd\",\"batch\":{b},\"heads\":{h},\"seq\":{t},\"head_dim\":{d},\"dtype\":\"{dtype}\",\"dropout\":{dropout},\"fwd_ms\":{fwd_ms:.4},\"fwd_bwd_ms\":{both_ms:.4},\"fwd_tflops\":{:.1},\"fwd_bwd_tflops\":{:.1}}}",
         flops / fwd_ms / 1e9,
         3.5 * flops / both_ms / 1e9
     );

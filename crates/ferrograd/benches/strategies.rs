@@ -8,7 +8,8 @@
 //!   lr 1e-3 (as benches/mlp_step.rs).
 //! - `gpt2`: GPT-2 124M (`GptConfig::gpt2_124m()`, dropout 0), AdamW (PyTorch's defaults,
 //!   lr 6e-4), random token ids and random targets. `tiny-gpt`: `GptConfig::tiny()`, the same
-//!   otherwise (for quick checks on a CPU).
+//!   otherwise (for quick checks on a CPU). `gpt-10m`: the 10.8M-parameter character GPT (6
+//!   layers, 6 heads, width 384, context 256, vocabulary 65), batch 64 by default.
 //!
 //! Strategies:
 //! - `baseline`: forward, loss, backward, step, zero_grad (set_to_none).
@@ -37,6 +38,7 @@
 //!   [--device cpu|cuda]
 //!   [--steps 10] [--warmup 3] [--dim 10000] [--batch B] [--seq T] [--vocab V]
 //!   [--recompute-gelu] (GPT: each MLP's GELU output recomputed in backward)
+//!   [--dropout P] (GPT: dropout on embeddings, probabilities and residual branches; default 0)
 //!   [--cuda-graphs] (the measured steps replay one captured step)
 //! `--cuda-graphs` (GPU, strategies that step a plain optimizer): after the warm-up, one step
 //! is captured as a CUDA graph (`backend::capture`) and every measured step replays it: the
@@ -75,7 +77,7 @@ const STRATEGIES: [&str; 10] = [
     "step-in-backward",
     "step-in-backward-fused",
 ];
-const MODELS: [&str; 3] = ["mlp", "gpt2", "tiny-gpt"];
+const MODELS: [&str; 4] = ["mlp", "gpt2", "gpt-10m", "tiny-gpt"];
 /// Micro-batches of the `accum4` strategy.
 const MICRO_BATCHES: usize = 4;
 
@@ -157,6 +159,8 @@ struct Args {
     recompute_gelu: bool,
     /// Replay a captured step (CUDA graphs) in the measured steps.
     cuda_graphs: bool,
+    /// GPT: the dropout probability of every dropout layer.
+    dropout: f64,
 }
 
 /// The value after flag `flag`, parsed.
@@ -171,7 +175,7 @@ fn parse_args() -> Res<Args> {
     let (mut model, mut strategy, mut device) = (None, None, Device::Cpu);
     let (mut steps, mut warmup) = (10, 3);
     let (mut dim, mut batch, mut seq, mut vocab) = (10000, None, None, None);
-    let (mut recompute_gelu, mut cuda_graphs) = (false, false);
+    let (mut recompute_gelu, mut cuda_graphs, mut dropout) = (false, false, 0.0);
     let mut it = argv.iter();
     while let Some(flag) = it.next() {
         match flag.as_str() {
@@ -188,9 +192,10 @@ fn parse_args() -> Res<Args> {
             "--vocab" => vocab = Some(value(flag, it.next())?),
             "--recompute-gelu" => recompute_gelu = true,
             "--cuda-graphs" => cuda_graphs = true,
+            "--dropout" => dropout = value(flag, it.next())?,
             other => {
                 return Err(format!(
-                    "unknown flag '{other}': use --model, --strategy, --device, --steps, --warmup, --dim, --batch, --seq, --vocab, --recompute-gelu, --cuda-graphs"
+                    "unknown flag '{other}': use --model, --strategy, --device, --steps, --warmup, --dim, --batch, --seq, --vocab, --recompute-gelu, --cuda-graphs, --dropout"
                 )
                 .into());
             }
@@ -209,9 +214,13 @@ fn parse_args() -> Res<Args> {
     let (default_batch, default_seq): (usize, usize) = match model.as_str() {
         "mlp" => (1000, 0),
         "gpt2" => (8, 1024),
+        "gpt-10m" => (64, 256),
         _ => (4, 64),
     };
     let batch = batch.unwrap_or(default_batch);
+    if dropout != 0.0 && model == "mlp" {
+        return Err("--dropout is for the GPT models (the MLP has no dropout layers)".into());
+    }
     if strategy == Strategy::Accum4 && !batch.is_multiple_of(MICRO_BATCHES) {
         return Err(format!(
             "accum4 splits the batch in {MICRO_BATCHES}: --batch {batch} is not a multiple"
@@ -230,6 +239,7 @@ fn parse_args() -> Res<Args> {
         vocab,
         recompute_gelu,
         cuda_graphs,
+        dropout,
     })
 }
 
@@ -302,13 +312,19 @@ fn token_ids(b: usize, t: usize, vocab: usize, dev: Device, g: &mut Generator) -
 
 /// The GPT, its loss function and its AdamW optimizer.
 fn gpt(a: &Args) -> Res<(LossFn, Adam)> {
-    let cfg = if a.model == "gpt2" {
-        GptConfig::gpt2_124m()
-    } else {
-        GptConfig::tiny()
+    let cfg = match a.model.as_str() {
+        "gpt2" => GptConfig::gpt2_124m(),
+        "gpt-10m" => GptConfig {
+            block_size: 256,
+            n_layer: 6,
+            n_head: 6,
+            n_embd: 384,
+            ..GptConfig::tiny()
+        },
+        _ => GptConfig::tiny(),
     };
     let cfg = GptConfig {
-        dropout: 0.0,
+        dropout: a.dropout,
         vocab_size: a.vocab.unwrap_or(cfg.vocab_size),
         ..cfg
     };
@@ -584,6 +600,7 @@ fn run() -> Res<()> {
         "steps": a.steps,
         "recompute_gelu": a.recompute_gelu,
         "cuda_graphs": a.cuda_graphs,
+        "dropout": a.dropout,
         "step_ms": m.step_ms,
         "host_ms": m.host_ms,
         "host_waits_per_step": m.waits_per_step,
