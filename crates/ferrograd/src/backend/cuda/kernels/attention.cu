@@ -55,6 +55,14 @@
 #define DKDV_SMEM ((2 * BM * LDS + 2 * DKDV_STAGE) * 2 + 2 * 2 * BQ * 4)
 #define DQ_SMEM ((2 * BM * LDS + 2 * DQ_STAGE) * 2)
 
+// CTAs per SM that the register budget must allow (__launch_bounds__' second argument), for
+// two kernels at head dims up to 64, where the bound costs at most a few bytes of spills:
+// left alone, the dK/dV kernel takes 172 registers (2 CTAs of 4 warps per SM) and fits in
+// 168 (3 CTAs), the dropout forward 160 (3) and fits in 128 (4). The others already reach
+// these counts; wider heads keep what the compiler picks.
+#define FWD_DROPOUT_CTAS (D <= 64 ? 4 : 1)
+#define DKDV_CTAS (D <= 64 ? 3 : 1)
+
 
 #if D % 16 != 0 || D > 128
 #error "HEAD_DIM must be a multiple of 16, at most 128"
@@ -68,6 +76,76 @@ __device__ __forceinline__ void kept2(const Problem& p, int bh, int i, int j, bo
     k[0] = (pick(w, n) >> 8) < p.threshold;
     if (((n + 1) >> 2) != (n >> 2)) philox4x32_10((n + 1) >> 2, p.key, w);
     k[1] = (pick(w, n + 1) >> 8) < p.threshold;
+}
+
+// The four draws of one Philox call, as bit e = draw e survives.
+__device__ __forceinline__ u32 kept4(const Problem& p, u64 group) {
+    u32 w[4];
+    philox4x32_10(group, p.key, w);
+    u32 bits = 0;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) bits |= (u32)((w[e] >> 8) < p.threshold) << e;
+    return bits;
+}
+
+// Shared draws. One Philox call yields the draws of four neighbouring keys of one query, and
+// those keys lie in different lanes: the lanes that hold a group make one call between them
+// instead of one each, and pass the results round by shuffles. The groups then start at a
+// multiple of four in every row, so these need T % 4 == 0 (else kept2/kept per element).
+
+// The forward's and dQ's layout (queries as rows): lane (g, t4) holds keys c + 2·t4 + {0, 1}
+// of rows r and r + 8 in the 8-key column tile at c. Lanes t4 and t4 ^ 1 hold the two halves
+// of one group in both rows: the even lane draws row r's group, the odd one row r + 8's, and
+// each passes the other the two draws it needs. k[i][e]: key c + 2·t4 + e of row r + 8·i.
+__device__ __forceinline__ void kept_rows(const Problem& p, int bh, int r, int c, int t4,
+                                          bool k[2][2]) {
+    const int odd = t4 & 1;
+    const u64 n = ((u64)bh * p.t + r + 8 * odd) * p.t + c + 2 * (t4 & 2);
+    const u32 mine = kept4(p, n >> 2);
+    const u32 theirs = __shfl_xor_sync(0xffffffffu, mine, 1);
+    // This lane's keys are words 2·odd and 2·odd + 1 of both groups.
+    const u32 row_r = (odd ? theirs : mine) >> (2 * odd);
+    const u32 row_r8 = (odd ? mine : theirs) >> (2 * odd);
+    k[0][0] = row_r & 1;
+    k[0][1] = (row_r >> 1) & 1;
+    k[1][0] = row_r8 & 1;
+    k[1][1] = (row_r8 >> 1) & 1;
+}
+
+// The dK/dV kernel's mask value (0 or 1/(1 - p)) of element e of tile j, from its bits.
+__device__ __forceinline__ float mask_at(const u32* mb, int j, int e, int g, const Problem& p) {
+    return ((mb[j >> 1] >> (16 * (j & 1) + 4 * e + (g & 3))) & 1) ? p.inv_keep : 0.f;
+}
+
+// kept_rows where T % 4 == 0, else kept2 per row.
+__device__ __forceinline__ void kept_in_rows(const Problem& p, int bh, int r, int c, int t4,
+                                             bool k[2][2]) {
+    if (p.t % 4 == 0) {
+        kept_rows(p, bh, r, c, t4, k);
+    } else {
+        kept2(p, bh, r, c + 2 * t4, k[0]);
+        kept2(p, bh, r + 8, c + 2 * t4, k[1]);
+    }
+}
+
+// The dK/dV kernel's layout (keys as rows): lane (g, t4) holds keys kb + g and kb + g + 8 of
+// queries q + 2·t4 + {0, 1} in the 8-query column tile at q. A group of four keys of one query
+// lies in the four lanes with the same g >> 2 and t4 (g & 3 = 0..3, its word), and each tile
+// has four such groups, one per accumulator element e (query + (e & 1), key + 8·(e >> 1)):
+// lane g & 3 = m draws group m, and two shuffles hand every lane all four. Does two tiles (q
+// and q + 8) at once. Element e of tile u survives where bit 16·u + 4·e + (g & 3) is set.
+__device__ __forceinline__ u32 kept_cols2(const Problem& p, int bh, int q, int kb, int g,
+                                          int t4) {
+    const int m = g & 3;
+    const int key = kb + 4 * (g >> 2) + 8 * (m >> 1);
+    u32 v = 0;
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+        const u64 n = ((u64)bh * p.t + q + 8 * u + 2 * t4 + (m & 1)) * p.t + key;
+        v |= kept4(p, n >> 2) << (16 * u + 4 * m);
+    }
+    v |= __shfl_xor_sync(0xffffffffu, v, 4);
+    return v | __shfl_xor_sync(0xffffffffu, v, 8);
 }
 
 
@@ -414,12 +492,12 @@ __device__ __forceinline__ void attn_fwd_impl(const u16* qkv, Heads qv, Heads kv
         if (DROP) {
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j) {
+                bool k[2][2];
+                kept_in_rows(p, bh, row0, k0 + j * 8, t4, k);
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
-                    bool k[2];
-                    kept2(p, bh, row0 + i * 8, k0 + j * 8 + 2 * t4, k);
-                    if (!k[0]) s[j][2 * i] = 0.f;
-                    if (!k[1]) s[j][2 * i + 1] = 0.f;
+                    if (!k[i][0]) s[j][2 * i] = 0.f;
+                    if (!k[i][1]) s[j][2 * i + 1] = 0.f;
                 }
             }
         }
@@ -443,7 +521,7 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     attn_fwd_impl<false>(qkv, qv, kv, vv, out, ov, lse, p);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, FWD_DROPOUT_CTAS)
     attn_fwd_dropout(const u16* qkv, Heads qv, Heads kv, Heads vv, u16* out, Heads ov, float* lse, Problem p) {
     attn_fwd_impl<true>(qkv, qv, kv, vv, out, ov, lse, keyed(p));
 }
@@ -555,22 +633,33 @@ __device__ __forceinline__ void attn_bwd_dkdv_impl(const u16* qkv, Heads qv, Hea
         }
         // With dropout: M (the kept mask, as 0 or 1/(1 - p)); dV takes (P ∘ M)ᵀ dO and the
         // probabilities' gradient is dP̃ ∘ M.
-        float mk[BQ / 8][4];
+        // The kept mask as bits (element e of tile j at bit 16·(j & 1) + 4·e + (g & 3) of
+        // mb[j / 2], as kept_cols2 lays them out), not as floats: the registers go to the tiles.
+        // Rows past T need no mask: their probabilities are 0 and their gradients unstored.
+        u32 mb[BQ / 16];
         if (DROP) {
+            const bool shared = p.t % 4 == 0;
 #pragma unroll
-            for (int j = 0; j < BQ / 8; ++j) {
+            for (int j = 0; j < BQ / 8; j += 2) {
+                u32 bits = 0;
+                if (shared) {
+                    bits = kept_cols2(p, bh, q0 + j * 8, k0 + warp * 16, g, t4);
+                } else {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    int q = q0 + j * 8 + 2 * t4 + (e & 1);
-                    int key = key0 + (e >> 1) * 8;
-                    mk[j][e] = (q < p.t && key < p.t && kept(p, bh, q, key)) ? p.inv_keep : 0.f;
+                    for (int u = 0; u < 2; ++u)
+#pragma unroll
+                        for (int e = 0; e < 4; ++e)
+                            bits |= (u32)kept(p, bh, q0 + (j + u) * 8 + 2 * t4 + (e & 1),
+                                              key0 + (e >> 1) * 8)
+                                    << (16 * u + 4 * e + (g & 3));
                 }
+                mb[j / 2] = bits;
             }
             float pm[BQ / 8][4];
 #pragma unroll
             for (int j = 0; j < BQ / 8; ++j)
 #pragma unroll
-                for (int e = 0; e < 4; ++e) pm[j][e] = pt[j][e] * mk[j][e];
+                for (int e = 0; e < 4; ++e) pm[j][e] = pt[j][e] * mask_at(mb, j, e, g, p);
             acc_times_rows<BQ>(dv, pm, sdo, lane);
         } else {
             acc_times_rows<BQ>(dv, pt, sdo, lane);
@@ -584,7 +673,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_impl(const u16* qkv, Heads qv, Hea
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 int qi = j * 8 + 2 * t4 + (e & 1);
-                float dp = DROP ? ds[j][e] * mk[j][e] : ds[j][e];
+                float dp = DROP ? ds[j][e] * mask_at(mb, j, e, g, p) : ds[j][e];
                 ds[j][e] = pt[j][e] * (dp - sd[qi]);
             }
         }
@@ -594,7 +683,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_impl(const u16* qkv, Heads qv, Hea
     store_rows(grads, gvv, b, h, k0 + warp * 16, dv, 1.f, 1.f, p, lane);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, DKDV_CTAS)
     attn_bwd_dkdv(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov, const float* lse, const float* delta, u16* grads, Heads gkv, Heads gvv, Problem p) {
     attn_bwd_dkdv_impl<false>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gkv, gvv, p);
 }
@@ -661,12 +750,12 @@ __device__ __forceinline__ void attn_bwd_dq_impl(const u16* qkv, Heads qv, Heads
         if (DROP) {
 #pragma unroll
             for (int j = 0; j < BNQ / 8; ++j) {
+                bool k[2][2];
+                kept_in_rows(p, bh, row0, k0 + j * 8, t4, k);
 #pragma unroll
                 for (int i = 0; i < 2; ++i) {
-                    bool k[2];
-                    kept2(p, bh, row0 + i * 8, k0 + j * 8 + 2 * t4, k);
-                    ds[j][2 * i] = k[0] ? ds[j][2 * i] * p.inv_keep : 0.f;
-                    ds[j][2 * i + 1] = k[1] ? ds[j][2 * i + 1] * p.inv_keep : 0.f;
+                    ds[j][2 * i] = k[i][0] ? ds[j][2 * i] * p.inv_keep : 0.f;
+                    ds[j][2 * i + 1] = k[i][1] ? ds[j][2 * i + 1] * p.inv_keep : 0.f;
                 }
             }
         }
