@@ -289,14 +289,34 @@ fn composed_with_dropout(qkv: &Tensor, h: usize, p: f64, rng: &mut Generator) ->
 #[test]
 fn dropout_on_the_probabilities_draws_the_composed_paths_mask() {
     let _l = lock();
-    let cases = [
+    // Lengths that are multiples of 4 take the kernels' shared draws (one Philox call per
+    // group of four keys, passed between lanes); the others draw per element.
+    check_dropout_against_composed(&[
         (DType::BF16, 2, 70, 2, 64, 0.2),
         (DType::BF16, 1, 129, 3, 32, 0.5),
         (DType::BF16, 1, 33, 1, 128, 0.1),
+        (DType::BF16, 2, 72, 2, 64, 0.2),
+        (DType::BF16, 1, 128, 3, 32, 0.5),
+        (DType::BF16, 1, 36, 1, 128, 0.1),
+        (DType::F16, 1, 200, 2, 64, 0.3),
+    ]);
+}
+
+/// The same in f32 (its own kernels, slower to compile).
+#[test]
+fn dropout_on_the_probabilities_draws_the_composed_paths_mask_in_f32() {
+    let _l = lock();
+    check_dropout_against_composed(&[
         (DType::F32, 2, 70, 2, 64, 0.2),
         (DType::F32, 1, 129, 3, 32, 0.5),
         (DType::F32, 1, 33, 1, 128, 0.1),
-    ];
+    ]);
+}
+
+/// Each case (dtype, B, T, H, D, p): the fused attention with dropout against the composed
+/// path in f64 on the CPU with the same seed (outputs and gradients), no mask stored, and
+/// another seed giving another output.
+fn check_dropout_against_composed(cases: &[(DType, usize, usize, usize, usize, f64)]) {
     for (i, &(dtype, b, t, h, d, p)) in cases.iter().enumerate() {
         assert!(causal_attention_dropout_supported(GPU, dtype, d));
         let c = h * d;
@@ -388,17 +408,22 @@ fn config() -> GptConfig {
 
 /// Loss and gradients of the model under bf16 autocast on the GPU, fused or composed.
 fn model_loss_and_grads(fused: bool) -> (f64, Vec<(String, Tensor)>) {
-    model_loss_and_grads_with(config(), fused)
+    model_loss_and_grads_with(config(), fused, 150)
 }
 
-fn model_loss_and_grads_with(config: GptConfig, fused: bool) -> (f64, Vec<(String, Tensor)>) {
+/// The same for sequences of `t` tokens.
+fn model_loss_and_grads_with(
+    config: GptConfig,
+    fused: bool,
+    t: usize,
+) -> (f64, Vec<(String, Tensor)>) {
     let mut model = Gpt::new(config, GPU).unwrap();
     model.set_fused_attention(fused);
     assert_eq!(model.attention_fused(DType::BF16), fused);
-    let ids: Vec<i64> = (0..2 * 150).map(|i| (i * 13 + 5) % 61).collect();
+    let ids: Vec<i64> = (0..2 * t as i64).map(|i| (i * 13 + 5) % 61).collect();
     let targets: Vec<i64> = ids.iter().map(|&i| (i * 7 + 2) % 61).collect();
-    let ids = Tensor::from_vec(ids, &[2, 150], GPU).unwrap();
-    let targets = Tensor::from_vec(targets, &[2, 150], GPU).unwrap();
+    let ids = Tensor::from_vec(ids, &[2, t], GPU).unwrap();
+    let targets = Tensor::from_vec(targets, &[2, t], GPU).unwrap();
     let loss = {
         let _a = autocast(AmpDType::BF16);
         model.forward_loss(&ids, Some(&targets)).unwrap().1.unwrap()
@@ -439,14 +464,17 @@ fn the_model_with_dropout_computes_the_same_fused_and_composed() {
         dropout: 0.2,
         ..config()
     };
-    let (fused_loss, fused) = model_loss_and_grads_with(config.clone(), true);
-    let (composed_loss, composed) = model_loss_and_grads_with(config, false);
-    assert!(
-        (fused_loss - composed_loss).abs() < 1e-2,
-        "{fused_loss} vs {composed_loss}"
-    );
-    for ((name, a), (_, b)) in fused.iter().zip(&composed) {
-        let e = relative_error(a, &b.to_device(CPU).unwrap());
-        assert!(e < 5e-2, "{name}: {e:.2e}");
+    // 150 draws per element in the kernels; 148, a multiple of 4, shares the draws.
+    for t in [150, 148] {
+        let (fused_loss, fused) = model_loss_and_grads_with(config.clone(), true, t);
+        let (composed_loss, composed) = model_loss_and_grads_with(config.clone(), false, t);
+        assert!(
+            (fused_loss - composed_loss).abs() < 1e-2,
+            "T{t}: {fused_loss} vs {composed_loss}"
+        );
+        for ((name, a), (_, b)) in fused.iter().zip(&composed) {
+            let e = relative_error(a, &b.to_device(CPU).unwrap());
+            assert!(e < 5e-2, "T{t} {name}: {e:.2e}");
+        }
     }
 }
