@@ -89,9 +89,17 @@ __device__ __forceinline__ void rows_dot_rows(float acc[RPT][CPT], const float* 
 __device__ __forceinline__ void weights_times_rows(float acc[RPT][DPT], const float* w,
                                                    const float* rows, int n, int r, int c) {
     for (int j = 0; j < n; j += 4) {
-        float4 w4[RPT];
+        // The weights as scalars indexed by jj, not a `jj == 0 ? w4.x : ...` chain over a
+        // float4: NVVM spends seconds per kernel on those selects (same code after unrolling).
+        float wt[RPT][4];
 #pragma unroll
-        for (int i = 0; i < RPT; ++i) w4[i] = *(const float4*)&w[(4 * r + i) * LDP + j];
+        for (int i = 0; i < RPT; ++i) {
+            const float4 w4 = *(const float4*)&w[(4 * r + i) * LDP + j];
+            wt[i][0] = w4.x;
+            wt[i][1] = w4.y;
+            wt[i][2] = w4.z;
+            wt[i][3] = w4.w;
+        }
 #pragma unroll
         for (int jj = 0; jj < 4; ++jj) {
             const float* row = rows + (j + jj) * LDF + 2 * c;
@@ -100,7 +108,7 @@ __device__ __forceinline__ void weights_times_rows(float acc[RPT][DPT], const fl
                 const float2 x = *(const float2*)&row[16 * mm];
 #pragma unroll
                 for (int i = 0; i < RPT; ++i) {
-                    const float wv = jj == 0 ? w4[i].x : jj == 1 ? w4[i].y : jj == 2 ? w4[i].z : w4[i].w;
+                    const float wv = wt[i][jj];
                     acc[i][2 * mm] = fmaf(wv, x.x, acc[i][2 * mm]);
                     acc[i][2 * mm + 1] = fmaf(wv, x.y, acc[i][2 * mm + 1]);
                 }
