@@ -35,12 +35,12 @@ row_attention() {
 }
 
 # gpt2 rows: ours (strategies bench) against PyTorch's strategies.py with extra flags.
-# gpt2_row NAME STRATEGY FLAGS_BOTH TORCH_FLAGS TORCH_NAME
+# gpt2_row NAME STRATEGY FLAGS_BOTH TORCH_FLAGS TORCH_NAME [OUR_FLAGS]
 # Leaves our output in GPT2_OURS, for rows that compare it with another of our runs.
 GPT2_OURS=
 gpt2_row() {
-  local name=$1 strategy=$2 both=$3 torch_flags=$4 torch_name=$5 a p
-  a=$(run "$B/strategies" --model gpt2 --strategy "$strategy" --device cuda --seq 1024 --steps 5 --warmup 3 $both)
+  local name=$1 strategy=$2 both=$3 torch_flags=$4 torch_name=$5 ours=${6:-} a p
+  a=$(run "$B/strategies" --model gpt2 --strategy "$strategy" --device cuda --seq 1024 --steps 5 --warmup 3 $both $ours)
   GPT2_OURS=$a
   p=$(run "$PY" benches/pytorch/strategies.py --model gpt2 --strategy "$strategy" --device cuda --seq 1024 --steps 5 --warmup 3 $both $torch_flags)
   TABLE+=("| $name, step ms (peak) | $(field "$a" step_ms) ($(mib "$(field "$a" peak_bytes)")) | $(field "$p" step_ms) ($(mib "$(field "$p" peak_bytes)")) $torch_name | $(ratio "$(field "$a" step_ms)" "$(field "$p" step_ms)") |")
@@ -85,9 +85,10 @@ row_gpt2-bf16-gelu() {
     TABLE+=("| GPT-2 124M B8 T1024 $s, GELU recomputed (ours), step ms (peak) | $(field "$a" step_ms) ($(mib "$(field "$a" peak_bytes)")) | $(field "$p" step_ms) ($(mib "$(field "$p" peak_bytes)")) torch.compile+SDPA+fused AdamW | $(ratio "$(field "$a" step_ms)" "$(field "$p" step_ms)") |")
   done
 }
-row_gpt2-bf16-b16() { gpt2_row "GPT-2 124M B16 T1024 bf16" bf16 "--batch 16" "$COMPILED" "torch.compile+SDPA+fused AdamW"; }
-row_gpt2-bf16-b32() { gpt2_row "GPT-2 124M B32 T1024 bf16" bf16 "--batch 32" "$COMPILED" "torch.compile+SDPA+fused AdamW"; }
-row_gpt2-f32() { gpt2_row "GPT-2 124M B8 T1024 f32" baseline "--batch 8" "--sdpa" "eager+SDPA"; }
+# Ours replaying a captured step, as `ferrograd train` does by default.
+row_gpt2-bf16-b16() { gpt2_row "GPT-2 124M B16 T1024 bf16, graph replayed (ours)" bf16 "--batch 16" "$COMPILED" "torch.compile+SDPA+fused AdamW" --cuda-graphs; }
+row_gpt2-bf16-b32() { gpt2_row "GPT-2 124M B32 T1024 bf16, graph replayed (ours)" bf16 "--batch 32" "$COMPILED" "torch.compile+SDPA+fused AdamW" --cuda-graphs; }
+row_gpt2-f32() { gpt2_row "GPT-2 124M B8 T1024 f32, graph replayed (ours)" baseline "--batch 8" "--sdpa" "eager+SDPA" --cuda-graphs; }
 # Every block recomputed in backward under bf16 autocast, against PyTorch's per-block
 # torch.utils.checkpoint in the same autocast region; then what recomputation costs us: our
 # recompute-bf16 step over our own plain bf16 step (run again here, so the two share a machine
