@@ -497,6 +497,90 @@ fn a_gpu_plan_captures_and_replays_steps_as_the_gpu_would() {
     .unwrap();
 }
 
+/// Work between replays (an evaluation) runs in the captured step's pool: it reserves nothing
+/// beside it and the replays go on; work that leaves a block in the pool drops the capture,
+/// and the next step captures again.
+#[test]
+fn work_between_replays_takes_the_graphs_pool_and_a_block_left_there_recaptures() {
+    use ferrograd::autograd::no_grad;
+    use ferrograd::nn::Gpt;
+    use ferrograd::train::{GraphStatus, HostInput, MicroBatch, StepGraph, Trainer};
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let gpu = Target::Cuda { capacity: 80 << 30 };
+    plan::plan(gpu, PlanOptions::default(), |device| {
+        // Wide enough that the MLP's hidden activations (2 MiB) are large blocks: outside
+        // the pool they need a segment of their own.
+        let (b, t) = (8, 64);
+        let ids: Vec<i64> = (0..b * t).map(|k| (k % 65) as i64).collect();
+        let inputs = vec![vec![
+            HostInput::new(ids.clone(), &[b, t]),
+            HostInput::new(ids.clone(), &[b, t]),
+        ]];
+        let config = GptConfig {
+            n_embd: 256,
+            ..GptConfig::tiny()
+        };
+        let gpt = Gpt::new(config, device)?;
+        let opt = Adam::adamw(gpt.parameters(), AdamConfig::adamw_default())?;
+        let mut trainer = Trainer::new(opt, TrainerConfig::default(), device)?;
+        let mut graph = StepGraph::new(true, 1);
+        let mut step = |graph: &mut StepGraph| {
+            trainer
+                .step_graphed(graph, &inputs, |_, x| {
+                    Ok(MicroBatch {
+                        loss: gpt.loss(&x[0], &x[1])?,
+                        tokens: x[0].numel(),
+                    })
+                })
+                .map(drop)
+        };
+        let x = Tensor::from_vec(ids.clone(), &[b, t], device)?;
+        let evaluate = || -> ferrograd::Result<()> {
+            let _g = no_grad();
+            gpt.loss(&x, &x)?;
+            Ok(())
+        };
+        step(&mut graph)?;
+        step(&mut graph)?;
+        let alloc = memory::allocator(device)?;
+        // No free shared segments left to serve the evaluation from.
+        alloc.empty_cache();
+        let (allocated, reserved) = (alloc.memory_allocated(), alloc.memory_reserved());
+        // Outside the pool the forward reserves segments of its own; in it, none.
+        graph.run_between_steps(evaluate)?;
+        assert_eq!(alloc.memory_reserved(), reserved, "the evaluation reserved");
+        assert_eq!(alloc.memory_allocated(), allocated);
+        assert!(matches!(
+            graph.status(),
+            GraphStatus::Replaying { step: 1, .. }
+        ));
+        step(&mut graph)?;
+        assert!(matches!(
+            graph.status(),
+            GraphStatus::Replaying { step: 1, .. }
+        ));
+        evaluate()?;
+        assert!(
+            alloc.memory_reserved() > reserved,
+            "the check above could not fail"
+        );
+        // A block kept from the work between steps: the capture goes, the next step
+        // captures again (step 3: the warm-up, the capture and one replay before it).
+        let kept = graph.run_between_steps(|| Tensor::zeros(&[1024], DType::F32, device))?;
+        assert_eq!(graph.status(), GraphStatus::WarmingUp);
+        step(&mut graph)?;
+        assert!(
+            matches!(graph.status(), GraphStatus::Replaying { step: 3, .. }),
+            "{}",
+            graph.status()
+        );
+        drop(kept);
+        assert_eq!(alloc.by_category().total(), alloc.memory_allocated());
+        Ok(())
+    })
+    .unwrap();
+}
+
 /// The job's plan for a GPU captures its second step as the run will: the same allocated
 /// peak as with graphs off, and the reserved bytes the graph's pool adds.
 #[test]

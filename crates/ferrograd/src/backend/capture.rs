@@ -357,6 +357,14 @@ impl Graph {
         }
     }
 
+    /// Runs `f` eagerly (nothing captured) with the device's allocations served from this
+    /// graph's pool: work between two replays, in the free blocks that are the step's
+    /// scratch. Whatever `f` still holds in the pool when it returns, the next replay
+    /// overwrites: callers check `pool_bytes` around it (`StepGraph::run_between_steps`).
+    pub fn run_in_pool<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        self.pool.run(f)
+    }
+
     /// Bytes the graph's private pool holds on the device: (reserved, allocated now).
     pub fn pool_bytes(&self) -> Result<(u64, u64)> {
         let b = memory::allocator(self.device)?.private_pool_bytes(self.pool.id);

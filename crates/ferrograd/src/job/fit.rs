@@ -76,7 +76,11 @@ fn plan_with_data(
             losses.see(&report);
         }
         if evaluates_between {
-            evaluate(&mut model, data, &eval_job, steps, device)?;
+            let mut eval = || evaluate(&mut model, data, &eval_job, steps, device);
+            match graph.as_mut() {
+                Some(g) => g.run_between_steps(eval)?,
+                None => eval()?,
+            };
         }
         Ok(())
     })

@@ -423,7 +423,9 @@ fn run_replica(
             on_event(&Event::MemoryTraced(t.finish(job.device)?));
         }
         if job.eval_every > 0 && step % job.eval_every == 0 && step < end {
-            let e = evaluate_on(leader, &mut model, &data, job, step)?;
+            // In the captured step's pool: its scratch is free between replays.
+            let e = step_graph
+                .run_between_steps(|| evaluate_on(leader, &mut model, &data, job, step))?;
             on_event(&Event::Eval(e));
         }
         if let Some(path) = &job.save

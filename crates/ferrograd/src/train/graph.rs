@@ -126,6 +126,26 @@ impl StepGraph {
         }
     }
 
+    /// Runs `f`, work between two steps such as an evaluation, with its allocations served
+    /// from the captured step's private pool: the pool's free blocks are the step's scratch,
+    /// unused between replays, so `f` reserves no segments beside the pool (new ones go into
+    /// the pool, and only if `f` needs more than is free there). Without a capture `f` runs
+    /// as it is. Should `f` leave a block allocated in the pool (a buffer made lazily and
+    /// kept), the next replay would write over it: the capture is dropped instead, and the
+    /// next step captures again around that block.
+    pub fn run_between_steps<R>(&mut self, f: impl FnOnce() -> Result<R>) -> Result<R> {
+        let Some(c) = &self.captured else {
+            return f();
+        };
+        let (_, before) = c.graph.pool_bytes()?;
+        let r = c.graph.run_in_pool(f);
+        let (_, after) = c.graph.pool_bytes()?;
+        if after != before {
+            self.captured = None;
+        }
+        r
+    }
+
     /// Turns graphs off for the rest of the run, dropping any capture.
     fn turn_off(&mut self, why: String) {
         self.captured = None;
