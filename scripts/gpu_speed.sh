@@ -6,9 +6,10 @@
 # Usage: scripts/gpu_speed.sh [PYTHON_WITH_TORCH]
 # Environment: ROWS (space-separated subset of: attention gpt2-bf16 gpt2-bf16-weights
 #   gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-bf16-b32 gpt2-f32 gpt2-bf16-recompute gpt2-bf16-gelu
-#   gpt2-bf16-graphs main-job main-job-eager gpt-10m gpt-10m-eager gpt-10m-dropout; default
-#   all), OUT (a folder for the raw log). `ferrograd train` replays a captured step (CUDA
-#   graphs) by default; the -eager rows run it with --cuda-graphs off.
+#   gpt2-bf16-graphs gpt2-max-batch main-job main-job-eager gpt-10m gpt-10m-eager
+#   gpt-10m-dropout; default all but gpt2-max-batch, which takes minutes), OUT (a folder for
+#   the raw log). `ferrograd train` replays a captured step (CUDA graphs) by default; the
+#   -eager rows run it with --cuda-graphs off.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${1:-python3}"
@@ -32,6 +33,9 @@ row_attention() {
   p=$(run "$PY" benches/pytorch/attention.py --batch 8 --heads 12 --seq 1024 --head-dim 64 --dtype bf16)
   TABLE+=("| attention B8 H12 T1024 d64 bf16, fwd+bwd ms | $(field "$a" fwd_bwd_ms) | $(field "$p" fwd_bwd_ms) (SDPA) | $(ratio "$(field "$a" fwd_bwd_ms)" "$(field "$p" fwd_bwd_ms)") |")
   TABLE+=("| attention forward ms | $(field "$a" fwd_ms) | $(field "$p" fwd_ms) (SDPA) | $(ratio "$(field "$a" fwd_ms)" "$(field "$p" fwd_ms)") |")
+  a=$(run "$B/attention" --batch 8 --heads 12 --seq 1024 --head-dim 64 --dtype bf16 --dropout 0.1)
+  p=$(run "$PY" benches/pytorch/attention.py --batch 8 --heads 12 --seq 1024 --head-dim 64 --dtype bf16 --dropout 0.1)
+  TABLE+=("| attention, dropout 0.1 on the probabilities, fwd+bwd ms | $(field "$a" fwd_bwd_ms) | $(field "$p" fwd_bwd_ms) (SDPA) | $(ratio "$(field "$a" fwd_bwd_ms)" "$(field "$p" fwd_bwd_ms)") |")
 }
 
 # gpt2 rows: ours (strategies bench) against PyTorch's strategies.py with extra flags.
@@ -99,6 +103,28 @@ row_gpt2-bf16-recompute() {
   r=$(field "$GPT2_OURS" step_ms)
   b=$(field "$(run "$B/strategies" --model gpt2 --strategy bf16 --device cuda --seq 1024 --steps 5 --warmup 3 --batch 8)" step_ms)
   TABLE+=("| GPT-2 124M B8 T1024 bf16, recompute overhead (ours: recompute-bf16 / bf16 step ms) | $r / $b = $(ratio "$r" "$b") | - | - |")
+}
+
+# The largest GPT-2 124M batch (T 1024, bf16 autocast) each side fits in 140 GiB, and its speed.
+# Ours: the batch `ferrograd plan --budget` picks, trained for three steps (the summary has the
+# planned and the measured peaks). PyTorch (torch.compile): bytes per sequence from its peaks
+# at B 16 and B 32, the largest batch under 140 GiB by that line, run there (8 fewer on OOM).
+GPT2_JOB="--n-layer 12 --n-head 12 --n-embd 768 --block-size 1024 --vocab-size 50257 --amp bf16"
+row_gpt2-max-batch() {
+  local b a p16 p32 bt p
+  b=$("$B/ferrograd" plan --device cuda $GPT2_JOB --budget 140GiB --batch-steps any 2>>"$LOG" \
+    | awk '/^largest micro-batch/{f=1;next} f && /\(as given\)/{print $3; exit}')
+  a=$(run "$B/ferrograd" train --device cuda $GPT2_JOB --batch-size "$b" --max-steps 3 --warmup 1 --eval-every 0 --sample-chars 0 --json)
+  TABLE+=("| GPT-2 124M bf16, largest batch in 140 GiB (ours, planned), tokens/s (peak / reserved / planned reserved) | B $b: $(field "$a" tokens_per_s) ($(mib "$(field "$a" peak_bytes)") / $(mib "$(field "$a" peak_reserved_bytes)") / $(mib "$(field "$a" predicted_peak_reserved_bytes)")) | | |")
+  p16=$(field "$(run "$PY" benches/pytorch/strategies.py --model gpt2 --strategy bf16 --device cuda --seq 1024 --steps 2 --warmup 1 --batch 16 $COMPILED)" peak_bytes)
+  p32=$(field "$(run "$PY" benches/pytorch/strategies.py --model gpt2 --strategy bf16 --device cuda --seq 1024 --steps 2 --warmup 1 --batch 32 $COMPILED)" peak_bytes)
+  bt=$("$PY" -c "per = ($p32 - $p16) / 16; print(int((140 * 2**30 - ($p16 - 16 * per)) // per) // 8 * 8)")
+  for _ in 1 2 3; do
+    p=$(run "$PY" benches/pytorch/strategies.py --model gpt2 --strategy bf16 --device cuda --seq 1024 --steps 2 --warmup 1 --batch "$bt" $COMPILED)
+    [ "$(field "$p" peak_bytes)" != None ] && [ -n "$(field "$p" peak_bytes)" ] && break
+    bt=$((bt - 8))
+  done
+  TABLE+=("| same, PyTorch torch.compile+SDPA+fused AdamW (batch from its B16/B32 peaks), step ms (peak) | | B $bt: $(field "$p" step_ms) ms ($(mib "$(field "$p" peak_bytes)")) | |")
 }
 
 # ferrograd train against benches/pytorch/gpt_step.py on the same flags.
