@@ -406,12 +406,8 @@ fn config() -> GptConfig {
     }
 }
 
-/// Loss and gradients of the model under bf16 autocast on the GPU, fused or composed.
-fn model_loss_and_grads(fused: bool) -> (f64, Vec<(String, Tensor)>) {
-    model_loss_and_grads_with(config(), fused, 150)
-}
-
-/// The same for sequences of `t` tokens.
+/// Loss and gradients of the model under bf16 autocast on the GPU, fused or composed, for
+/// sequences of `t` tokens.
 fn model_loss_and_grads_with(
     config: GptConfig,
     fused: bool,
@@ -442,19 +438,24 @@ fn model_loss_and_grads_with(
     (loss.item().unwrap(), grads)
 }
 
-#[test]
-fn the_model_computes_the_same_with_the_fused_and_the_composed_attention() {
-    let _l = lock();
-    let (fused_loss, fused) = model_loss_and_grads(true);
-    let (composed_loss, composed) = model_loss_and_grads(false);
+/// The model's loss and every gradient agree between the fused and the composed attention.
+fn assert_fused_matches_composed(config: GptConfig, t: usize) {
+    let (fused_loss, fused) = model_loss_and_grads_with(config.clone(), true, t);
+    let (composed_loss, composed) = model_loss_and_grads_with(config, false, t);
     assert!(
         (fused_loss - composed_loss).abs() < 1e-2,
-        "{fused_loss} vs {composed_loss}"
+        "T{t}: {fused_loss} vs {composed_loss}"
     );
     for ((name, a), (_, b)) in fused.iter().zip(&composed) {
         let e = relative_error(a, &b.to_device(CPU).unwrap());
-        assert!(e < 5e-2, "{name}: {e:.2e}");
+        assert!(e < 5e-2, "T{t} {name}: {e:.2e}");
     }
+}
+
+#[test]
+fn the_model_computes_the_same_with_the_fused_and_the_composed_attention() {
+    let _l = lock();
+    assert_fused_matches_composed(config(), 150);
 }
 
 #[test]
@@ -464,17 +465,8 @@ fn the_model_with_dropout_computes_the_same_fused_and_composed() {
         dropout: 0.2,
         ..config()
     };
-    // 150 draws per element in the kernels; 148, a multiple of 4, shares the draws.
+    // At 150 the kernels draw per element; at 148, a multiple of 4, they share the draws.
     for t in [150, 148] {
-        let (fused_loss, fused) = model_loss_and_grads_with(config.clone(), true, t);
-        let (composed_loss, composed) = model_loss_and_grads_with(config.clone(), false, t);
-        assert!(
-            (fused_loss - composed_loss).abs() < 1e-2,
-            "T{t}: {fused_loss} vs {composed_loss}"
-        );
-        for ((name, a), (_, b)) in fused.iter().zip(&composed) {
-            let e = relative_error(a, &b.to_device(CPU).unwrap());
-            assert!(e < 5e-2, "T{t} {name}: {e:.2e}");
-        }
+        assert_fused_matches_composed(config.clone(), t);
     }
 }
