@@ -581,6 +581,43 @@ fn work_between_replays_takes_the_graphs_pool_and_a_block_left_there_recaptures(
     .unwrap();
 }
 
+/// A GPU job that evaluates between replayed steps plans no more reserved bytes than one that
+/// does not: the evaluation runs in the graph's pool (here the pool's scratch holds it).
+#[test]
+fn a_gpu_jobs_evaluation_between_steps_reserves_nothing_beside_the_graph() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let plan_of = |eval_every: u64| {
+        let small = small_job(TrainerConfig::default());
+        let job = TrainJob {
+            device: Device::Cuda(0),
+            cuda_graphs: true,
+            eval_every,
+            max_steps: 4,
+            // Wide enough that an evaluation's MLP activations (2 MiB) are large blocks.
+            model: GptConfig {
+                block_size: 64,
+                n_embd: 256,
+                ..small.model.clone()
+            },
+            batch_size: 8,
+            ..small
+        };
+        job::plan_job(
+            &job,
+            Target::Cuda { capacity: 80 << 30 },
+            PlanOptions::default(),
+        )
+        .unwrap()
+    };
+    let (between, without) = (plan_of(2), plan_of(0));
+    println!(
+        "reserved: {} with an evaluation between steps, {} without",
+        between.peak_reserved, without.peak_reserved
+    );
+    assert_eq!(between.peak_reserved, without.peak_reserved);
+    assert_eq!(between.peak_allocated, without.peak_allocated);
+}
+
 /// The job's plan for a GPU captures its second step as the run will: the same allocated
 /// peak as with graphs off, and the reserved bytes the graph's pool adds.
 #[test]
