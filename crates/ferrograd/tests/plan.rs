@@ -547,7 +547,7 @@ fn work_between_replays_takes_the_graphs_pool_and_a_block_left_there_recaptures(
         alloc.empty_cache();
         let (allocated, reserved) = (alloc.memory_allocated(), alloc.memory_reserved());
         // Outside the pool the forward reserves segments of its own; in it, none.
-        graph.run_between_steps(evaluate)?;
+        graph.run_between_steps(device, evaluate)?;
         assert_eq!(alloc.memory_reserved(), reserved, "the evaluation reserved");
         assert_eq!(alloc.memory_allocated(), allocated);
         assert!(matches!(
@@ -566,7 +566,8 @@ fn work_between_replays_takes_the_graphs_pool_and_a_block_left_there_recaptures(
         );
         // A block kept from the work between steps: the capture goes, the next step
         // captures again (step 3: the warm-up, the capture and one replay before it).
-        let kept = graph.run_between_steps(|| Tensor::zeros(&[1024], DType::F32, device))?;
+        let kept =
+            graph.run_between_steps(device, || Tensor::zeros(&[1024], DType::F32, device))?;
         assert_eq!(graph.status(), GraphStatus::WarmingUp);
         step(&mut graph)?;
         assert!(
@@ -579,6 +580,69 @@ fn work_between_replays_takes_the_graphs_pool_and_a_block_left_there_recaptures(
         Ok(())
     })
     .unwrap();
+}
+
+/// Work before the first step (the evaluation before training) runs in the pool the warm-up
+/// and the capture then take: the peak reserved through the capture is what it is with no
+/// such work, where the work's segments used to stay cached beside the pool.
+#[test]
+fn work_before_the_first_step_leaves_its_segments_to_the_capture() {
+    use ferrograd::autograd::no_grad;
+    use ferrograd::nn::Gpt;
+    use ferrograd::train::{HostInput, MicroBatch, StepGraph, Trainer};
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    // The peak reserved bytes through the warm-up and the capture.
+    let reserved_after_capture = |work_first: bool, in_pool: bool| {
+        let mut reserved = 0;
+        plan::plan(
+            Target::Cuda { capacity: 80 << 30 },
+            PlanOptions::default(),
+            |device| {
+                let (b, t) = (8, 64);
+                let ids: Vec<i64> = (0..b * t).map(|k| (k % 65) as i64).collect();
+                let inputs = vec![vec![
+                    HostInput::new(ids.clone(), &[b, t]),
+                    HostInput::new(ids.clone(), &[b, t]),
+                ]];
+                let config = GptConfig {
+                    n_embd: 256,
+                    ..GptConfig::tiny()
+                };
+                let gpt = Gpt::new(config, device)?;
+                let opt = Adam::adamw(gpt.parameters(), AdamConfig::adamw_default())?;
+                let mut trainer = Trainer::new(opt, TrainerConfig::default(), device)?;
+                let mut graph = StepGraph::new(true, 1);
+                trainer.prepare_graph(&mut graph)?;
+                let x = Tensor::from_vec(ids.clone(), &[b, t], device)?;
+                let evaluate = || -> ferrograd::Result<()> {
+                    let _g = no_grad();
+                    gpt.loss(&x, &x)?;
+                    Ok(())
+                };
+                if work_first && in_pool {
+                    graph.run_between_steps(device, evaluate)?;
+                } else if work_first {
+                    evaluate()?;
+                }
+                for _ in 0..2 {
+                    trainer.step_graphed(&mut graph, &inputs, |_, x| {
+                        Ok(MicroBatch {
+                            loss: gpt.loss(&x[0], &x[1])?,
+                            tokens: x[0].numel(),
+                        })
+                    })?;
+                }
+                reserved = memory::allocator(device)?.max_memory_reserved();
+                Ok(())
+            },
+        )
+        .unwrap();
+        reserved
+    };
+    let none = reserved_after_capture(false, false);
+    assert_eq!(reserved_after_capture(true, true), none);
+    // Outside the pool the same work leaves segments the capture cannot use.
+    assert!(reserved_after_capture(true, false) > none);
 }
 
 /// A GPU job that evaluates between replayed steps plans no more reserved bytes than one that

@@ -58,12 +58,16 @@ fn plan_with_data(
         let (mut model, mut trainer) = build(job, data, device, None)?;
         model.train(true);
         let mut rng = Generator::new(job.seed);
-        evaluate(&mut model, data, &eval_job, 0, device)?;
-        let mut losses = Losses::default();
         // A GPU run captures its second step as a CUDA graph: so does its plan (the meta
-        // device then takes the graph's memory as the GPU would).
+        // device then takes the graph's memory as the GPU would), and its evaluations run in
+        // the graph's pool as the run's do.
         let graphs = job.cuda_graphs && matches!(job.device, Device::Cuda(_));
-        let mut graph = graphs.then(|| StepGraph::new(true, 1));
+        let mut graph = StepGraph::new(graphs, 1);
+        if graphs {
+            trainer.prepare_graph(&mut graph)?;
+        }
+        graph.run_between_steps(device, || evaluate(&mut model, data, &eval_job, 0, device))?;
+        let mut losses = Losses::default();
         for _ in 0..steps {
             let report = train_step(
                 &mut trainer,
@@ -71,16 +75,14 @@ fn plan_with_data(
                 None,
                 (data, &mut rng),
                 job,
-                graph.as_mut(),
+                graphs.then_some(&mut graph),
             )?;
             losses.see(&report);
         }
         if evaluates_between {
-            let mut eval = || evaluate(&mut model, data, &eval_job, steps, device);
-            match graph.as_mut() {
-                Some(g) => g.run_between_steps(eval)?,
-                None => eval()?,
-            };
+            graph.run_between_steps(device, || {
+                evaluate(&mut model, data, &eval_job, steps, device)
+            })?;
         }
         Ok(())
     })

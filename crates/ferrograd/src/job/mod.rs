@@ -341,7 +341,15 @@ fn run_replica(
         // No rank may reset the shared peaks once another has started.
         g.barrier()?;
     }
-    let initial_eval = evaluate_on(leader, &mut model, &data, job, start_step)?;
+    // One eager step first: it compiles the kernels and makes the optimizer's state. Only a
+    // GPU run says how its steps run (elsewhere every op runs as it is called).
+    let on_gpu = matches!(job.device, Device::Cuda(_));
+    let mut step_graph = StepGraph::new(job.cuda_graphs && on_gpu, 1);
+    trainer.prepare_graph(&mut step_graph)?;
+    // In the pool the first steps will take: what the evaluation frees there serves them.
+    let initial_eval = step_graph.run_between_steps(job.device, || {
+        evaluate_on(leader, &mut model, &data, job, start_step)
+    })?;
     on_event(&Event::Eval(initial_eval.clone()));
     let end = job
         .stop_after
@@ -349,10 +357,6 @@ fn run_replica(
     let mut leak_check = (job.detect_leaks && leader)
         .then(|| LeakCheck::new(job.device))
         .transpose()?;
-    // One eager step first: it compiles the kernels and makes the optimizer's state. Only a
-    // GPU run says how its steps run (elsewhere every op runs as it is called).
-    let on_gpu = matches!(job.device, Device::Cuda(_));
-    let mut step_graph = StepGraph::new(job.cuda_graphs && on_gpu, 1);
     let mut graph_status = step_graph.status();
     if on_gpu {
         on_event(&Event::Graphs(graph_status.clone()));
@@ -424,8 +428,9 @@ fn run_replica(
         }
         if job.eval_every > 0 && step % job.eval_every == 0 && step < end {
             // In the captured step's pool: its scratch is free between replays.
-            let e = step_graph
-                .run_between_steps(|| evaluate_on(leader, &mut model, &data, job, step))?;
+            let e = step_graph.run_between_steps(job.device, || {
+                evaluate_on(leader, &mut model, &data, job, step)
+            })?;
             on_event(&Event::Eval(e));
         }
         if let Some(path) = &job.save

@@ -127,15 +127,28 @@ impl StepGraph {
     }
 
     /// Runs `f`, work between two steps such as an evaluation, with its allocations served
-    /// from the captured step's private pool: the pool's free blocks are the step's scratch,
-    /// unused between replays, so `f` reserves no segments beside the pool (new ones go into
-    /// the pool, and only if `f` needs more than is free there). Without a capture `f` runs
-    /// as it is. Should `f` leave a block allocated in the pool (a buffer made lazily and
-    /// kept), the next replay would write over it: the capture is dropped instead, and the
-    /// next step captures again around that block.
-    pub fn run_between_steps<R>(&mut self, f: impl FnOnce() -> Result<R>) -> Result<R> {
-        let Some(c) = &self.captured else {
+    /// from the graph's private pool, so that it reserves no segments beside the pool (they
+    /// would stay cached in the shared pools, where the step cannot use them). Once a step is
+    /// captured, the pool's free blocks are its scratch, unused between replays: `f` runs
+    /// there, and takes new segments in the pool only if it needs more than is free. Should
+    /// `f` leave a block allocated in the pool (a buffer made lazily and kept), the next
+    /// replay would write over it: the capture is dropped instead, and the next step captures
+    /// again around that block. Before the capture (the evaluation before training) `f` runs
+    /// in the pool the warm-up steps and the capture then take, and what it frees serves
+    /// them. With graphs off, or on a device that does not capture, `f` runs as it is.
+    pub fn run_between_steps<R>(
+        &mut self,
+        device: Device,
+        f: impl FnOnce() -> Result<R>,
+    ) -> Result<R> {
+        if self.off.is_some() || !capture::can_capture(device) {
             return f();
+        }
+        let Some(c) = &self.captured else {
+            let pool = self.take_pool(device)?;
+            let r = pool.run(f);
+            self.pool = Some(pool);
+            return r;
         };
         let (_, before) = c.graph.pool_bytes()?;
         let r = c.graph.run_in_pool(f);
@@ -144,6 +157,14 @@ impl StepGraph {
             self.captured = None;
         }
         r
+    }
+
+    /// The pool of the warm-up steps and the capture: the one made before, or a new one.
+    fn take_pool(&mut self, device: Device) -> Result<Pool> {
+        match self.pool.take() {
+            Some(p) => Ok(p),
+            None => Pool::new(device),
+        }
     }
 
     /// Turns graphs off for the rest of the run, dropping any capture.
@@ -200,6 +221,26 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
         why.or_else(|| self.with_optimizer(|o| o.graph_support().err()).ok()?)
     }
 
+    /// Readies `graph` for this trainer's steps: turns graphs off, with the reason, when the
+    /// steps cannot be captured; else makes the optimizer's state, beside the parameters and
+    /// not among the warm-up's activations (those segments then come back whole before the
+    /// capture, which reserves its own). `step_graphed` does it before its first step; a job
+    /// calls it before the evaluation that precedes training, so that the state takes shared
+    /// segments while the evaluation runs in the graph's pool (`run_between_steps`).
+    pub fn prepare_graph(&mut self, graph: &mut StepGraph) -> Result<()> {
+        if graph.off.is_none()
+            && graph.captured.is_none()
+            && let Some(why) = self.graph_refusal()
+        {
+            graph.turn_off(why);
+        }
+        if graph.off.is_none() && !graph.state_made {
+            self.with_optimizer(|o| o.make_state())??;
+            graph.state_made = true;
+        }
+        Ok(())
+    }
+
     /// One optimizer step over `inputs`, one entry per micro-batch (see `StepGraph`): eager,
     /// captured or replayed. `loss_of(i, tensors)` runs micro-batch i's forward on its input
     /// tensors (in the order of `inputs[i]`) and returns its loss; it must read the batch
@@ -210,12 +251,6 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
         inputs: &HostInputs,
         loss_of: impl FnMut(usize, &[Tensor]) -> Result<MicroBatch>,
     ) -> Result<StepReport> {
-        if graph.off.is_none()
-            && graph.captured.is_none()
-            && let Some(why) = self.graph_refusal()
-        {
-            graph.turn_off(why);
-        }
         if inputs.len() != self.config().accum {
             return Err(Error::invalid(
                 "Trainer",
@@ -226,12 +261,7 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
                 ),
             ));
         }
-        if graph.off.is_none() && !graph.state_made {
-            // Beside the parameters, not among the warm-up's activations: those segments
-            // then come back whole before the capture, which reserves its own.
-            self.with_optimizer(|o| o.make_state())??;
-            graph.state_made = true;
-        }
+        self.prepare_graph(graph)?;
         if graph.off.is_some() {
             return self.eager(inputs, loss_of);
         }
@@ -239,10 +269,7 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
             // In the pool the capture will take: the warm-up's activations leave the shared
             // segments to what lives on, and the capture reuses their segments.
             graph.warmup -= 1;
-            let pool = match graph.pool.take() {
-                Some(p) => p,
-                None => Pool::new(self.device())?,
-            };
+            let pool = graph.take_pool(self.device())?;
             let report = pool.run(|| self.eager(inputs, loss_of));
             graph.pool = Some(pool);
             return report;
@@ -283,10 +310,7 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
             .collect::<Result<Vec<_>>>()?;
         let lr = self.set_scheduled_lr()?;
         self.with_optimizer(|o| o.prepare_graph_step())??;
-        let pool = match graph.pool.take() {
-            Some(p) => p,
-            None => Pool::new(self.device())?,
-        };
+        let pool = graph.take_pool(self.device())?;
         let captured = capture::capture_in(pool, || {
             let how = Accumulation {
                 micro_batches: self.config().accum,
