@@ -497,69 +497,89 @@ fn a_gpu_plan_captures_and_replays_steps_as_the_gpu_would() {
     .unwrap();
 }
 
+/// A GPT wide enough that its MLP's hidden activations (2 MiB at B 8, T 64) are large
+/// blocks, which outside a graph's pool need segments of their own; its AdamW trainer; one
+/// step's inputs; and the batch as a tensor, for an evaluation.
+struct WideGpt {
+    gpt: ferrograd::nn::Gpt,
+    trainer: ferrograd::train::Trainer<Adam>,
+    inputs: ferrograd::train::HostInputs,
+    x: Tensor,
+}
+
+impl WideGpt {
+    fn new(device: Device) -> ferrograd::Result<WideGpt> {
+        use ferrograd::train::{HostInput, Trainer};
+        let (b, t) = (8, 64);
+        let ids: Vec<i64> = (0..b * t).map(|k| (k % 65) as i64).collect();
+        let config = GptConfig {
+            n_embd: 256,
+            ..GptConfig::tiny()
+        };
+        let gpt = ferrograd::nn::Gpt::new(config, device)?;
+        let opt = Adam::adamw(gpt.parameters(), AdamConfig::adamw_default())?;
+        Ok(WideGpt {
+            trainer: Trainer::new(opt, TrainerConfig::default(), device)?,
+            inputs: vec![vec![
+                HostInput::new(ids.clone(), &[b, t]),
+                HostInput::new(ids.clone(), &[b, t]),
+            ]],
+            x: Tensor::from_vec(ids, &[b, t], device)?,
+            gpt,
+        })
+    }
+
+    /// One training step through `graph`.
+    fn step(&mut self, graph: &mut ferrograd::train::StepGraph) -> ferrograd::Result<()> {
+        let gpt = &self.gpt;
+        self.trainer
+            .step_graphed(graph, &self.inputs, |_, x| {
+                Ok(ferrograd::train::MicroBatch {
+                    loss: gpt.loss(&x[0], &x[1])?,
+                    tokens: x[0].numel(),
+                })
+            })
+            .map(drop)
+    }
+
+    /// The loss of the batch under no_grad, dropped.
+    fn evaluate(&self) -> ferrograd::Result<()> {
+        let _g = ferrograd::autograd::no_grad();
+        self.gpt.loss(&self.x, &self.x).map(drop)
+    }
+}
+
 /// Work between replays (an evaluation) runs in the captured step's pool: it reserves nothing
 /// beside it and the replays go on; work that leaves a block in the pool drops the capture,
 /// and the next step captures again.
 #[test]
 fn work_between_replays_takes_the_graphs_pool_and_a_block_left_there_recaptures() {
-    use ferrograd::autograd::no_grad;
-    use ferrograd::nn::Gpt;
-    use ferrograd::train::{GraphStatus, HostInput, MicroBatch, StepGraph, Trainer};
+    use ferrograd::train::{GraphStatus, StepGraph};
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let gpu = Target::Cuda { capacity: 80 << 30 };
     plan::plan(gpu, PlanOptions::default(), |device| {
-        // Wide enough that the MLP's hidden activations (2 MiB) are large blocks: outside
-        // the pool they need a segment of their own.
-        let (b, t) = (8, 64);
-        let ids: Vec<i64> = (0..b * t).map(|k| (k % 65) as i64).collect();
-        let inputs = vec![vec![
-            HostInput::new(ids.clone(), &[b, t]),
-            HostInput::new(ids.clone(), &[b, t]),
-        ]];
-        let config = GptConfig {
-            n_embd: 256,
-            ..GptConfig::tiny()
-        };
-        let gpt = Gpt::new(config, device)?;
-        let opt = Adam::adamw(gpt.parameters(), AdamConfig::adamw_default())?;
-        let mut trainer = Trainer::new(opt, TrainerConfig::default(), device)?;
+        let mut m = WideGpt::new(device)?;
         let mut graph = StepGraph::new(true, 1);
-        let mut step = |graph: &mut StepGraph| {
-            trainer
-                .step_graphed(graph, &inputs, |_, x| {
-                    Ok(MicroBatch {
-                        loss: gpt.loss(&x[0], &x[1])?,
-                        tokens: x[0].numel(),
-                    })
-                })
-                .map(drop)
-        };
-        let x = Tensor::from_vec(ids.clone(), &[b, t], device)?;
-        let evaluate = || -> ferrograd::Result<()> {
-            let _g = no_grad();
-            gpt.loss(&x, &x)?;
-            Ok(())
-        };
-        step(&mut graph)?;
-        step(&mut graph)?;
+        m.step(&mut graph)?;
+        m.step(&mut graph)?;
         let alloc = memory::allocator(device)?;
         // No free shared segments left to serve the evaluation from.
         alloc.empty_cache();
         let (allocated, reserved) = (alloc.memory_allocated(), alloc.memory_reserved());
         // Outside the pool the forward reserves segments of its own; in it, none.
-        graph.run_between_steps(device, evaluate)?;
+        graph.run_between_steps(device, || m.evaluate())?;
         assert_eq!(alloc.memory_reserved(), reserved, "the evaluation reserved");
         assert_eq!(alloc.memory_allocated(), allocated);
         assert!(matches!(
             graph.status(),
             GraphStatus::Replaying { step: 1, .. }
         ));
-        step(&mut graph)?;
+        m.step(&mut graph)?;
         assert!(matches!(
             graph.status(),
             GraphStatus::Replaying { step: 1, .. }
         ));
-        evaluate()?;
+        m.evaluate()?;
         assert!(
             alloc.memory_reserved() > reserved,
             "the check above could not fail"
@@ -569,7 +589,7 @@ fn work_between_replays_takes_the_graphs_pool_and_a_block_left_there_recaptures(
         let kept =
             graph.run_between_steps(device, || Tensor::zeros(&[1024], DType::F32, device))?;
         assert_eq!(graph.status(), GraphStatus::WarmingUp);
-        step(&mut graph)?;
+        m.step(&mut graph)?;
         assert!(
             matches!(graph.status(), GraphStatus::Replaying { step: 3, .. }),
             "{}",
@@ -587,55 +607,26 @@ fn work_between_replays_takes_the_graphs_pool_and_a_block_left_there_recaptures(
 /// such work, where the work's segments used to stay cached beside the pool.
 #[test]
 fn work_before_the_first_step_leaves_its_segments_to_the_capture() {
-    use ferrograd::autograd::no_grad;
-    use ferrograd::nn::Gpt;
-    use ferrograd::train::{HostInput, MicroBatch, StepGraph, Trainer};
+    use ferrograd::train::StepGraph;
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     // The peak reserved bytes through the warm-up and the capture.
     let reserved_after_capture = |work_first: bool, in_pool: bool| {
         let mut reserved = 0;
-        plan::plan(
-            Target::Cuda { capacity: 80 << 30 },
-            PlanOptions::default(),
-            |device| {
-                let (b, t) = (8, 64);
-                let ids: Vec<i64> = (0..b * t).map(|k| (k % 65) as i64).collect();
-                let inputs = vec![vec![
-                    HostInput::new(ids.clone(), &[b, t]),
-                    HostInput::new(ids.clone(), &[b, t]),
-                ]];
-                let config = GptConfig {
-                    n_embd: 256,
-                    ..GptConfig::tiny()
-                };
-                let gpt = Gpt::new(config, device)?;
-                let opt = Adam::adamw(gpt.parameters(), AdamConfig::adamw_default())?;
-                let mut trainer = Trainer::new(opt, TrainerConfig::default(), device)?;
-                let mut graph = StepGraph::new(true, 1);
-                trainer.prepare_graph(&mut graph)?;
-                let x = Tensor::from_vec(ids.clone(), &[b, t], device)?;
-                let evaluate = || -> ferrograd::Result<()> {
-                    let _g = no_grad();
-                    gpt.loss(&x, &x)?;
-                    Ok(())
-                };
-                if work_first && in_pool {
-                    graph.run_between_steps(device, evaluate)?;
-                } else if work_first {
-                    evaluate()?;
-                }
-                for _ in 0..2 {
-                    trainer.step_graphed(&mut graph, &inputs, |_, x| {
-                        Ok(MicroBatch {
-                            loss: gpt.loss(&x[0], &x[1])?,
-                            tokens: x[0].numel(),
-                        })
-                    })?;
-                }
-                reserved = memory::allocator(device)?.max_memory_reserved();
-                Ok(())
-            },
-        )
+        let gpu = Target::Cuda { capacity: 80 << 30 };
+        plan::plan(gpu, PlanOptions::default(), |device| {
+            let mut m = WideGpt::new(device)?;
+            let mut graph = StepGraph::new(true, 1);
+            m.trainer.prepare_graph(&mut graph)?;
+            if work_first && in_pool {
+                graph.run_between_steps(device, || m.evaluate())?;
+            } else if work_first {
+                m.evaluate()?;
+            }
+            m.step(&mut graph)?;
+            m.step(&mut graph)?;
+            reserved = memory::allocator(device)?.max_memory_reserved();
+            Ok(())
+        })
         .unwrap();
         reserved
     };
