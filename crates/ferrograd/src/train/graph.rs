@@ -9,11 +9,12 @@
 //!                counts the step (every write is stream-ordered: the host never waits)
 //!
 //! The step's blocks live in the graph's private pool (backend/capture.rs): the accounting by
-//! category is the captured step's, and a replay allocates nothing. What cannot be replayed
-//! runs eagerly, and `GraphStatus` says why: a CPU device, f16 loss scaling (its skip decision
-//! is read on the host), data-parallel reduction, the step in backward, an optimizer whose
-//! rate is a kernel argument, or a capture that failed. New input shapes, or a batch whose
-//! target count differs from the captured one, capture again.
+//! category is the captured step's, and a replay allocates nothing. Work between steps (an
+//! evaluation) runs in that pool too (`run_between_steps`), so it reserves nothing beside
+//! it. What cannot be replayed runs eagerly, and `GraphStatus` says why: a CPU device, f16
+//! loss scaling (its skip decision is read on the host), data-parallel reduction, the step
+//! in backward, an optimizer whose rate is a kernel argument, or a capture that failed. New
+//! input shapes, or a batch whose target count differs from the captured one, capture again.
 //!
 //! Dropout: the captured step's masks are drawn with the keys the host drew at the capture,
 //! each XORed on the device with a seed that every replay rewrites (`replay_seed` of the step
