@@ -4,7 +4,9 @@
 #   scripts/gpu_tests.sh run     # on the GPU machine: runs every test binary, prints a pass/fail summary
 # Environment for run: ONLY (space-separated test binaries to run, default all), FILTER (a test
 # name filter passed to each), SANITIZE=1 (each under compute-sanitizer's memcheck, which
-# reports any access outside a live allocation), OUT (a folder for the logs).
+# reports any access outside a live allocation), OUT (a folder for the logs), DEADLINE_S (seconds
+# from the start after which no binary runs on: each runs under the time left, and those after
+# it are reported as skipped), THREADS (test threads per binary, default 1).
 # The GPU test targets (tests/gpu_*.rs and the CUDA variants of the golden tests) exist only
 # with the `gpu-tests` feature and fail, not skip, when no GPU is present.
 set -euo pipefail
@@ -28,7 +30,7 @@ build() {
 }
 
 run() {
-  local pass=0 fail=0 wrap=()
+  local pass=0 fail=0 skipped=0 wrap=() start=$SECONDS limit=()
   if [ "${SANITIZE:-0}" = 1 ]; then
     wrap=("${SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}" --tool memcheck --error-exitcode 1)
   fi
@@ -36,12 +38,25 @@ run() {
     local name log
     name=$(basename "$t"); log=$(mktemp)
     if [ -n "${ONLY:-}" ] && ! printf ' %s ' $ONLY | grep -q " $name "; then continue; fi
-    if "${wrap[@]}" "$t" --test-threads=1 ${FILTER:-} >"$log" 2>&1; then status=PASS; pass=$((pass + 1)); else status=FAIL; fail=$((fail + 1)); fi
+    if [ -n "${DEADLINE_S:-}" ]; then
+      local left=$((DEADLINE_S - (SECONDS - start)))
+      if [ "$left" -lt 10 ]; then
+        printf '%-18s SKIPPED (deadline)\n' "$name"; skipped=$((skipped + 1)); continue
+      fi
+      limit=(timeout "$left")
+    fi
+    local rc=0
+    "${limit[@]}" "${wrap[@]}" "$t" --test-threads="${THREADS:-1}" ${FILTER:-} >"$log" 2>&1 || rc=$?
+    case $rc in
+      0) status=PASS; pass=$((pass + 1)) ;;
+      124) status="FAIL (deadline: cut off)"; fail=$((fail + 1)) ;;
+      *) status=FAIL; fail=$((fail + 1)) ;;
+    esac
     printf '%-18s %s  %s\n' "$name" "$status" "$(grep -E '^test result' "$log" | tail -1)"
-    if [ "$status" = FAIL ]; then grep -E -A3 -e '--- FAILED|panicked|^failures:' "$log" | head -40 || true; fi
+    if [ "$status" != PASS ]; then grep -E -A3 -e '--- FAILED|panicked|^failures:' "$log" | head -40 || true; fi
     [ -n "${OUT:-}" ] && cp "$log" "$OUT/$name.log"
   done
-  echo "gpu test binaries: $pass passed, $fail failed"
+  echo "gpu test binaries: $pass passed, $fail failed, $skipped skipped"
   [ "$fail" -eq 0 ]
 }
 
