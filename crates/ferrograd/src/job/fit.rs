@@ -63,9 +63,7 @@ fn plan_with_data(
         // the graph's pool as the run's do.
         let graphs = job.cuda_graphs && matches!(job.device, Device::Cuda(_));
         let mut graph = StepGraph::new(graphs, 1);
-        if graphs {
-            trainer.prepare_graph(&mut graph)?;
-        }
+        trainer.prepare_graph(&mut graph)?;
         graph.run_between_steps(device, || evaluate(&mut model, data, &eval_job, 0, device))?;
         let mut losses = Losses::default();
         for _ in 0..steps {

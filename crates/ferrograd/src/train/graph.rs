@@ -146,10 +146,7 @@ impl StepGraph {
             return f();
         }
         let Some(c) = &self.captured else {
-            let pool = self.take_pool(device)?;
-            let r = pool.run(f);
-            self.pool = Some(pool);
-            return r;
+            return self.run_in_warmup_pool(device, f);
         };
         let (_, before) = c.graph.pool_bytes()?;
         let r = c.graph.run_in_pool(f);
@@ -166,6 +163,18 @@ impl StepGraph {
             Some(p) => Ok(p),
             None => Pool::new(device),
         }
+    }
+
+    /// Runs `f` (nothing captured) in the pool the capture will take, which is kept for it.
+    fn run_in_warmup_pool<R>(
+        &mut self,
+        device: Device,
+        f: impl FnOnce() -> Result<R>,
+    ) -> Result<R> {
+        let pool = self.take_pool(device)?;
+        let r = pool.run(f);
+        self.pool = Some(pool);
+        r
     }
 
     /// Turns graphs off for the rest of the run, dropping any capture.
@@ -270,10 +279,8 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
             // In the pool the capture will take: the warm-up's activations leave the shared
             // segments to what lives on, and the capture reuses their segments.
             graph.warmup -= 1;
-            let pool = graph.take_pool(self.device())?;
-            let report = pool.run(|| self.eager(inputs, loss_of));
-            graph.pool = Some(pool);
-            return report;
+            let device = self.device();
+            return graph.run_in_warmup_pool(device, || self.eager(inputs, loss_of));
         }
         if let Some(c) = &graph.captured {
             match replay_check(c, inputs)? {

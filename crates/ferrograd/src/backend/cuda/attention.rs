@@ -236,7 +236,6 @@ enum Tiled {
 /// and keys per tile (dQ) shrink at wide heads, as BN, BQ and BNQ do there.
 fn smem_bytes(kernel: Tiled, d: usize) -> u32 {
     let lds = d + 8;
-    let rows = TILE;
     let bn = if d <= 64 { 64 } else { 32 };
     let bq = match d {
         0..=64 => 64,
@@ -250,8 +249,8 @@ fn smem_bytes(kernel: Tiled, d: usize) -> u32 {
     };
     let elems = match kernel {
         Tiled::Forward => 2 * (2 * bn * lds),
-        Tiled::DkDv => 2 * rows * lds + 2 * (2 * bq * lds),
-        Tiled::Dq => 2 * rows * lds + 2 * (2 * bnq * lds),
+        Tiled::DkDv => 2 * TILE * lds + 2 * (2 * bq * lds),
+        Tiled::Dq => 2 * TILE * lds + 2 * (2 * bnq * lds),
     };
     let stats = match kernel {
         Tiled::DkDv => 2 * 2 * bq * 4,
@@ -370,35 +369,41 @@ fn backward(d: &CudaDevice, a: &AttentionBackward) -> Result<()> {
     ];
     launch(d, m, "attn_delta", delta_cfg, &delta_args)?;
 
-    let heads = [Arg::Struct(&q.1), Arg::Struct(&k.1), Arg::Struct(&v.1)];
-    let mut dkdv = vec![Arg::Ptr(q.0)];
-    dkdv.extend(heads);
-    dkdv.extend([
+    // Both kernels open with q, k, v, gout, lse and delta.
+    let inputs = [
+        Arg::Ptr(q.0),
+        Arg::Struct(&q.1),
+        Arg::Struct(&k.1),
+        Arg::Struct(&v.1),
         Arg::Ptr(gout.0),
         Arg::Struct(&gout.1),
         Arg::Ptr(lse),
         Arg::Ptr(delta),
+    ];
+    let grads = [
         Arg::Ptr(gk.0),
         Arg::Struct(&gk.1),
         Arg::Struct(&gv.1),
         Arg::Struct(&p),
-    ]);
+    ];
     let cfg = p.tiles(Tiled::DkDv, d_head, dtype);
-    launch(d, m, kernel("attn_bwd_dkdv", a.dropout), cfg, &dkdv)?;
+    launch(
+        d,
+        m,
+        kernel("attn_bwd_dkdv", a.dropout),
+        cfg,
+        &[&inputs[..], &grads].concat(),
+    )?;
 
-    let mut dq = vec![Arg::Ptr(q.0)];
-    dq.extend(heads);
-    dq.extend([
-        Arg::Ptr(gout.0),
-        Arg::Struct(&gout.1),
-        Arg::Ptr(lse),
-        Arg::Ptr(delta),
-        Arg::Ptr(gq.0),
-        Arg::Struct(&gq.1),
-        Arg::Struct(&p),
-    ]);
+    let grads = [Arg::Ptr(gq.0), Arg::Struct(&gq.1), Arg::Struct(&p)];
     let cfg = p.tiles(Tiled::Dq, d_head, dtype);
-    launch(d, m, kernel("attn_bwd_dq", a.dropout), cfg, &dq)
+    launch(
+        d,
+        m,
+        kernel("attn_bwd_dq", a.dropout),
+        cfg,
+        &[&inputs[..], &grads].concat(),
+    )
 }
 
 #[cfg(test)]
