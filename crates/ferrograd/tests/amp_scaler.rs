@@ -407,6 +407,7 @@ fn run_fused(grads: &[Tensor], inv_scale: f32) -> f32 {
         found_inf: flag.storage(),
         grads: &outs,
         inv_scale,
+        inv_scale_at: None,
     })
     .unwrap();
     flag.to_vec::<f32>().unwrap()[0]

@@ -1,9 +1,10 @@
 //! CUDA gradient unscaling against the CPU reference: the fused unscale-and-check op
 //! (`backend::optim::unscale_check`, one launch per dtype) over f32 gradients of several sizes (one
 //! element, exactly one chunk, several chunks, empty) with and without a non-finite element
-//! in the last one, mixed dtypes sharing one flag, and a GradScaler training loop with SGD on
-//! the GPU (scales, skips and parameters equal to the CPU run). Needs a CUDA device: without
-//! one every test fails.
+//! in the last one, mixed dtypes sharing one flag, a GradScaler training loop with SGD on
+//! the GPU (scales, skips and parameters equal to the CPU run), and the scaler's decision kept
+//! on the GPU with AdamW skipping its update there (f32 parameters and bf16 ones on master
+//! copies). Needs a CUDA device: without one every test fails.
 #![cfg(feature = "gpu-tests")]
 
 mod common;
@@ -11,7 +12,7 @@ mod common;
 use common::{assert_close, on};
 use ferrograd::backend::Storage;
 use ferrograd::backend::optim::{UnscaleCheck, unscale_check};
-use ferrograd::optim::{Optimizer, Sgd, SgdConfig};
+use ferrograd::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use ferrograd::train::{GradScaler, GradScalerConfig};
 use ferrograd::{DType, Device, Generator, Tensor};
 
@@ -54,6 +55,7 @@ fn fused(grads: &[Tensor], inv_scale: f32, device: Device) -> (f32, Vec<Tensor>)
         found_inf: flag.storage(),
         grads: &outs,
         inv_scale,
+        inv_scale_at: None,
     })
     .unwrap();
     let flag = flag.to_vec::<f32>().unwrap()[0];
@@ -209,5 +211,75 @@ fn grad_scaler_loop_on_gpu_matches_cpu() {
     assert_eq!(got_scales, want_scales);
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         assert_close(&format!("parameter {i}"), g, w, 1e-6, 1e-5);
+    }
+}
+
+/// The scaler's decision kept on the device (`stage_on`, `step_on_device`, `update_found`),
+/// as a replayed graph runs it: AdamW over `weights` parameters (bf16: on f32 master copies,
+/// the other fused kernel), inf gradients at iterations 0, 3 and 4. Returns (scale after each
+/// update, stepped flags, final parameters as f32 on the CPU, Adam's step count).
+fn staged_run(device: Device, weights: DType) -> (Vec<f64>, Vec<bool>, Vec<Tensor>, u64) {
+    let shapes: [&[usize]; 3] = [&[70_000], &[64], &[4097]];
+    let params: Vec<Tensor> = shapes
+        .iter()
+        .enumerate()
+        .map(|(i, s)| {
+            let p = randn(s, weights, 700 + i as u64).mul_scalar(1e-3).unwrap();
+            on(&p, device).requires_grad_(true).unwrap()
+        })
+        .collect();
+    let mut opt = Adam::adamw(params.clone(), AdamConfig::adamw_default()).unwrap();
+    if weights != DType::F32 {
+        opt = opt.with_master_weights().unwrap();
+    }
+    let mut scaler = GradScaler::with_config(GradScalerConfig {
+        init_scale: 1024.0,
+        growth_interval: 2,
+        ..GradScalerConfig::default()
+    })
+    .unwrap();
+    scaler.stage_on(device).unwrap();
+    let (mut scales, mut stepped) = (Vec::new(), Vec::new());
+    for k in 0..8u64 {
+        for (i, p) in params.iter().enumerate() {
+            let mut g = randn(p.shape(), DType::F32, 800 + 10 * k + i as u64)
+                .mul_scalar(scaler.get_scale() * 1e-3)
+                .unwrap();
+            if [0, 3, 4].contains(&k) && i == 2 {
+                g = with_value(&g, 4096, f32::INFINITY);
+            }
+            p.set_grad(Some(on(&g.to_dtype(weights).unwrap(), device)))
+                .unwrap();
+        }
+        let flag = scaler.step_on_device(&mut opt).unwrap();
+        let found = flag.item().unwrap() != 0.0;
+        opt.settle_skippable_step(found);
+        scaler.update_found(found).unwrap();
+        scales.push(scaler.get_scale());
+        stepped.push(!found);
+    }
+    let params = params
+        .iter()
+        .map(|p| on(&p.to_dtype(DType::F32).unwrap(), CPU))
+        .collect();
+    (scales, stepped, params, opt.step_count())
+}
+
+#[test]
+fn a_scaler_staged_on_the_gpu_skips_adams_update_there_as_the_cpu_does() {
+    for weights in [DType::F32, DType::BF16] {
+        let (want_scales, want_steps, want, want_count) = staged_run(CPU, weights);
+        let (got_scales, got_steps, got, got_count) = staged_run(GPU, weights);
+        assert_eq!(
+            want_steps,
+            [false, true, true, false, false, true, true, true],
+            "{weights}"
+        );
+        assert_eq!(got_steps, want_steps, "{weights}");
+        assert_eq!(got_scales, want_scales, "{weights}");
+        assert_eq!((got_count, want_count), (5, 5), "{weights}");
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_close(&format!("{weights} parameter {i}"), g, w, 1e-6, 1e-5);
+        }
     }
 }

@@ -64,6 +64,9 @@ pub struct AdamStep<'a> {
     /// the capture and fills again before every replay (a kernel argument would replay the
     /// captured step's rate and bias corrections). None: the backend passes them itself.
     pub staged_scalars: Option<&'a Storage>,
+    /// A one-element F32 flag on the parameters' device (a `GradScaler`'s found_inf), read on
+    /// the device: when it is nonzero the step changes nothing. None: the step always runs.
+    pub skip_if: Option<View<'a>>,
 }
 
 /// Bytes of device memory that hold one Adam step's scalars (`AdamStep::staged_scalars`).
@@ -78,6 +81,9 @@ pub struct UnscaleCheck<'a> {
     pub found_inf: &'a Storage,
     pub grads: &'a [&'a Storage],
     pub inv_scale: f32,
+    /// Where the device holds 1/scale (one F32 element), read there instead of `inv_scale`:
+    /// a replayed graph's scale changes from step to step, a kernel argument would not.
+    pub inv_scale_at: Option<View<'a>>,
 }
 
 /// The optimizer kernels of one device. Arguments arrive validated (entry functions below);
@@ -150,6 +156,10 @@ pub fn adam_step(a: &AdamStep) -> Result<()> {
     }
     if let Some(slot) = a.staged_scalars {
         check::on_device("adam", device, [slot])?;
+    }
+    if let Some(flag) = &a.skip_if {
+        check::on_device("adam", device, [flag.storage])?;
+        check::dense("adam", "the skip flag", flag, 1, DType::F32)?;
     }
     for p in a.params {
         adam_param(p)?;
@@ -246,6 +256,10 @@ pub fn unscale_check(a: &UnscaleCheck) -> Result<()> {
         }
     }
     check::on_device(OP, device, a.grads.iter().copied())?;
+    if let Some(inv) = &a.inv_scale_at {
+        check::on_device(OP, device, [inv.storage])?;
+        check::dense(OP, "1/scale", inv, 1, DType::F32)?;
+    }
     const SHARED: &str =
         "the flag and the gradients must be distinct storages; pass each gradient once";
     if a.grads.iter().any(|g| g.same(flag)) {

@@ -249,4 +249,16 @@ impl Optimizer for JobOptimizer {
     fn make_state(&mut self) -> Result<()> {
         self.inner_mut().make_state()
     }
+
+    fn skips_on_device(&self) -> bool {
+        self.inner().skips_on_device()
+    }
+
+    fn step_unless_found_inf(&mut self, found_inf: &Tensor) -> Result<()> {
+        self.inner_mut().step_unless_found_inf(found_inf)
+    }
+
+    fn settle_skippable_step(&mut self, skipped: bool) {
+        self.inner_mut().settle_skippable_step(skipped)
+    }
 }

@@ -78,7 +78,12 @@ pub struct Adam {
     /// For CUDA graphs: the device memory the replayed step reads its scalars from, and the
     /// bookkeeping of the captured step.
     graph: GraphStep,
+    /// The step counts before the last `step_unless_found_inf`, until it is settled.
+    skip_undo: Option<Counts>,
 }
+
+/// The optimizer's step count and each parameter's (None: no state yet), to restore.
+type Counts = (u64, Vec<Option<u64>>);
 
 /// What a graph-replayed Adam step keeps between steps.
 #[derive(Default)]
@@ -87,8 +92,8 @@ struct GraphStep {
     slot: Option<Tensor>,
     /// The parameters the captured step updated (their step counts advance per replay).
     members: Vec<usize>,
-    /// The step counts before the capture (`steps`, then each parameter's), to undo.
-    before: Option<(u64, Vec<Option<u64>>)>,
+    /// The step counts before the capture, to undo.
+    before: Option<Counts>,
 }
 
 /// One parameter to update this step.
@@ -155,6 +160,7 @@ impl Adam {
             steps: 0,
             master_weights: false,
             graph: GraphStep::default(),
+            skip_undo: None,
         })
     }
 
@@ -377,6 +383,7 @@ impl Adam {
             decoupled: self.decoupled,
             step,
             staged_scalars: None,
+            skip_if: None,
         }
     }
 
@@ -406,7 +413,7 @@ impl Adam {
         work: &[Work],
         members: &[usize],
         step: u64,
-        grad_scale: Option<&Tensor>,
+        extra: Extra<'_>,
     ) -> Result<()> {
         let mut params: Vec<AdamParam> = Vec::with_capacity(members.len());
         for &k in members {
@@ -423,7 +430,7 @@ impl Adam {
             });
         }
         // The scale as one f64 on this group's device.
-        let scale = match grad_scale {
+        let scale = match extra.grad_scale {
             Some(c) => {
                 let device = work[members[0]].grad.device();
                 Some(c.to_device(device)?.to_dtype(DType::F64)?.contiguous()?)
@@ -446,6 +453,7 @@ impl Adam {
         // The entry function bumps every parameter's and state buffer's version.
         optim::adam_step(&AdamStep {
             staged_scalars: staged,
+            skip_if: extra.skip_if.map(Tensor::view),
             ..self.step_scalars(&params, scale.as_ref(), step)
         })?;
         for &k in members {
@@ -455,6 +463,14 @@ impl Adam {
         }
         Ok(())
     }
+}
+
+/// What a step reads beside the gradients: a factor for every gradient (a clipping
+/// coefficient) and a flag that makes the device skip the update (a GradScaler's found_inf).
+#[derive(Clone, Copy, Default)]
+struct Extra<'a> {
+    grad_scale: Option<&'a Tensor>,
+    skip_if: Option<&'a Tensor>,
 }
 
 /// Whether `t` is all of its storage, contiguous (what an in-place update writes).
@@ -494,7 +510,7 @@ fn groups(work: &[Work], state: &[Option<AdamState>]) -> Vec<((Device, u64), Vec
 
 impl Adam {
     /// Every parameter with a gradient, in one fused call per (device, step count) group.
-    fn step_all(&mut self, grad_scale: Option<&Tensor>) -> Result<()> {
+    fn step_all(&mut self, extra: Extra<'_>) -> Result<()> {
         let _g = no_grad();
         let work = self.collect_work()?;
         self.ensure_state(&work)?;
@@ -507,16 +523,33 @@ impl Adam {
             self.graph.members = work.iter().map(|w| w.index).collect();
         }
         for ((_, step), members) in groups(&work, &self.state) {
-            self.run_group(&work, &members, step, grad_scale)?;
+            self.run_group(&work, &members, step, extra)?;
         }
         self.steps += 1;
         Ok(())
+    }
+
+    /// The step counts now (the optimizer's, then each parameter's).
+    fn counts(&self) -> Counts {
+        let each = self.state.iter().map(|s| s.as_ref().map(|s| s.step));
+        (self.steps, each.collect())
+    }
+
+    /// Puts back step counts taken by `counts`.
+    fn restore(&mut self, (steps, counts): Counts) {
+        self.steps = steps;
+        for (s, c) in self.state.iter_mut().zip(counts) {
+            // State made by the undone step keeps its zeroed moments, at step 0.
+            if let Some(s) = s.as_mut() {
+                s.step = c.unwrap_or(0);
+            }
+        }
     }
 }
 
 impl Optimizer for Adam {
     fn step(&mut self) -> Result<()> {
-        self.step_all(None)
+        self.step_all(Extra::default())
     }
 
     /// The fused step multiplies each gradient element by `scale` as it reads it (in the
@@ -532,7 +565,10 @@ impl Optimizer for Adam {
                 ),
             ));
         }
-        self.step_all(Some(scale))
+        self.step_all(Extra {
+            grad_scale: Some(scale),
+            skip_if: None,
+        })
     }
 
     fn step_param(&mut self, index: usize) -> Result<()> {
@@ -544,7 +580,7 @@ impl Optimizer for Adam {
             .collect();
         self.ensure_state(&work)?;
         for ((_, step), members) in groups(&work, &self.state) {
-            self.run_group(&work, &members, step, None)?;
+            self.run_group(&work, &members, step, Extra::default())?;
         }
         Ok(())
     }
@@ -597,12 +633,7 @@ impl Optimizer for Adam {
         if let Some(slot) = &self.graph.slot {
             optim::stage_adam_scalars(&self.step_scalars(&[], None, next), slot.storage())?;
         }
-        let counts = self
-            .state
-            .iter()
-            .map(|s| s.as_ref().map(|s| s.step))
-            .collect();
-        self.graph.before = Some((self.steps, counts));
+        self.graph.before = Some(self.counts());
         Ok(())
     }
 
@@ -616,14 +647,33 @@ impl Optimizer for Adam {
     }
 
     fn graph_step_abandoned(&mut self) {
-        if let Some((steps, counts)) = self.graph.before.take() {
-            self.steps = steps;
-            for (s, c) in self.state.iter_mut().zip(counts) {
-                if let (Some(s), Some(c)) = (s.as_mut(), c) {
-                    s.step = c;
-                }
-            }
+        if let Some(before) = self.graph.before.take() {
+            self.restore(before);
         }
         self.graph.members.clear();
+        self.skip_undo = None;
+    }
+
+    fn skips_on_device(&self) -> bool {
+        true
+    }
+
+    /// The fused kernels read the flag first and return at once when it is raised.
+    fn step_unless_found_inf(&mut self, found_inf: &Tensor) -> Result<()> {
+        let before = self.counts();
+        self.step_all(Extra {
+            grad_scale: None,
+            skip_if: Some(found_inf),
+        })?;
+        self.skip_undo = Some(before);
+        Ok(())
+    }
+
+    fn settle_skippable_step(&mut self, skipped: bool) {
+        if let Some(before) = self.skip_undo.take()
+            && skipped
+        {
+            self.restore(before);
+        }
     }
 }

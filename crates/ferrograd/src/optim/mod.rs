@@ -145,6 +145,29 @@ pub trait Optimizer {
     /// After a capture that failed (nothing ran on the device): undoes what the captured
     /// step counted on the host.
     fn graph_step_abandoned(&mut self) {}
+
+    // Loss scaling decided on the device: where the host does not read a GradScaler's
+    // found_inf flag before the step (a captured step, which must not wait for the device),
+    // the optimizer takes the flag and the device skips the update.
+
+    /// Whether `step_unless_found_inf` is supported.
+    fn skips_on_device(&self) -> bool {
+        false
+    }
+
+    /// `step`, except that the device changes nothing when `found_inf` (one F32 element on
+    /// the parameters' device) is nonzero. The host counts the step as taken until
+    /// `settle_skippable_step` says it was skipped.
+    fn step_unless_found_inf(&mut self, _found_inf: &Tensor) -> Result<()> {
+        Err(Error::invalid(
+            self.name(),
+            "this optimizer cannot skip a step on the device; read the GradScaler's check on the host (GradScaler::step)",
+        ))
+    }
+
+    /// Once the flag of the last `step_unless_found_inf` has been read: undoes the host's
+    /// bookkeeping (step counts) of a step the device skipped.
+    fn settle_skippable_step(&mut self, _skipped: bool) {}
 }
 
 fn no_gradient_free_step(name: &'static str) -> Error {

@@ -29,7 +29,11 @@ impl OptimKernels for CpuBackend {
         adam(a)
     }
     fn unscale_check(&self, a: &UnscaleCheck) -> Result<()> {
-        unscale_check(a.inv_scale, a.found_inf, a.grads)
+        let inv_scale = match &a.inv_scale_at {
+            Some(at) => read_f32(OP, at)?,
+            None => a.inv_scale,
+        };
+        unscale_check(inv_scale, a.found_inf, a.grads)
     }
 }
 
@@ -133,8 +137,26 @@ fn read_f64(v: &crate::backend::View) -> Result<f64> {
     }
 }
 
+/// The value of a one-element f32 tensor (a flag, a staged scale).
+fn read_f32(op: &'static str, v: &crate::backend::View) -> Result<f32> {
+    match &*read(v.storage)? {
+        CpuData::F32(d) => Ok(d[v.layout.offset()]),
+        d => Err(Error::DType {
+            op,
+            expected: DType::F32,
+            got: d.dtype(),
+        }),
+    }
+}
+
 /// One parameter after another: read the gradient, rewrite (param, exp_avg, exp_avg_sq).
+/// Nothing when the skip flag is raised.
 fn adam(a: &AdamStep) -> Result<()> {
+    if let Some(flag) = &a.skip_if
+        && read_f32("adam", flag)? != 0.0
+    {
+        return Ok(());
+    }
     let k = AdamScalars::of(a);
     let k = match &a.grad_scale {
         Some(c) => AdamScalars {

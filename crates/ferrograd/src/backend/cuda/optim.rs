@@ -136,6 +136,7 @@ fn adam(d: &CudaDevice, a: &AdamStep) -> Result<()> {
         }
     }
     let grad_scale = a.grad_scale.as_ref().map(addr).transpose()?.unwrap_or(0);
+    let skip = a.skip_if.as_ref().map(addr).transpose()?.unwrap_or(0);
     // The scalars: where the caller staged them, else uploaded with each launch's table.
     let staged = a.staged_scalars.map(ptr).transpose()?;
     let hyper = AdamHyper::of(a);
@@ -143,6 +144,7 @@ fn adam(d: &CudaDevice, a: &AdamStep) -> Result<()> {
         staged,
         words: bytemuck::cast_slice(std::slice::from_ref(&hyper)),
         grad_scale,
+        skip,
     };
     for (dtype, rows) in groups.iter() {
         adam_launch(d, "adam_multi", *dtype, rows, &scalars)?;
@@ -168,11 +170,12 @@ fn adam_row(p: &AdamParam) -> Result<AdamRow> {
 }
 
 /// An Adam launch's scalars: staged on the device (`staged_scalars`), or `words` to upload
-/// behind its table; and the gradient scale's address (0: none).
+/// behind its table; the gradient scale's address and the skip flag's (0: none).
 struct Scalars<'a> {
     staged: Option<u64>,
     words: &'a [u64],
     grad_scale: u64,
+    skip: u64,
 }
 
 /// `{stem}_{dtype}` over `rows` (AdamEntry or AdamMasterEntry tables: A = 4 or 5).
@@ -192,16 +195,17 @@ fn adam_launch<const A: usize>(
         return Ok(());
     };
     let hyper = scalars.staged.unwrap_or(table.trailer);
-    let grad_scale = scalars.grad_scale;
     let name = format!("{stem}_{}", suffix("adam", dtype)?);
-    // {stem}_*(const Entry*, int, i64, const AdamHyper*, const double*): the table just
-    // uploaded, the step's scalars, the gradient scale (null: none).
+    // {stem}_*(const Entry*, int, i64, const AdamHyper*, const double*, const float*): the
+    // table just uploaded, the step's scalars, the gradient scale and the skip flag (null:
+    // none).
     let args = [
         Arg::Ptr(table.addr),
         Arg::I32(table.count),
         Arg::I64(table.chunks),
         Arg::Ptr(hyper),
-        Arg::Ptr(grad_scale),
+        Arg::Ptr(scalars.grad_scale),
+        Arg::Ptr(scalars.skip),
     ];
     launch(d, &KERNELS, &name, table.config(), &args)
 }
@@ -222,17 +226,19 @@ fn unscale_check(d: &CudaDevice, a: &UnscaleCheck) -> Result<()> {
         );
     }
     let found_inf = ptr(a.found_inf)?;
+    let inv_scale_at = a.inv_scale_at.as_ref().map(addr).transpose()?.unwrap_or(0);
     for (dtype, rows) in groups.iter() {
         let Some(table) = Table::upload(d, rows, "unscale_table")? else {
             continue;
         };
         let name = format!("unscale_check_{}", suffix("unscale_check", *dtype)?);
-        // unscale_check_*(const UnscaleEntry*, int, i64, float, float*)
+        // unscale_check_*(const UnscaleEntry*, int, i64, float, const float*, float*)
         let args = [
             Arg::Ptr(table.addr),
             Arg::I32(table.count),
             Arg::I64(table.chunks),
             Arg::F32(a.inv_scale),
+            Arg::Ptr(inv_scale_at),
             Arg::Ptr(found_inf),
         ];
         launch(d, &KERNELS, &name, table.config(), &args)?;

@@ -68,7 +68,9 @@ __device__ __forceinline__ int entry_of(const Entry* tab, int count, i64 c) {
 
 template <typename T>
 __device__ void adam_multi(const AdamEntry* tab, int count, i64 chunks, const AdamHyper& h,
-                           const double* grad_scale) {
+                           const double* grad_scale, const float* skip) {
+    // A GradScaler's found_inf, read on the device: the step leaves everything as it is.
+    if (skip != nullptr && *skip != 0.0f) return;
     typedef typename T::C C;
     typedef typename T::S S;
     // Scalars rounded to the compute type, as the CPU's `AdamC::new` does.
@@ -121,7 +123,9 @@ struct AdamMasterEntry {
 
 template <typename T>
 __device__ void adam_master_multi(const AdamMasterEntry* tab, int count, i64 chunks,
-                                  const AdamHyper& h, const double* grad_scale) {
+                                  const AdamHyper& h, const double* grad_scale,
+                                  const float* skip) {
+    if (skip != nullptr && *skip != 0.0f) return;
     const float l2 = (float)h.l2, decay = (float)h.decay, w1 = (float)h.w1;
     const float beta2 = (float)h.beta2, w2 = (float)h.w2, bc2_sqrt = (float)h.bc2_sqrt;
     const float neg_step = (float)h.neg_step, eps = (float)h.eps;
@@ -158,20 +162,20 @@ __device__ void adam_master_multi(const AdamMasterEntry* tab, int count, i64 chu
 
 extern "C" __global__ void __launch_bounds__(OPTIM_BLOCK)
     adam_master_multi_bf16(const AdamMasterEntry* tab, int count, i64 chunks,
-                           const AdamHyper* h, const double* grad_scale) {
-    adam_master_multi<BF16T>(tab, count, chunks, *h, grad_scale);
+                           const AdamHyper* h, const double* grad_scale, const float* skip) {
+    adam_master_multi<BF16T>(tab, count, chunks, *h, grad_scale, skip);
 }
 extern "C" __global__ void __launch_bounds__(OPTIM_BLOCK)
     adam_master_multi_f16(const AdamMasterEntry* tab, int count, i64 chunks,
-                          const AdamHyper* h, const double* grad_scale) {
-    adam_master_multi<F16T>(tab, count, chunks, *h, grad_scale);
+                          const AdamHyper* h, const double* grad_scale, const float* skip) {
+    adam_master_multi<F16T>(tab, count, chunks, *h, grad_scale, skip);
 }
 
 #define OPTIM_KERNELS(SUFFIX, T)                                                               \
     extern "C" __global__ void __launch_bounds__(OPTIM_BLOCK)                                  \
         adam_multi_##SUFFIX(const AdamEntry* tab, int count, i64 chunks, const AdamHyper* h,   \
-                            const double* grad_scale) {                                        \
-        adam_multi<T>(tab, count, chunks, *h, grad_scale);                                     \
+                            const double* grad_scale, const float* skip) {                     \
+        adam_multi<T>(tab, count, chunks, *h, grad_scale, skip);                               \
     }
 
 OPTIM_KERNELS(f32, F32T)
@@ -270,8 +274,11 @@ __device__ void unscale_check(const UnscaleEntry* tab, int count, i64 chunks, fl
 
 #define AMP_KERNELS(SUFFIX, T)                                                                 \
     extern "C" __global__ void __launch_bounds__(AMP_BLOCK) unscale_check_##SUFFIX(            \
-        const UnscaleEntry* tab, int count, i64 chunks, float inv_scale, float* found_inf) {   \
-        unscale_check<T>(tab, count, chunks, inv_scale, found_inf);                            \
+        const UnscaleEntry* tab, int count, i64 chunks, float inv_scale,                       \
+        const float* inv_scale_at, float* found_inf) {                                         \
+        /* A replayed graph's scale changes per step: read where the host staged it. */        \
+        const float inv = inv_scale_at != nullptr ? *inv_scale_at : inv_scale;                 \
+        unscale_check<T>(tab, count, chunks, inv, found_inf);                                  \
     }
 
 AMP_KERNELS(f32, F32T)
