@@ -85,8 +85,8 @@ pub struct TrainArgs {
     #[arg(long, default_value = "fused")]
     attention: AttentionPath,
     /// On a GPU, capture one training step as a CUDA graph after a warm-up step and replay
-    /// it (on), or run every step op by op (off). Runs that a graph cannot replay (f16 loss
-    /// scaling, SGD, data parallel, step in backward) run op by op, and the log says why.
+    /// it (on), or run every step op by op (off). Runs that a graph cannot replay (SGD, data
+    /// parallel, step in backward) run op by op, and the log says why.
     /// With dropout, replays draw their masks from the captured keys and a per-step seed:
     /// reproducible, but not the masks of a run with graphs off.
     #[arg(long, default_value = "on")]

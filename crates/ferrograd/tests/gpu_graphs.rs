@@ -3,8 +3,9 @@
 //! clipping, accumulation and bf16 autocast; the graph's blocks stay in its private pool and
 //! the accounting by category still sums to `memory_allocated`; with dropout every replay
 //! draws new masks, and without it replays of one batch are bit for bit the same; f16 loss
-//! scaling and SGD run eagerly and say why; an out-of-range id in a replayed batch is the
-//! eager error; new shapes capture again. Needs a CUDA device: without one every test fails.
+//! scaling replays with its skips decided on the device, as the eager run skips; SGD runs
+//! eagerly and says why; an out-of-range id in a replayed batch is the eager error; new
+//! shapes capture again. Needs a CUDA device: without one every test fails.
 #![cfg(feature = "gpu-tests")]
 
 use std::sync::Mutex;
@@ -13,7 +14,8 @@ use ferrograd::job::{self, Event, TrainJob};
 use ferrograd::nn::{Gpt, GptConfig, Module};
 use ferrograd::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig, WarmupCosine};
 use ferrograd::train::{
-    GraphStatus, HostInput, HostInputs, MicroBatch, StepGraph, Trainer, TrainerConfig,
+    GradScaler, GradScalerConfig, GraphStatus, HostInput, HostInputs, MicroBatch, StepGraph,
+    Trainer, TrainerConfig,
 };
 use ferrograd::{DType, Device, Error, Tensor, memory};
 
@@ -350,16 +352,101 @@ fn replays_draw_new_dropout_masks_and_are_otherwise_the_same() {
     }
 }
 
+/// (stepped, scale, loss) of 8 f16 steps whose first scale overflows the f16 backward, the
+/// parameters after them, Adam's step count and the graph's status.
+type ScaledRun = (
+    Vec<(bool, Option<f64>, f64)>,
+    Vec<Vec<f32>>,
+    u64,
+    GraphStatus,
+);
+
+fn f16_scaled(graphs: bool) -> ScaledRun {
+    let model = gpt();
+    let config = TrainerConfig {
+        amp: Some(DType::F16),
+        ..trainer_config(1)
+    };
+    let mut trainer = Trainer::new(adamw(&model), config, GPU).unwrap();
+    // 2^60 backs off by 2^-12 per overflow: the warm-up, the capture and the first replays
+    // skip, then the scale fits and grows every third clean step.
+    *trainer.scaler_mut().unwrap() = GradScaler::with_config(GradScalerConfig {
+        init_scale: 2f64.powi(60),
+        backoff_factor: 2f64.powi(-12),
+        growth_interval: 3,
+        ..GradScalerConfig::default()
+    })
+    .unwrap();
+    let mut graph = StepGraph::new(graphs, 1);
+    let mut steps = Vec::new();
+    for s in 0..8 {
+        let r = trainer
+            .step_graphed(&mut graph, &inputs(s, 1, 4, 32), forward(&model))
+            .unwrap();
+        steps.push((r.stepped, r.scale, r.loss.value().unwrap()));
+    }
+    let params = model
+        .parameters()
+        .iter()
+        .map(|p| p.to_vec::<f32>().unwrap())
+        .collect();
+    let count = trainer.with_optimizer(|o| o.step_count()).unwrap();
+    (steps, params, count, graph.status())
+}
+
+/// f16 loss scaling replays: the scale is read from device memory that each update rewrites,
+/// and the optimizer's update is skipped on the device when the inf/NaN check fires. The
+/// skips, the scales, the losses and the parameters are the eager run's (whose scaler reads
+/// the check on the host).
+#[test]
+fn f16_loss_scaling_replays_with_its_skips_decided_on_the_device() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let (eager, eager_params, eager_count, off) = f16_scaled(false);
+    assert!(matches!(off, GraphStatus::Off(_)), "{off}");
+    let (graphed, params, count, status) = f16_scaled(true);
+    assert!(
+        matches!(status, GraphStatus::Replaying { step: 1, .. }),
+        "{status}"
+    );
+    println!("eager {eager:?}\ngraph {graphed:?}");
+    let skipped = eager.iter().filter(|s| !s.0).count();
+    assert!(
+        (3..8).contains(&skipped),
+        "the warm-up, the capture and a replay should overflow: {eager:?}"
+    );
+    assert_eq!(count, eager_count);
+    assert_eq!(eager_count, (8 - skipped) as u64);
+    for (s, (g, e)) in graphed.iter().zip(&eager).enumerate() {
+        assert_eq!((g.0, g.1), (e.0, e.1), "step {s}: stepped and scale");
+        assert!(
+            (g.2 - e.2).abs() <= 1e-5 * e.2.abs(),
+            "step {s}: loss {} replayed, {} eager",
+            g.2,
+            e.2
+        );
+    }
+    let worst = params
+        .iter()
+        .flatten()
+        .zip(eager_params.iter().flatten())
+        .map(|(g, e)| (g - e).abs())
+        .fold(0f32, f32::max);
+    println!("largest parameter difference {worst:e}");
+    assert!(worst <= 1e-5, "parameters differ by {worst}");
+}
+
 #[test]
 fn what_a_graph_cannot_replay_runs_eagerly_and_says_why() {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    // f16 loss scaling and SGD: refused before any capture.
+    // f16 loss scaling with an optimizer that cannot skip on the device, and SGD: refused
+    // before any capture.
     let model = gpt();
     let f16 = TrainerConfig {
         amp: Some(DType::F16),
         ..trainer_config(1)
     };
-    let mut trainer = Trainer::new(adamw(&model), f16, GPU).unwrap();
+    let sgd = Sgd::new(model.parameters(), SgdConfig::default()).unwrap();
+    let mut trainer = Trainer::new(sgd, f16, GPU).unwrap();
     let mut graph = StepGraph::new(true, 1);
     for s in 0..2 {
         trainer

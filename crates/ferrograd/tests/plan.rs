@@ -433,68 +433,75 @@ fn a_gpu_plan_captures_and_replays_steps_as_the_gpu_would() {
         ]]
     };
     let gpu = Target::Cuda { capacity: 80 << 30 };
-    plan::plan(gpu, PlanOptions::default(), |device| {
-        let gpt = Gpt::new(GptConfig::tiny(), device)?;
-        let opt = Adam::adamw(gpt.parameters(), AdamConfig::adamw_default())?;
-        let config = TrainerConfig {
-            clip: Some(1.0),
-            amp: Some(DType::BF16),
-            ..TrainerConfig::default()
-        };
-        let mut trainer = Trainer::new(opt, config, device)?;
-        let mut graph = StepGraph::new(true, 1);
-        let step = |trainer: &mut Trainer<Adam>, graph: &mut StepGraph, b: usize, t: usize| {
-            trainer
-                .step_graphed(graph, &batch(b, t), |_, x| {
-                    Ok(MicroBatch {
-                        loss: gpt.loss(&x[0], &x[1])?,
-                        tokens: x[0].numel(),
+    // f16 too: its GradScaler keeps the scale on the device and AdamW skips there.
+    for amp in [DType::BF16, DType::F16] {
+        plan::plan(gpu, PlanOptions::default(), |device| {
+            let gpt = Gpt::new(GptConfig::tiny(), device)?;
+            let opt = Adam::adamw(gpt.parameters(), AdamConfig::adamw_default())?;
+            let config = TrainerConfig {
+                clip: Some(1.0),
+                amp: Some(amp),
+                ..TrainerConfig::default()
+            };
+            let mut trainer = Trainer::new(opt, config, device)?;
+            let mut graph = StepGraph::new(true, 1);
+            let step = |trainer: &mut Trainer<Adam>, graph: &mut StepGraph, b: usize, t: usize| {
+                trainer
+                    .step_graphed(graph, &batch(b, t), |_, x| {
+                        Ok(MicroBatch {
+                            loss: gpt.loss(&x[0], &x[1])?,
+                            tokens: x[0].numel(),
+                        })
                     })
-                })
-                .map(drop)
-        };
-        step(&mut trainer, &mut graph, 4, 32)?;
-        assert_eq!(graph.status(), GraphStatus::WarmingUp);
-        step(&mut trainer, &mut graph, 4, 32)?;
-        let GraphStatus::Replaying {
-            step: 1,
-            pool_bytes,
-        } = graph.status()
-        else {
-            panic!("no capture: {}", graph.status());
-        };
-        assert!(pool_bytes > 0);
-        let alloc = memory::allocator(device)?;
-        let (allocated, reserved) = (alloc.memory_allocated(), alloc.memory_reserved());
-        for _ in 0..3 {
+                    .map(drop)
+            };
             step(&mut trainer, &mut graph, 4, 32)?;
-            assert_eq!(alloc.memory_allocated(), allocated, "a replay allocated");
-            assert_eq!(alloc.memory_reserved(), reserved, "a replay reserved");
+            assert_eq!(graph.status(), GraphStatus::WarmingUp);
+            step(&mut trainer, &mut graph, 4, 32)?;
+            let GraphStatus::Replaying {
+                step: 1,
+                pool_bytes,
+            } = graph.status()
+            else {
+                panic!("{amp}: no capture: {}", graph.status());
+            };
+            assert_eq!(
+                trainer.scaler().and_then(|s| s.staged_device()),
+                (amp == DType::F16).then_some(device)
+            );
+            assert!(pool_bytes > 0);
+            let alloc = memory::allocator(device)?;
+            let (allocated, reserved) = (alloc.memory_allocated(), alloc.memory_reserved());
+            for _ in 0..3 {
+                step(&mut trainer, &mut graph, 4, 32)?;
+                assert_eq!(alloc.memory_allocated(), allocated, "a replay allocated");
+                assert_eq!(alloc.memory_reserved(), reserved, "a replay reserved");
+                assert_eq!(alloc.by_category().total(), alloc.memory_allocated());
+            }
+            // Every replay advanced every parameter's count (the bias corrections of the next
+            // replay are staged from it): warm-up, capture, three replays.
+            trainer.with_optimizer(|o| {
+                assert_eq!(o.step_count(), 5);
+                let counts: Vec<u64> = (0..o.params().len())
+                    .map(|i| o.state(i).map_or(0, |s| s.step))
+                    .collect();
+                assert!(counts.iter().all(|&c| c == 5), "step counts {counts:?}");
+            })?;
+            // Other shapes: a new capture (the old graph and its pool go).
+            step(&mut trainer, &mut graph, 2, 16)?;
+            assert!(
+                matches!(graph.status(), GraphStatus::Replaying { step: 5, .. }),
+                "{}",
+                graph.status()
+            );
             assert_eq!(alloc.by_category().total(), alloc.memory_allocated());
-        }
-        // Every replay advanced every parameter's count (the bias corrections of the next
-        // replay are staged from it): warm-up, capture, three replays.
-        trainer.with_optimizer(|o| {
-            assert_eq!(o.step_count(), 5);
-            let counts: Vec<u64> = (0..o.params().len())
-                .map(|i| o.state(i).map_or(0, |s| s.step))
-                .collect();
-            assert!(counts.iter().all(|&c| c == 5), "step counts {counts:?}");
-        })?;
-        // Other shapes: a new capture (the old graph and its pool go).
-        step(&mut trainer, &mut graph, 2, 16)?;
-        assert!(
-            matches!(graph.status(), GraphStatus::Replaying { step: 5, .. }),
-            "{}",
-            graph.status()
-        );
-        assert_eq!(alloc.by_category().total(), alloc.memory_allocated());
-        drop(graph);
-        alloc.empty_cache();
-        assert!(alloc.memory_reserved() < reserved, "the pool was kept");
-        Ok(())
-    })
-    .unwrap();
+            drop(graph);
+            alloc.empty_cache();
+            assert!(alloc.memory_reserved() < reserved, "the pool was kept");
+            Ok(())
+        })
+        .unwrap();
+    }
 }
 
 /// A GPT wide enough that its MLP's hidden activations (2 MiB at B 8, T 64) are large

@@ -17,6 +17,22 @@
 //! reach inf is skipped. Unscaling is one fused backend call per device
 //! (`backend::optim::unscale_check`: one kernel launch per dtype on a GPU), and the found_inf flags
 //! are read back once per iteration, when `step` (or `update`) first needs them.
+//!
+//! A step that must not wait for the device (a captured CUDA graph, replayed with no host
+//! work between its kernels) keeps the whole decision there instead (`stage_on`): the scale
+//! and 1/scale live in device memory that each update rewrites, and the optimizer skips its
+//! update on the device when the flag is raised (`step_on_device`). Its caller reads the flag
+//! after the step has run and ends the iteration with the verdict (`update_found`):
+//!
+//! ```text
+//! scaler.stage_on(device)?;                      // once
+//! scaler.scale(&loss)?.backward()?;              // loss · the staged scale
+//! scaler.unscale_(&opt)?;                        // gradients · the staged 1/scale
+//! let flag = scaler.step_on_device(&mut opt)?;   // the update, skipped on the device on inf
+//! let found = flag.item()? != 0.0;               // later: the step has run
+//! opt.settle_skippable_step(found);
+//! scaler.update_found(found)?;                   // the new scale, staged for the next step
+//! ```
 
 use std::sync::Arc;
 
@@ -26,7 +42,7 @@ use crate::backend::optim::{self, UnscaleCheck};
 use crate::base::{Error, Result};
 use crate::memory::Category;
 use crate::optim::Optimizer;
-use crate::tensor::{DType, Device, Tensor};
+use crate::tensor::{DType, Device, Layout, Tensor};
 
 const OP: &str = "GradScaler";
 /// Names of the state tensors (see `GradScaler::state_tensors`).
@@ -98,6 +114,37 @@ pub struct GradScaler {
     scale: f32,
     growth_tracker: u64,
     records: Vec<OptRecord>,
+    staged: Option<Staged>,
+}
+
+/// The scale and 1/scale in device memory (one F32 each), rewritten at every update: what
+/// a step that does not wait for the device reads instead of kernel arguments.
+struct Staged {
+    scale: Tensor,
+    inv_scale: Tensor,
+}
+
+impl Staged {
+    fn new(device: Device) -> Result<Staged> {
+        let one =
+            |origin| Tensor::alloc(&[1], DType::F32, device, Category::OptimizerState, origin);
+        Ok(Staged {
+            scale: one("grad_scaler_scale")?,
+            inv_scale: one("grad_scaler_inv_scale")?,
+        })
+    }
+
+    /// Writes `scale` and its reciprocal (in stream order with the device's kernels).
+    fn write(&self, scale: f32) -> Result<()> {
+        let _g = no_grad();
+        self.scale.fill_(scale as f64)?;
+        self.inv_scale.fill_(inv_of(scale) as f64)
+    }
+}
+
+/// 1/scale as PyTorch takes it: in f64, rounded to f32.
+fn inv_of(scale: f32) -> f32 {
+    (1.0 / scale as f64) as f32
 }
 
 impl Default for GradScaler {
@@ -115,6 +162,7 @@ impl GradScaler {
             growth_tracker: 0,
             cfg,
             records: Vec::new(),
+            staged: None,
         }
     }
 
@@ -161,6 +209,7 @@ impl GradScaler {
             growth_tracker: 0,
             cfg,
             records: Vec::new(),
+            staged: None,
         })
     }
 
@@ -178,9 +227,37 @@ impl GradScaler {
         self.growth_tracker
     }
 
+    /// Keeps the scale in memory on `device` from now on (see the module doc): `scale` and
+    /// `unscale_` read it there, and every update rewrites it. Moves it if it was staged on
+    /// another device.
+    pub fn stage_on(&mut self, device: Device) -> Result<()> {
+        if self.staged_on(device).is_none() {
+            self.staged = Some(Staged::new(device)?);
+        }
+        self.restage()
+    }
+
+    /// The device whose memory holds the scale, once `stage_on` was called.
+    pub fn staged_device(&self) -> Option<Device> {
+        self.staged.as_ref().map(|s| s.scale.device())
+    }
+
+    fn staged_on(&self, device: Device) -> Option<&Staged> {
+        self.staged.as_ref().filter(|s| s.scale.device() == device)
+    }
+
+    /// Rewrites the staged scale after a change.
+    fn restage(&self) -> Result<()> {
+        match &self.staged {
+            Some(s) => s.write(self.scale),
+            None => Ok(()),
+        }
+    }
+
     /// loss · scale, with autograd (backward of the result gives scaled gradients). A 0-dim
     /// f16/bf16 loss is widened to f32 first, as PyTorch's type promotion does against its
     /// f32 scale tensor (scaled half losses overflow easily); other losses keep their dtype.
+    /// With the scale staged on the loss's device, the product reads it there.
     pub fn scale(&self, loss: &Tensor) -> Result<Tensor> {
         if !loss.dtype().is_float() {
             return Err(Error::UnsupportedDType {
@@ -195,7 +272,17 @@ impl GradScaler {
         } else {
             loss.clone()
         };
-        loss.mul_scalar(self.scale as f64)
+        let Some(staged) = self.staged_on(loss.device()) else {
+            return loss.mul_scalar(self.scale as f64);
+        };
+        // A 0-dim view of the staged value: the product broadcasts it over the loss.
+        let scale = staged.scale.with_layout(Layout::contiguous(&[]));
+        let scale = if loss.dtype() == DType::F32 {
+            scale
+        } else {
+            scale.to_dtype(loss.dtype())?
+        };
+        loss.mul(&scale)
     }
 
     /// Divides the gradients of `opt`'s parameters by the scale, in place, and records
@@ -283,7 +370,81 @@ impl GradScaler {
         }
         self.update_scale(found);
         self.records.clear();
-        Ok(())
+        self.restage()
+    }
+
+    /// `step` for a scaler staged on the optimizer's device, without reading anything back:
+    /// unscales (unless `unscale_` already did this iteration), then hands the check's flag
+    /// to the optimizer, whose update the device skips when the flag is raised. Returns the
+    /// flag (one F32 element, nonzero: inf or NaN found); once the step has run, read it and
+    /// end the iteration with `update_found` (and `settle_skippable_step` on the optimizer).
+    /// The gradients must all be on the staged device.
+    pub fn step_on_device<O: Optimizer + ?Sized>(&mut self, opt: &mut O) -> Result<Tensor> {
+        const STEP: &str = "GradScaler::step_on_device";
+        if !opt.skips_on_device() {
+            return Err(Error::invalid(
+                STEP,
+                format!(
+                    "{} cannot skip its update on the device; use GradScaler::step",
+                    opt.name()
+                ),
+            ));
+        }
+        let Some(device) = self.staged_device() else {
+            return Err(Error::invalid(
+                STEP,
+                "the scale is not staged on a device: call stage_on(device) first, or use GradScaler::step",
+            ));
+        };
+        let key = key_of(opt.params());
+        match self.record(&key).map(|r| r.stage) {
+            Some(Stage::Stepped) => {
+                return Err(Error::invalid(
+                    STEP,
+                    "the optimizer has already stepped since the last update; end each iteration with update_found()",
+                ));
+            }
+            Some(Stage::Unscaled) => {}
+            None => self.unscale_(&*opt)?,
+        }
+        let record = self
+            .records
+            .iter_mut()
+            .find(|r| r.key == key)
+            .ok_or_else(|| Error::invalid(STEP, "the unscale record is missing"))?;
+        let flag = match record.flags.as_slice() {
+            [flag] if flag.device() == device => flag.clone(),
+            [] => {
+                return Err(Error::invalid(
+                    STEP,
+                    "no inf checks were recorded for this optimizer: none of its parameters has a gradient; call backward() on the scaled loss first",
+                ));
+            }
+            _ => {
+                return Err(Error::invalid(
+                    STEP,
+                    "a step decided on the device needs every gradient on the device the scale is staged on (stage_on)",
+                ));
+            }
+        };
+        record.stage = Stage::Stepped;
+        opt.step_unless_found_inf(&flag)?;
+        Ok(flag)
+    }
+
+    /// Ends an iteration whose inf/NaN check the caller read itself (the flags that
+    /// `step_on_device` returned, after the step ran): as `update`, with that verdict. Also
+    /// ends iterations that left no record on the host (a replayed graph's).
+    pub fn update_found(&mut self, found_inf: bool) -> Result<()> {
+        self.records.clear();
+        self.update_scale(found_inf);
+        self.restage()
+    }
+
+    /// Forgets this iteration's unscale and step records, changing no scale (a captured
+    /// step that failed: nothing it recorded ran).
+    pub fn discard_iteration(&mut self) {
+        self.records.clear();
     }
 
     /// torch's `_amp_update_scale_`: f32 scale times an f64 factor, rounded to f32.
@@ -351,7 +512,7 @@ impl GradScaler {
             })?;
         self.scale = scale;
         self.growth_tracker = tracker;
-        Ok(())
+        self.restage()
     }
 
     fn record(&self, key: &[usize]) -> Option<&OptRecord> {
@@ -368,7 +529,7 @@ impl GradScaler {
             check_grad_dtype(i, &g)?;
             pairs.push((p, g));
         }
-        let inv_scale = (1.0 / self.scale as f64) as f32;
+        let inv_scale = inv_of(self.scale);
         let mut per_device: Vec<(Device, Vec<Tensor>)> = Vec::new();
         let covered = covered_storages(&pairs);
         for (p, g) in pairs {
@@ -383,14 +544,21 @@ impl GradScaler {
         }
         let mut flags = Vec::with_capacity(per_device.len());
         for (device, grads) in per_device {
-            flags.push(unscale_on(device, &grads, inv_scale)?);
+            let staged = self.staged_on(device).map(|s| &s.inv_scale);
+            flags.push(unscale_on(device, &grads, inv_scale, staged)?);
         }
         Ok(flags)
     }
 }
 
-/// One fused unscale over `grads` (all on `device`, each owning its storage); the flag.
-fn unscale_on(device: Device, grads: &[Tensor], inv_scale: f32) -> Result<Tensor> {
+/// One fused unscale over `grads` (all on `device`, each owning its storage) by `inv_scale`,
+/// or by the value held in `staged` (one F32 element on `device`); the flag.
+fn unscale_on(
+    device: Device,
+    grads: &[Tensor],
+    inv_scale: f32,
+    staged: Option<&Tensor>,
+) -> Result<Tensor> {
     let flag = Tensor::alloc(
         &[1],
         DType::F32,
@@ -410,6 +578,7 @@ fn unscale_on(device: Device, grads: &[Tensor], inv_scale: f32) -> Result<Tensor
         found_inf: flag.storage(),
         grads: &storages,
         inv_scale,
+        inv_scale_at: staged.map(Tensor::view),
     })?;
     Ok(flag)
 }

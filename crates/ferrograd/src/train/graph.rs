@@ -8,12 +8,19 @@
 //!                optimizer stages the step's scalars on the device  →  replay  →  optimizer
 //!                counts the step (every write is stream-ordered: the host never waits)
 //!
+//! f16 loss scaling is captured too: the GradScaler keeps its scale in device memory
+//! (`GradScaler::stage_on`), the unscale reads it there and the optimizer skips its update on
+//! the device when the inf/NaN check fires. After each replay the host reads the check (the
+//! one wait of such a step, as an eager f16 step has), counts the step only if it ran, and
+//! stages the updated scale for the next replay.
+//!
 //! The step's blocks live in the graph's private pool (backend/capture.rs): the accounting by
 //! category is the captured step's, and a replay allocates nothing. Work between steps (an
 //! evaluation) runs in that pool too (`run_between_steps`), so it reserves nothing beside
 //! it. What cannot be replayed runs eagerly, and `GraphStatus` says why: a CPU device, f16
-//! loss scaling (its skip decision is read on the host), data-parallel reduction, the step
-//! in backward, an optimizer whose rate is a kernel argument, or a capture that failed. New
+//! loss scaling with an optimizer that cannot skip its update on the device, data-parallel
+//! reduction, the step in backward, an optimizer whose rate is a kernel argument, or a
+//! capture that failed. New
 //! input shapes, or a batch whose target count differs from the captured one, capture again.
 //!
 //! Dropout: the captured step's masks are drawn with the keys the host drew at the capture,
@@ -25,13 +32,15 @@
 use std::time::Instant;
 
 use super::accumulate::{Accumulation, MicroBatch};
-use super::trainer::{StepReport, Trainer};
+use super::trainer::{StepReport, Stepped, Trainer};
 use crate::backend::capture::{self, Graph, InputCheck, Pool};
 use crate::backend::{HostValues, backend};
 use crate::base::{Device, Error, Result};
 use crate::memory;
 use crate::optim::Optimizer;
 use crate::tensor::{DType, Readout, Tensor};
+
+use super::GradScaler;
 
 /// One integer input of a micro-batch (its token ids, its targets): values in row-major order
 /// and the shape.
@@ -86,6 +95,9 @@ struct Captured {
     /// The mean loss and the gradient norm, rewritten by each replay.
     loss: Tensor,
     grad_norm: Option<Tensor>,
+    /// With f16 loss scaling: the inf/NaN check that each replay writes (nonzero: the
+    /// optimizer's update was skipped), read after the replay.
+    found_inf: Option<Tensor>,
     tokens: usize,
     step: u64,
     graph: Graph,
@@ -216,11 +228,12 @@ fn overwrite(t: &Tensor, values: &[i64]) -> Result<()> {
 impl<O: Optimizer + Send + 'static> Trainer<O> {
     /// Why this trainer's steps cannot be captured, if they cannot (checked before trying).
     fn graph_refusal(&mut self) -> Option<String> {
+        let skips = self.with_optimizer(|o| o.skips_on_device()).ok()?;
         let config = self.config();
         let why = if !capture::can_capture(self.device()) {
             Some(format!("{} runs each op as it is called", self.device()))
-        } else if config.uses_scaler() {
-            Some("f16 loss scaling reads its inf/NaN check on the host at every step".into())
+        } else if config.uses_scaler() && !skips {
+            Some("f16 loss scaling needs an optimizer that skips its update on the device (AdamW does)".into())
         } else if config.step_in_backward {
             Some("the step in backward is not captured".into())
         } else if self.has_grad_sync() {
@@ -318,18 +331,27 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
             .collect::<Result<Vec<_>>>()?;
         let lr = self.set_scheduled_lr()?;
         self.with_optimizer(|o| o.prepare_graph_step())??;
-        let pool = graph.take_pool(self.device())?;
+        let device = self.device();
+        if let Some(s) = self.scaler_mut() {
+            // The captured step reads the scale from device memory, rewritten per update.
+            s.stage_on(device)?;
+        }
+        let pool = graph.take_pool(device)?;
         let captured = capture::capture_in(pool, || {
             let how = Accumulation {
                 micro_batches: self.config().accum,
                 amp: self.config().amp,
-                scaler: None,
+                scaler: self.scaler(),
             };
             let done = self.accumulate_synced(&how, |i| loss_of(i, &tensors[i]))?;
-            let (grad_norm, _) = self.finish_step()?;
-            Ok((done, grad_norm))
+            let (grad_norm, stepped) = self.finish_step()?;
+            let found_inf = match stepped {
+                Stepped::OnDevice(flag) => Some(flag),
+                Stepped::Known(_) => None,
+            };
+            Ok((done, grad_norm, found_inf))
         });
-        let (g, (done, grad_norm)) = match captured {
+        let (g, (done, grad_norm, found_inf)) = match captured {
             Ok(c) => c,
             Err(e) => {
                 // Nothing ran: undo the step's host bookkeeping, drop gradients that were
@@ -338,11 +360,18 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
                     o.graph_step_abandoned();
                     o.zero_grad_with(true)
                 })??;
+                if let Some(s) = self.scaler_mut() {
+                    s.discard_iteration();
+                }
                 graph.turn_off(format!("the capture failed: {e}"));
                 return self.step(|i| loss_of(i, &tensors[i]));
             }
         };
         g.replay()?;
+        let stepped = match &found_inf {
+            Some(flag) => self.settle_scaled_step(flag)?,
+            None => true,
+        };
         let loss = done.mean_loss.tensor().cloned().ok_or_else(|| {
             Error::invalid("graph capture", "the step's loss is not on the device")
         })?;
@@ -352,6 +381,7 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
             inputs: tensors,
             loss,
             grad_norm,
+            found_inf,
             tokens: done.tokens,
             step,
         });
@@ -359,7 +389,7 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
             .captured
             .as_ref()
             .ok_or_else(|| Error::invalid("graph", "lost"))?;
-        self.graph_report(c, lr, start)
+        self.graph_report(c, lr, stepped, start)
     }
 
     /// One replay of the captured step on `inputs` (already checked).
@@ -381,20 +411,32 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
         self.with_optimizer(|o| o.prepare_graph_step())??;
         c.graph.set_dropout_seed(replay_seed(self.step_index()))?;
         c.graph.replay()?;
-        self.with_optimizer(|o| o.graph_step_replayed())?;
-        self.graph_report(c, lr, start)
+        let stepped = match &c.found_inf {
+            Some(flag) => self.settle_scaled_step(flag)?,
+            None => true,
+        };
+        if stepped {
+            self.with_optimizer(|o| o.graph_step_replayed())?;
+        }
+        self.graph_report(c, lr, stepped, start)
     }
 
     /// The report of a captured or replayed step, its outputs copied so that it keeps them.
-    fn graph_report(&mut self, c: &Captured, lr: f64, start: Instant) -> Result<StepReport> {
+    fn graph_report(
+        &mut self,
+        c: &Captured,
+        lr: f64,
+        stepped: bool,
+        start: Instant,
+    ) -> Result<StepReport> {
         let device = self.device();
         let report = StepReport {
             step: self.step_index(),
             loss: keep(&c.loss)?,
             lr,
             grad_norm: c.grad_norm.as_ref().map(keep).transpose()?,
-            stepped: true,
-            scale: None,
+            stepped,
+            scale: self.scaler().map(GradScaler::get_scale),
             in_backward: None,
             tokens: c.tokens,
             seconds: start.elapsed().as_secs_f64(),

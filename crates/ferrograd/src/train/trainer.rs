@@ -25,6 +25,13 @@ use crate::nn::{Module, Recompute};
 use crate::optim::{Optimizer, WarmupCosine, clip_coefficient_queued, clip_grad_norm_queued};
 use crate::tensor::{DType, Device, Readout, Tensor};
 
+/// Whether a step's optimizer update ran: known on the host, or decided on the device by a
+/// staged GradScaler (`GradScaler::stage_on`), whose found_inf flag says so once read.
+pub(super) enum Stepped {
+    Known(bool),
+    OnDevice(Tensor),
+}
+
 /// How a step is run. `Default` is plain f32 training: one micro-batch, no clipping.
 #[derive(Clone, Debug, PartialEq)]
 pub struct TrainerConfig {
@@ -354,6 +361,10 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
         };
         let done = self.accumulate_synced(&how, loss_of)?;
         let (grad_norm, stepped) = self.finish_step()?;
+        let stepped = match stepped {
+            Stepped::Known(stepped) => stepped,
+            Stepped::OnDevice(flag) => self.settle_scaled_step(&flag)?,
+        };
         let report = StepReport {
             step: self.step,
             loss: done.mean_loss,
@@ -395,10 +406,12 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
     }
 
     /// unscale → clip → step → update → zero_grad; returns (norm before clipping, stepped).
-    pub(super) fn finish_step(&mut self) -> Result<(Option<Readout>, bool)> {
+    /// A scaler staged on the device leaves the skip decision there, and its update to
+    /// `settle_scaled_step`, once the step has run.
+    pub(super) fn finish_step(&mut self) -> Result<(Option<Readout>, Stepped)> {
         let Stepper::AfterBackward(opt) = &mut self.stepper else {
             // Every parameter already stepped inside backward and dropped its gradient.
-            return Ok((None, true));
+            return Ok((None, Stepped::Known(true)));
         };
         let _phase = memory::recorder::phase_scope(memory::recorder::Phase::Optimizer);
         if let Some(s) = &mut self.scaler {
@@ -411,8 +424,13 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
                 let norm = clip
                     .map(|max| clip_grad_norm_queued(opt.params(), max, 2.0))
                     .transpose()?;
-                let stepped = s.step(opt)?;
-                s.update()?;
+                let stepped = if s.staged_device().is_some() {
+                    Stepped::OnDevice(s.step_on_device(opt)?)
+                } else {
+                    let stepped = s.step(opt)?;
+                    s.update()?;
+                    Stepped::Known(stepped)
+                };
                 (norm, stepped)
             }
             // The optimizer multiplies by the coefficient as it reads each gradient.
@@ -422,15 +440,27 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
                     Some(c) => opt.step_with_grad_scale(&c)?,
                     None => opt.step()?,
                 }
-                (Some(norm), true)
+                (Some(norm), Stepped::Known(true))
             }
             (None, None) => {
                 opt.step()?;
-                (None, true)
+                (None, Stepped::Known(true))
             }
         };
         opt.zero_grad_with(self.config.set_to_none)?;
         Ok((grad_norm, stepped))
+    }
+
+    /// After a step whose skip decision stayed on the device (`Stepped::OnDevice`): reads
+    /// its flag (waiting for the step), undoes the optimizer's count of a skipped update and
+    /// ends the scaler's iteration. Whether the update ran.
+    pub(super) fn settle_scaled_step(&mut self, found_inf: &Tensor) -> Result<bool> {
+        let found = found_inf.item()? != 0.0;
+        self.with_optimizer(|o| o.settle_skippable_step(found))?;
+        if let Some(s) = &mut self.scaler {
+            s.update_found(found)?;
+        }
+        Ok(!found)
     }
 
     /// Sets this step's rate from the schedule (if any); returns the rate in use.

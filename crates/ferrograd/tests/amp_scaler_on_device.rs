@@ -1,0 +1,317 @@
+//! The GradScaler with its decision kept on the device (`stage_on`, `step_on_device`,
+//! `update_found`), as a captured CUDA graph runs it, against the host path that reads the
+//! inf/NaN check before stepping: the same skips, scales, step counts and parameters, bit for
+//! bit, through the Trainer and by hand; Adam's skipped step leaving no trace; the unscale
+//! reading 1/scale from device memory; and the errors. On the CPU backend, which implements
+//! the same kernels' contract (gpu_amp_scaler.rs runs the GPU's).
+
+use std::sync::Mutex;
+
+use ferrograd::backend::View;
+use ferrograd::backend::optim::{UnscaleCheck, unscale_check};
+use ferrograd::nn::{Linear, Module, Relu, Sequential};
+use ferrograd::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
+use ferrograd::train::{GradScaler, GradScalerConfig, MicroBatch, Trainer, TrainerConfig};
+use ferrograd::{DType, Device, Error, Generator, Tensor};
+
+const CPU: Device = Device::Cpu;
+static LOCK: Mutex<()> = Mutex::new(());
+
+fn mlp(seed: u64) -> Sequential {
+    let mut g = Generator::new(seed);
+    Sequential::new()
+        .push(Linear::new(8, 16, true, CPU, &mut g).unwrap())
+        .push(Relu)
+        .push(Linear::new(16, 4, true, CPU, &mut g).unwrap())
+}
+
+fn data() -> (Tensor, Tensor) {
+    let mut g = Generator::new(99);
+    (
+        Tensor::randn_with(&[8, 8], DType::F32, CPU, &mut g).unwrap(),
+        Tensor::randn_with(&[8, 4], DType::F32, CPU, &mut g).unwrap(),
+    )
+}
+
+fn adamw(params: Vec<Tensor>) -> Adam {
+    let cfg = AdamConfig {
+        lr: 1e-2,
+        ..AdamConfig::adamw_default()
+    };
+    Adam::adamw(params, cfg).unwrap()
+}
+
+fn bits(params: &[Tensor]) -> Vec<Vec<u32>> {
+    params
+        .iter()
+        .map(|p| {
+            p.to_vec::<f32>()
+                .unwrap()
+                .iter()
+                .map(|v| v.to_bits())
+                .collect()
+        })
+        .collect()
+}
+
+/// Steps poisoned with inf·loss (every gradient inf or NaN, as an f16 overflow makes them).
+const POISONED: [usize; 4] = [0, 3, 4, 8];
+
+/// (stepped, scale) of each of 11 f16 trainer steps with AdamW and clipping, the parameters'
+/// bits and Adam's step counts after them; `staged`: the scaler keeps its decision on the
+/// device.
+type Outcome = (Vec<(bool, Option<f64>)>, Vec<Vec<u32>>, Vec<u64>);
+
+fn train(staged: bool) -> Outcome {
+    let model = mlp(1);
+    let config = TrainerConfig {
+        amp: Some(DType::F16),
+        clip: Some(0.5),
+        ..TrainerConfig::default()
+    };
+    let mut trainer = Trainer::new(adamw(model.parameters()), config, CPU).unwrap();
+    let scaler = trainer.scaler_mut().unwrap();
+    *scaler = GradScaler::with_config(GradScalerConfig {
+        init_scale: 1024.0,
+        growth_interval: 2,
+        ..GradScalerConfig::default()
+    })
+    .unwrap();
+    if staged {
+        scaler.stage_on(CPU).unwrap();
+    }
+    let (x, y) = data();
+    let mut reports = Vec::new();
+    for k in 0..11 {
+        let report = trainer
+            .step(|_| {
+                let loss = model.forward(&x)?.mse_loss(&y)?;
+                let loss = if POISONED.contains(&k) {
+                    loss.mul_scalar(f64::INFINITY)?
+                } else {
+                    loss
+                };
+                Ok(MicroBatch { loss, tokens: 8 })
+            })
+            .unwrap();
+        reports.push((report.stepped, report.scale));
+    }
+    let counts = trainer
+        .with_optimizer(|o| {
+            let mut c = vec![o.step_count()];
+            c.extend((0..o.params().len()).map(|i| o.state(i).map_or(0, |s| s.step)));
+            c
+        })
+        .unwrap();
+    (reports, bits(&model.parameters()), counts)
+}
+
+#[test]
+fn a_trainer_whose_scaler_decides_on_the_device_trains_bit_for_bit_as_the_host_path() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let host = train(false);
+    let device = train(true);
+    // The host path itself: poisoned steps skipped with the scale halved, growth after two
+    // clean steps in a row.
+    let stepped: Vec<bool> = host.0.iter().map(|r| r.0).collect();
+    let want: Vec<bool> = (0..11).map(|k| !POISONED.contains(&k)).collect();
+    assert_eq!(stepped, want);
+    let scales: Vec<f64> = host.0.iter().map(|r| r.1.unwrap()).collect();
+    assert_eq!(
+        scales,
+        [
+            512.0, 512.0, 1024.0, 512.0, 256.0, 256.0, 512.0, 512.0, 256.0, 256.0, 512.0
+        ]
+    );
+    // Adam counted the seven steps that ran, nothing else.
+    assert!(host.2.iter().all(|&c| c == 7), "{:?}", host.2);
+    assert_eq!(device.0, host.0, "stepped and scale per step");
+    assert_eq!(device.2, host.2, "Adam's step counts");
+    assert_eq!(device.1, host.1, "parameters");
+}
+
+#[test]
+fn a_skipped_first_adam_step_leaves_no_trace() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let grads = [vec![0.5f32, -1.0, 2.0], vec![0.25f32, 4.0]];
+    let make = || -> (Vec<Tensor>, Adam) {
+        let p = vec![
+            Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3], CPU).unwrap(),
+            Tensor::from_vec(vec![-1.0f32, 0.5], &[2], CPU).unwrap(),
+        ];
+        let p: Vec<Tensor> = p
+            .into_iter()
+            .map(|t| t.requires_grad_(true).unwrap())
+            .collect();
+        let opt = adamw(p.clone());
+        (p, opt)
+    };
+    let set_grads = |p: &[Tensor]| {
+        for (t, g) in p.iter().zip(&grads) {
+            let n = g.len();
+            t.set_grad(Some(Tensor::from_vec(g.clone(), &[n], CPU).unwrap()))
+                .unwrap();
+        }
+    };
+    let flag = |v: f32| Tensor::from_vec(vec![v], &[1], CPU).unwrap();
+
+    let (p, mut opt) = make();
+    let before = bits(&p);
+    set_grads(&p);
+    opt.step_unless_found_inf(&flag(1.0)).unwrap();
+    assert_eq!(bits(&p), before, "the raised flag skipped the update");
+    opt.settle_skippable_step(true);
+    assert_eq!(opt.step_count(), 0);
+    assert!((0..2).all(|i| opt.state(i).unwrap().step == 0));
+    let zeros = |t: &Tensor| t.to_vec::<f32>().unwrap().iter().all(|&v| v == 0.0);
+    assert!((0..2).all(|i| zeros(&opt.state(i).unwrap().exp_avg)));
+
+    // The next, clean step is an untouched Adam's first step.
+    opt.step_unless_found_inf(&flag(0.0)).unwrap();
+    opt.settle_skippable_step(false);
+    let (fresh, mut plain) = make();
+    set_grads(&fresh);
+    plain.step().unwrap();
+    assert_eq!(bits(&p), bits(&fresh));
+    assert_eq!(opt.step_count(), 1);
+    assert!((0..2).all(|i| opt.state(i).unwrap().step == 1));
+}
+
+#[test]
+fn the_unscale_reads_one_over_the_scale_from_device_memory() {
+    let g = Tensor::from_vec(vec![4.0f32, -8.0, 2.0], &[3], CPU).unwrap();
+    let flag = Tensor::zeros(&[1], DType::F32, CPU).unwrap();
+    let inv = Tensor::from_vec(vec![0.25f32], &[1], CPU).unwrap();
+    unscale_check(&UnscaleCheck {
+        found_inf: flag.storage(),
+        grads: &[g.storage()],
+        // The argument a replayed graph would repeat: ignored for the value in memory.
+        inv_scale: 1.0,
+        inv_scale_at: Some(View {
+            storage: inv.storage(),
+            layout: inv.layout(),
+        }),
+    })
+    .unwrap();
+    assert_eq!(g.to_vec::<f32>().unwrap(), vec![1.0, -2.0, 0.5]);
+    assert_eq!(flag.to_vec::<f32>().unwrap(), vec![0.0]);
+
+    let wrong = Tensor::from_vec(vec![0.25f64], &[1], CPU).unwrap();
+    let e = unscale_check(&UnscaleCheck {
+        found_inf: flag.storage(),
+        grads: &[g.storage()],
+        inv_scale: 1.0,
+        inv_scale_at: Some(View {
+            storage: wrong.storage(),
+            layout: wrong.layout(),
+        }),
+    })
+    .unwrap_err();
+    assert!(
+        e.to_string().contains("F32") || e.to_string().contains("f32"),
+        "{e}"
+    );
+}
+
+#[test]
+fn the_staged_scale_follows_every_update_and_a_loaded_state() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let p = Tensor::from_vec(vec![1.0f32], &[1], CPU)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    let mut opt = adamw(vec![p.clone()]);
+    let mut s = GradScaler::with_config(GradScalerConfig {
+        init_scale: 8.0,
+        growth_interval: 1,
+        ..GradScalerConfig::default()
+    })
+    .unwrap();
+    s.stage_on(CPU).unwrap();
+    assert_eq!(s.staged_device(), Some(CPU));
+    // scale() reads the staged value: the loss times 8, with autograd.
+    let loss = p.mul_scalar(3.0).unwrap().sum_all().unwrap();
+    let scaled = s.scale(&loss).unwrap();
+    assert_eq!(scaled.item().unwrap(), 24.0);
+    scaled.backward().unwrap();
+    assert_eq!(p.grad().unwrap().to_vec::<f32>().unwrap(), vec![24.0]);
+    let flag = s.step_on_device(&mut opt).unwrap();
+    assert_eq!(flag.item().unwrap(), 0.0);
+    // Unscaled by the staged 1/8 before Adam read it.
+    assert_eq!(p.grad().unwrap().to_vec::<f32>().unwrap(), vec![3.0]);
+    opt.settle_skippable_step(false);
+    s.update_found(false).unwrap();
+    assert_eq!(s.get_scale(), 16.0);
+    let loss = p.sum_all().unwrap();
+    assert_eq!(
+        s.scale(&loss).unwrap().item().unwrap(),
+        16.0 * loss.item().unwrap()
+    );
+    // A loaded state is staged too.
+    let state = vec![
+        (
+            "scaler.scale".to_string(),
+            Tensor::from_vec(vec![2.0f32], &[], CPU).unwrap(),
+        ),
+        (
+            "scaler.growth_tracker".to_string(),
+            Tensor::from_vec(vec![0i64], &[], CPU).unwrap(),
+        ),
+    ];
+    s.load_state_tensors(&state).unwrap();
+    assert_eq!(
+        s.scale(&loss).unwrap().item().unwrap(),
+        2.0 * loss.item().unwrap()
+    );
+    // A found inf backs off and is staged as well.
+    s.update_found(true).unwrap();
+    assert_eq!(
+        s.scale(&loss).unwrap().item().unwrap(),
+        1.0 * loss.item().unwrap()
+    );
+}
+
+fn invalid_message(e: Error) -> String {
+    match e {
+        Error::InvalidArgument { detail, .. } => detail,
+        other => panic!("expected an invalid-argument error, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_step_on_the_device_says_what_it_needs() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let p = Tensor::from_vec(vec![1.0f32], &[1], CPU)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    let grad = || {
+        p.set_grad(Some(Tensor::from_vec(vec![1.0f32], &[1], CPU).unwrap()))
+            .unwrap()
+    };
+    // Not staged.
+    let mut s = GradScaler::new();
+    let mut opt = adamw(vec![p.clone()]);
+    grad();
+    let e = invalid_message(s.step_on_device(&mut opt).unwrap_err());
+    assert!(e.contains("stage_on"), "{e}");
+    // An optimizer that cannot skip on the device.
+    s.stage_on(CPU).unwrap();
+    let mut sgd = Sgd::new(vec![p.clone()], SgdConfig::default()).unwrap();
+    let e = invalid_message(s.step_on_device(&mut sgd).unwrap_err());
+    assert!(e.contains("GradScaler::step"), "{e}");
+    // Twice in one iteration.
+    s.step_on_device(&mut opt).unwrap();
+    let e = invalid_message(s.step_on_device(&mut opt).unwrap_err());
+    assert!(e.contains("update_found"), "{e}");
+    s.update_found(false).unwrap();
+    // No gradient at all.
+    opt.zero_grad().unwrap();
+    let e = invalid_message(s.step_on_device(&mut opt).unwrap_err());
+    assert!(e.contains("no inf checks"), "{e}");
+    // A skip flag that is not one F32 element.
+    grad();
+    let two = Tensor::zeros(&[2], DType::F32, CPU).unwrap();
+    let e = invalid_message(opt.step_unless_found_inf(&two).unwrap_err());
+    assert!(e.contains("skip flag"), "{e}");
+}
