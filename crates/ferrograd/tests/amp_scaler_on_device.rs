@@ -12,7 +12,7 @@ use ferrograd::backend::optim::{UnscaleCheck, unscale_check};
 use ferrograd::nn::{Linear, Module, Relu, Sequential};
 use ferrograd::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use ferrograd::train::{GradScaler, GradScalerConfig, MicroBatch, Trainer, TrainerConfig};
-use ferrograd::{DType, Device, Error, Generator, Tensor};
+use ferrograd::{DType, Device, Generator, Tensor};
 
 const CPU: Device = Device::Cpu;
 static LOCK: Mutex<()> = Mutex::new(());
@@ -271,13 +271,6 @@ fn the_staged_scale_follows_every_update_and_a_loaded_state() {
     );
 }
 
-fn invalid_message(e: Error) -> String {
-    match e {
-        Error::InvalidArgument { detail, .. } => detail,
-        other => panic!("expected an invalid-argument error, got {other:?}"),
-    }
-}
-
 #[test]
 fn a_step_on_the_device_says_what_it_needs() {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
@@ -293,25 +286,25 @@ fn a_step_on_the_device_says_what_it_needs() {
     let mut s = GradScaler::new();
     let mut opt = adamw(vec![p.clone()]);
     grad();
-    let e = invalid_message(s.step_on_device(&mut opt).unwrap_err());
+    let e = s.step_on_device(&mut opt).unwrap_err().to_string();
     assert!(e.contains("stage_on"), "{e}");
     // An optimizer that cannot skip on the device.
     s.stage_on(CPU).unwrap();
     let mut sgd = Sgd::new(vec![p.clone()], SgdConfig::default()).unwrap();
-    let e = invalid_message(s.step_on_device(&mut sgd).unwrap_err());
+    let e = s.step_on_device(&mut sgd).unwrap_err().to_string();
     assert!(e.contains("GradScaler::step"), "{e}");
     // Twice in one iteration.
     s.step_on_device(&mut opt).unwrap();
-    let e = invalid_message(s.step_on_device(&mut opt).unwrap_err());
+    let e = s.step_on_device(&mut opt).unwrap_err().to_string();
     assert!(e.contains("update_found"), "{e}");
     s.update_found(false).unwrap();
     // No gradient at all.
     opt.zero_grad().unwrap();
-    let e = invalid_message(s.step_on_device(&mut opt).unwrap_err());
+    let e = s.step_on_device(&mut opt).unwrap_err().to_string();
     assert!(e.contains("no inf checks"), "{e}");
     // A skip flag that is not one F32 element.
     grad();
     let two = Tensor::zeros(&[2], DType::F32, CPU).unwrap();
-    let e = invalid_message(opt.step_unless_found_inf(&two).unwrap_err());
+    let e = opt.step_unless_found_inf(&two).unwrap_err().to_string();
     assert!(e.contains("skip flag"), "{e}");
 }

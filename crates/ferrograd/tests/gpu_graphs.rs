@@ -115,6 +115,15 @@ fn train_with(
     (losses, params, graph.status())
 }
 
+/// The largest difference between two runs' parameters, element by element.
+fn largest_difference(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter()
+        .flatten()
+        .zip(b.iter().flatten())
+        .map(|(x, y)| (x - y).abs())
+        .fold(0f32, f32::max)
+}
+
 /// A trainer of `model` and its graph after `steps` steps of batch (4, 32): from step 2 on,
 /// replaying the step captured at step 1.
 fn replaying(model: &Gpt, steps: usize) -> (Trainer<Adam>, StepGraph) {
@@ -147,12 +156,7 @@ fn a_replayed_step_trains_as_the_eager_one() {
                 "accum {accum}, step {s}: loss {g} replayed, {e} eager"
             );
         }
-        let worst = params
-            .iter()
-            .flatten()
-            .zip(eager_params.iter().flatten())
-            .map(|(g, e)| (g - e).abs())
-            .fold(0f32, f32::max);
+        let worst = largest_difference(&params, &eager_params);
         println!("accum {accum}: largest parameter difference {worst:e}");
         assert!(worst <= 1e-5, "accum {accum}: parameters differ by {worst}");
     }
@@ -425,12 +429,7 @@ fn f16_loss_scaling_replays_with_its_skips_decided_on_the_device() {
             e.2
         );
     }
-    let worst = params
-        .iter()
-        .flatten()
-        .zip(eager_params.iter().flatten())
-        .map(|(g, e)| (g - e).abs())
-        .fold(0f32, f32::max);
+    let worst = largest_difference(&params, &eager_params);
     println!("largest parameter difference {worst:e}");
     assert!(worst <= 1e-5, "parameters differ by {worst}");
 }
