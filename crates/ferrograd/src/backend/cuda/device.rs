@@ -8,7 +8,9 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, result};
-use cudarc::nvrtc::{CompileOptions, compile_ptx_with_opts};
+use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
+
+use super::kernel_cache;
 
 use crate::base::Device;
 use crate::base::{Error, Result};
@@ -34,6 +36,27 @@ pub fn allow_tf32() -> bool {
 /// `torch.backends.cuda.matmul.allow_tf32 = ...`
 pub fn set_allow_tf32(allow: bool) {
     ALLOW_TF32.store(allow, Ordering::Relaxed);
+}
+
+/// NVRTC's output as text (its image ends in a NUL).
+fn ptx_text(ptx: &Ptx) -> Option<String> {
+    let bytes = ptx.as_bytes()?;
+    let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
+    String::from_utf8(bytes[..end].to_vec()).ok()
+}
+
+/// NVRTC's version ("13.0"), part of every cached module's name.
+fn nvrtc_version() -> &'static str {
+    static VERSION: OnceLock<String> = OnceLock::new();
+    VERSION.get_or_init(|| {
+        let (mut major, mut minor) = (0, 0);
+        // SAFETY: nvrtcVersion writes two ints through valid pointers; the library is loaded
+        // on first use (an NVRTC that cannot be loaded fails the compile that follows anyway).
+        match unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) } {
+            cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS => format!("{major}.{minor}"),
+            _ => "unknown".to_string(),
+        }
+    })
 }
 
 type Registry = Mutex<HashMap<usize, &'static CudaDevice>>;
@@ -180,17 +203,7 @@ impl CudaDevice {
             match mods.get(key) {
                 Some(m) => Arc::clone(m),
                 None => {
-                    let opts = CompileOptions {
-                        arch: Some(self.arch),
-                        options: vec!["--std=c++17".into()],
-                        ..Default::default()
-                    };
-                    let ptx = compile_ptx_with_opts(src, opts)
-                        .map_err(|e| self.err(&format!("compiling kernels '{key}'"), e))?;
-                    let m = self
-                        .ctx
-                        .load_module(ptx)
-                        .map_err(|e| self.err("loading module", e))?;
+                    let m = self.load_module(key, src)?;
                     mods.insert(key, Arc::clone(&m));
                     m
                 }
@@ -199,6 +212,42 @@ impl CudaDevice {
         module
             .load_function(name)
             .map_err(|e| self.err(&format!("loading kernel {name}"), e))
+    }
+
+    /// Module `key` loaded into this device's context: its PTX from the kernel cache (written
+    /// by an earlier process) or from NVRTC. A cached file the driver refuses is forgotten and
+    /// the module compiled afresh.
+    fn load_module(&self, key: &'static str, src: &'static str) -> Result<Arc<CudaModule>> {
+        let options = vec![
+            format!("--gpu-architecture={}", self.arch),
+            "--std=c++17".to_string(),
+        ];
+        let compile = || -> Result<String> {
+            let opts = CompileOptions {
+                arch: Some(self.arch),
+                options: vec!["--std=c++17".into()],
+                ..Default::default()
+            };
+            let ptx = compile_ptx_with_opts(src, opts)
+                .map_err(|e| self.err(&format!("compiling kernels '{key}'"), e))?;
+            ptx_text(&ptx)
+                .ok_or_else(|| self.err(&format!("reading the PTX of '{key}'"), "not text"))
+        };
+        let file = kernel_cache::default_dir()
+            .map(|dir| kernel_cache::file_for(&dir, key, src, &options, nvrtc_version()));
+        let found = kernel_cache::ptx_or_compile(file.as_deref(), compile)?;
+        match self.ctx.load_module(Ptx::from_src(found.ptx)) {
+            Ok(m) => Ok(m),
+            Err(_) if found.from_disk => {
+                if let Some(f) = &file {
+                    kernel_cache::forget(f);
+                }
+                self.ctx
+                    .load_module(Ptx::from_src(compile()?))
+                    .map_err(|e| self.err("loading module", e))
+            }
+            Err(e) => Err(self.err("loading module", e)),
+        }
     }
 
     /// A 1-D launch covering `n` threads in blocks of 256.

@@ -2,7 +2,8 @@
 //! time, so the same binary runs with or without a GPU and says plainly when there is none).
 //! Memory comes from the device's caching allocator (segments reserved with cuMemAlloc), so
 //! a storage's data is just the address of its block. Kernels are `.cu` sources compiled by
-//! NVRTC once per device for its compute capability; GEMMs go through cuBLAS.
+//! NVRTC once per device for its compute capability, their PTX kept on disk for later runs
+//! (kernel_cache.rs); GEMMs go through cuBLAS.
 
 mod attention;
 mod capture;
@@ -12,6 +13,7 @@ mod elementwise;
 mod gemm_lt;
 mod index;
 mod info;
+mod kernel_cache;
 mod launch;
 mod loss;
 mod matmul;
