@@ -113,6 +113,17 @@ fn run_info() -> anyhow::Result<()> {
             memory::format_size(g.free_bytes)
         );
     }
+    match &info.kernel_cache {
+        Some(c) => println!(
+            "kernels  cached in {} ({} modules, {}; FERROGRAD_KERNEL_CACHE moves it, =off turns it off)",
+            c.dir.display(),
+            c.modules,
+            memory::format_size(c.bytes)
+        ),
+        None => println!(
+            "kernels  not cached (FERROGRAD_KERNEL_CACHE is off, or there is no home folder)"
+        ),
+    }
     if let Some(note) = &info.note {
         println!("note     {note}");
     }

@@ -901,3 +901,28 @@ fn weights_bf16_trains_plans_and_resumes_with_master_copies() {
         "{err}"
     );
 }
+
+/// `info` names the kernel cache's folder as the environment sets it, or says it is off.
+#[test]
+fn info_says_where_kernels_are_cached() {
+    let dir = TestDir::new("kernel-cache-info");
+    let run = |value: &std::ffi::OsStr| {
+        let out = Command::new(env!("CARGO_BIN_EXE_ferrograd"))
+            .arg("info")
+            .env("FERROGRAD_KERNEL_CACHE", value)
+            .output()
+            .expect("the ferrograd binary runs");
+        assert!(out.status.success());
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let folder = dir.path("kernels");
+    let placed = run(folder.as_os_str());
+    let line = placed
+        .lines()
+        .find(|l| l.starts_with("kernels"))
+        .unwrap_or_else(|| panic!("no kernels line in:\n{placed}"));
+    assert!(line.contains(&folder.display().to_string()), "{line}");
+    assert!(line.contains("0 modules"), "{line}");
+    let off = run(std::ffi::OsStr::new("off"));
+    assert!(off.contains("kernels  not cached"), "{off}");
+}

@@ -48,15 +48,7 @@ fn ptx_text(ptx: &Ptx) -> Option<String> {
 /// NVRTC's version ("13.0"), part of every cached module's name.
 fn nvrtc_version() -> &'static str {
     static VERSION: OnceLock<String> = OnceLock::new();
-    VERSION.get_or_init(|| {
-        let (mut major, mut minor) = (0, 0);
-        // SAFETY: nvrtcVersion writes two ints through valid pointers; the library is loaded
-        // on first use (an NVRTC that cannot be loaded fails the compile that follows anyway).
-        match unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) } {
-            cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS => format!("{major}.{minor}"),
-            _ => "unknown".to_string(),
-        }
-    })
+    VERSION.get_or_init(|| super::info::nvrtc_version().unwrap_or_else(|| "unknown".into()))
 }
 
 type Registry = Mutex<HashMap<usize, &'static CudaDevice>>;

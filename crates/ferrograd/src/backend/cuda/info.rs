@@ -22,6 +22,26 @@ pub struct CudaInfo {
     pub devices: Vec<GpuInfo>,
     /// Why nothing more is known, when that is the case.
     pub note: Option<String>,
+    /// Where compiled kernels are kept between runs (None: the cache is off).
+    pub kernel_cache: Option<KernelCacheInfo>,
+}
+
+/// The kernel cache's folder and what it holds.
+#[derive(Clone, Debug)]
+pub struct KernelCacheInfo {
+    pub dir: std::path::PathBuf,
+    pub modules: usize,
+    pub bytes: u64,
+}
+
+fn kernel_cache() -> Option<KernelCacheInfo> {
+    let dir = super::kernel_cache::default_dir()?;
+    let (modules, bytes) = super::kernel_cache::contents(&dir);
+    Some(KernelCacheInfo {
+        dir,
+        modules,
+        bytes,
+    })
 }
 
 fn driver_version() -> Option<String> {
@@ -32,7 +52,7 @@ fn driver_version() -> Option<String> {
         .then(|| format!("{}.{}", v / 1000, (v % 1000) / 10))
 }
 
-fn nvrtc_version() -> Option<String> {
+pub(super) fn nvrtc_version() -> Option<String> {
     // SAFETY: probes for the library before calling into it.
     unsafe {
         if !cudarc::nvrtc::sys::is_culib_present() {
@@ -62,6 +82,7 @@ pub fn cuda_info() -> CudaInfo {
             cublas_version: None,
             devices: Vec::new(),
             note: Some("no CUDA driver found (libcuda is not loadable): GPU devices are unavailable, the CPU works".into()),
+            kernel_cache: kernel_cache(),
         };
     }
     let count = device_count();
@@ -86,5 +107,6 @@ pub fn cuda_info() -> CudaInfo {
         cublas_version: if count > 0 { cublas_version(0) } else { None },
         devices,
         note,
+        kernel_cache: kernel_cache(),
     }
 }

@@ -103,6 +103,19 @@ pub(crate) fn ptx_or_compile(
     })
 }
 
+/// How many modules `dir` holds and their bytes (0 and 0 for a folder not made yet).
+pub(crate) fn contents(dir: &Path) -> (usize, u64) {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return (0, 0);
+    };
+    entries
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().ends_with(".ptx"))
+        .fold((0, 0), |(n, b), e| {
+            (n + 1, b + e.metadata().map_or(0, |m| m.len()))
+        })
+}
+
 /// Removes a cached file the driver would not load (the caller then compiles afresh).
 pub(crate) fn forget(file: &Path) {
     let _ = std::fs::remove_file(file);
@@ -199,6 +212,8 @@ mod tests {
         // No temporary file is left beside it.
         let names: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().collect();
         assert_eq!(names.len(), 1);
+        assert_eq!(contents(&dir), (1, PTX.len() as u64));
+        assert_eq!(contents(&dir.join("none")), (0, 0));
         let _ = std::fs::remove_dir_all(&dir);
     }
 

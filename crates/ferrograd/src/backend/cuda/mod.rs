@@ -25,7 +25,7 @@ mod rows;
 mod timing;
 
 pub use device::{CudaDevice, allow_tf32, device, device_count, driver_present, set_allow_tf32};
-pub use info::{CudaInfo, GpuInfo, cuda_info};
+pub use info::{CudaInfo, GpuInfo, KernelCacheInfo, cuda_info};
 pub use memory::CudaMemory;
 pub use timing::{KernelTime, take_host_waits, take_kernel_times};
 // What the planner asks of a GPU without one: the fused attention's coverage, cuBLAS's
