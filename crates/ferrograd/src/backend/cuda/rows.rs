@@ -13,7 +13,29 @@ use crate::backend::rows::{LayerNorm, LayerNormBackward, RowKernels, Softmax, So
 use crate::backend::{View, rows_cols};
 use crate::base::{DType, Result};
 
-static KERNELS: Module = Module::new("rows", include_str!("kernels/rows.cu"));
+/// rows.cu compiled once per dtype of the rows (the f32 module also holds the layer norms
+/// with f16/bf16 outputs): a run compiles only the row kernels of the dtypes it uses, and
+/// compiling all of them at once took NVRTC 18 s on a 2-core host.
+static KERNELS: [Module; 4] = [
+    Module::with_defines("rows_f32", "#define ROWS_F32\n", SOURCE),
+    Module::with_defines("rows_f64", "#define ROWS_F64\n", SOURCE),
+    Module::with_defines("rows_f16", "#define ROWS_F16\n", SOURCE),
+    Module::with_defines("rows_bf16", "#define ROWS_BF16\n", SOURCE),
+];
+const SOURCE: &str = include_str!("kernels/rows.cu");
+
+/// The module with the row kernels of rows of `dtype`.
+fn kernels(op: &'static str, dtype: DType) -> Result<&'static Module> {
+    let i = match dtype {
+        DType::F32 => 0,
+        DType::F64 => 1,
+        DType::F16 => 2,
+        DType::BF16 => 3,
+        // suffix() names the error for any other dtype.
+        other => return suffix(op, other).map(|_| &KERNELS[0]),
+    };
+    Ok(&KERNELS[i])
+}
 
 impl RowKernels for CudaDevice {
     fn softmax(&self, a: &Softmax) -> Result<()> {
@@ -53,7 +75,7 @@ fn softmax(d: &CudaDevice, a: &Softmax) -> Result<()> {
     ];
     launch(
         d,
-        &KERNELS,
+        kernels("softmax", a.x.storage.dtype())?,
         &format!("softmax_fwd_{s}"),
         rows_cfg(rows),
         &args,
@@ -77,7 +99,7 @@ fn softmax_backward(d: &CudaDevice, a: &SoftmaxBackward) -> Result<()> {
     ];
     launch(
         d,
-        &KERNELS,
+        kernels("softmax_backward", a.y.storage.dtype())?,
         &format!("softmax_bwd_{s}"),
         rows_cfg(rows),
         &args,
@@ -125,7 +147,7 @@ fn layer_norm(d: &CudaDevice, a: &LayerNorm) -> Result<()> {
         Arg::F64(eps),
     ];
     let (kernel, cfg) = layer_norm_kernel("layer_norm_fwd", &s, rows, n);
-    launch(d, &KERNELS, &kernel, cfg, &args)
+    launch(d, kernels(OP, a.x.storage.dtype())?, &kernel, cfg, &args)
 }
 
 /// Registers per lane of the warp-per-row layer norm kernels (PER in rows.cu).
@@ -175,7 +197,8 @@ fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
     ]
     .concat();
     let (kernel, cfg) = layer_norm_kernel("layer_norm_bwd", &s, rows, n);
-    launch(d, &KERNELS, &kernel, cfg, &args)?;
+    let module = kernels(OP, dtype)?;
+    launch(d, module, &kernel, cfg, &args)?;
     if param_scratch_bytes(a).is_some() {
         let grads = ParamGrads {
             x,
@@ -184,7 +207,7 @@ fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
             gb,
             kind: float_code(OP, dtype)?,
         };
-        layer_norm_param_grads(d, &s, &grads, &stats, rows, n)?;
+        layer_norm_param_grads(d, (module, &s), &grads, &stats, rows, n)?;
     }
     Ok(())
 }
@@ -218,7 +241,7 @@ pub(crate) fn param_scratch_bytes(a: &LayerNormBackward) -> Option<usize> {
 /// of rows sums its columns in row order, then each column adds its chunks in chunk order.
 fn layer_norm_param_grads(
     d: &CudaDevice,
-    s: &str,
+    (module, s): (&'static Module, &str),
     p: &ParamGrads,
     stats: &[Arg],
     rows: usize,
@@ -243,7 +266,7 @@ fn layer_norm_param_grads(
         ],
     ]
     .concat();
-    launch(d, &KERNELS, &format!("layer_norm_params_{s}"), cfg, &args)?;
+    launch(d, module, &format!("layer_norm_params_{s}"), cfg, &args)?;
     let args = [
         Arg::Ptr(part.addr()),
         i64_of(chunks),
@@ -258,7 +281,7 @@ fn layer_norm_param_grads(
         block_dim: (32, 32, 1),
         shared_mem_bytes: 0,
     };
-    launch(d, &KERNELS, "layer_norm_params_finish", cfg, &args)
+    launch(d, module, "layer_norm_params_finish", cfg, &args)
 }
 
 #[cfg(test)]

@@ -270,11 +270,6 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
     LN_WARP_KERNELS(S, T, Y, 8) LN_WARP_KERNELS(S, T, Y, 16) LN_WARP_KERNELS(S, T, Y, 24) \
         LN_WARP_KERNELS(S, T, Y, 32)
 
-LN_WARP_SIZES(f32, float, float)
-LN_WARP_SIZES(f16, f16_t, f16_t)
-LN_WARP_SIZES(bf16, bf16_t, bf16_t)
-LN_WARP_SIZES(f32_f16, float, f16_t)
-LN_WARP_SIZES(f32_bf16, float, bf16_t)
 
 // Stage 1 of the weight/bias gradients: grid (ceil(n / BLOCK), chunks). Thread (j, c) sums
 // column j over the rows of chunk c in order into part[c][j] (Σ gy x̂) and
@@ -362,6 +357,23 @@ extern "C" __global__ void __launch_bounds__(1024)
         layer_norm_params<T, Y>(x, gy, mean, rstd, sk, part, rows, n, rows_per_chunk, chunks);     \
     }
 
-FOR_FLOATS(ROW_KERNELS)
+// One module per dtype of the rows (cuda/rows.rs defines which): the f32 one also holds the
+// layer norms with f16/bf16 outputs. f64 rows have no warp-per-row kernels.
+#if defined(ROWS_F32)
+ROW_KERNELS(f32, float)
 LN_KERNELS(f32_f16, float, f16_t)
 LN_KERNELS(f32_bf16, float, bf16_t)
+LN_WARP_SIZES(f32, float, float)
+LN_WARP_SIZES(f32_f16, float, f16_t)
+LN_WARP_SIZES(f32_bf16, float, bf16_t)
+#elif defined(ROWS_F64)
+ROW_KERNELS(f64, double)
+#elif defined(ROWS_F16)
+ROW_KERNELS(f16, f16_t)
+LN_WARP_SIZES(f16, f16_t, f16_t)
+#elif defined(ROWS_BF16)
+ROW_KERNELS(bf16, bf16_t)
+LN_WARP_SIZES(bf16, bf16_t, bf16_t)
+#else
+#error "rows.cu is compiled once per dtype of the rows: define ROWS_F32, ROWS_F64, ROWS_F16 or ROWS_BF16"
+#endif
