@@ -214,6 +214,42 @@ fn the_unscale_reads_one_over_the_scale_from_device_memory() {
 }
 
 #[test]
+fn a_staged_scale_multiplies_losses_of_every_dtype_as_the_host_scale_does() {
+    let host = GradScaler::new();
+    let mut staged = GradScaler::new();
+    staged.stage_on(CPU).unwrap();
+    for dtype in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+        for shape in [&[][..], &[3][..]] {
+            let n = shape.iter().product::<usize>();
+            let values = [0.5f32, 1.5, -2.0][..n].to_vec();
+            let loss = Tensor::from_vec(values, shape, CPU)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let (want, got) = (host.scale(&loss).unwrap(), staged.scale(&loss).unwrap());
+            assert_eq!(got.dtype(), want.dtype(), "{dtype} {shape:?}");
+            assert_eq!(
+                got.to_vec::<f64>().unwrap(),
+                want.to_vec::<f64>().unwrap(),
+                "{dtype} {shape:?}"
+            );
+        }
+    }
+    // As PyTorch's f32 scale tensor: an f16 loss keeps its dtype, the product taken in f32
+    // (65536 itself is inf in f16, 0.5 · 65536 is not).
+    let loss = Tensor::from_vec(vec![0.5f32, 1.5], &[2], CPU)
+        .unwrap()
+        .to_dtype(DType::F16)
+        .unwrap();
+    let scaled = host.scale(&loss).unwrap();
+    assert_eq!(scaled.dtype(), DType::F16);
+    assert_eq!(
+        scaled.to_vec::<f64>().unwrap(),
+        vec![32768.0, f64::INFINITY]
+    );
+}
+
+#[test]
 fn the_staged_scale_follows_every_update_and_a_loaded_state() {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let p = Tensor::from_vec(vec![1.0f32], &[1], CPU)

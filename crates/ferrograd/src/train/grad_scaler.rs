@@ -254,35 +254,39 @@ impl GradScaler {
         }
     }
 
-    /// loss · scale, with autograd (backward of the result gives scaled gradients). A 0-dim
-    /// f16/bf16 loss is widened to f32 first, as PyTorch's type promotion does against its
-    /// f32 scale tensor (scaled half losses overflow easily); other losses keep their dtype.
-    /// With the scale staged on the loss's device, the product reads it there.
+    /// loss · scale, with autograd (backward of the result gives scaled gradients), as
+    /// PyTorch multiplies by its f32 scale tensor: a 0-dim f16/bf16 loss is widened to f32
+    /// (type promotion; scaled half losses overflow easily), a larger half loss keeps its
+    /// dtype with the product taken in f32 (the scale itself may not fit it: 65536 is inf in
+    /// f16), f32 and f64 losses multiply in their own dtype. With the scale staged on the
+    /// loss's device, the product reads it there.
     pub fn scale(&self, loss: &Tensor) -> Result<Tensor> {
-        if !loss.dtype().is_float() {
+        let dtype = loss.dtype();
+        if !dtype.is_float() {
             return Err(Error::UnsupportedDType {
                 op: "GradScaler::scale",
-                dtype: loss.dtype(),
+                dtype,
                 hint: "the loss must be floating point",
             });
         }
-        let half = matches!(loss.dtype(), DType::F16 | DType::BF16);
-        let loss = if half && loss.dims() == 0 {
-            loss.to_dtype(DType::F32)?
-        } else {
-            loss.clone()
+        let times_scale = |l: &Tensor| match self.staged_on(l.device()) {
+            // A 0-dim view of the staged value: the product broadcasts it over the loss.
+            Some(s) => {
+                let scale = s.scale.with_layout(Layout::contiguous(&[]));
+                match l.dtype() {
+                    DType::F32 => l.mul(&scale),
+                    other => l.mul(&scale.to_dtype(other)?),
+                }
+            }
+            None => l.mul_scalar(self.scale as f64),
         };
-        let Some(staged) = self.staged_on(loss.device()) else {
-            return loss.mul_scalar(self.scale as f64);
-        };
-        // A 0-dim view of the staged value: the product broadcasts it over the loss.
-        let scale = staged.scale.with_layout(Layout::contiguous(&[]));
-        let scale = if loss.dtype() == DType::F32 {
-            scale
-        } else {
-            scale.to_dtype(loss.dtype())?
-        };
-        loss.mul(&scale)
+        match dtype {
+            DType::F16 | DType::BF16 if loss.dims() == 0 => {
+                times_scale(&loss.to_dtype(DType::F32)?)
+            }
+            DType::F16 | DType::BF16 => times_scale(&loss.to_dtype(DType::F32)?)?.to_dtype(dtype),
+            _ => times_scale(loss),
+        }
     }
 
     /// Divides the gradients of `opt`'s parameters by the scale, in place, and records
