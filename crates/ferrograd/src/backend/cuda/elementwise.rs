@@ -17,8 +17,30 @@ use crate::base::DType;
 use crate::base::Result;
 use crate::memory::Allocation;
 
-/// NVRTC module of the elementwise kernels.
-static KERNELS: Module = Module::new("elementwise", include_str!("kernels/elementwise.cu"));
+/// kernels/elementwise.cu compiled per float dtype (that dtype's op kernels) and once for
+/// what takes no single dtype (`SHARED`: strided copy, fill, casts, an f16/bf16 operand beside
+/// f32): a run compiles only what its dtypes need (all at once took NVRTC 12 s on a 2-core
+/// host; a bf16-autocast run needs about half).
+static SHARED: Module = Module::with_defines("elementwise", "#define EW_SHARED\n", SOURCE);
+static BY_DTYPE: [Module; 4] = [
+    Module::with_defines("elementwise_f32", "#define EW_F32\n", SOURCE),
+    Module::with_defines("elementwise_f64", "#define EW_F64\n", SOURCE),
+    Module::with_defines("elementwise_f16", "#define EW_F16\n", SOURCE),
+    Module::with_defines("elementwise_bf16", "#define EW_BF16\n", SOURCE),
+];
+const SOURCE: &str = include_str!("kernels/elementwise.cu");
+
+/// The module of the kernels named by the operand dtypes `dts`: one float dtype's own, else
+/// (an f16/bf16 operand beside f32) the shared one.
+fn kernels(dts: &[DType]) -> &'static Module {
+    match dts {
+        [DType::F32] => &BY_DTYPE[0],
+        [DType::F64] => &BY_DTYPE[1],
+        [DType::F16] => &BY_DTYPE[2],
+        [DType::BF16] => &BY_DTYPE[3],
+        _ => &SHARED,
+    }
+}
 
 /// Queues `copy_strided`: the `n` elements of view `ss` of buffer `src` (dtype `sd`) into view
 /// `ds` of `dst` (dtype `dd`).
@@ -43,7 +65,7 @@ fn launch_copy(
         // cast_*(const S*, D*, i64): both views contiguous from their offsets.
         let args = [Arg::Ptr(src), Arg::Ptr(dst), Arg::I64(n as i64)];
         // Eight elements per thread where the addresses allow (the kernel checks).
-        return launch(d, &KERNELS, name, grid(n.div_ceil(8)), &args);
+        return launch(d, &SHARED, name, grid(n.div_ceil(8)), &args);
     }
     // copy_strided(const void*, int, Strided, void*, int, Strided, int, i64)
     let args = [
@@ -56,7 +78,7 @@ fn launch_copy(
         Arg::I32(sd.size_in_bytes() as i32),
         Arg::I64(n as i64),
     ];
-    launch(d, &KERNELS, "copy_strided", grid(n), &args)
+    launch(d, &SHARED, "copy_strided", grid(n), &args)
 }
 
 /// The kernel of a cast between two contiguous views among f32, f16 and bf16 (autocast's
@@ -177,7 +199,7 @@ pub(crate) fn fill(d: &CudaDevice, dst: &Storage, value: f64) -> Result<()> {
         Arg::U64(bits),
         Arg::I64(n as i64),
     ];
-    launch(d, &KERNELS, "fill_bits", grid(n), &args)
+    launch(d, &SHARED, "fill_bits", grid(n), &args)
 }
 
 /// The bits of `value` stored as `dtype`, as the CPU backend would store it (same conversion
@@ -219,7 +241,7 @@ pub(crate) fn dropout_apply(
         Arg::I64(n as i64),
     ];
     let kernel = format!("dropout_apply_{suffix}");
-    launch(d, &KERNELS, &kernel, grid(n.div_ceil(4)), &args)
+    launch(d, kernels(&[dt]), &kernel, grid(n.div_ceil(4)), &args)
 }
 
 /// Op code (U_* in codes.rs) and f64 parameter of a unary op.
@@ -297,7 +319,7 @@ pub(crate) fn unary(d: &CudaDevice, op: UnaryOp, x: View, out: &Storage) -> Resu
     ];
     launch(
         d,
-        &KERNELS,
+        kernels(&[dt]),
         &format!("unary_{suffix}"),
         vector_grid(n, dt),
         &args,
@@ -354,7 +376,7 @@ pub(crate) fn binary(d: &CudaDevice, op: BinaryOp, a: View, b: View, out: &Stora
     ];
     launch(
         d,
-        &KERNELS,
+        kernels(dts),
         &format!("binary_{suffix}"),
         vector_grid(n, narrowest(dts)),
         &args,
@@ -429,7 +451,7 @@ pub(crate) fn binary_inplace(d: &CudaDevice, op: BinaryOp, dst: &Storage, src: V
         Arg::I64(n as i64),
     ];
     let cfg = vector_grid(n, dt);
-    launch(d, &KERNELS, &format!("inplace_{suffix}"), cfg, &args)?;
+    launch(d, kernels(&[dt]), &format!("inplace_{suffix}"), cfg, &args)?;
     drop(scratch);
     Ok(())
 }
@@ -476,7 +498,13 @@ fn launch_hot(
         .collect();
     let names: Vec<&str> = dts.iter().map(|dt| dt.name()).collect();
     let kernel = format!("{stem}_{}", names.join("_"));
-    launch(d, &KERNELS, &kernel, vector_grid(n, narrowest(dts)), &args)?;
+    launch(
+        d,
+        kernels(dts),
+        &kernel,
+        vector_grid(n, narrowest(dts)),
+        &args,
+    )?;
     Ok(true)
 }
 
@@ -509,6 +537,7 @@ fn inplace_rows(
 ) -> Result<()> {
     const STRIPE: usize = 16; // ROW_STRIPE
     let dst_ptr = dev_ptr(d, "binary_inplace", dst)?;
+    let module = kernels(&[dst.dtype()]);
     // 16-byte vectors, one per thread over the flat rows, when every row starts on a vector
     // boundary.
     let per_vector = 16 / dst.dtype().size_in_bytes();
@@ -519,7 +548,7 @@ fn inplace_rows(
         // add_rows_vec_*(S*, const S*, i64, i64): the bias add, specialised
         let cfg = grid(rows * cols / per_vector);
         let args = [Arg::Ptr(dst_ptr), Arg::Ptr(src), i64_of(rows), i64_of(cols)];
-        return launch(d, &KERNELS, &format!("add_rows_vec_{suffix}"), cfg, &args);
+        return launch(d, module, &format!("add_rows_vec_{suffix}"), cfg, &args);
     } else if vectors {
         let cfg = grid(rows * cols / per_vector);
         (cfg, format!("inplace_rows_vec_{suffix}"))
@@ -539,7 +568,7 @@ fn inplace_rows(
         i64_of(rows),
         i64_of(cols),
     ];
-    launch(d, &KERNELS, &kernel, cfg, &args)
+    launch(d, module, &kernel, cfg, &args)
 }
 
 impl ElementwiseKernels for CudaDevice {

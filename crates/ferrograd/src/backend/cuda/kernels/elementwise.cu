@@ -302,10 +302,6 @@ __device__ __forceinline__ void inplace_rows_vec_run(int op, double p, typename 
         inplace_run<T>(op, p, dst, src, ss, n);                                               \
     }
 
-ELEMENTWISE_KERNELS(f32, F32T)
-ELEMENTWISE_KERNELS(f64, F64T)
-ELEMENTWISE_KERNELS(f16, F16T)
-ELEMENTWISE_KERNELS(bf16, BF16T)
 
 // ---- the hot ops, specialised --------------------------------------------------------------
 // The kernels above read the op as a runtime code, so every element goes through the switch
@@ -335,9 +331,6 @@ ELEMENTWISE_KERNELS(bf16, BF16T)
         inplace_rows_vec_run<T>(B_ADD, 0.0, dst, src, rows, cols);                            \
     }
 
-HOT_KERNELS(f32, F32T)
-HOT_KERNELS(f16, F16T)
-HOT_KERNELS(bf16, BF16T)
 
 // ---- one f16/bf16 operand beside f32 --------------------------------------------------------
 // out (f32) = op(a, b) where one operand is f16/bf16 (autocast's f32 residual stream plus a
@@ -395,10 +388,6 @@ __device__ __forceinline__ void binary_widened_run(int op, double p, const typen
         binary_widened_vec<A, B>(B_ADD, 0.0, a, b, out, n);                                   \
     }
 
-WIDENED_KERNELS(f32_f16, F32T, F16T)
-WIDENED_KERNELS(f32_bf16, F32T, BF16T)
-WIDENED_KERNELS(f16_f32, F16T, F32T)
-WIDENED_KERNELS(bf16_f32, BF16T, F32T)
 
 // ---- copy and fill -----------------------------------------------------------------------
 
@@ -410,6 +399,7 @@ __device__ __forceinline__ void copy_same(const E* src, const Strided& ss, E* ds
     }
 }
 
+#if defined(EW_SHARED)
 // dst view = src view (same element count, each walked in its own row-major order),
 // converting from dtype `sd` to `dd` as the CPU backend does. Same dtype: a bit copy.
 extern "C" __global__ void copy_strided(const void* src, int sd, Strided ss, void* dst, int dd,
@@ -433,6 +423,7 @@ extern "C" __global__ void copy_strided(const void* src, int sd, Strided ss, voi
         }
     }
 }
+#endif
 
 // Contiguous casts among f32, f16 and bf16 through f32 (exact for every source value, so the
 // same single rounding as copy_strided's path): dst[i] = convert(src[i]).
@@ -459,11 +450,8 @@ __device__ __forceinline__ float cast_ld_bf16(u16 v) { return bf16_to_f32(v); }
         for (i64 i = done + grid_start(); i < n; i += grid_step()) dst[i] = STORE(LOAD(src[i])); \
     }
 
-CAST_KERNEL(cast_f32_bf16, float, cast_ld, u16, f32_to_bf16)
-CAST_KERNEL(cast_bf16_f32, u16, cast_ld_bf16, float, cast_ld)
-CAST_KERNEL(cast_f32_f16, float, cast_ld, u16, f32_to_f16)
-CAST_KERNEL(cast_f16_f32, u16, cast_ld_f16, float, cast_ld)
 
+#if defined(EW_SHARED)
 // Every element of a contiguous buffer = the `size`-byte little-endian pattern `bits`.
 extern "C" __global__ void fill_bits(void* dst, int size, u64 bits, i64 n) {
     for (i64 i = grid_start(); i < n; i += grid_step()) {
@@ -475,6 +463,7 @@ extern "C" __global__ void fill_bits(void* dst, int size, u64 bits, i64 n) {
         }
     }
 }
+#endif
 
 // ---- dropout masks ------------------------------------------------------------------------
 
@@ -512,7 +501,35 @@ __device__ __forceinline__ void dropout_apply_run(const typename T::S* x, typena
         dropout_apply_run<T>(x, out, bits, key, seed, keep, n);                               \
     }
 
+// ---- the modules ----------------------------------------------------------------------------
+// The file is compiled once per float dtype (EW_F32, EW_F64, EW_F16, EW_BF16: that dtype's
+// op kernels) and once for what takes no single dtype (EW_SHARED: the strided copy, fill,
+// the casts and the f16/bf16-beside-f32 kernels), so a run compiles only the dtypes it uses
+// (cuda/elementwise.rs picks the module).
+#if defined(EW_SHARED)
+WIDENED_KERNELS(f32_f16, F32T, F16T)
+WIDENED_KERNELS(f32_bf16, F32T, BF16T)
+WIDENED_KERNELS(f16_f32, F16T, F32T)
+WIDENED_KERNELS(bf16_f32, BF16T, F32T)
+CAST_KERNEL(cast_f32_bf16, float, cast_ld, u16, f32_to_bf16)
+CAST_KERNEL(cast_bf16_f32, u16, cast_ld_bf16, float, cast_ld)
+CAST_KERNEL(cast_f32_f16, float, cast_ld, u16, f32_to_f16)
+CAST_KERNEL(cast_f16_f32, u16, cast_ld_f16, float, cast_ld)
+#elif defined(EW_F32)
+ELEMENTWISE_KERNELS(f32, F32T)
+HOT_KERNELS(f32, F32T)
 DROPOUT_KERNEL(f32, F32T)
+#elif defined(EW_F64)
+ELEMENTWISE_KERNELS(f64, F64T)
 DROPOUT_KERNEL(f64, F64T)
+#elif defined(EW_F16)
+ELEMENTWISE_KERNELS(f16, F16T)
+HOT_KERNELS(f16, F16T)
 DROPOUT_KERNEL(f16, F16T)
+#elif defined(EW_BF16)
+ELEMENTWISE_KERNELS(bf16, BF16T)
+HOT_KERNELS(bf16, BF16T)
 DROPOUT_KERNEL(bf16, BF16T)
+#else
+#error "elementwise.cu is compiled per module: define EW_SHARED, EW_F32, EW_F64, EW_F16 or EW_BF16"
+#endif
