@@ -591,3 +591,39 @@ impl ElementwiseKernels for CudaDevice {
         binary_inplace(self, op, dst, src)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Each launch goes to the module that instantiates its kernels (kernels/elementwise.cu's
+    /// module blocks): a kernel in another module would fail to load on a GPU only.
+    #[test]
+    fn every_kernel_name_is_in_the_module_the_launcher_picks() {
+        for (dt, s) in [
+            (DType::F32, "f32"),
+            (DType::F64, "f64"),
+            (DType::F16, "f16"),
+            (DType::BF16, "bf16"),
+        ] {
+            let block = kernels(&[dt]).own_block().unwrap_or_default();
+            assert!(block.contains(&format!("ELEMENTWISE_KERNELS({s},")), "{s}");
+            assert!(block.contains(&format!("DROPOUT_KERNEL({s},")), "{s}");
+            let hot = block.contains(&format!("HOT_KERNELS({s},"));
+            assert_eq!(hot, has_hot_kernels(dt), "{s}");
+        }
+        let shared = kernels(&[DType::F32, DType::BF16])
+            .own_block()
+            .unwrap_or_default();
+        for pair in ["f32_f16", "f32_bf16", "f16_f32", "bf16_f32"] {
+            assert!(
+                shared.contains(&format!("WIDENED_KERNELS({pair},")),
+                "{pair}"
+            );
+            let cast = format!("CAST_KERNEL(cast_{pair},");
+            assert!(shared.contains(&cast), "{cast}");
+        }
+        let src = SHARED.own_block().unwrap_or_default();
+        assert_eq!(src, shared);
+    }
+}

@@ -52,6 +52,23 @@ impl Module {
         }
     }
 
+    /// The instantiations this module compiles from a file shared by several modules: the
+    /// lines after the file's last `#if defined(NAME)` or `#elif defined(NAME)` (its module
+    /// section, at the end), NAME being the macro its defines set, up to the next `#elif`,
+    /// `#else` or `#endif`. For tests of which module holds which kernels.
+    #[cfg(test)]
+    pub(crate) fn own_block(&self) -> Option<&'static str> {
+        let name = self.defines.strip_prefix("#define ")?.trim();
+        let start = self.body.rfind(&format!("defined({name})"))?;
+        let from = start + self.body[start..].find('\n')? + 1;
+        let rest = &self.body[from..];
+        let end = ["\n#elif", "\n#else", "\n#endif"]
+            .iter()
+            .filter_map(|m| rest.find(m))
+            .min()?;
+        Some(&rest[..end])
+    }
+
     /// codes header + defines + prelude.cuh + the kernel file.
     pub(crate) fn source(&'static self) -> &'static str {
         self.src

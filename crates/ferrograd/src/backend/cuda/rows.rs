@@ -288,6 +288,34 @@ fn layer_norm_param_grads(
 mod tests {
     use super::*;
 
+    /// Each launch goes to the module that instantiates its kernels (kernels/rows.cu's module
+    /// blocks): a kernel in another module would fail to load on a GPU only.
+    #[test]
+    fn every_kernel_name_is_in_the_module_the_launcher_picks() {
+        for (dt, s) in [
+            (DType::F32, "f32"),
+            (DType::F64, "f64"),
+            (DType::F16, "f16"),
+            (DType::BF16, "bf16"),
+        ] {
+            let block = kernels("test", dt).unwrap().own_block().unwrap_or_default();
+            assert!(block.contains(&format!("ROW_KERNELS({s},")), "{s}");
+            // The warp-per-row kernels, where layer_norm_kernel asks for them.
+            let (warp, _) = layer_norm_kernel("layer_norm_fwd", s, 4, 64);
+            let has_warp = block.contains(&format!("LN_WARP_SIZES({s},"));
+            assert_eq!(has_warp, warp.contains("_warp"), "{s}");
+        }
+        // Half outputs over f32 rows: in the f32 module, block and warp kernels.
+        let f32_block = kernels("test", DType::F32)
+            .unwrap()
+            .own_block()
+            .unwrap_or_default();
+        for s in ["f32_f16", "f32_bf16"] {
+            assert!(f32_block.contains(&format!("LN_KERNELS({s},")), "{s}");
+            assert!(f32_block.contains(&format!("LN_WARP_SIZES({s},")), "{s}");
+        }
+    }
+
     #[test]
     fn param_chunks_cover_all_rows() {
         for (rows, n) in [(1, 1), (7, 3), (1000, 768), (65536, 64), (3, 100_000)] {
