@@ -600,12 +600,8 @@ mod tests {
     /// module blocks): a kernel in another module would fail to load on a GPU only.
     #[test]
     fn every_kernel_name_is_in_the_module_the_launcher_picks() {
-        for (dt, s) in [
-            (DType::F32, "f32"),
-            (DType::F64, "f64"),
-            (DType::F16, "f16"),
-            (DType::BF16, "bf16"),
-        ] {
+        for dt in [DType::F32, DType::F64, DType::F16, DType::BF16] {
+            let s = suffix("test", dt).unwrap_or_default();
             let block = kernels(&[dt]).own_block().unwrap_or_default();
             assert!(block.contains(&format!("ELEMENTWISE_KERNELS({s},")), "{s}");
             assert!(block.contains(&format!("DROPOUT_KERNEL({s},")), "{s}");
