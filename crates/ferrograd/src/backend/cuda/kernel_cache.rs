@@ -141,10 +141,12 @@ fn write(file: &Path, ptx: &str) -> std::io::Result<()> {
         std::process::id(),
         WRITES.fetch_add(1, Ordering::Relaxed)
     ));
-    std::fs::write(&tmp, ptx)?;
-    std::fs::rename(&tmp, file).inspect_err(|_| {
-        let _ = std::fs::remove_file(&tmp);
-    })
+    // A failed write (a full disk) or rename leaves no temporary file behind.
+    std::fs::write(&tmp, ptx)
+        .and_then(|()| std::fs::rename(&tmp, file))
+        .inspect_err(|_| {
+            let _ = std::fs::remove_file(&tmp);
+        })
 }
 
 /// FNV-1a, 64 bits: a name for a file, stable across builds and Rust versions (std's hasher
