@@ -326,28 +326,11 @@ impl GradScaler {
     /// before `update` is an error, as is stepping an optimizer none of whose parameters has
     /// a gradient (PyTorch: "No inf checks were recorded for this optimizer").
     pub fn step<O: Optimizer + ?Sized>(&mut self, opt: &mut O) -> Result<bool> {
-        let key = key_of(opt.params());
-        match self.record(&key).map(|r| r.stage) {
-            Some(Stage::Stepped) => {
-                return Err(Error::invalid(
-                    "GradScaler::step",
-                    "step() has already been called since the last update(); call update() once per iteration, after step()",
-                ));
-            }
-            Some(Stage::Unscaled) => {}
-            None => self.unscale_(&*opt)?,
-        }
-        let i = self
-            .records
-            .iter()
-            .position(|r| r.key == key)
-            .ok_or_else(|| Error::invalid("GradScaler::step", "the unscale record is missing"))?;
-        if self.records[i].flags.is_empty() {
-            return Err(Error::invalid(
-                "GradScaler::step",
-                "no inf checks were recorded for this optimizer: none of its parameters has a gradient; call backward() on the scaled loss first",
-            ));
-        }
+        let i = self.record_to_step(
+            opt,
+            "GradScaler::step",
+            "step() has already been called since the last update(); call update() once per iteration, after step()",
+        )?;
         let found = self.records[i].found_inf()?;
         if !found {
             opt.step()?;
@@ -400,30 +383,14 @@ impl GradScaler {
                 "the scale is not staged on a device: call stage_on(device) first, or use GradScaler::step",
             ));
         };
-        let key = key_of(opt.params());
-        match self.record(&key).map(|r| r.stage) {
-            Some(Stage::Stepped) => {
-                return Err(Error::invalid(
-                    STEP,
-                    "the optimizer has already stepped since the last update; end each iteration with update_found()",
-                ));
-            }
-            Some(Stage::Unscaled) => {}
-            None => self.unscale_(&*opt)?,
-        }
-        let record = self
-            .records
-            .iter_mut()
-            .find(|r| r.key == key)
-            .ok_or_else(|| Error::invalid(STEP, "the unscale record is missing"))?;
+        let i = self.record_to_step(
+            opt,
+            STEP,
+            "the optimizer has already stepped since the last update; end each iteration with update_found()",
+        )?;
+        let record = &mut self.records[i];
         let flag = match record.flags.as_slice() {
             [flag] if flag.device() == device => flag.clone(),
-            [] => {
-                return Err(Error::invalid(
-                    STEP,
-                    "no inf checks were recorded for this optimizer: none of its parameters has a gradient; call backward() on the scaled loss first",
-                ));
-            }
             _ => {
                 return Err(Error::invalid(
                     STEP,
@@ -517,6 +484,35 @@ impl GradScaler {
         self.scale = scale;
         self.growth_tracker = tracker;
         self.restage()
+    }
+
+    /// The index of `opt`'s record for a step this iteration: unscaled first unless
+    /// `unscale_` already did it; an error (`twice`) if it already stepped, or when none of
+    /// its parameters had a gradient to check.
+    fn record_to_step<O: Optimizer + ?Sized>(
+        &mut self,
+        opt: &O,
+        op: &'static str,
+        twice: &'static str,
+    ) -> Result<usize> {
+        let key = key_of(opt.params());
+        match self.record(&key).map(|r| r.stage) {
+            Some(Stage::Stepped) => return Err(Error::invalid(op, twice)),
+            Some(Stage::Unscaled) => {}
+            None => self.unscale_(opt)?,
+        }
+        let i = self
+            .records
+            .iter()
+            .position(|r| r.key == key)
+            .ok_or_else(|| Error::invalid(op, "the unscale record is missing"))?;
+        if self.records[i].flags.is_empty() {
+            return Err(Error::invalid(
+                op,
+                "no inf checks were recorded for this optimizer: none of its parameters has a gradient; call backward() on the scaled loss first",
+            ));
+        }
+        Ok(i)
     }
 
     fn record(&self, key: &[usize]) -> Option<&OptRecord> {

@@ -20,8 +20,8 @@
 //! it. What cannot be replayed runs eagerly, and `GraphStatus` says why: a CPU device, f16
 //! loss scaling with an optimizer that cannot skip its update on the device, data-parallel
 //! reduction, the step in backward, an optimizer whose rate is a kernel argument, or a
-//! capture that failed. New
-//! input shapes, or a batch whose target count differs from the captured one, capture again.
+//! capture that failed. New input shapes, or a batch whose target count differs from the
+//! captured one, capture again.
 //!
 //! Dropout: the captured step's masks are drawn with the keys the host drew at the capture,
 //! each XORed on the device with a seed that every replay rewrites (`replay_seed` of the step
@@ -31,6 +31,7 @@
 
 use std::time::Instant;
 
+use super::GradScaler;
 use super::accumulate::{Accumulation, MicroBatch};
 use super::trainer::{StepReport, Stepped, Trainer};
 use crate::backend::capture::{self, Graph, InputCheck, Pool};
@@ -39,8 +40,6 @@ use crate::base::{Device, Error, Result};
 use crate::memory;
 use crate::optim::Optimizer;
 use crate::tensor::{DType, Readout, Tensor};
-
-use super::GradScaler;
 
 /// One integer input of a micro-batch (its token ids, its targets): values in row-major order
 /// and the shape.
@@ -368,10 +367,7 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
             }
         };
         g.replay()?;
-        let stepped = match &found_inf {
-            Some(flag) => self.settle_scaled_step(flag)?,
-            None => true,
-        };
+        let stepped = self.settle_scaled_step(found_inf.as_ref())?;
         let loss = done.mean_loss.tensor().cloned().ok_or_else(|| {
             Error::invalid("graph capture", "the step's loss is not on the device")
         })?;
@@ -411,10 +407,7 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
         self.with_optimizer(|o| o.prepare_graph_step())??;
         c.graph.set_dropout_seed(replay_seed(self.step_index()))?;
         c.graph.replay()?;
-        let stepped = match &c.found_inf {
-            Some(flag) => self.settle_scaled_step(flag)?,
-            None => true,
-        };
+        let stepped = self.settle_scaled_step(c.found_inf.as_ref())?;
         if stepped {
             self.with_optimizer(|o| o.graph_step_replayed())?;
         }

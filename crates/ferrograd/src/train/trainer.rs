@@ -363,7 +363,7 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
         let (grad_norm, stepped) = self.finish_step()?;
         let stepped = match stepped {
             Stepped::Known(stepped) => stepped,
-            Stepped::OnDevice(flag) => self.settle_scaled_step(&flag)?,
+            Stepped::OnDevice(flag) => self.settle_scaled_step(Some(&flag))?,
         };
         let report = StepReport {
             step: self.step,
@@ -453,8 +453,11 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
 
     /// After a step whose skip decision stayed on the device (`Stepped::OnDevice`): reads
     /// its flag (waiting for the step), undoes the optimizer's count of a skipped update and
-    /// ends the scaler's iteration. Whether the update ran.
-    pub(super) fn settle_scaled_step(&mut self, found_inf: &Tensor) -> Result<bool> {
+    /// ends the scaler's iteration. Whether the update ran (always, without a flag).
+    pub(super) fn settle_scaled_step(&mut self, found_inf: Option<&Tensor>) -> Result<bool> {
+        let Some(found_inf) = found_inf else {
+            return Ok(true);
+        };
         let found = found_inf.item()? != 0.0;
         self.with_optimizer(|o| o.settle_skippable_step(found))?;
         if let Some(s) = &mut self.scaler {
