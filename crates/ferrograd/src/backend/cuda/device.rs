@@ -210,14 +210,13 @@ impl CudaDevice {
     /// by an earlier process) or from NVRTC. A cached file the driver refuses is forgotten and
     /// the module compiled afresh.
     fn load_module(&self, key: &'static str, src: &'static str) -> Result<Arc<CudaModule>> {
-        let options = vec![
-            format!("--gpu-architecture={}", self.arch),
-            "--std=c++17".to_string(),
-        ];
+        const FLAGS: &str = "--std=c++17";
+        // What the cached file's name hashes: every option NVRTC is given.
+        let options = [format!("--gpu-architecture={}", self.arch), FLAGS.into()];
         let compile = || -> Result<String> {
             let opts = CompileOptions {
                 arch: Some(self.arch),
-                options: vec!["--std=c++17".into()],
+                options: vec![FLAGS.into()],
                 ..Default::default()
             };
             let ptx = compile_ptx_with_opts(src, opts)
