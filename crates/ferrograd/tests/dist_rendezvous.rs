@@ -333,12 +333,17 @@ fn only_rank_zero_brings_bytes_to_a_broadcast() {
 #[test]
 fn two_processes_with_the_same_rank_are_refused() {
     let port = free_port();
+    // Nobody closes before all three have joined or been refused: rank 0's store must still
+    // be there when the second rank 1 arrives, however late its thread starts.
+    let all_tried = std::sync::Barrier::new(3);
     let results: Vec<Result<(), String>> = std::thread::scope(|s| {
         let handles: Vec<_> = [0, 1, 1]
             .into_iter()
             .map(|r| {
+                let all_tried = &all_tried;
                 s.spawn(move || {
                     let joined = Rendezvous::join(&rank_env(r, 2, port, false), T);
+                    all_tried.wait();
                     joined
                         .map_err(|e| e.to_string())?
                         .close()
