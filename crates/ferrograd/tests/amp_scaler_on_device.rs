@@ -1,17 +1,23 @@
 //! The GradScaler with its decision kept on the device (`stage_on`, `step_on_device`,
-//! `update_found`), as a captured CUDA graph runs it, against the host path that reads the
-//! inf/NaN check before stepping: the same skips, scales, step counts and parameters, bit for
-//! bit, through the Trainer and by hand; Adam's skipped step leaving no trace; the unscale
-//! reading 1/scale from device memory; and the errors. On the CPU backend, which implements
+//! `update_on_device`), as a GPU step runs it without reading anything back, against the
+//! host path that reads the inf/NaN check before stepping: the same skips, scales, step
+//! counts and parameters, bit for bit, through the Trainer and by hand; Adam's step count
+//! kept on the device (a skipped step leaving no trace, the counts read only when settled,
+//! the parameters that step together changing); the unscale reading 1/scale from device
+//! memory; the scale's update there; and the errors. On the CPU backend, which implements
 //! the same kernels' contract (gpu_amp_scaler.rs runs the GPU's).
 
 use std::sync::Mutex;
 
 use ferrograd::backend::View;
-use ferrograd::backend::optim::{UnscaleCheck, unscale_check};
+use ferrograd::backend::optim::{
+    UnscaleCheck, UpdateScale, next_scale, unscale_check, update_scale,
+};
 use ferrograd::nn::{Linear, Module, Relu, Sequential};
 use ferrograd::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
-use ferrograd::train::{GradScaler, GradScalerConfig, MicroBatch, Trainer, TrainerConfig};
+use ferrograd::train::{
+    GradScaler, GradScalerConfig, MicroBatch, StepReport, Trainer, TrainerConfig,
+};
 use ferrograd::{DType, Device, Generator, Tensor};
 
 const CPU: Device = Device::Cpu;
@@ -59,7 +65,7 @@ const POISONED: [usize; 4] = [0, 3, 4, 8];
 
 /// (stepped, scale) of each of 11 f16 trainer steps with AdamW and clipping, the parameters'
 /// bits and Adam's step counts after them; `staged`: the scaler keeps its decision on the
-/// device.
+/// device, and nothing is read back until the steps are done.
 type Outcome = (Vec<(bool, Option<f64>)>, Vec<Vec<u32>>, Vec<u64>);
 
 fn train(staged: bool) -> Outcome {
@@ -94,8 +100,15 @@ fn train(staged: bool) -> Outcome {
                 Ok(MicroBatch { loss, tokens: 8 })
             })
             .unwrap();
-        reports.push((report.stepped, report.scale));
+        reports.push(report);
     }
+    // Read after the last step: each report kept its own step's verdict and scale.
+    let pending = |r: &StepReport| !r.loss_scale.as_ref().unwrap().is_read();
+    assert_eq!(reports.iter().all(pending), staged);
+    let reports = reports
+        .iter()
+        .map(|r| (r.stepped().unwrap(), r.scale().unwrap()))
+        .collect();
     let counts = trainer
         .with_optimizer(|o| {
             let mut c = vec![o.step_count()];
@@ -130,37 +143,45 @@ fn a_trainer_whose_scaler_decides_on_the_device_trains_bit_for_bit_as_the_host_p
     assert_eq!(device.1, host.1, "parameters");
 }
 
+fn flag(v: f32) -> Tensor {
+    Tensor::from_vec(vec![v], &[1], CPU).unwrap()
+}
+
+/// Two parameters and an AdamW over them; `grads` sets their gradients (None: no gradient).
+fn two_params() -> (Vec<Tensor>, Adam) {
+    let p = vec![
+        Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3], CPU).unwrap(),
+        Tensor::from_vec(vec![-1.0f32, 0.5], &[2], CPU).unwrap(),
+    ];
+    let p: Vec<Tensor> = p
+        .into_iter()
+        .map(|t| t.requires_grad_(true).unwrap())
+        .collect();
+    let opt = adamw(p.clone());
+    (p, opt)
+}
+
+/// Gradients of step k for the parameters that have one this step (`with`).
+fn set_grads(p: &[Tensor], k: usize, with: [bool; 2]) {
+    for (i, t) in p.iter().enumerate() {
+        let n = t.numel();
+        let g: Vec<f32> = (0..n)
+            .map(|j| ((k * 7 + i * 3 + j) % 5) as f32 - 1.5)
+            .collect();
+        let g = with[i].then(|| Tensor::from_vec(g, &[n], CPU).unwrap());
+        t.set_grad(g).unwrap();
+    }
+}
+
 #[test]
 fn a_skipped_first_adam_step_leaves_no_trace() {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let grads = [vec![0.5f32, -1.0, 2.0], vec![0.25f32, 4.0]];
-    let make = || -> (Vec<Tensor>, Adam) {
-        let p = vec![
-            Tensor::from_vec(vec![1.0f32, 2.0, 3.0], &[3], CPU).unwrap(),
-            Tensor::from_vec(vec![-1.0f32, 0.5], &[2], CPU).unwrap(),
-        ];
-        let p: Vec<Tensor> = p
-            .into_iter()
-            .map(|t| t.requires_grad_(true).unwrap())
-            .collect();
-        let opt = adamw(p.clone());
-        (p, opt)
-    };
-    let set_grads = |p: &[Tensor]| {
-        for (t, g) in p.iter().zip(&grads) {
-            let n = g.len();
-            t.set_grad(Some(Tensor::from_vec(g.clone(), &[n], CPU).unwrap()))
-                .unwrap();
-        }
-    };
-    let flag = |v: f32| Tensor::from_vec(vec![v], &[1], CPU).unwrap();
-
-    let (p, mut opt) = make();
+    let (p, mut opt) = two_params();
     let before = bits(&p);
-    set_grads(&p);
+    set_grads(&p, 0, [true, true]);
     opt.step_unless_found_inf(&flag(1.0)).unwrap();
     assert_eq!(bits(&p), before, "the raised flag skipped the update");
-    opt.settle_skippable_step(true);
+    opt.settle_counts().unwrap();
     assert_eq!(opt.step_count(), 0);
     assert!((0..2).all(|i| opt.state(i).unwrap().step == 0));
     let zeros = |t: &Tensor| t.to_vec::<f32>().unwrap().iter().all(|&v| v == 0.0);
@@ -168,13 +189,66 @@ fn a_skipped_first_adam_step_leaves_no_trace() {
 
     // The next, clean step is an untouched Adam's first step.
     opt.step_unless_found_inf(&flag(0.0)).unwrap();
-    opt.settle_skippable_step(false);
-    let (fresh, mut plain) = make();
-    set_grads(&fresh);
+    let (fresh, mut plain) = two_params();
+    set_grads(&fresh, 0, [true, true]);
     plain.step().unwrap();
     assert_eq!(bits(&p), bits(&fresh));
+    opt.settle_counts().unwrap();
     assert_eq!(opt.step_count(), 1);
     assert!((0..2).all(|i| opt.state(i).unwrap().step == 1));
+}
+
+/// Steps that the device may skip keep their count there: the host's counts move only when
+/// settled, the bias corrections follow the steps that ran, and when the parameters with
+/// gradients change the count is read and made again (or, at different counts, the host's
+/// counts step and read the flag). Every step matches an Adam stepped on the host, which
+/// steps exactly when the flag is clear.
+#[test]
+fn adams_step_count_stays_on_the_device_until_settled() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let (p, mut opt) = two_params();
+    let (q, mut host) = two_params();
+    // (flag, which parameters have a gradient)
+    let plan: [(f32, [bool; 2]); 9] = [
+        (0.0, [true, true]),
+        (1.0, [true, true]),
+        (0.0, [true, true]),
+        (0.0, [true, true]),
+        // p1 without a gradient: the count is read and made again for p0 alone.
+        (0.0, [true, false]),
+        (1.0, [true, false]),
+        // Both again, at counts 4 and 3: the host's counts, reading the flag.
+        (0.0, [true, true]),
+        (1.0, [true, true]),
+        (0.0, [true, true]),
+    ];
+    for (k, &(f, with)) in plan.iter().enumerate() {
+        set_grads(&p, k, with);
+        set_grads(&q, k, with);
+        opt.step_unless_found_inf(&flag(f)).unwrap();
+        if f == 0.0 {
+            host.step().unwrap();
+        }
+        assert_eq!(bits(&p), bits(&q), "step {k}");
+        if k == 3 {
+            // Three steps ran; the host has not read the device's count yet.
+            assert_eq!(opt.step_count(), 0);
+            opt.settle_counts().unwrap();
+            assert_eq!(opt.step_count(), 3);
+            assert!((0..2).all(|i| opt.state(i).unwrap().step == 3));
+        }
+    }
+    opt.settle_counts().unwrap();
+    let counts = |o: &Adam| (o.step_count(), [0, 1].map(|i| o.state(i).unwrap().step));
+    assert_eq!(counts(&host), (6, [6, 5]));
+    assert_eq!(counts(&opt), counts(&host));
+    // A plain step after them reads the count first and goes on from it.
+    set_grads(&p, 9, [true, true]);
+    set_grads(&q, 9, [true, true]);
+    opt.step().unwrap();
+    host.step().unwrap();
+    assert_eq!(bits(&p), bits(&q));
+    assert_eq!(counts(&opt), (7, [7, 6]));
 }
 
 #[test]
@@ -271,13 +345,15 @@ fn the_staged_scale_follows_every_update_and_a_loaded_state() {
     assert_eq!(scaled.item().unwrap(), 24.0);
     scaled.backward().unwrap();
     assert_eq!(p.grad().unwrap().to_vec::<f32>().unwrap(), vec![24.0]);
-    let flag = s.step_on_device(&mut opt).unwrap();
-    assert_eq!(flag.item().unwrap(), 0.0);
+    let found = s.step_on_device(&mut opt).unwrap();
+    assert_eq!(found.item().unwrap(), 0.0);
     // Unscaled by the staged 1/8 before Adam read it.
     assert_eq!(p.grad().unwrap().to_vec::<f32>().unwrap(), vec![3.0]);
-    opt.settle_skippable_step(false);
-    s.update_found(false).unwrap();
-    assert_eq!(s.get_scale(), 16.0);
+    let report = s.update_on_device(&found).unwrap();
+    // Grown on the device (an interval of 1): the report, get_scale and scale() read it.
+    assert_eq!(report.values().unwrap(), vec![0.0, 16.0]);
+    assert_eq!(s.get_scale().unwrap(), 16.0);
+    assert_eq!(s.growth_tracker().unwrap(), 0);
     let loss = p.sum_all().unwrap();
     assert_eq!(
         s.scale(&loss).unwrap().item().unwrap(),
@@ -299,12 +375,72 @@ fn the_staged_scale_follows_every_update_and_a_loaded_state() {
         s.scale(&loss).unwrap().item().unwrap(),
         2.0 * loss.item().unwrap()
     );
-    // A found inf backs off and is staged as well.
-    s.update_found(true).unwrap();
+    // A found inf backs off on the device, and the host's update goes on from there.
+    let report = s.update_on_device(&flag(1.0)).unwrap();
+    assert_eq!(report.values().unwrap(), vec![1.0, 1.0]);
     assert_eq!(
         s.scale(&loss).unwrap().item().unwrap(),
         1.0 * loss.item().unwrap()
     );
+    let saved = s.state_tensors().unwrap();
+    assert_eq!(saved[0].1.item().unwrap(), 1.0);
+    p.set_grad(Some(Tensor::from_vec(vec![1.0f32], &[1], CPU).unwrap()))
+        .unwrap();
+    s.step(&mut opt).unwrap();
+    s.update().unwrap();
+    assert_eq!(s.get_scale().unwrap(), 2.0, "grown from the device's 1.0");
+}
+
+/// The update kernel against the host's rule (`next_scale`) over every branch: backoff,
+/// counting, growth, growth that would overflow f32, and the layout of state and report.
+#[test]
+fn the_scale_update_on_the_device_follows_the_host_rule() {
+    let cases: [(f32, u64, bool); 6] = [
+        (65536.0, 0, true),
+        (65536.0, 5, false),
+        (65536.0, 6, false),
+        (f32::MAX, 6, false),
+        (3.0e-38, 2, true),
+        (1.5, 0, false),
+    ];
+    for (scale, tracker, found) in cases {
+        let state = Tensor::from_vec(vec![scale, 0.0, tracker as f32], &[3], CPU).unwrap();
+        let report = Tensor::zeros(&[2], DType::F32, CPU).unwrap();
+        let f = flag(found as u8 as f32);
+        update_scale(&UpdateScale {
+            found_inf: View {
+                storage: f.storage(),
+                layout: f.layout(),
+            },
+            state: state.storage(),
+            report: Some(report.storage()),
+            growth_factor: 2.0,
+            backoff_factor: 0.5,
+            growth_interval: 7,
+        })
+        .unwrap();
+        let (want, want_tracker) = next_scale((scale, tracker), found, (2.0, 0.5, 7));
+        let got = state.to_vec::<f32>().unwrap();
+        let inv = (1.0 / want as f64) as f32;
+        assert_eq!(
+            got,
+            vec![want, inv, want_tracker as f32],
+            "{scale} {tracker} {found}"
+        );
+        let r = report.to_vec::<f32>().unwrap();
+        assert_eq!(
+            r,
+            vec![found as u8 as f32, want],
+            "{scale} {tracker} {found}"
+        );
+    }
+    assert_eq!(
+        next_scale((f32::MAX, 6), false, (2.0, 0.5, 7)),
+        (f32::MAX, 0)
+    );
+    assert_eq!(next_scale((8.0, 6), false, (2.0, 0.5, 7)), (16.0, 0));
+    assert_eq!(next_scale((8.0, 5), false, (2.0, 0.5, 7)), (8.0, 6));
+    assert_eq!(next_scale((8.0, 5), true, (2.0, 0.5, 7)), (4.0, 0));
 }
 
 #[test]
@@ -330,10 +466,24 @@ fn a_step_on_the_device_says_what_it_needs() {
     let e = s.step_on_device(&mut sgd).unwrap_err().to_string();
     assert!(e.contains("GradScaler::step"), "{e}");
     // Twice in one iteration.
-    s.step_on_device(&mut opt).unwrap();
+    let found = s.step_on_device(&mut opt).unwrap();
     let e = s.step_on_device(&mut opt).unwrap_err().to_string();
-    assert!(e.contains("update_found"), "{e}");
-    s.update_found(false).unwrap();
+    assert!(e.contains("update_on_device"), "{e}");
+    s.update_on_device(&found).unwrap();
+    // An update on the device of a scaler that is not staged there.
+    let e = GradScaler::new()
+        .update_on_device(&found)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("stage_on"), "{e}");
+    // A growth interval the device's f32 tracker cannot count to.
+    let mut long = GradScaler::with_config(GradScalerConfig {
+        growth_interval: (1 << 24) + 1,
+        ..GradScalerConfig::default()
+    })
+    .unwrap();
+    let e = long.stage_on(CPU).unwrap_err().to_string();
+    assert!(e.contains("growth_interval"), "{e}");
     // No gradient at all.
     opt.zero_grad().unwrap();
     let e = s.step_on_device(&mut opt).unwrap_err().to_string();

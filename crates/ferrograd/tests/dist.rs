@@ -430,8 +430,8 @@ fn trainer_step(
         })?;
         Ok(Stepped {
             params: values(model),
-            stepped: report.stepped,
-            scale: report.scale,
+            stepped: report.stepped()?,
+            scale: report.scale()?,
         })
     };
     match world {
@@ -1289,7 +1289,7 @@ fn clipping_and_unscaling_keep_gradients_in_their_buckets() {
             let loss = ddp.forward(&rows(&x, r, 2))?.mse_loss(&rows(&t, r, 2))?;
             Ok(MicroBatch { loss, tokens: 1 })
         })?;
-        Ok((report.stepped, grads_live_in_buckets(&ddp)))
+        Ok((report.stepped()?, grads_live_in_buckets(&ddp)))
     })
     .unwrap();
     for (stepped, in_buckets) in out {

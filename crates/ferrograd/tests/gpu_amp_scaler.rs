@@ -197,7 +197,7 @@ fn scaler_run(device: Device) -> (Vec<f64>, Vec<bool>, Vec<Tensor>) {
         scaler.scale(&loss).unwrap().backward().unwrap();
         stepped.push(scaler.step(&mut opt).unwrap());
         scaler.update().unwrap();
-        scales.push(scaler.get_scale());
+        scales.push(scaler.get_scale().unwrap());
     }
     (scales, stepped, params.iter().map(|p| on(p, CPU)).collect())
 }
@@ -214,11 +214,12 @@ fn grad_scaler_loop_on_gpu_matches_cpu() {
     }
 }
 
-/// The scaler's decision kept on the device (`stage_on`, `step_on_device`, `update_found`),
-/// as a replayed graph runs it: AdamW over `weights` parameters (bf16: on f32 master copies,
-/// the other fused kernel), inf gradients at iterations 0, 3 and 4. Returns (scale after each
-/// update, stepped flags, final parameters as f32 on the CPU, Adam's step count).
-fn staged_run(device: Device, weights: DType) -> (Vec<f64>, Vec<bool>, Vec<Tensor>, u64) {
+/// The scaler's decision kept on the device (`stage_on`, `step_on_device`,
+/// `update_on_device`), as a GPU step runs it: AdamW over `weights` parameters (bf16: on f32
+/// master copies, the other fused kernel), inf gradients at iterations 0, 3 and 4. Returns
+/// (scale after each update, stepped flags, final parameters as f32 on the CPU, Adam's step
+/// count, the host's waits on the device during the 8 steps).
+fn staged_run(device: Device, weights: DType) -> (Vec<f64>, Vec<bool>, Vec<Tensor>, u64, u64) {
     let shapes: [&[usize]; 3] = [&[70_000], &[64], &[4097]];
     let params: Vec<Tensor> = shapes
         .iter()
@@ -239,45 +240,64 @@ fn staged_run(device: Device, weights: DType) -> (Vec<f64>, Vec<bool>, Vec<Tenso
     })
     .unwrap();
     scaler.stage_on(device).unwrap();
-    let (mut scales, mut stepped) = (Vec::new(), Vec::new());
-    for k in 0..8u64 {
-        for (i, p) in params.iter().enumerate() {
-            let mut g = randn(p.shape(), DType::F32, 800 + 10 * k + i as u64)
-                .mul_scalar(scaler.get_scale() * 1e-3)
-                .unwrap();
-            if [0, 3, 4].contains(&k) && i == 2 {
-                g = with_value(&g, 4096, f32::INFINITY);
-            }
-            p.set_grad(Some(on(&g.to_dtype(weights).unwrap(), device)))
-                .unwrap();
+    let grads: Vec<Vec<Tensor>> = (0..8u64)
+        .map(|k| {
+            (0..params.len())
+                .map(|i| {
+                    let mut g = randn(params[i].shape(), DType::F32, 800 + 10 * k + i as u64)
+                        .mul_scalar(1.024)
+                        .unwrap();
+                    if [0, 3, 4].contains(&k) && i == 2 {
+                        g = with_value(&g, 4096, f32::INFINITY);
+                    }
+                    g.to_dtype(weights).unwrap()
+                })
+                .collect()
+        })
+        .collect();
+    ferrograd::backend::cuda::take_host_waits();
+    let mut reports = Vec::new();
+    for step in &grads {
+        for (p, g) in params.iter().zip(step) {
+            p.set_grad(Some(on(g, device))).unwrap();
         }
         let flag = scaler.step_on_device(&mut opt).unwrap();
-        let found = flag.item().unwrap() != 0.0;
-        opt.settle_skippable_step(found);
-        scaler.update_found(found).unwrap();
-        scales.push(scaler.get_scale());
-        stepped.push(!found);
+        reports.push(scaler.update_on_device(&flag).unwrap());
     }
+    let (waits, _) = ferrograd::backend::cuda::take_host_waits();
+    let read: Vec<Vec<f64>> = reports.iter().map(|r| r.values().unwrap()).collect();
+    let scales = read.iter().map(|r| r[1]).collect();
+    let stepped = read.iter().map(|r| r[0] == 0.0).collect();
+    opt.settle_counts().unwrap();
     let params = params
         .iter()
         .map(|p| on(&p.to_dtype(DType::F32).unwrap(), CPU))
         .collect();
-    (scales, stepped, params, opt.step_count())
+    (scales, stepped, params, opt.step_count(), waits)
 }
 
 #[test]
 fn a_scaler_staged_on_the_gpu_skips_adams_update_there_as_the_cpu_does() {
     for weights in [DType::F32, DType::BF16] {
-        let (want_scales, want_steps, want, want_count) = staged_run(CPU, weights);
-        let (got_scales, got_steps, got, got_count) = staged_run(GPU, weights);
+        let (want_scales, want_steps, want, want_count, _) = staged_run(CPU, weights);
+        let (got_scales, got_steps, got, got_count, waits) = staged_run(GPU, weights);
         assert_eq!(
             want_steps,
             [false, true, true, false, false, true, true, true],
             "{weights}"
         );
+        assert_eq!(
+            want_scales,
+            [512.0, 512.0, 1024.0, 512.0, 256.0, 256.0, 512.0, 512.0],
+            "{weights}"
+        );
         assert_eq!(got_steps, want_steps, "{weights}");
         assert_eq!(got_scales, want_scales, "{weights}");
         assert_eq!((got_count, want_count), (5, 5), "{weights}");
+        assert_eq!(
+            waits, 0,
+            "{weights}: eight steps decided on the GPU read nothing back"
+        );
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_close(&format!("{weights} parameter {i}"), g, w, 1e-6, 1e-5);
         }

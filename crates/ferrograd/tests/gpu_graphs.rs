@@ -357,15 +357,17 @@ fn replays_draw_new_dropout_masks_and_are_otherwise_the_same() {
 }
 
 /// (stepped, scale, loss) of 8 f16 steps whose first scale overflows the f16 backward, the
-/// parameters after them, Adam's step count and the graph's status.
+/// parameters after them, Adam's step count, the graph's status and the host's waits on the
+/// device during the last six steps (their reports are read after the last).
 type ScaledRun = (
     Vec<(bool, Option<f64>, f64)>,
     Vec<Vec<f32>>,
     u64,
     GraphStatus,
+    u64,
 );
 
-fn f16_scaled(graphs: bool) -> ScaledRun {
+fn f16_scaled(graphs: bool, staged: bool) -> ScaledRun {
     let model = gpt();
     let config = TrainerConfig {
         amp: Some(DType::F16),
@@ -373,7 +375,9 @@ fn f16_scaled(graphs: bool) -> ScaledRun {
     };
     let mut trainer = Trainer::new(adamw(&model), config, GPU).unwrap();
     // 2^60 backs off by 2^-12 per overflow: the warm-up, the capture and the first replays
-    // skip, then the scale fits and grows every third clean step.
+    // skip, then the scale fits and grows every third clean step. Set after the trainer was
+    // built, this scaler is not staged: with graphs off it decides on the host (reading the
+    // flag every step); graphs stage it before the warm-up.
     *trainer.scaler_mut().unwrap() = GradScaler::with_config(GradScalerConfig {
         init_scale: 2f64.powi(60),
         backoff_factor: 2f64.powi(-12),
@@ -381,37 +385,57 @@ fn f16_scaled(graphs: bool) -> ScaledRun {
         ..GradScalerConfig::default()
     })
     .unwrap();
+    if staged {
+        trainer.scaler_mut().unwrap().stage_on(GPU).unwrap();
+    }
     let mut graph = StepGraph::new(graphs, 1);
-    let mut steps = Vec::new();
+    let mut reports = Vec::new();
     for s in 0..8 {
+        if s == 2 {
+            ferrograd::backend::cuda::take_host_waits();
+        }
         let r = trainer
             .step_graphed(&mut graph, &inputs(s, 1, 4, 32), forward(&model))
             .unwrap();
-        steps.push((r.stepped, r.scale, r.loss.value().unwrap()));
+        reports.push(r);
     }
+    let (waits, _) = ferrograd::backend::cuda::take_host_waits();
+    let steps = reports
+        .iter()
+        .map(|r| {
+            (
+                r.stepped().unwrap(),
+                r.scale().unwrap(),
+                r.loss.value().unwrap(),
+            )
+        })
+        .collect();
     let params = model
         .parameters()
         .iter()
         .map(|p| p.to_vec::<f32>().unwrap())
         .collect();
     let count = trainer.with_optimizer(|o| o.step_count()).unwrap();
-    (steps, params, count, graph.status())
+    (steps, params, count, graph.status(), waits)
 }
 
-/// f16 loss scaling replays: the scale is read from device memory that each update rewrites,
-/// and the optimizer's update is skipped on the device when the inf/NaN check fires. The
-/// skips, the scales, the losses and the parameters are the eager run's (whose scaler reads
-/// the check on the host).
+/// f16 loss scaling replays with nothing read back: the scale is read from device memory and
+/// updated there, the optimizer's update is skipped on the device when the inf/NaN check
+/// fires, and its step count is kept there. The skips, the scales, the losses and the
+/// parameters are the eager run's (whose scaler reads the check on the host).
 #[test]
 fn f16_loss_scaling_replays_with_its_skips_decided_on_the_device() {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let (eager, eager_params, eager_count, off) = f16_scaled(false);
+    let (eager, eager_params, eager_count, off, eager_waits) = f16_scaled(false, false);
     assert!(matches!(off, GraphStatus::Off(_)), "{off}");
-    let (graphed, params, count, status) = f16_scaled(true);
+    let (graphed, params, count, status, waits) = f16_scaled(true, false);
     assert!(
         matches!(status, GraphStatus::Replaying { step: 1, .. }),
         "{status}"
     );
+    println!("host waits in six steps: {waits} replayed, {eager_waits} eager on the host path");
+    assert_eq!(waits, 0, "six replays read nothing back");
+    assert!(eager_waits >= 6, "the host path reads its flag every step");
     println!("eager {eager:?}\ngraph {graphed:?}");
     let skipped = eager.iter().filter(|s| !s.0).count();
     assert!(
@@ -431,6 +455,30 @@ fn f16_loss_scaling_replays_with_its_skips_decided_on_the_device() {
     }
     let worst = largest_difference(&params, &eager_params);
     println!("largest parameter difference {worst:e}");
+    assert!(worst <= 1e-5, "parameters differ by {worst}");
+}
+
+/// Eager f16 steps with the scaler staged on the GPU (as a Trainer built for a GPU stages
+/// it) read nothing back either, and train as the host path does.
+#[test]
+fn eager_f16_steps_decided_on_the_gpu_wait_for_nothing() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let (host, host_params, host_count, _, host_waits) = f16_scaled(false, false);
+    let (device, params, count, status, waits) = f16_scaled(false, true);
+    assert!(matches!(status, GraphStatus::Off(_)), "{status}");
+    println!("host waits in six steps: {waits} staged, {host_waits} on the host path");
+    assert_eq!(waits, 0, "six eager steps read nothing back");
+    assert_eq!(count, host_count);
+    for (s, (d, h)) in device.iter().zip(&host).enumerate() {
+        assert_eq!((d.0, d.1), (h.0, h.1), "step {s}: stepped and scale");
+        assert!(
+            (d.2 - h.2).abs() <= 1e-5 * h.2.abs(),
+            "step {s}: loss {} staged, {} on the host path",
+            d.2,
+            h.2
+        );
+    }
+    let worst = largest_difference(&params, &host_params);
     assert!(worst <= 1e-5, "parameters differ by {worst}");
 }
 

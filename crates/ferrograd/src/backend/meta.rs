@@ -14,7 +14,7 @@ use super::elementwise::ElementwiseKernels;
 use super::index::{IndexAdd, IndexKernels, IndexSelect, Where};
 use super::loss::{CrossEntropy, CrossEntropyBackward, LossKernels, MseLoss, MseLossBackward};
 use super::matmul::{Matmul, MatmulKernels};
-use super::optim::{AdamStep, OptimKernels, SgdStep, UnscaleCheck};
+use super::optim::{AdamStep, CountStep, OptimKernels, SgdStep, UnscaleCheck, UpdateScale};
 use super::reduce::ReduceKernels;
 use super::rows::{LayerNorm, LayerNormBackward, RowKernels, Softmax, SoftmaxBackward};
 use super::{Backend, BackendData, BinaryOp, HostValues, ReduceOp, Storage, UnaryOp, View};
@@ -337,6 +337,12 @@ impl OptimKernels for MetaBackend {
         Ok(())
     }
     fn unscale_check(&self, _: &UnscaleCheck) -> Result<()> {
+        Ok(())
+    }
+    fn count_step(&self, _: &CountStep) -> Result<()> {
+        Ok(())
+    }
+    fn update_scale(&self, _: &UpdateScale) -> Result<()> {
         Ok(())
     }
 }

@@ -1,5 +1,6 @@
 //! The optimizer family: in-place updates fused into single passes — the SGD step, the
-//! multi-tensor Adam / AdamW step, and the mixed-precision unscale with its inf/NaN check.
+//! multi-tensor Adam / AdamW step with the step count it may keep on the device, and the
+//! mixed-precision unscale with its inf/NaN check and the loss scale's update.
 //! Here: the typed arguments, their one validator, the `OptimKernels` trait that every
 //! backend implements, and the entry functions, which validate once, dispatch, and record
 //! the in-place writes (storage versions) so that callers cannot forget them. Not here: the
@@ -67,6 +68,61 @@ pub struct AdamStep<'a> {
     /// A one-element F32 flag on the parameters' device (a `GradScaler`'s found_inf), read on
     /// the device: when it is nonzero the step changes nothing. None: the step always runs.
     pub skip_if: Option<View<'a>>,
+    /// Where the device keeps the step count reached before this step (one F64 element,
+    /// advanced by `count_step` once the step has run): the bias corrections take
+    /// t = count + 1 from there instead of `step`, so that a step the device skipped is not
+    /// counted by the next one although the host never learnt of it. None: `step`.
+    pub count_at: Option<View<'a>>,
+}
+
+/// Counts one more step in `count` (one F64 element) unless `skip_if` (one F32 element) is
+/// nonzero: the device's own count of the Adam steps that ran (`AdamStep::count_at`).
+pub struct CountStep<'a> {
+    pub count: &'a Storage,
+    pub skip_if: Option<View<'a>>,
+}
+
+/// A GradScaler's update on the device, torch's `_amp_update_scale_`: with `found_inf`
+/// raised, scale ← scale·backoff_factor and the tracker restarts; else the tracker counts
+/// one more clean step, and at growth_interval the scale grows by growth_factor (unless that
+/// would be inf) and the tracker restarts (`next_scale`). Then 1/scale is written beside it.
+/// state: F32 [scale, 1/scale, growth tracker]; report (if any): F32 [1 if found else 0,
+/// the new scale], what the step's report reads later.
+pub struct UpdateScale<'a> {
+    pub found_inf: View<'a>,
+    pub state: &'a Storage,
+    pub report: Option<&'a Storage>,
+    pub growth_factor: f64,
+    pub backoff_factor: f64,
+    /// At most `MAX_DEVICE_GROWTH_INTERVAL` (the tracker is an f32 there).
+    pub growth_interval: u64,
+}
+
+/// The largest growth interval a scale updated on the device can count to: its tracker is an
+/// f32, exact up to 2^24.
+pub const MAX_DEVICE_GROWTH_INTERVAL: u64 = 1 << 24;
+
+/// The scale and growth tracker after one iteration (torch's `_amp_update_scale_`): the f32
+/// scale times an f64 factor, rounded to f32; growth that would reach inf is skipped.
+pub fn next_scale(
+    (scale, tracker): (f32, u64),
+    found_inf: bool,
+    (growth_factor, backoff_factor, growth_interval): (f64, f64, u64),
+) -> (f32, u64) {
+    if found_inf {
+        return ((scale as f64 * backoff_factor) as f32, 0);
+    }
+    let successful = tracker + 1;
+    if successful < growth_interval {
+        return (scale, successful);
+    }
+    let grown = (scale as f64 * growth_factor) as f32;
+    (if grown.is_finite() { grown } else { scale }, 0)
+}
+
+/// 1/scale as PyTorch takes it: in f64, rounded to f32.
+pub fn inv_scale_of(scale: f32) -> f32 {
+    (1.0 / scale as f64) as f32
 }
 
 /// Bytes of device memory that hold one Adam step's scalars (`AdamStep::staged_scalars`).
@@ -92,6 +148,8 @@ pub trait OptimKernels {
     fn sgd_step(&self, a: &SgdStep) -> Result<()>;
     fn adam_step(&self, a: &AdamStep) -> Result<()>;
     fn unscale_check(&self, a: &UnscaleCheck) -> Result<()>;
+    fn count_step(&self, a: &CountStep) -> Result<()>;
+    fn update_scale(&self, a: &UpdateScale) -> Result<()>;
     /// Writes the scalars of step `a` into `slot` (stream-ordered with the kernels) for
     /// kernels that read them from there. Backends that read them on the host ignore it.
     fn stage_adam_scalars(&self, _a: &AdamStep, _slot: &Storage) -> Result<()> {
@@ -160,6 +218,10 @@ pub fn adam_step(a: &AdamStep) -> Result<()> {
     if let Some(flag) = &a.skip_if {
         check::on_device("adam", device, [flag.storage])?;
         check::dense("adam", "the skip flag", flag, 1, DType::F32)?;
+    }
+    if let Some(count) = &a.count_at {
+        check::on_device("adam", device, [count.storage])?;
+        check::dense("adam", "the step count", count, 1, DType::F64)?;
     }
     for p in a.params {
         adam_param(p)?;
@@ -271,6 +333,51 @@ pub fn unscale_check(a: &UnscaleCheck) -> Result<()> {
     Ok(())
 }
 
+/// Bumps the count's version.
+pub fn count_step(a: &CountStep) -> Result<()> {
+    const OP: &str = "count_step";
+    let device = a.count.device();
+    check::out(OP, a.count, 1, DType::F64)?;
+    if let Some(flag) = &a.skip_if {
+        check::on_device(OP, device, [flag.storage])?;
+        check::dense(OP, "the skip flag", flag, 1, DType::F32)?;
+    }
+    backend(device)?.count_step(a)?;
+    a.count.bump_version();
+    Ok(())
+}
+
+/// Bumps the versions of the state and the report.
+pub fn update_scale(a: &UpdateScale) -> Result<()> {
+    const OP: &str = "update_scale";
+    let device = a.state.device();
+    check::out(OP, a.state, 3, DType::F32)?;
+    check::on_device(OP, device, [a.found_inf.storage])?;
+    check::dense(OP, "found_inf", &a.found_inf, 1, DType::F32)?;
+    if let Some(r) = a.report {
+        check::out(OP, r, 2, DType::F32)?;
+        check::on_device(OP, device, [r])?;
+        check::distinct(
+            OP,
+            &[a.state, r],
+            "the state and the report must be distinct storages",
+        )?;
+    }
+    if !(1..=MAX_DEVICE_GROWTH_INTERVAL).contains(&a.growth_interval) {
+        return Err(Error::invalid(
+            OP,
+            format!(
+                "a scale updated on the device counts up to {MAX_DEVICE_GROWTH_INTERVAL} clean steps, got a growth_interval of {}; update it on the host (GradScaler without stage_on)",
+                a.growth_interval
+            ),
+        ));
+    }
+    backend(device)?.update_scale(a)?;
+    a.state.bump_version();
+    a.report.iter().for_each(|r| r.bump_version());
+    Ok(())
+}
+
 /// The scalars of one Adam step, derived on the host in f64 once so that every backend
 /// rounds the same values to its compute type.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -297,7 +404,11 @@ impl AdamScalars {
     /// The bias corrections use `powf` of the step as a float, as torch/optim/adam.py does
     /// (`beta1 ** step`).
     pub(crate) fn of(a: &AdamStep) -> AdamScalars {
-        let t = a.step as f64;
+        AdamScalars::at(a, a.step as f64)
+    }
+
+    /// The scalars of step `a` with the bias corrections of step `t`.
+    pub(crate) fn at(a: &AdamStep, t: f64) -> AdamScalars {
         let bc1 = 1.0 - a.beta1.powf(t);
         let bc2 = 1.0 - a.beta2.powf(t);
         let wd = a.weight_decay;

@@ -258,7 +258,7 @@ impl Optimizer for JobOptimizer {
         self.inner_mut().step_unless_found_inf(found_inf)
     }
 
-    fn settle_skippable_step(&mut self, skipped: bool) {
-        self.inner_mut().settle_skippable_step(skipped)
+    fn settle_counts(&mut self) -> Result<()> {
+        self.inner_mut().settle_counts()
     }
 }

@@ -262,14 +262,21 @@ impl Allocator {
         category: Category,
         origin: &'static str,
     ) -> Result<Allocation> {
+        self.outside_private_pool(|| self.malloc(requested, category, origin))
+    }
+
+    /// Runs `f` with its allocations served from the shared pools even while a private pool
+    /// is active (`malloc_shared` for whole tensors: state made during a step that the
+    /// graph's pool must not keep).
+    pub fn outside_private_pool<R>(self: &Arc<Self>, f: impl FnOnce() -> Result<R>) -> Result<R> {
         let active = self.lock().pools.active();
         let Some(pool) = active else {
-            return self.malloc(requested, category, origin);
+            return f();
         };
         self.end_private_pool()?;
-        let block = self.malloc(requested, category, origin);
+        let r = f();
         self.begin_private_pool(pool)?;
-        block
+        r
     }
 
     /// The drop of block `id`: freed now, or deferred until a private pool's release.

@@ -16,13 +16,18 @@
 //! the gradient widened to f32, then stores it rounded into the parameter, so small updates
 //! accumulate instead of being rounded away. A whole step is one fused backend call per (device, step count) group
 //! of parameters: one kernel launch on a GPU, however many parameters there are.
+//!
+//! A step that the device may skip (`step_unless_found_inf`, a GradScaler's inf/NaN check)
+//! keeps its step count on the device: the kernels take their bias corrections from it, and
+//! one more kernel counts the step unless the flag is raised. The host never waits for the
+//! flag; it learns the counts when it asks (`settle_counts`), which waits for the device.
 
 use super::{Optimizer, check_lr};
 use crate::autograd::no_grad;
 use crate::backend::capture;
-use crate::backend::optim::{self, AdamParam, AdamStep};
+use crate::backend::optim::{self, AdamParam, AdamStep, CountStep};
 use crate::base::{Error, Result};
-use crate::memory::Category;
+use crate::memory::{self, Category};
 use crate::tensor::{DType, Device, Tensor};
 
 #[derive(Clone, Debug)]
@@ -78,8 +83,25 @@ pub struct Adam {
     /// For CUDA graphs: the device memory the replayed step reads its scalars from, and the
     /// bookkeeping of the captured step.
     graph: GraphStep,
-    /// The step counts before the last `step_unless_found_inf`, until it is settled.
-    skip_undo: Option<Counts>,
+    /// While steps are skipped or not on the device: the count it keeps.
+    device_count: Option<DeviceCount>,
+}
+
+/// The step count that the device keeps for steps it may skip (`step_unless_found_inf`).
+/// Every member parameter has taken as many steps as `count` holds; their host counts, and
+/// the optimizer's, stay as they were when the host last read it, until `settle_counts`.
+struct DeviceCount {
+    /// One F64 element on the members' device (optimizer state).
+    count: Tensor,
+    /// The parameters that step together, in index order.
+    members: Vec<usize>,
+    /// `count`'s value, and the optimizer's step count, when the host last knew them.
+    known: u64,
+    steps_known: u64,
+    /// Steps queued since then (eager or replayed), each counted if it runs: at most this
+    /// many were. A planned device runs nothing and its flags read as clear, so for it
+    /// every one counts.
+    issued: u64,
 }
 
 /// The optimizer's step count and each parameter's (None: no state yet), to restore.
@@ -92,8 +114,8 @@ struct GraphStep {
     slot: Option<Tensor>,
     /// The parameters the captured step updated (their step counts advance per replay).
     members: Vec<usize>,
-    /// The step counts before the capture, to undo.
-    before: Option<Counts>,
+    /// The step counts before the capture, to undo (with the device's steps issued).
+    before: Option<(Counts, u64)>,
 }
 
 /// One parameter to update this step.
@@ -160,7 +182,7 @@ impl Adam {
             steps: 0,
             master_weights: false,
             graph: GraphStep::default(),
-            skip_undo: None,
+            device_count: None,
         })
     }
 
@@ -197,12 +219,14 @@ impl Adam {
         self.decoupled
     }
 
-    /// How many times `step` has run.
+    /// How many times `step` has run. Steps whose count the device keeps
+    /// (`step_unless_found_inf`) are included once `settle_counts` has read it.
     pub fn step_count(&self) -> u64 {
         self.steps
     }
 
-    /// The state of parameter `i`, once its first step has created it.
+    /// The state of parameter `i`, once its first step has created it (its `step` as
+    /// `step_count`'s: settled by `settle_counts`).
     pub fn state(&self, i: usize) -> Option<&AdamState> {
         self.state.get(i).and_then(Option::as_ref)
     }
@@ -228,6 +252,7 @@ impl Adam {
     /// parameter's shape, dtype and device and own their storage; they become optimizer
     /// state. Also sets the optimizer's step count to at least `state.step`.
     pub fn set_state(&mut self, i: usize, state: AdamState) -> Result<()> {
+        self.leave_device_count()?;
         let p = self.params.get(i).ok_or_else(|| {
             Error::invalid(
                 "Adam",
@@ -384,6 +409,7 @@ impl Adam {
             step,
             staged_scalars: None,
             skip_if: None,
+            count_at: None,
         }
     }
 
@@ -454,8 +480,13 @@ impl Adam {
         optim::adam_step(&AdamStep {
             staged_scalars: staged,
             skip_if: extra.skip_if.map(Tensor::view),
+            count_at: extra.count_at.map(Tensor::view),
             ..self.step_scalars(&params, scale.as_ref(), step)
         })?;
+        if extra.count_at.is_some() {
+            // The device counts (`DeviceCount`).
+            return Ok(());
+        }
         for &k in members {
             if let Some(s) = self.state[work[k].index].as_mut() {
                 s.step = step;
@@ -466,11 +497,13 @@ impl Adam {
 }
 
 /// What a step reads beside the gradients: a factor for every gradient (a clipping
-/// coefficient) and a flag that makes the device skip the update (a GradScaler's found_inf).
+/// coefficient), a flag that makes the device skip the update (a GradScaler's found_inf) and
+/// the step count the device keeps (`DeviceCount`).
 #[derive(Clone, Copy, Default)]
 struct Extra<'a> {
     grad_scale: Option<&'a Tensor>,
     skip_if: Option<&'a Tensor>,
+    count_at: Option<&'a Tensor>,
 }
 
 /// Whether `t` is all of its storage, contiguous (what an in-place update writes).
@@ -512,6 +545,7 @@ impl Adam {
     /// Every parameter with a gradient, in one fused call per (device, step count) group.
     fn step_all(&mut self, extra: Extra<'_>) -> Result<()> {
         let _g = no_grad();
+        self.leave_device_count()?;
         let work = self.collect_work()?;
         self.ensure_state(&work)?;
         // A captured step records the parameters it updates: each replay advances their
@@ -526,6 +560,114 @@ impl Adam {
             self.run_group(&work, &members, step, extra)?;
         }
         self.steps += 1;
+        Ok(())
+    }
+
+    /// A step the device skips when `found_inf` is raised, counted there (`DeviceCount`):
+    /// the count is made (or made again, after the host reads the old one) when the
+    /// parameters with gradients change. Parameters at different step counts, or on several
+    /// devices, step with the host's counts instead, which then waits for the flag.
+    fn step_counted_on_device(&mut self, found_inf: &Tensor) -> Result<()> {
+        let _g = no_grad();
+        let work = self.collect_work()?;
+        if work.is_empty() {
+            return Ok(());
+        }
+        self.ensure_state(&work)?;
+        let members: Vec<usize> = work.iter().map(|w| w.index).collect();
+        let device = found_inf.device();
+        let current = self
+            .device_count
+            .as_ref()
+            .is_some_and(|c| c.members == members && c.count.device() == device);
+        if !current && !self.start_device_count(&work, members, device)? {
+            return self.step_waiting_for_flag(found_inf);
+        }
+        let Some(count) = self.device_count.as_mut().map(|c| {
+            // Captured, it is issued by the capture's first replay.
+            c.issued += 1;
+            c.count.clone()
+        }) else {
+            return Err(Error::invalid("Adam", "the device's step count is missing"));
+        };
+        let extra = Extra {
+            grad_scale: None,
+            skip_if: Some(found_inf),
+            count_at: Some(&count),
+        };
+        // One group: every member is at the same count on one device.
+        for ((_, step), group) in groups(&work, &self.state) {
+            self.run_group(&work, &group, step, extra)?;
+        }
+        optim::count_step(&CountStep {
+            count: count.storage(),
+            skip_if: Some(found_inf.view()),
+        })
+    }
+
+    /// Makes the device's count for `members` (the parameters of `work`), once the host's
+    /// counts are exact: false, making nothing, when they are not all at one count on
+    /// `device`. Not while capturing (the count is made by the step before the capture).
+    fn start_device_count(
+        &mut self,
+        work: &[Work],
+        members: Vec<usize>,
+        device: Device,
+    ) -> Result<bool> {
+        self.leave_device_count()?;
+        let mut counts = members
+            .iter()
+            .map(|&i| self.state[i].as_ref().map_or(0, |s| s.step));
+        let first = counts.next().unwrap_or(0);
+        if counts.any(|c| c != first) || work.iter().any(|w| w.grad.device() != device) {
+            return Ok(false);
+        }
+        if capture::capturing_on(device) {
+            return Err(Error::invalid(
+                "Adam",
+                "the step count that the device keeps is made by an eager step before a capture; run one step with the same parameters first",
+            ));
+        }
+        // Beside the moments: made during a warm-up step, it must not keep the graph's pool.
+        let count = memory::allocator(device)?.outside_private_pool(|| {
+            Tensor::alloc(
+                &[1],
+                DType::F64,
+                device,
+                Category::OptimizerState,
+                "adam_step_count",
+            )
+        })?;
+        count.fill_(first as f64)?;
+        self.device_count = Some(DeviceCount {
+            count,
+            members,
+            known: first,
+            steps_known: self.steps,
+            issued: 0,
+        });
+        Ok(true)
+    }
+
+    /// The skippable step with the host's counts: it reads the flag (waiting for the step)
+    /// and takes the count back when the device skipped the update.
+    fn step_waiting_for_flag(&mut self, found_inf: &Tensor) -> Result<()> {
+        let before = self.counts();
+        self.step_all(Extra {
+            skip_if: Some(found_inf),
+            ..Extra::default()
+        })?;
+        if found_inf.item()? != 0.0 {
+            self.restore(before);
+        }
+        Ok(())
+    }
+
+    /// Reads the device's count into the host's (waiting for the device) and stops keeping
+    /// it there.
+    fn leave_device_count(&mut self) -> Result<()> {
+        self.settle_counts()?;
+        self.device_count = None;
         Ok(())
     }
 
@@ -567,12 +709,13 @@ impl Optimizer for Adam {
         }
         self.step_all(Extra {
             grad_scale: Some(scale),
-            skip_if: None,
+            ..Extra::default()
         })
     }
 
     fn step_param(&mut self, index: usize) -> Result<()> {
         let _g = no_grad();
+        self.leave_device_count()?;
         let work: Vec<Work> = self
             .collect_work()?
             .into_iter()
@@ -633,11 +776,17 @@ impl Optimizer for Adam {
         if let Some(slot) = &self.graph.slot {
             optim::stage_adam_scalars(&self.step_scalars(&[], None, next), slot.storage())?;
         }
-        self.graph.before = Some(self.counts());
+        let issued = self.device_count.as_ref().map_or(0, |c| c.issued);
+        self.graph.before = Some((self.counts(), issued));
         Ok(())
     }
 
     fn graph_step_replayed(&mut self) {
+        // A captured step that the device may skip counts itself there.
+        if let Some(c) = self.device_count.as_mut() {
+            c.issued += 1;
+            return;
+        }
         self.steps += 1;
         for &i in &self.graph.members {
             if let Some(s) = self.state[i].as_mut() {
@@ -647,33 +796,55 @@ impl Optimizer for Adam {
     }
 
     fn graph_step_abandoned(&mut self) {
-        if let Some(before) = self.graph.before.take() {
+        if let Some((before, issued)) = self.graph.before.take() {
             self.restore(before);
+            if let Some(c) = self.device_count.as_mut() {
+                c.issued = issued;
+            }
         }
         self.graph.members.clear();
-        self.skip_undo = None;
     }
 
     fn skips_on_device(&self) -> bool {
         true
     }
 
-    /// The fused kernels read the flag first and return at once when it is raised.
+    /// The fused kernels read the flag first and return at once when it is raised; the step
+    /// count stays on the device (`DeviceCount`).
     fn step_unless_found_inf(&mut self, found_inf: &Tensor) -> Result<()> {
-        let before = self.counts();
-        self.step_all(Extra {
-            grad_scale: None,
-            skip_if: Some(found_inf),
-        })?;
-        self.skip_undo = Some(before);
-        Ok(())
+        self.step_counted_on_device(found_inf)
     }
 
-    fn settle_skippable_step(&mut self, skipped: bool) {
-        if let Some(before) = self.skip_undo.take()
-            && skipped
-        {
-            self.restore(before);
+    /// Reads the count the device keeps (waiting for it): the steps it ran since the last
+    /// read are added to the optimizer's count and its members'.
+    fn settle_counts(&mut self) -> Result<()> {
+        let Some(c) = self.device_count.as_mut() else {
+            return Ok(());
+        };
+        let ran = if c.count.device() == Device::Meta {
+            c.issued
+        } else {
+            (c.count.item()? as u64).saturating_sub(c.known)
+        };
+        if ran > c.issued {
+            return Err(Error::invalid(
+                "Adam",
+                format!(
+                    "the device counted {ran} steps of the {} queued since its count was last read",
+                    c.issued
+                ),
+            ));
         }
+        let now = c.known + ran;
+        c.known = now;
+        c.issued = 0;
+        c.steps_known += ran;
+        self.steps = c.steps_known;
+        for &i in &c.members {
+            if let Some(s) = self.state[i].as_mut() {
+                s.step = now;
+            }
+        }
+        Ok(())
     }
 }

@@ -146,9 +146,9 @@ pub trait Optimizer {
     /// step counted on the host.
     fn graph_step_abandoned(&mut self) {}
 
-    // Loss scaling decided on the device: where the host does not read a GradScaler's
-    // found_inf flag before the step (a captured step, which must not wait for the device),
-    // the optimizer takes the flag and the device skips the update.
+    // Loss scaling decided on the device: the host does not read a GradScaler's found_inf
+    // flag before the step (a step that must not wait for the device, captured or not); the
+    // optimizer takes the flag and the device skips the update.
 
     /// Whether `step_unless_found_inf` is supported.
     fn skips_on_device(&self) -> bool {
@@ -156,8 +156,8 @@ pub trait Optimizer {
     }
 
     /// `step`, except that the device changes nothing when `found_inf` (one F32 element on
-    /// the parameters' device) is nonzero. The host counts the step as taken until
-    /// `settle_skippable_step` says it was skipped.
+    /// the parameters' device) is nonzero. The device counts the steps that ran; the host's
+    /// counts include them once `settle_counts` has read them.
     fn step_unless_found_inf(&mut self, _found_inf: &Tensor) -> Result<()> {
         Err(Error::invalid(
             self.name(),
@@ -165,9 +165,11 @@ pub trait Optimizer {
         ))
     }
 
-    /// Once the flag of the last `step_unless_found_inf` has been read: undoes the host's
-    /// bookkeeping (step counts) of a step the device skipped.
-    fn settle_skippable_step(&mut self, _skipped: bool) {}
+    /// Reads the step counts that the device kept for `step_unless_found_inf` into the
+    /// host's (waiting for the device): call it before reading counts or saving state.
+    fn settle_counts(&mut self) -> Result<()> {
+        Ok(())
+    }
 }
 
 fn no_gradient_free_step(name: &'static str) -> Error {

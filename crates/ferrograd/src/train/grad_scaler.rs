@@ -18,31 +18,35 @@
 //! (`backend::optim::unscale_check`: one kernel launch per dtype on a GPU), and the found_inf flags
 //! are read back once per iteration, when `step` (or `update`) first needs them.
 //!
-//! A step that must not wait for the device (a captured CUDA graph, replayed with no host
-//! work between its kernels) keeps the whole decision there instead (`stage_on`): the scale
-//! and 1/scale live in device memory that each update rewrites, and the optimizer skips its
-//! update on the device when the flag is raised (`step_on_device`). Its caller reads the flag
-//! after the step has run and ends the iteration with the verdict (`update_found`):
+//! A step that must not wait for the device (any GPU step: a captured CUDA graph, replayed
+//! with no host work between its kernels, or an eager one that queues the next step while
+//! the GPU runs this one) keeps the whole decision there instead (`stage_on`): the scale,
+//! 1/scale and the growth tracker live in device memory, the optimizer skips its update on
+//! the device when the flag is raised (`step_on_device`), and the device updates the scale
+//! (`update_on_device`, torch's `_amp_update_scale_`). Nothing is read back; the step's
+//! verdict and new scale arrive as a `Readout`, read when a log line shows them:
 //!
 //! ```text
-//! scaler.stage_on(device)?;                      // once
-//! scaler.scale(&loss)?.backward()?;              // loss · the staged scale
-//! scaler.unscale_(&opt)?;                        // gradients · the staged 1/scale
-//! let flag = scaler.step_on_device(&mut opt)?;   // the update, skipped on the device on inf
-//! let found = flag.item()? != 0.0;               // later: the step has run
-//! opt.settle_skippable_step(found);
-//! scaler.update_found(found)?;                   // the new scale, staged for the next step
+//! scaler.stage_on(device)?;                        // once
+//! scaler.scale(&loss)?.backward()?;                // loss · the staged scale
+//! scaler.unscale_(&opt)?;                          // gradients · the staged 1/scale
+//! let flag = scaler.step_on_device(&mut opt)?;     // the update, skipped on the device on inf
+//! let report = scaler.update_on_device(&flag)?;    // [found inf, new scale], read later
 //! ```
+//!
+//! `get_scale`, `growth_tracker` and `state_tensors` then read the device (waiting for it),
+//! as PyTorch's `get_scale` does; the optimizer's step counts stay on the device until
+//! `Optimizer::settle_counts`.
 
 use std::sync::Arc;
 
 use crate::autograd::no_grad;
 use crate::backend::Storage;
-use crate::backend::optim::{self, UnscaleCheck};
+use crate::backend::optim::{self, MAX_DEVICE_GROWTH_INTERVAL, UnscaleCheck, UpdateScale};
 use crate::base::{Error, Result};
 use crate::memory::Category;
 use crate::optim::Optimizer;
-use crate::tensor::{DType, Device, Layout, Tensor};
+use crate::tensor::{DType, Device, Layout, Readout, Tensor};
 
 const OP: &str = "GradScaler";
 /// Names of the state tensors (see `GradScaler::state_tensors`).
@@ -111,40 +115,72 @@ impl OptRecord {
 /// each is unscaled and stepped once per iteration, and `update` combines their checks.
 pub struct GradScaler {
     cfg: GradScalerConfig,
+    /// The scale and tracker as the host last knew them: behind the device's while
+    /// `device_ahead` (updates on the device since the last read).
     scale: f32,
     growth_tracker: u64,
+    device_ahead: bool,
     records: Vec<OptRecord>,
     staged: Option<Staged>,
 }
 
-/// The scale and 1/scale in device memory (one F32 each), rewritten at every update: what
-/// a step that does not wait for the device reads instead of kernel arguments.
+/// The scaler's state in device memory: what a step that does not wait for the device reads
+/// instead of kernel arguments, and what the device's update rewrites.
 struct Staged {
-    scale: Tensor,
-    inv_scale: Tensor,
+    /// F32 [scale, 1/scale, growth tracker (exact to 2^24)].
+    state: Tensor,
 }
 
 impl Staged {
     fn new(device: Device) -> Result<Staged> {
-        let one =
-            |origin| Tensor::alloc(&[1], DType::F32, device, Category::OptimizerState, origin);
-        Ok(Staged {
-            scale: one("grad_scaler_scale")?,
-            inv_scale: one("grad_scaler_inv_scale")?,
-        })
+        let state = Tensor::alloc(
+            &[3],
+            DType::F32,
+            device,
+            Category::OptimizerState,
+            "grad_scaler_state",
+        )?;
+        Ok(Staged { state })
     }
 
-    /// Writes `scale` and its reciprocal (in stream order with the device's kernels).
-    fn write(&self, scale: f32) -> Result<()> {
+    fn device(&self) -> Device {
+        self.state.device()
+    }
+
+    /// Element `i` of the state as a 0-dim view.
+    fn element(&self, i: usize) -> Tensor {
+        self.state
+            .with_layout(Layout::new(Vec::new(), Vec::new(), i))
+    }
+
+    /// The scale (a 0-dim view).
+    fn scale(&self) -> Tensor {
+        self.element(0)
+    }
+
+    /// 1/scale (a 0-dim view).
+    fn inv_scale(&self) -> Tensor {
+        self.element(1)
+    }
+
+    /// Writes the host's scale and tracker (in stream order with the device's kernels).
+    fn write(&self, scale: f32, tracker: u64) -> Result<()> {
         let _g = no_grad();
-        self.scale.fill_(scale as f64)?;
-        self.inv_scale.fill_(inv_of(scale) as f64)
+        let values = vec![scale, inv_of(scale), tracker as f32];
+        self.state
+            .copy_(&Tensor::from_vec(values, &[3], self.device())?)
+    }
+
+    /// The scale and tracker the device holds (waits for it).
+    fn read(&self) -> Result<(f32, u64)> {
+        let v = self.state.to_vec::<f32>()?;
+        Ok((v[0], v[2] as u64))
     }
 }
 
 /// 1/scale as PyTorch takes it: in f64, rounded to f32.
 fn inv_of(scale: f32) -> f32 {
-    (1.0 / scale as f64) as f32
+    optim::inv_scale_of(scale)
 }
 
 impl Default for GradScaler {
@@ -160,6 +196,7 @@ impl GradScaler {
         GradScaler {
             scale: cfg.init_scale as f32,
             growth_tracker: 0,
+            device_ahead: false,
             cfg,
             records: Vec::new(),
             staged: None,
@@ -207,6 +244,7 @@ impl GradScaler {
         Ok(GradScaler {
             scale,
             growth_tracker: 0,
+            device_ahead: false,
             cfg,
             records: Vec::new(),
             staged: None,
@@ -217,39 +255,70 @@ impl GradScaler {
         &self.cfg
     }
 
-    /// The current scale (an f32 value).
-    pub fn get_scale(&self) -> f64 {
-        self.scale as f64
+    /// The current scale (an f32 value); reads the device (waiting for it) after updates
+    /// made there (`update_on_device`).
+    pub fn get_scale(&self) -> Result<f64> {
+        Ok(self.current()?.0 as f64)
     }
 
-    /// Clean steps in a row since the scale last changed (or backed off).
-    pub fn growth_tracker(&self) -> u64 {
-        self.growth_tracker
+    /// Clean steps in a row since the scale last changed (or backed off); reads the device
+    /// as `get_scale` does.
+    pub fn growth_tracker(&self) -> Result<u64> {
+        Ok(self.current()?.1)
+    }
+
+    /// The scale and tracker now: the host's, or the device's when it is ahead (a planned
+    /// device holds no values: the host's stand for them).
+    fn current(&self) -> Result<(f32, u64)> {
+        match &self.staged {
+            Some(s) if self.device_ahead && s.device() != Device::Meta => s.read(),
+            _ => Ok((self.scale, self.growth_tracker)),
+        }
+    }
+
+    /// Brings the host's scale and tracker up to the device's (waiting for it, if it is
+    /// ahead), before the host computes with them.
+    fn catch_up(&mut self) -> Result<()> {
+        (self.scale, self.growth_tracker) = self.current()?;
+        self.device_ahead = false;
+        Ok(())
     }
 
     /// Keeps the scale in memory on `device` from now on (see the module doc): `scale` and
-    /// `unscale_` read it there, and every update rewrites it. Moves it if it was staged on
-    /// another device.
+    /// `unscale_` read it there, and updates are made there (`update_on_device`) or written
+    /// there. Moves it if it was staged on another device. The growth interval must be at
+    /// most 2^24 (the device counts clean steps in an f32).
     pub fn stage_on(&mut self, device: Device) -> Result<()> {
-        if self.staged_on(device).is_none() {
-            self.staged = Some(Staged::new(device)?);
+        if self.staged_on(device).is_some() {
+            return Ok(());
         }
+        if self.cfg.growth_interval > MAX_DEVICE_GROWTH_INTERVAL {
+            return Err(Error::invalid(
+                "GradScaler::stage_on",
+                format!(
+                    "a scale kept on the device grows after at most {MAX_DEVICE_GROWTH_INTERVAL} clean steps, this scaler's growth_interval is {}; keep it on the host",
+                    self.cfg.growth_interval
+                ),
+            ));
+        }
+        self.catch_up()?;
+        self.staged = Some(Staged::new(device)?);
         self.restage()
     }
 
     /// The device whose memory holds the scale, once `stage_on` was called.
     pub fn staged_device(&self) -> Option<Device> {
-        self.staged.as_ref().map(|s| s.scale.device())
+        self.staged.as_ref().map(Staged::device)
     }
 
     fn staged_on(&self, device: Device) -> Option<&Staged> {
-        self.staged.as_ref().filter(|s| s.scale.device() == device)
+        self.staged.as_ref().filter(|s| s.device() == device)
     }
 
-    /// Rewrites the staged scale after a change.
+    /// Rewrites the staged state after a change made on the host.
     fn restage(&self) -> Result<()> {
         match &self.staged {
-            Some(s) => s.write(self.scale),
+            Some(s) => s.write(self.scale, self.growth_tracker),
             None => Ok(()),
         }
     }
@@ -272,13 +341,13 @@ impl GradScaler {
         let times_scale = |l: &Tensor| match self.staged_on(l.device()) {
             // A 0-dim view of the staged value: the product broadcasts it over the loss.
             Some(s) => {
-                let scale = s.scale.with_layout(Layout::contiguous(&[]));
+                let scale = s.scale();
                 match l.dtype() {
                     DType::F32 => l.mul(&scale),
                     other => l.mul(&scale.to_dtype(other)?),
                 }
             }
-            None => l.mul_scalar(self.scale as f64),
+            None => l.mul_scalar(self.current()?.0 as f64),
         };
         match dtype {
             DType::F16 | DType::BF16 if loss.dims() == 0 => {
@@ -355,6 +424,7 @@ impl GradScaler {
         for r in &mut self.records {
             found |= r.found_inf()?;
         }
+        self.catch_up()?;
         self.update_scale(found);
         self.records.clear();
         self.restage()
@@ -363,9 +433,8 @@ impl GradScaler {
     /// `step` for a scaler staged on the optimizer's device, without reading anything back:
     /// unscales (unless `unscale_` already did this iteration), then hands the check's flag
     /// to the optimizer, whose update the device skips when the flag is raised. Returns the
-    /// flag (one F32 element, nonzero: inf or NaN found); once the step has run, read it and
-    /// end the iteration with `update_found` (and `settle_skippable_step` on the optimizer).
-    /// The gradients must all be on the staged device.
+    /// flag (one F32 element, nonzero: inf or NaN found), for `update_on_device`, which ends
+    /// the iteration. The gradients must all be on the staged device.
     pub fn step_on_device<O: Optimizer + ?Sized>(&mut self, opt: &mut O) -> Result<Tensor> {
         const STEP: &str = "GradScaler::step_on_device";
         if !opt.skips_on_device() {
@@ -386,7 +455,7 @@ impl GradScaler {
         let i = self.record_to_step(
             opt,
             STEP,
-            "the optimizer has already stepped since the last update; end each iteration with update_found()",
+            "the optimizer has already stepped since the last update; end each iteration with update_on_device(flag)",
         )?;
         let record = &mut self.records[i];
         let flag = match record.flags.as_slice() {
@@ -403,13 +472,42 @@ impl GradScaler {
         Ok(flag)
     }
 
-    /// Ends an iteration whose inf/NaN check the caller read itself (the flags that
-    /// `step_on_device` returned, after the step ran): as `update`, with that verdict. Also
-    /// ends iterations that left no record on the host (a replayed graph's).
-    pub fn update_found(&mut self, found_inf: bool) -> Result<()> {
+    /// Ends the iteration on the device after `step_on_device`: the scale, 1/scale and the
+    /// tracker are updated there from `found_inf` (the flag it returned), as `update` would
+    /// on the host, without reading anything back. Returns the iteration's report: [1 if
+    /// inf/NaN was found (the step was skipped) else 0, the new scale], read when looked at.
+    pub fn update_on_device(&mut self, found_inf: &Tensor) -> Result<Readout> {
+        const OP: &str = "GradScaler::update_on_device";
+        let Some(staged) = self.staged_on(found_inf.device()) else {
+            return Err(Error::invalid(
+                OP,
+                "the scale is not staged on the flag's device: call stage_on(device) before the step, or use update()",
+            ));
+        };
+        if self.records.len() > 1 {
+            return Err(Error::invalid(
+                OP,
+                "several optimizers were checked this iteration and the device reads one flag; end it with update()",
+            ));
+        }
+        let report = Tensor::alloc(
+            &[2],
+            DType::F32,
+            found_inf.device(),
+            Category::Temporary,
+            "grad_scaler_report",
+        )?;
+        optim::update_scale(&UpdateScale {
+            found_inf: found_inf.view(),
+            state: staged.state.storage(),
+            report: Some(report.storage()),
+            growth_factor: self.cfg.growth_factor,
+            backoff_factor: self.cfg.backoff_factor,
+            growth_interval: self.cfg.growth_interval,
+        })?;
+        self.device_ahead = true;
         self.records.clear();
-        self.update_scale(found_inf);
-        self.restage()
+        Ok(Readout::pending(report))
     }
 
     /// Forgets this iteration's unscale and step records, changing no scale (a captured
@@ -418,36 +516,26 @@ impl GradScaler {
         self.records.clear();
     }
 
-    /// torch's `_amp_update_scale_`: f32 scale times an f64 factor, rounded to f32.
+    /// torch's `_amp_update_scale_` on the host's values (`optim::next_scale`).
     fn update_scale(&mut self, found_inf: bool) {
-        if found_inf {
-            self.scale = (self.scale as f64 * self.cfg.backoff_factor) as f32;
-            self.growth_tracker = 0;
-            return;
-        }
-        let successful = self.growth_tracker + 1;
-        if successful == self.cfg.growth_interval {
-            let grown = (self.scale as f64 * self.cfg.growth_factor) as f32;
-            if grown.is_finite() {
-                self.scale = grown;
-            }
-            self.growth_tracker = 0;
-        } else {
-            self.growth_tracker = successful;
-        }
+        let c = &self.cfg;
+        let factors = (c.growth_factor, c.backoff_factor, c.growth_interval);
+        (self.scale, self.growth_tracker) =
+            optim::next_scale((self.scale, self.growth_tracker), found_inf, factors);
     }
 
     /// The scaler's state for a checkpoint: `scaler.scale` (F32, 0-dim) and
     /// `scaler.growth_tracker` (I64, 0-dim), on the CPU. The factors are configuration and
     /// are not included.
     pub fn state_tensors(&self) -> Result<Vec<(String, Tensor)>> {
-        let tracker = i64::try_from(self.growth_tracker).map_err(|_| {
+        let (scale, tracker) = self.current()?;
+        let tracker = i64::try_from(tracker).map_err(|_| {
             Error::invalid(OP, "the growth tracker does not fit in an i64 state tensor")
         })?;
         Ok(vec![
             (
                 SCALE_KEY.to_string(),
-                Tensor::from_vec(vec![self.scale], &[], Device::Cpu)?,
+                Tensor::from_vec(vec![scale], &[], Device::Cpu)?,
             ),
             (
                 TRACKER_KEY.to_string(),
@@ -483,6 +571,7 @@ impl GradScaler {
             })?;
         self.scale = scale;
         self.growth_tracker = tracker;
+        self.device_ahead = false;
         self.restage()
     }
 
@@ -529,7 +618,6 @@ impl GradScaler {
             check_grad_dtype(i, &g)?;
             pairs.push((p, g));
         }
-        let inv_scale = inv_of(self.scale);
         let mut per_device: Vec<(Device, Vec<Tensor>)> = Vec::new();
         let covered = covered_storages(&pairs);
         for (p, g) in pairs {
@@ -544,8 +632,13 @@ impl GradScaler {
         }
         let mut flags = Vec::with_capacity(per_device.len());
         for (device, grads) in per_device {
-            let staged = self.staged_on(device).map(|s| &s.inv_scale);
-            flags.push(unscale_on(device, &grads, inv_scale, staged)?);
+            let staged = self.staged_on(device).map(Staged::inv_scale);
+            // Where the scale is not staged, 1/scale as the host knows it (or reads it).
+            let inv_scale = match staged {
+                Some(_) => 1.0,
+                None => inv_of(self.current()?.0),
+            };
+            flags.push(unscale_on(device, &grads, inv_scale, staged.as_ref())?);
         }
         Ok(flags)
     }

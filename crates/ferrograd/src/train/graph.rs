@@ -8,11 +8,11 @@
 //!                optimizer stages the step's scalars on the device  →  replay  →  optimizer
 //!                counts the step (every write is stream-ordered: the host never waits)
 //!
-//! f16 loss scaling is captured too: the GradScaler keeps its scale in device memory
-//! (`GradScaler::stage_on`), the unscale reads it there and the optimizer skips its update on
-//! the device when the inf/NaN check fires. After each replay the host reads the check (the
-//! one wait of such a step, as an eager f16 step has), counts the step only if it ran, and
-//! stages the updated scale for the next replay.
+//! f16 loss scaling is captured too, and waits for nothing: the GradScaler keeps its scale in
+//! device memory (`GradScaler::stage_on`), the unscale reads it there, the optimizer skips
+//! its update on the device when the inf/NaN check fires and counts its steps there, and
+//! the scale's update is a kernel of the step (`GradScaler::update_on_device`). Each replay
+//! hands out a copy of its verdict and new scale, read when the log shows them.
 //!
 //! The step's blocks live in the graph's private pool (backend/capture.rs): the accounting by
 //! category is the captured step's, and a replay allocates nothing. Work between steps (an
@@ -31,9 +31,8 @@
 
 use std::time::Instant;
 
-use super::GradScaler;
 use super::accumulate::{Accumulation, MicroBatch};
-use super::trainer::{StepReport, Stepped, Trainer};
+use super::trainer::{StepReport, Trainer};
 use crate::backend::capture::{self, Graph, InputCheck, Pool};
 use crate::backend::{HostValues, backend};
 use crate::base::{Device, Error, Result};
@@ -94,9 +93,9 @@ struct Captured {
     /// The mean loss and the gradient norm, rewritten by each replay.
     loss: Tensor,
     grad_norm: Option<Tensor>,
-    /// With f16 loss scaling: the inf/NaN check that each replay writes (nonzero: the
-    /// optimizer's update was skipped), read after the replay.
-    found_inf: Option<Tensor>,
+    /// With f16 loss scaling: [inf/NaN found (the update skipped), the new scale], which
+    /// each replay rewrites (`StepReport::loss_scale`).
+    loss_scale: Option<Tensor>,
     tokens: usize,
     step: u64,
     graph: Graph,
@@ -227,7 +226,9 @@ fn overwrite(t: &Tensor, values: &[i64]) -> Result<()> {
 impl<O: Optimizer + Send + 'static> Trainer<O> {
     /// Why this trainer's steps cannot be captured, if they cannot (checked before trying).
     fn graph_refusal(&mut self) -> Option<String> {
-        let skips = self.with_optimizer(|o| o.skips_on_device()).ok()?;
+        let skips = self
+            .with_optimizer_unsettled(|o| o.skips_on_device())
+            .ok()?;
         let config = self.config();
         let why = if !capture::can_capture(self.device()) {
             Some(format!("{} runs each op as it is called", self.device()))
@@ -240,7 +241,10 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
         } else {
             None
         };
-        why.or_else(|| self.with_optimizer(|o| o.graph_support().err()).ok()?)
+        why.or_else(|| {
+            self.with_optimizer_unsettled(|o| o.graph_support().err())
+                .ok()?
+        })
     }
 
     /// Readies `graph` for this trainer's steps: turns graphs off, with the reason, when the
@@ -257,8 +261,16 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
             graph.turn_off(why);
         }
         if graph.off.is_none() && !graph.state_made {
-            self.with_optimizer(|o| o.make_state())??;
+            self.with_optimizer_unsettled(|o| o.make_state())??;
             graph.state_made = true;
+        }
+        if graph.off.is_none() {
+            let device = self.device();
+            if let Some(s) = self.scaler_mut() {
+                // Before the warm-up: its step makes the step count the optimizer then keeps
+                // on the device, which the captured step reads and advances.
+                s.stage_on(device)?;
+            }
         }
         Ok(())
     }
@@ -329,12 +341,8 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
             .map(|m| upload(m, self.device()))
             .collect::<Result<Vec<_>>>()?;
         let lr = self.set_scheduled_lr()?;
-        self.with_optimizer(|o| o.prepare_graph_step())??;
+        self.with_optimizer_unsettled(|o| o.prepare_graph_step())??;
         let device = self.device();
-        if let Some(s) = self.scaler_mut() {
-            // The captured step reads the scale from device memory, rewritten per update.
-            s.stage_on(device)?;
-        }
         let pool = graph.take_pool(device)?;
         let captured = capture::capture_in(pool, || {
             let how = Accumulation {
@@ -343,19 +351,15 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
                 scaler: self.scaler(),
             };
             let done = self.accumulate_synced(&how, |i| loss_of(i, &tensors[i]))?;
-            let (grad_norm, stepped) = self.finish_step()?;
-            let found_inf = match stepped {
-                Stepped::OnDevice(flag) => Some(flag),
-                Stepped::Known(_) => None,
-            };
-            Ok((done, grad_norm, found_inf))
+            let (grad_norm, loss_scale) = self.finish_step()?;
+            Ok((done, grad_norm, loss_scale))
         });
-        let (g, (done, grad_norm, found_inf)) = match captured {
+        let (g, (done, grad_norm, loss_scale)) = match captured {
             Ok(c) => c,
             Err(e) => {
                 // Nothing ran: undo the step's host bookkeeping, drop gradients that were
                 // never computed, and take the step eagerly.
-                self.with_optimizer(|o| {
+                self.with_optimizer_unsettled(|o| {
                     o.graph_step_abandoned();
                     o.zero_grad_with(true)
                 })??;
@@ -367,17 +371,22 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
             }
         };
         g.replay()?;
-        let stepped = self.settle_scaled_step(found_inf.as_ref())?;
         let loss = done.mean_loss.tensor().cloned().ok_or_else(|| {
             Error::invalid("graph capture", "the step's loss is not on the device")
         })?;
         let grad_norm = grad_norm.and_then(|n| n.tensor().cloned());
+        let loss_scale = match loss_scale {
+            Some(r) => Some(r.tensor().cloned().ok_or_else(|| {
+                Error::invalid("graph capture", "the scaler's report is not on the device")
+            })?),
+            None => None,
+        };
         graph.captured = Some(Captured {
             graph: g,
             inputs: tensors,
             loss,
             grad_norm,
-            found_inf,
+            loss_scale,
             tokens: done.tokens,
             step,
         });
@@ -385,7 +394,7 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
             .captured
             .as_ref()
             .ok_or_else(|| Error::invalid("graph", "lost"))?;
-        self.graph_report(c, lr, stepped, start)
+        self.graph_report(c, lr, start)
     }
 
     /// One replay of the captured step on `inputs` (already checked).
@@ -404,32 +413,22 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
             overwrite(t, &input.values)?;
         }
         let lr = self.set_scheduled_lr()?;
-        self.with_optimizer(|o| o.prepare_graph_step())??;
+        self.with_optimizer_unsettled(|o| o.prepare_graph_step())??;
         c.graph.set_dropout_seed(replay_seed(self.step_index()))?;
         c.graph.replay()?;
-        let stepped = self.settle_scaled_step(c.found_inf.as_ref())?;
-        if stepped {
-            self.with_optimizer(|o| o.graph_step_replayed())?;
-        }
-        self.graph_report(c, lr, stepped, start)
+        self.with_optimizer_unsettled(|o| o.graph_step_replayed())?;
+        self.graph_report(c, lr, start)
     }
 
     /// The report of a captured or replayed step, its outputs copied so that it keeps them.
-    fn graph_report(
-        &mut self,
-        c: &Captured,
-        lr: f64,
-        stepped: bool,
-        start: Instant,
-    ) -> Result<StepReport> {
+    fn graph_report(&mut self, c: &Captured, lr: f64, start: Instant) -> Result<StepReport> {
         let device = self.device();
         let report = StepReport {
             step: self.step_index(),
             loss: keep(&c.loss)?,
             lr,
             grad_norm: c.grad_norm.as_ref().map(keep).transpose()?,
-            stepped,
-            scale: self.scaler().map(GradScaler::get_scale),
+            loss_scale: c.loss_scale.as_ref().map(keep).transpose()?,
             in_backward: None,
             tokens: c.tokens,
             seconds: start.elapsed().as_secs_f64(),

@@ -18,19 +18,13 @@ use std::time::Instant;
 use super::accumulate::{Accumulation, MicroBatch, accumulate};
 use super::{GradScaler, InBackwardPath, StepInBackward, freeze};
 use crate::amp::AmpDType;
+use crate::backend::capture;
 use crate::base::{Error, Result};
 use crate::dist::GradSync;
 use crate::memory::{self, CategoryBytes};
 use crate::nn::{Module, Recompute};
 use crate::optim::{Optimizer, WarmupCosine, clip_coefficient_queued, clip_grad_norm_queued};
 use crate::tensor::{DType, Device, Readout, Tensor};
-
-/// Whether a step's optimizer update ran: known on the host, or decided on the device by a
-/// staged GradScaler (`GradScaler::stage_on`), whose found_inf flag says so once read.
-pub(super) enum Stepped {
-    Known(bool),
-    OnDevice(Tensor),
-}
 
 /// How a step is run. `Default` is plain f32 training: one micro-batch, no clipping.
 #[derive(Clone, Debug, PartialEq)]
@@ -132,10 +126,10 @@ pub struct StepReport {
     pub lr: f64,
     /// The global gradient norm before clipping, when clipping.
     pub grad_norm: Option<Readout>,
-    /// False when a GradScaler skipped the step for inf/NaN gradients.
-    pub stepped: bool,
-    /// The loss scale after this step's update (f16 only).
-    pub scale: Option<f64>,
+    /// With f16 loss scaling: [1 if the step found inf/NaN gradients and was skipped else 0,
+    /// the loss scale after this step's update], decided on the GPU and read when looked at
+    /// (`stepped`, `scale`).
+    pub loss_scale: Option<Readout>,
     /// Which step in backward ran (None: the optimizer stepped after backward).
     pub in_backward: Option<InBackwardPath>,
     pub tokens: usize,
@@ -154,6 +148,30 @@ impl StepReport {
     pub fn tokens_per_s(&self) -> f64 {
         self.tokens as f64 / self.seconds.max(1e-12)
     }
+
+    /// False when a GradScaler skipped the step for inf/NaN gradients (waits for the step).
+    pub fn stepped(&self) -> Result<bool> {
+        match &self.loss_scale {
+            Some(r) => Ok(r.value()? == 0.0),
+            None => Ok(true),
+        }
+    }
+
+    /// The loss scale after this step's update, with f16 loss scaling (waits for the step).
+    pub fn scale(&self) -> Result<Option<f64>> {
+        match &self.loss_scale {
+            Some(r) => Ok(r.values()?.get(1).copied()),
+            None => Ok(None),
+        }
+    }
+}
+
+/// The report of a step whose scaler decided on the host.
+fn host_loss_scale(stepped: bool, scaler: &GradScaler) -> Result<Readout> {
+    Ok(Readout::ready(vec![
+        if stepped { 0.0 } else { 1.0 },
+        scaler.get_scale()?,
+    ]))
 }
 
 impl std::fmt::Display for StepReport {
@@ -181,10 +199,10 @@ impl std::fmt::Display for StepReport {
         if let Some(n) = &self.grad_norm {
             write!(f, " | norm {:.3}", n.value().unwrap_or(f64::NAN))?;
         }
-        if let Some(s) = self.scale {
+        if let Ok(Some(s)) = self.scale() {
             write!(f, " | scale {s}")?;
         }
-        if !self.stepped {
+        if let Ok(false) = self.stepped() {
             write!(f, " | skipped (inf/NaN gradients)")?;
         }
         Ok(())
@@ -269,7 +287,14 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
     fn build(optimizer: O, config: TrainerConfig, device: Device) -> Result<Trainer<O>> {
         config.validate()?;
         check_sharded(&optimizer, &config)?;
-        let scaler = config.uses_scaler().then(GradScaler::new);
+        let mut scaler = config.uses_scaler().then(GradScaler::new);
+        if let Some(s) = &mut scaler
+            && capture::can_capture(device)
+            && optimizer.skips_on_device()
+        {
+            // On a GPU the skip decision and the scale's update stay there: no step waits.
+            s.stage_on(device)?;
+        }
         let stepper = if config.step_in_backward {
             // The gradient-free path where the optimizer allows it, else per-parameter hooks.
             Stepper::InBackward(StepInBackward::install_fused(optimizer)?)
@@ -340,8 +365,15 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
         self.scaler.as_mut()
     }
 
-    /// Runs `f` with the optimizer (read or restore its state, change its rate...).
+    /// Runs `f` with the optimizer (read or restore its state, change its rate...), its
+    /// step counts read from the device first where the device kept them (waits for it).
     pub fn with_optimizer<R>(&mut self, f: impl FnOnce(&mut O) -> R) -> Result<R> {
+        self.with_optimizer_unsettled(|o| o.settle_counts())??;
+        self.with_optimizer_unsettled(f)
+    }
+
+    /// `with_optimizer` without the wait, for the step's own calls.
+    pub(super) fn with_optimizer_unsettled<R>(&mut self, f: impl FnOnce(&mut O) -> R) -> Result<R> {
         match &mut self.stepper {
             Stepper::AfterBackward(o) => Ok(f(o)),
             Stepper::InBackward(s) => s.with_optimizer(f),
@@ -360,18 +392,13 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
             scaler: self.scaler.as_ref(),
         };
         let done = self.accumulate_synced(&how, loss_of)?;
-        let (grad_norm, stepped) = self.finish_step()?;
-        let stepped = match stepped {
-            Stepped::Known(stepped) => stepped,
-            Stepped::OnDevice(flag) => self.settle_scaled_step(Some(&flag))?,
-        };
+        let (grad_norm, loss_scale) = self.finish_step()?;
         let report = StepReport {
             step: self.step,
             loss: done.mean_loss,
             lr,
             grad_norm,
-            stepped,
-            scale: self.scaler.as_ref().map(GradScaler::get_scale),
+            loss_scale,
             in_backward: self.in_backward_path().cloned(),
             tokens: done.tokens,
             seconds: start.elapsed().as_secs_f64(),
@@ -405,13 +432,13 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
         Ok(done)
     }
 
-    /// unscale → clip → step → update → zero_grad; returns (norm before clipping, stepped).
-    /// A scaler staged on the device leaves the skip decision there, and its update to
-    /// `settle_scaled_step`, once the step has run.
-    pub(super) fn finish_step(&mut self) -> Result<(Option<Readout>, Stepped)> {
+    /// unscale → clip → step → update → zero_grad; returns the norm before clipping and,
+    /// with a scaler, its report (`StepReport::loss_scale`). A scaler staged on the device
+    /// leaves the skip decision and the scale's update there: nothing is read back.
+    pub(super) fn finish_step(&mut self) -> Result<(Option<Readout>, Option<Readout>)> {
         let Stepper::AfterBackward(opt) = &mut self.stepper else {
             // Every parameter already stepped inside backward and dropped its gradient.
-            return Ok((None, Stepped::Known(true)));
+            return Ok((None, None));
         };
         let _phase = memory::recorder::phase_scope(memory::recorder::Phase::Optimizer);
         if let Some(s) = &mut self.scaler {
@@ -419,19 +446,20 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
         }
         // Clipping is queued on the device: the norm is read only if the step's report shows it.
         let clip = self.config.clip;
-        let (grad_norm, stepped) = match (&mut self.scaler, clip) {
+        let (grad_norm, loss_scale) = match (&mut self.scaler, clip) {
             (Some(s), _) => {
                 let norm = clip
                     .map(|max| clip_grad_norm_queued(opt.params(), max, 2.0))
                     .transpose()?;
-                let stepped = if s.staged_device().is_some() {
-                    Stepped::OnDevice(s.step_on_device(opt)?)
+                let report = if s.staged_device().is_some() {
+                    let found_inf = s.step_on_device(opt)?;
+                    s.update_on_device(&found_inf)?
                 } else {
                     let stepped = s.step(opt)?;
                     s.update()?;
-                    Stepped::Known(stepped)
+                    host_loss_scale(stepped, s)?
                 };
-                (norm, stepped)
+                (norm, Some(report))
             }
             // The optimizer multiplies by the coefficient as it reads each gradient.
             (None, Some(max)) => {
@@ -440,36 +468,21 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
                     Some(c) => opt.step_with_grad_scale(&c)?,
                     None => opt.step()?,
                 }
-                (Some(norm), Stepped::Known(true))
+                (Some(norm), None)
             }
             (None, None) => {
                 opt.step()?;
-                (None, Stepped::Known(true))
+                (None, None)
             }
         };
         opt.zero_grad_with(self.config.set_to_none)?;
-        Ok((grad_norm, stepped))
-    }
-
-    /// After a step whose skip decision stayed on the device (`Stepped::OnDevice`): reads
-    /// its flag (waiting for the step), undoes the optimizer's count of a skipped update and
-    /// ends the scaler's iteration. Whether the update ran (always, without a flag).
-    pub(super) fn settle_scaled_step(&mut self, found_inf: Option<&Tensor>) -> Result<bool> {
-        let Some(found_inf) = found_inf else {
-            return Ok(true);
-        };
-        let found = found_inf.item()? != 0.0;
-        self.with_optimizer(|o| o.settle_skippable_step(found))?;
-        if let Some(s) = &mut self.scaler {
-            s.update_found(found)?;
-        }
-        Ok(!found)
+        Ok((grad_norm, loss_scale))
     }
 
     /// Sets this step's rate from the schedule (if any); returns the rate in use.
     pub(super) fn set_scheduled_lr(&mut self) -> Result<f64> {
         let scheduled = self.config.schedule.map(|s| s.lr_at(self.step));
-        self.with_optimizer(|o| {
+        self.with_optimizer_unsettled(|o| {
             if let Some(lr) = scheduled {
                 o.set_lr(lr)?;
             }

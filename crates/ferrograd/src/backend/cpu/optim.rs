@@ -15,7 +15,9 @@ use super::CpuBackend;
 use super::data::{CpuData, Elem, per_float_variant};
 use super::{read, write};
 use crate::backend::Storage;
-use crate::backend::optim::{AdamScalars, AdamStep, OptimKernels, SgdStep, UnscaleCheck};
+use crate::backend::optim::{
+    self, AdamScalars, AdamStep, CountStep, OptimKernels, SgdStep, UnscaleCheck, UpdateScale,
+};
 use crate::base::DType;
 use crate::base::{Error, Result};
 
@@ -34,6 +36,55 @@ impl OptimKernels for CpuBackend {
             None => a.inv_scale,
         };
         unscale_check(inv_scale, a.found_inf, a.grads)
+    }
+    fn count_step(&self, a: &CountStep) -> Result<()> {
+        if let Some(flag) = &a.skip_if
+            && read_f32("count_step", flag)? != 0.0
+        {
+            return Ok(());
+        }
+        write(a.count, |c| match c {
+            CpuData::F64(c) => {
+                c[0] += 1.0;
+                Ok(())
+            }
+            d => Err(Error::DType {
+                op: "count_step",
+                expected: DType::F64,
+                got: d.dtype(),
+            }),
+        })
+    }
+    fn update_scale(&self, a: &UpdateScale) -> Result<()> {
+        const OP: &str = "update_scale";
+        let found = read_f32(OP, &a.found_inf)? != 0.0;
+        let factors = (a.growth_factor, a.backoff_factor, a.growth_interval);
+        let scale = write(a.state, |s| match s {
+            CpuData::F32(s) => {
+                let (scale, tracker) = optim::next_scale((s[0], s[2] as u64), found, factors);
+                s.copy_from_slice(&[scale, optim::inv_scale_of(scale), tracker as f32]);
+                Ok(scale)
+            }
+            d => Err(Error::DType {
+                op: OP,
+                expected: DType::F32,
+                got: d.dtype(),
+            }),
+        })?;
+        match a.report {
+            Some(r) => write(r, |r| match r {
+                CpuData::F32(r) => {
+                    r.copy_from_slice(&[found as u8 as f32, scale]);
+                    Ok(())
+                }
+                d => Err(Error::DType {
+                    op: OP,
+                    expected: DType::F32,
+                    got: d.dtype(),
+                }),
+            }),
+            None => Ok(()),
+        }
     }
 }
 
@@ -126,14 +177,15 @@ impl Sgd {
 
 // ---- Adam --------------------------------------------------------------------------------------
 
-/// The value of a one-element f64 tensor.
+/// The value of a one-element f64 tensor (a gradient scale, a step count).
 fn read_f64(v: &crate::backend::View) -> Result<f64> {
     match &*read(v.storage)? {
         CpuData::F64(d) => Ok(d[v.layout.offset()]),
-        d => Err(Error::invalid(
-            "adam",
-            format!("the gradient scale must be f64, got {}", d.dtype()),
-        )),
+        d => Err(Error::DType {
+            op: "adam",
+            expected: DType::F64,
+            got: d.dtype(),
+        }),
     }
 }
 
@@ -157,7 +209,10 @@ fn adam(a: &AdamStep) -> Result<()> {
     {
         return Ok(());
     }
-    let k = AdamScalars::of(a);
+    let k = match &a.count_at {
+        Some(c) => AdamScalars::at(a, read_f64(c)? + 1.0),
+        None => AdamScalars::of(a),
+    };
     let k = match &a.grad_scale {
         Some(c) => AdamScalars {
             grad_scale: Some(read_f64(c)?),

@@ -1,15 +1,18 @@
 //! CUDA launchers of the optimizer family (backend/optim.rs; kernels in kernels/optim.cu):
 //! the SGD step (one elementwise launch), the multi-tensor Adam step and the mixed-precision
-//! unscale (one launch per dtype over a table of tensors, multi_tensor.rs). Arguments arrive
-//! validated, so an error leaves every parameter untouched; a table upload waits for the
-//! stream (one synchronisation per step). Versions are bumped by the entry functions.
+//! unscale (one launch per dtype over a table of tensors, multi_tensor.rs), and the
+//! one-thread updates of Adam's device step count and of a GradScaler's scale. Arguments arrive
+//! validated, so an error leaves every parameter untouched; a table's upload is queued in
+//! stream order, without waiting for the device. Versions are bumped by the entry functions.
+
+use cudarc::driver::LaunchConfig;
 
 use super::launch::{Arg, Module, addr, i64_of, launch, suffix};
 use super::multi_tensor::{Groups, Row, Table};
 use super::{CudaDevice, ptr};
 use crate::backend::Storage;
 use crate::backend::optim::{
-    AdamParam, AdamScalars, AdamStep, OptimKernels, SgdStep, UnscaleCheck,
+    AdamParam, AdamScalars, AdamStep, CountStep, OptimKernels, SgdStep, UnscaleCheck, UpdateScale,
 };
 use crate::base::DType;
 use crate::base::Result;
@@ -30,6 +33,32 @@ impl OptimKernels for CudaDevice {
     }
     fn stage_adam_scalars(&self, a: &AdamStep, slot: &Storage) -> Result<()> {
         stage(self, a, slot)
+    }
+    fn count_step(&self, a: &CountStep) -> Result<()> {
+        let skip = a.skip_if.as_ref().map(addr).transpose()?.unwrap_or(0);
+        let args = [Arg::Ptr(ptr(a.count)?), Arg::Ptr(skip)];
+        launch(self, &KERNELS, "adam_count_step", one_thread(), &args)
+    }
+    fn update_scale(&self, a: &UpdateScale) -> Result<()> {
+        let report = a.report.map(ptr).transpose()?.unwrap_or(0);
+        let args = [
+            Arg::Ptr(ptr(a.state)?),
+            Arg::Ptr(addr(&a.found_inf)?),
+            Arg::Ptr(report),
+            Arg::F64(a.growth_factor),
+            Arg::F64(a.backoff_factor),
+            Arg::F64(a.growth_interval as f64),
+        ];
+        launch(self, &KERNELS, "amp_update_scale", one_thread(), &args)
+    }
+}
+
+/// One block of one thread: the scalar updates.
+fn one_thread() -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (1, 1, 1),
+        block_dim: (1, 1, 1),
+        shared_mem_bytes: 0,
     }
 }
 
@@ -81,11 +110,14 @@ struct AdamHyper {
     bc2_sqrt: f64,
     neg_step: f64,
     eps: f64,
+    /// For the bias corrections of a count kept on the device (`AdamStep::count_at`).
+    lr: f64,
+    beta1: f64,
     has_l2: i32,
     pad: i32,
 }
 
-// SAFETY: #[repr(C)], eight f64 then two i32: 72 bytes, no padding, every bit pattern valid.
+// SAFETY: #[repr(C)], ten f64 then two i32: 88 bytes, no padding, every bit pattern valid.
 unsafe impl bytemuck::Zeroable for AdamHyper {}
 // SAFETY: as above.
 unsafe impl bytemuck::Pod for AdamHyper {}
@@ -102,6 +134,8 @@ impl AdamHyper {
             bc2_sqrt: k.bc2_sqrt,
             neg_step: k.neg_step_size,
             eps: k.eps,
+            lr: a.lr,
+            beta1: a.beta1,
             has_l2: (k.l2 != 0.0) as i32,
             pad: 0,
         }
@@ -137,6 +171,7 @@ fn adam(d: &CudaDevice, a: &AdamStep) -> Result<()> {
     }
     let grad_scale = a.grad_scale.as_ref().map(addr).transpose()?.unwrap_or(0);
     let skip = a.skip_if.as_ref().map(addr).transpose()?.unwrap_or(0);
+    let count = a.count_at.as_ref().map(addr).transpose()?.unwrap_or(0);
     // The scalars: where the caller staged them, else uploaded with each launch's table.
     let staged = a.staged_scalars.map(ptr).transpose()?;
     let hyper = AdamHyper::of(a);
@@ -145,6 +180,7 @@ fn adam(d: &CudaDevice, a: &AdamStep) -> Result<()> {
         words: bytemuck::cast_slice(std::slice::from_ref(&hyper)),
         grad_scale,
         skip,
+        count,
     };
     for (dtype, rows) in groups.iter() {
         adam_launch(d, "adam_multi", *dtype, rows, &scalars)?;
@@ -170,12 +206,14 @@ fn adam_row(p: &AdamParam) -> Result<AdamRow> {
 }
 
 /// An Adam launch's scalars: staged on the device (`staged_scalars`), or `words` to upload
-/// behind its table; the gradient scale's address and the skip flag's (0: none).
+/// behind its table; the addresses of the gradient scale, the skip flag and the device's
+/// step count (0: none).
 struct Scalars<'a> {
     staged: Option<u64>,
     words: &'a [u64],
     grad_scale: u64,
     skip: u64,
+    count: u64,
 }
 
 /// `{stem}_{dtype}` over `rows` (AdamEntry or AdamMasterEntry tables: A = 4 or 5).
@@ -196,9 +234,9 @@ fn adam_launch<const A: usize>(
     };
     let hyper = scalars.staged.unwrap_or(table.trailer);
     let name = format!("{stem}_{}", suffix("adam", dtype)?);
-    // {stem}_*(const Entry*, int, i64, const AdamHyper*, const double*, const float*): the
-    // table just uploaded, the step's scalars, the gradient scale and the skip flag (null:
-    // none).
+    // {stem}_*(const Entry*, int, i64, const AdamHyper*, const double*, const float*,
+    // const double*): the table just uploaded, the step's scalars, the gradient scale, the
+    // skip flag and the step count (null: none).
     let args = [
         Arg::Ptr(table.addr),
         Arg::I32(table.count),
@@ -206,6 +244,7 @@ fn adam_launch<const A: usize>(
         Arg::Ptr(hyper),
         Arg::Ptr(scalars.grad_scale),
         Arg::Ptr(scalars.skip),
+        Arg::Ptr(scalars.count),
     ];
     launch(d, &KERNELS, &name, table.config(), &args)
 }
@@ -252,7 +291,7 @@ mod tests {
 
     #[test]
     fn hyper_layout_matches_the_kernel() {
-        assert_eq!(std::mem::size_of::<AdamHyper>(), 72);
-        const { assert!(72 <= crate::backend::optim::ADAM_SCALAR_BYTES) };
+        assert_eq!(std::mem::size_of::<AdamHyper>(), 88);
+        const { assert!(88 <= crate::backend::optim::ADAM_SCALAR_BYTES) };
     }
 }

@@ -36,10 +36,25 @@ struct AdamHyper {
     double bc2_sqrt;  // sqrt(1 - beta2^t)
     double neg_step;  // -lr / (1 - beta1^t)
     double eps;
+    double lr;
+    double beta1;
     int has_l2;
     int pad;
 };
-static_assert(sizeof(AdamHyper) == 72, "AdamHyper must match its Rust twin (cuda/optim.rs)");
+static_assert(sizeof(AdamHyper) == 88, "AdamHyper must match its Rust twin (cuda/optim.rs)");
+
+// The step's scalars; where the device keeps the step count (AdamStep::count_at), the bias
+// corrections of step count + 1, as the host derives them (powf of the step as a double): a
+// step the device skipped is then not counted, though the host never read its flag.
+__device__ __forceinline__ AdamHyper adam_hyper(const AdamHyper* staged, const double* count) {
+    AdamHyper h = *staged;
+    if (count != nullptr) {
+        const double t = *count + 1.0;
+        h.bc2_sqrt = sqrt(1.0 - pow(h.beta2, t));
+        h.neg_step = -(h.lr / (1.0 - pow(h.beta1, t)));
+    }
+    return h;
+}
 
 __device__ __forceinline__ float o_add(float a, float b) { return __fadd_rn(a, b); }
 __device__ __forceinline__ float o_sub(float a, float b) { return __fsub_rn(a, b); }
@@ -162,26 +177,64 @@ __device__ void adam_master_multi(const AdamMasterEntry* tab, int count, i64 chu
 
 extern "C" __global__ void __launch_bounds__(OPTIM_BLOCK)
     adam_master_multi_bf16(const AdamMasterEntry* tab, int count, i64 chunks,
-                           const AdamHyper* h, const double* grad_scale, const float* skip) {
-    adam_master_multi<BF16T>(tab, count, chunks, *h, grad_scale, skip);
+                           const AdamHyper* h, const double* grad_scale, const float* skip,
+                           const double* steps) {
+    adam_master_multi<BF16T>(tab, count, chunks, adam_hyper(h, steps), grad_scale, skip);
 }
 extern "C" __global__ void __launch_bounds__(OPTIM_BLOCK)
     adam_master_multi_f16(const AdamMasterEntry* tab, int count, i64 chunks,
-                          const AdamHyper* h, const double* grad_scale, const float* skip) {
-    adam_master_multi<F16T>(tab, count, chunks, *h, grad_scale, skip);
+                          const AdamHyper* h, const double* grad_scale, const float* skip,
+                          const double* steps) {
+    adam_master_multi<F16T>(tab, count, chunks, adam_hyper(h, steps), grad_scale, skip);
 }
 
 #define OPTIM_KERNELS(SUFFIX, T)                                                               \
     extern "C" __global__ void __launch_bounds__(OPTIM_BLOCK)                                  \
         adam_multi_##SUFFIX(const AdamEntry* tab, int count, i64 chunks, const AdamHyper* h,   \
-                            const double* grad_scale, const float* skip) {                     \
-        adam_multi<T>(tab, count, chunks, *h, grad_scale, skip);                               \
+                            const double* grad_scale, const float* skip,                       \
+                            const double* steps) {                                             \
+        adam_multi<T>(tab, count, chunks, adam_hyper(h, steps), grad_scale, skip);             \
     }
 
 OPTIM_KERNELS(f32, F32T)
 OPTIM_KERNELS(f64, F64T)
 OPTIM_KERNELS(f16, F16T)
 OPTIM_KERNELS(bf16, BF16T)
+
+// The device's count of the Adam steps that ran (AdamStep::count_at): one more unless the
+// GradScaler's flag is raised. One thread.
+extern "C" __global__ void adam_count_step(double* steps, const float* skip) {
+    if (skip == nullptr || *skip == 0.0f) *steps += 1.0;
+}
+
+// ---- loss scale ---------------------------------------------------------------------------------
+
+// torch's _amp_update_scale_ on state = [scale, 1/scale, growth tracker] (the tracker as an
+// f32, exact to 2^24), then the report [found, scale] a step's log reads later (null: none).
+// The f32 scale times the f64 factor, rounded to f32, as `next_scale` on the host. One thread.
+extern "C" __global__ void amp_update_scale(float* state, const float* found_inf, float* report,
+                                            double growth, double backoff, double interval) {
+    const bool found = *found_inf != 0.0f;
+    float scale = state[0];
+    float tracker = state[2];
+    if (found) {
+        scale = (float)((double)scale * backoff);
+        tracker = 0.0f;
+    } else if ((double)tracker + 1.0 < interval) {
+        tracker += 1.0f;
+    } else {
+        const float grown = (float)((double)scale * growth);
+        if (isfinite(grown)) scale = grown;
+        tracker = 0.0f;
+    }
+    state[0] = scale;
+    state[1] = (float)(1.0 / (double)scale);
+    state[2] = tracker;
+    if (report != nullptr) {
+        report[0] = found ? 1.0f : 0.0f;
+        report[1] = scale;
+    }
+}
 
 // ---- SGD ---------------------------------------------------------------------------------------
 
