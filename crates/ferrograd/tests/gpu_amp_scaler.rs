@@ -4,14 +4,18 @@
 //! in the last one, mixed dtypes sharing one flag, a GradScaler training loop with SGD on
 //! the GPU (scales, skips and parameters equal to the CPU run), and the scaler's decision kept
 //! on the GPU with AdamW skipping its update there (f32 parameters and bf16 ones on master
-//! copies). Needs a CUDA device: without one every test fails.
+//! copies), with nothing read back, and the scale's update kernel against the host's rule.
+//! Needs a CUDA device: without one every test fails.
 #![cfg(feature = "gpu-tests")]
 
 mod common;
 
 use common::{assert_close, on};
 use ferrograd::backend::Storage;
-use ferrograd::backend::optim::{UnscaleCheck, unscale_check};
+use ferrograd::backend::View;
+use ferrograd::backend::optim::{
+    UnscaleCheck, UpdateScale, next_scale, unscale_check, update_scale,
+};
 use ferrograd::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use ferrograd::train::{GradScaler, GradScalerConfig};
 use ferrograd::{DType, Device, Generator, Tensor};
@@ -300,6 +304,48 @@ fn a_scaler_staged_on_the_gpu_skips_adams_update_there_as_the_cpu_does() {
         );
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
             assert_close(&format!("{weights} parameter {i}"), g, w, 1e-6, 1e-5);
+        }
+    }
+}
+
+/// The scale's update kernel against the host's rule (`next_scale`) over every branch:
+/// backoff, counting, growth, growth that would overflow f32, a subnormal backoff; with the
+/// factors of the defaults and odd ones (the f32 · f64 product rounded once).
+#[test]
+fn the_gpu_updates_the_scale_as_the_host_rule_does() {
+    let cases: [(f32, u64, bool); 7] = [
+        (65536.0, 0, true),
+        (65536.0, 5, false),
+        (65536.0, 6, false),
+        (f32::MAX, 6, false),
+        (3.0e-38, 2, true),
+        (1.5, 0, false),
+        (12345.678, 6, false),
+    ];
+    for factors in [(2.0, 0.5, 7), (1.1, 0.3, 7)] {
+        for (scale, tracker, found) in cases {
+            let state = Tensor::from_vec(vec![scale, 0.0, tracker as f32], &[3], GPU).unwrap();
+            let report = Tensor::zeros(&[2], DType::F32, GPU).unwrap();
+            let flag = Tensor::from_vec(vec![found as u8 as f32], &[1], GPU).unwrap();
+            update_scale(&UpdateScale {
+                found_inf: View {
+                    storage: flag.storage(),
+                    layout: flag.layout(),
+                },
+                state: state.storage(),
+                report: Some(report.storage()),
+                growth_factor: factors.0,
+                backoff_factor: factors.1,
+                growth_interval: factors.2,
+            })
+            .unwrap();
+            let (want, want_tracker) = next_scale((scale, tracker), found, factors);
+            let inv = (1.0 / want as f64) as f32;
+            let case = format!("{scale} {tracker} {found} {factors:?}");
+            let got = state.to_vec::<f32>().unwrap();
+            assert_eq!(got, vec![want, inv, want_tracker as f32], "{case}");
+            let r = report.to_vec::<f32>().unwrap();
+            assert_eq!(r, vec![found as u8 as f32, want], "{case}");
         }
     }
 }
