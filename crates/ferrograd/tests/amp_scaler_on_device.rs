@@ -7,12 +7,12 @@
 //! memory; the scale's update there; and the errors. On the CPU backend, which implements
 //! the same kernels' contract (gpu_amp_scaler.rs runs the GPU's).
 
+mod common;
+
 use std::sync::Mutex;
 
 use ferrograd::backend::View;
-use ferrograd::backend::optim::{
-    UnscaleCheck, UpdateScale, next_scale, unscale_check, update_scale,
-};
+use ferrograd::backend::optim::{UnscaleCheck, next_scale, unscale_check};
 use ferrograd::nn::{Linear, Module, Relu, Sequential};
 use ferrograd::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use ferrograd::train::{
@@ -391,49 +391,11 @@ fn the_staged_scale_follows_every_update_and_a_loaded_state() {
     assert_eq!(s.get_scale().unwrap(), 2.0, "grown from the device's 1.0");
 }
 
-/// The update kernel against the host's rule (`next_scale`) over every branch: backoff,
-/// counting, growth, growth that would overflow f32, and the layout of state and report.
+/// The update kernel against the host's rule (`next_scale`) over every branch, and the rule
+/// itself at its edges.
 #[test]
 fn the_scale_update_on_the_device_follows_the_host_rule() {
-    let cases: [(f32, u64, bool); 6] = [
-        (65536.0, 0, true),
-        (65536.0, 5, false),
-        (65536.0, 6, false),
-        (f32::MAX, 6, false),
-        (3.0e-38, 2, true),
-        (1.5, 0, false),
-    ];
-    for (scale, tracker, found) in cases {
-        let state = Tensor::from_vec(vec![scale, 0.0, tracker as f32], &[3], CPU).unwrap();
-        let report = Tensor::zeros(&[2], DType::F32, CPU).unwrap();
-        let f = flag(found as u8 as f32);
-        update_scale(&UpdateScale {
-            found_inf: View {
-                storage: f.storage(),
-                layout: f.layout(),
-            },
-            state: state.storage(),
-            report: Some(report.storage()),
-            growth_factor: 2.0,
-            backoff_factor: 0.5,
-            growth_interval: 7,
-        })
-        .unwrap();
-        let (want, want_tracker) = next_scale((scale, tracker), found, (2.0, 0.5, 7));
-        let got = state.to_vec::<f32>().unwrap();
-        let inv = (1.0 / want as f64) as f32;
-        assert_eq!(
-            got,
-            vec![want, inv, want_tracker as f32],
-            "{scale} {tracker} {found}"
-        );
-        let r = report.to_vec::<f32>().unwrap();
-        assert_eq!(
-            r,
-            vec![found as u8 as f32, want],
-            "{scale} {tracker} {found}"
-        );
-    }
+    common::scale_update::check_scale_update(CPU);
     assert_eq!(
         next_scale((f32::MAX, 6), false, (2.0, 0.5, 7)),
         (f32::MAX, 0)
