@@ -8,9 +8,11 @@ any environment that has torch.
 
 Usage: python benches/pytorch/gpt_step.py [--steps 200] [--corpus data/shakespeare.txt]
        [--device cpu|cuda] [--n-layer 4] [--n-head 4] [--n-embd 128] [--batch 16] [--block 64]
-       [--dropout 0.0] [--amp off|bf16] [--clip NORM] [--warmup-steps 0]
+       [--dropout 0.0] [--amp off|bf16|f16] [--clip NORM] [--warmup-steps 0]
 The same flags as `ferrograd train` for the model, so one config runs on both (dropout as
 nanoGPT applies it: embeddings, attention probabilities inside SDPA, residual branches).
+--amp f16: autocast to float16 with torch.amp.GradScaler (unscaled before clipping), as
+`ferrograd train --amp f16` runs it.
 --warmup-steps: steps run before the clock starts (GPU: compilation of kernels, allocator
 warm-up); the peak statistics are reset after them.
 """
@@ -92,7 +94,7 @@ def main():
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--n-embd", type=int, default=128)
     ap.add_argument("--dropout", type=float, default=0.0)
-    ap.add_argument("--amp", default="off", choices=["off", "bf16"])
+    ap.add_argument("--amp", default="off", choices=["off", "bf16", "f16"])
     ap.add_argument("--clip", type=float, default=None)
     ap.add_argument("--warmup-steps", type=int, default=0)
     a = ap.parse_args()
@@ -106,6 +108,8 @@ def main():
     train = data[: int(0.9 * len(data))]
     model = Gpt(len(chars), a.block, a.n_layer, a.n_head, a.n_embd, a.dropout).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3, betas=(0.9, 0.99), weight_decay=0.1)
+    half = {"bf16": torch.bfloat16, "f16": torch.float16}.get(a.amp)
+    scaler = torch.amp.GradScaler(dev.type, enabled=a.amp == "f16")
 
     def batch():
         ix = torch.randint(len(train) - a.block - 1, (a.batch,))
@@ -117,12 +121,14 @@ def main():
         for g in opt.param_groups:
             g["lr"] = lr_at(i, a.steps)
         x, y = batch()
-        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=a.amp == "bf16"):
+        with torch.autocast(dev.type, dtype=half or torch.bfloat16, enabled=half is not None):
             loss = model(x, y)
-        loss.backward()
+        scaler.scale(loss).backward()
         if a.clip is not None:
+            scaler.unscale_(opt)
             torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
-        opt.step()
+        scaler.step(opt)
+        scaler.update()
         opt.zero_grad(set_to_none=True)
         return loss
 
