@@ -3,8 +3,9 @@
 //! clipping, accumulation and bf16 autocast; the graph's blocks stay in its private pool and
 //! the accounting by category still sums to `memory_allocated`; with dropout every replay
 //! draws new masks, and without it replays of one batch are bit for bit the same; f16 loss
-//! scaling replays with its skips decided on the device, as the eager run skips; SGD runs
-//! eagerly and says why; an out-of-range id in a replayed batch is the eager error; new
+//! scaling replays with its skips decided on the device, as the eager run skips, and waits
+//! for nothing; SGD with momentum replays with its rate read from device memory (with f16
+//! loss scaling it runs eagerly and says why); an out-of-range id in a replayed batch is the eager error; new
 //! shapes capture again. Needs a CUDA device: without one every test fails.
 #![cfg(feature = "gpu-tests")]
 
@@ -96,9 +97,18 @@ fn train_with(
     steps: usize,
     config: TrainerConfig,
 ) -> (Vec<f64>, Vec<Vec<f32>>, GraphStatus) {
+    train_with_optimizer(graphs, steps, config, adamw)
+}
+
+fn train_with_optimizer<O: Optimizer + Send + 'static>(
+    graphs: bool,
+    steps: usize,
+    config: TrainerConfig,
+    optimizer: fn(&Gpt) -> O,
+) -> (Vec<f64>, Vec<Vec<f32>>, GraphStatus) {
     let accum = config.accum;
     let model = gpt();
-    let mut trainer = Trainer::new(adamw(&model), config, GPU).unwrap();
+    let mut trainer = Trainer::new(optimizer(&model), config, GPU).unwrap();
     let mut graph = StepGraph::new(graphs, 1);
     let mut losses = Vec::new();
     for s in 0..steps {
@@ -485,8 +495,8 @@ fn eager_f16_steps_decided_on_the_gpu_wait_for_nothing() {
 #[test]
 fn what_a_graph_cannot_replay_runs_eagerly_and_says_why() {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    // f16 loss scaling with an optimizer that cannot skip on the device, and SGD: refused
-    // before any capture.
+    // f16 loss scaling with an optimizer that cannot skip on the device: refused before any
+    // capture.
     let model = gpt();
     let f16 = TrainerConfig {
         amp: Some(DType::F16),
@@ -501,20 +511,41 @@ fn what_a_graph_cannot_replay_runs_eagerly_and_says_why() {
             .unwrap();
     }
     assert!(graph.status().to_string().contains("loss scaling"));
-    let sgd = Sgd::new(model.parameters(), SgdConfig::default()).unwrap();
-    let mut trainer = Trainer::new(sgd, trainer_config(1), GPU).unwrap();
-    let mut graph = StepGraph::new(true, 1);
-    for s in 0..2 {
-        trainer
-            .step_graphed(&mut graph, &inputs(s, 1, 4, 32), forward(&model))
-            .unwrap();
-    }
-    assert!(
-        graph.status().to_string().contains("SGD"),
-        "{}",
-        graph.status()
-    );
     assert_eq!(trainer.with_optimizer(|o| o.name()).unwrap(), "SGD");
+}
+
+/// SGD with momentum, dampening, weight decay, clipping and a schedule replays as its eager
+/// steps do: each replay reads the scheduled rate from device memory, and the warm-up step
+/// made the momentum buffers.
+#[test]
+fn sgd_with_momentum_replays_as_its_eager_steps() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let sgd = |m: &Gpt| {
+        let cfg = SgdConfig {
+            lr: 0.05,
+            momentum: 0.9,
+            dampening: 0.1,
+            weight_decay: 1e-4,
+            nesterov: false,
+        };
+        Sgd::new(m.parameters(), cfg).unwrap()
+    };
+    let (eager, eager_params, off) = train_with_optimizer(false, 6, trainer_config(1), sgd);
+    assert!(matches!(off, GraphStatus::Off(_)), "{off}");
+    let (graphed, params, status) = train_with_optimizer(true, 6, trainer_config(1), sgd);
+    assert!(
+        matches!(status, GraphStatus::Replaying { step: 1, .. }),
+        "{status}"
+    );
+    for (s, (g, e)) in graphed.iter().zip(&eager).enumerate() {
+        assert!(
+            (g - e).abs() <= 1e-5 * e.abs(),
+            "step {s}: {g} replayed, {e} eager"
+        );
+    }
+    let worst = largest_difference(&params, &eager_params);
+    println!("SGD: largest parameter difference {worst:e}");
+    assert!(worst <= 1e-5, "parameters differ by {worst}");
 }
 
 #[test]

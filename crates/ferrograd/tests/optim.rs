@@ -699,3 +699,46 @@ fn adam_takes_the_clip_coefficient_inside_its_step() {
     let two = Tensor::from_vec(vec![1.0f64, 1.0], &[2], Device::Cpu).unwrap();
     assert!(fused.step_with_grad_scale(&two).is_err());
 }
+
+/// An SGD step reads its rate from device memory when given one (a replayed graph's), and
+/// ignores the argument then.
+#[test]
+fn sgd_reads_its_rate_from_memory_when_staged() {
+    use ferrograd::backend::View;
+    use ferrograd::backend::optim::{SgdStep, sgd_step};
+    let p = Tensor::from_vec(vec![1.0f32, -2.0], &[2], Device::Cpu).unwrap();
+    let g = Tensor::from_vec(vec![0.5f32, 4.0], &[2], Device::Cpu).unwrap();
+    let lr = Tensor::from_vec(vec![0.25f64], &[1], Device::Cpu).unwrap();
+    let step = |lr_at: Option<View>| {
+        sgd_step(&SgdStep {
+            grad: View {
+                storage: g.storage(),
+                layout: g.layout(),
+            },
+            param: p.storage(),
+            momentum_buf: None,
+            lr: 100.0,
+            momentum: 0.0,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+            first_step: false,
+            lr_at,
+        })
+    };
+    step(Some(View {
+        storage: lr.storage(),
+        layout: lr.layout(),
+    }))
+    .unwrap();
+    assert_eq!(p.to_vec::<f32>().unwrap(), vec![0.875, -3.0]);
+    // A rate that is not an f64 is refused.
+    let wrong = Tensor::from_vec(vec![0.25f32], &[1], Device::Cpu).unwrap();
+    let e = step(Some(View {
+        storage: wrong.storage(),
+        layout: wrong.layout(),
+    }))
+    .unwrap_err()
+    .to_string();
+    assert!(e.contains("F64"), "{e}");
+}

@@ -707,3 +707,65 @@ fn a_gpu_jobs_plan_counts_its_cuda_graph() {
     assert!(on.peak_allocated >= off.peak_allocated);
     assert!(on.peak_reserved > off.peak_reserved);
 }
+
+/// SGD with momentum replays on a planned GPU too: the warm-up step makes the momentum
+/// buffers beside the parameters (not in the graph's pool), the capture stages the rate in
+/// device memory, the replays allocate nothing, and the pool goes back with the graph.
+#[test]
+fn a_gpu_plan_replays_sgd_with_momentum() {
+    use ferrograd::nn::Gpt;
+    use ferrograd::optim::{Sgd, SgdConfig};
+    use ferrograd::train::{GraphStatus, HostInput, MicroBatch, StepGraph, Trainer};
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let (b, t) = (4, 32);
+    let ids: Vec<i64> = (0..b * t).map(|k| (k % 65) as i64).collect();
+    let inputs = vec![vec![
+        HostInput::new(ids.clone(), &[b, t]),
+        HostInput::new(ids, &[b, t]),
+    ]];
+    let gpu = Target::Cuda { capacity: 80 << 30 };
+    plan::plan(gpu, PlanOptions::default(), |device| {
+        let gpt = Gpt::new(GptConfig::tiny(), device)?;
+        let cfg = SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            ..SgdConfig::default()
+        };
+        let opt = Sgd::new(gpt.parameters(), cfg)?;
+        let mut trainer = Trainer::new(opt, TrainerConfig::default(), device)?;
+        let mut graph = StepGraph::new(true, 1);
+        let step = |trainer: &mut Trainer<Sgd>, graph: &mut StepGraph| {
+            trainer
+                .step_graphed(graph, &inputs, |_, x| {
+                    Ok(MicroBatch {
+                        loss: gpt.loss(&x[0], &x[1])?,
+                        tokens: x[0].numel(),
+                    })
+                })
+                .map(drop)
+        };
+        step(&mut trainer, &mut graph)?;
+        step(&mut trainer, &mut graph)?;
+        assert!(
+            matches!(graph.status(), GraphStatus::Replaying { step: 1, .. }),
+            "{}",
+            graph.status()
+        );
+        let alloc = memory::allocator(device)?;
+        let (allocated, reserved) = (alloc.memory_allocated(), alloc.memory_reserved());
+        for _ in 0..3 {
+            step(&mut trainer, &mut graph)?;
+            assert_eq!(alloc.memory_allocated(), allocated, "a replay allocated");
+            assert_eq!(alloc.memory_reserved(), reserved, "a replay reserved");
+        }
+        assert_eq!(alloc.by_category().total(), alloc.memory_allocated());
+        // Every parameter's momentum buffer, and the staged rate, are optimizer state.
+        let params: u64 = gpt.parameters().iter().map(|p| p.numel() as u64 * 4).sum();
+        assert!(alloc.by_category().get(Category::OptimizerState) >= params);
+        drop(graph);
+        alloc.empty_cache();
+        assert!(alloc.memory_reserved() < reserved, "the pool was kept");
+        Ok(())
+    })
+    .unwrap();
+}

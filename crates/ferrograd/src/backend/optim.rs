@@ -24,6 +24,9 @@ pub struct SgdStep<'a> {
     pub weight_decay: f64,
     pub nesterov: bool,
     pub first_step: bool,
+    /// Where the device holds the rate (one F64 element), read there instead of `lr`: a
+    /// replayed graph's rate follows the schedule, a kernel argument would not. None: `lr`.
+    pub lr_at: Option<View<'a>>,
 }
 
 /// One parameter of an Adam step: its gradient (contiguous, the parameter's numel and dtype)
@@ -196,6 +199,10 @@ pub fn sgd_step(a: &SgdStep) -> Result<()> {
     check::dense(OP, "the gradient", &a.grad, n, dtype)?;
     if let Some(b) = a.momentum_buf {
         check::out(OP, b, n, dtype)?;
+    }
+    if let Some(lr) = &a.lr_at {
+        check::on_device(OP, device, [lr.storage])?;
+        check::dense(OP, "the rate", lr, 1, DType::F64)?;
     }
     backend(device)?.sgd_step(a)?;
     all[1..].iter().for_each(|s| s.bump_version());

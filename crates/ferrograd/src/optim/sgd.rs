@@ -6,7 +6,10 @@
 //!   g ← g + μ·buf (nesterov) or buf
 //!   p ← p − lr·g
 //!
-//! Momentum buffers are created at the first step and count as optimizer state.
+//! Momentum buffers are created at the first step and count as optimizer state (beside the
+//! parameters, outside any graph's pool). A captured step (CUDA graphs) reads its rate from
+//! device memory that the host rewrites before each replay; a parameter's first step, which
+//! makes its buffer, runs eagerly before the capture.
 //!
 //! With plain momentum (no dampening, Nesterov or weight decay) the step is linear in the
 //! gradient, so a weight gradient offered as a product (a linear layer's gᵀ·x) can be written
@@ -15,10 +18,11 @@
 
 use super::{Optimizer, check_lr};
 use crate::autograd::{GradProduct, no_grad};
+use crate::backend::capture;
 use crate::backend::optim::{self, SgdStep};
 use crate::base::{Error, Result};
-use crate::memory::Category;
-use crate::tensor::Tensor;
+use crate::memory::{self, Category};
+use crate::tensor::{DType, Tensor};
 
 #[derive(Clone, Debug)]
 pub struct SgdConfig {
@@ -45,6 +49,8 @@ pub struct Sgd {
     params: Vec<Tensor>,
     cfg: SgdConfig,
     momentum_buffers: Vec<Option<Tensor>>,
+    /// For CUDA graphs: the rate in device memory (one F64), staged before each replay.
+    graph_lr: Option<Tensor>,
 }
 
 impl Sgd {
@@ -67,6 +73,7 @@ impl Sgd {
             params,
             cfg,
             momentum_buffers: vec![None; n],
+            graph_lr: None,
         })
     }
 
@@ -181,6 +188,7 @@ impl Sgd {
             weight_decay: 0.0,
             nesterov: false,
             first_step: false,
+            lr_at: None,
         })
     }
 
@@ -203,11 +211,34 @@ impl Sgd {
         } else {
             grad.contiguous_copy()?
         };
+        let device = p.device();
+        let captured = capture::capturing_on(device);
         let first_step = c.momentum != 0.0 && self.momentum_buffers[i].is_none();
         if first_step {
-            let b = momentum_buffer_like(p)?;
+            if captured {
+                return Err(Error::invalid(
+                    "SGD",
+                    format!(
+                        "parameter {i} takes its first step (which makes its momentum buffer) in a captured step; run one eager step with the same parameters first"
+                    ),
+                ));
+            }
+            let b = memory::allocator(device)?.outside_private_pool(|| momentum_buffer_like(p))?;
             self.momentum_buffers[i] = Some(b);
         }
+        // A captured step reads the rate staged for it (`prepare_graph_step`).
+        let lr_at = match (&self.graph_lr, captured) {
+            (Some(lr), true) => Some(lr.view()),
+            (None, true) => {
+                return Err(Error::invalid(
+                    "SGD",
+                    "a captured step needs its rate staged first (prepare_graph_step)",
+                ));
+            }
+            (_, false) => None,
+        };
+        let c = &self.cfg;
+        let p = &self.params[i];
         optim::sgd_step(&SgdStep {
             grad: grad.view(),
             param: p.storage(),
@@ -218,6 +249,7 @@ impl Sgd {
             weight_decay: c.weight_decay,
             nesterov: c.nesterov,
             first_step,
+            lr_at,
         })
     }
 }
@@ -290,5 +322,32 @@ impl Optimizer for Sgd {
         check_lr("SGD", lr)?;
         self.cfg.lr = lr;
         Ok(())
+    }
+
+    fn graph_support(&self) -> std::result::Result<(), String> {
+        Ok(())
+    }
+
+    /// Writes the coming step's rate where the captured kernels read it.
+    fn prepare_graph_step(&mut self) -> Result<()> {
+        let Some(device) = self.params.first().map(Tensor::device) else {
+            return Ok(());
+        };
+        if self.graph_lr.is_none() {
+            let slot = memory::allocator(device)?.outside_private_pool(|| {
+                Tensor::alloc(
+                    &[1],
+                    DType::F64,
+                    device,
+                    Category::OptimizerState,
+                    "sgd_graph_lr",
+                )
+            })?;
+            self.graph_lr = Some(slot);
+        }
+        match &self.graph_lr {
+            Some(slot) => slot.fill_(self.cfg.lr),
+            None => Ok(()),
+        }
     }
 }

@@ -18,9 +18,9 @@
 //! category is the captured step's, and a replay allocates nothing. Work between steps (an
 //! evaluation) runs in that pool too (`run_between_steps`), so it reserves nothing beside
 //! it. What cannot be replayed runs eagerly, and `GraphStatus` says why: a CPU device, f16
-//! loss scaling with an optimizer that cannot skip its update on the device, data-parallel
-//! reduction, the step in backward, an optimizer whose rate is a kernel argument, or a
-//! capture that failed. New input shapes, or a batch whose target count differs from the
+//! loss scaling with an optimizer that cannot skip its update on the device (SGD),
+//! data-parallel reduction, the step in backward, an optimizer whose rate is a kernel
+//! argument (`Optimizer::graph_support`), or a capture that failed. New input shapes, or a batch whose target count differs from the
 //! captured one, capture again.
 //!
 //! Dropout: the captured step's masks are drawn with the keys the host drew at the capture,

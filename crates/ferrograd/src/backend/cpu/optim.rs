@@ -89,8 +89,12 @@ impl OptimKernels for CpuBackend {
 }
 
 fn sgd(a: &SgdStep) -> Result<()> {
+    let lr = match &a.lr_at {
+        Some(at) => read_f64(at)?,
+        None => a.lr,
+    };
     let h = Sgd {
-        lr: a.lr,
+        lr,
         momentum: a.momentum,
         dampening: a.dampening,
         weight_decay: a.weight_decay,
@@ -177,7 +181,7 @@ impl Sgd {
 
 // ---- Adam --------------------------------------------------------------------------------------
 
-/// The value of a one-element f64 tensor (a gradient scale, a step count).
+/// The value of a one-element f64 tensor (a gradient scale, a step count, a rate).
 fn read_f64(v: &crate::backend::View) -> Result<f64> {
     match &*read(v.storage)? {
         CpuData::F64(d) => Ok(d[v.layout.offset()]),

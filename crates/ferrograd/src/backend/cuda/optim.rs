@@ -64,12 +64,14 @@ fn one_thread() -> LaunchConfig {
 
 // ---- SGD ----------------------------------------------------------------------------------------
 
-/// One SGD step in place (the momentum buffer's address is 0 when absent).
+/// One SGD step in place (the momentum buffer's address and the staged rate's are 0 when
+/// absent).
 fn sgd(d: &CudaDevice, a: &SgdStep) -> Result<()> {
     let s = suffix("sgd", a.param.dtype())?;
     let n = a.param.len();
     let (g, p) = (addr(&a.grad)?, ptr(a.param)?);
     let buf = a.momentum_buf.map(ptr).transpose()?.unwrap_or(0);
+    let lr_at = a.lr_at.as_ref().map(addr).transpose()?.unwrap_or(0);
     let h = [a.lr, a.weight_decay, a.momentum, 1.0 - a.dampening];
     let (nesterov, first) = (a.nesterov, a.first_step);
     if n == 0 {
@@ -86,6 +88,7 @@ fn sgd(d: &CudaDevice, a: &SgdStep) -> Result<()> {
         Arg::F64(h[3]),
         Arg::I32(nesterov as i32),
         Arg::I32(first as i32),
+        Arg::Ptr(lr_at),
     ];
     launch(
         d,

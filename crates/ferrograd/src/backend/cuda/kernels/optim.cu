@@ -263,8 +263,10 @@ __device__ void sgd_step(const T* g, T* p, T* buf, i64 n, double lr_, double wd_
 #define SGD_KERNELS(S, T)                                                                          \
     extern "C" __global__ void sgd_step_##S(const T* g, T* p, T* buf, i64 n, double lr,            \
                                             double wd, double mu, double damp, int nesterov,       \
-                                            int first) {                                           \
-        sgd_step<T>(g, p, buf, n, lr, wd, mu, damp, nesterov, first);                              \
+                                            int first, const double* lr_at) {                      \
+        /* A replayed graph's rate follows the schedule: read where the host staged it. */         \
+        const double rate = lr_at != nullptr ? *lr_at : lr;                                        \
+        sgd_step<T>(g, p, buf, n, rate, wd, mu, damp, nesterov, first);                            \
     }
 
 FOR_FLOATS(SGD_KERNELS)
