@@ -10,7 +10,7 @@ use super::{Storage, View, backend, check};
 use crate::base::DType;
 use crate::base::{Error, Result};
 
-/// out (N, D)[p, :] = weight[ids[p], :]. weight (V, D) strided allowed; ids I64 of any
+/// `out (N, D)[p, :] = weight[ids[p], :]`. weight (V, D) strided allowed; ids I64 of any
 /// layout with N elements, read in row-major order, each in 0..V.
 pub struct IndexSelect<'a> {
     pub weight: View<'a>,
@@ -18,7 +18,7 @@ pub struct IndexSelect<'a> {
     pub out: &'a Storage,
 }
 
-/// out (V, D)[ids[p], :] += grad[p, :] for p in order, summed in f64 and rounded once
+/// `out (V, D)[ids[p], :] += grad[p, :]` for p in order, summed in f64 and rounded once
 /// (deterministic). grad (N, D) strided allowed (stride 0 too); ids as in `IndexSelect`.
 /// Accumulates into `out` (the caller zero-initialises a fresh one).
 pub struct IndexAdd<'a> {

@@ -10,7 +10,7 @@ use super::{Storage, View, backend};
 use crate::base::DType;
 use crate::base::{Error, Result};
 
-/// Mean over targets != ignore_index of -log softmax(logits)[target] (NaN when all are
+/// Mean over targets != ignore_index of `-log softmax(logits)[target]` (NaN when all are
 /// ignored). logits (R, C) rows of unit stride, evenly spaced (contiguous, or padded to the
 /// GEMM's aligned row stride); targets I64 (R) contiguous, each in [0, C) or
 /// ignore_index (else `Error::Index` naming it); loss () and lse (R) of any float dtype.
