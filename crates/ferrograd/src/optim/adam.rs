@@ -22,12 +22,13 @@
 //! one more kernel counts the step unless the flag is raised. The host never waits for the
 //! flag; it learns the counts when it asks (`settle_counts`), which waits for the device.
 
+use super::device_count::DeviceCount;
 use super::{Optimizer, check_lr};
 use crate::autograd::no_grad;
 use crate::backend::capture;
-use crate::backend::optim::{self, AdamParam, AdamStep, CountStep};
+use crate::backend::optim::{self, AdamParam, AdamStep};
 use crate::base::{Error, Result};
-use crate::memory::{self, Category};
+use crate::memory::Category;
 use crate::tensor::{DType, Device, Tensor};
 
 #[derive(Clone, Debug)]
@@ -83,25 +84,9 @@ pub struct Adam {
     /// For CUDA graphs: the device memory the replayed step reads its scalars from, and the
     /// bookkeeping of the captured step.
     graph: GraphStep,
-    /// While steps are skipped or not on the device: the count it keeps.
+    /// While steps are skipped or not on the device: the count it keeps. Every member's
+    /// host count, and the optimizer's, stay as they were when the host last read it.
     device_count: Option<DeviceCount>,
-}
-
-/// The step count that the device keeps for steps it may skip (`step_unless_found_inf`).
-/// Every member parameter has taken as many steps as `count` holds; their host counts, and
-/// the optimizer's, stay as they were when the host last read it, until `settle_counts`.
-struct DeviceCount {
-    /// One F64 element on the members' device (optimizer state).
-    count: Tensor,
-    /// The parameters that step together, in index order.
-    members: Vec<usize>,
-    /// `count`'s value, and the optimizer's step count, when the host last knew them.
-    known: u64,
-    steps_known: u64,
-    /// Steps queued since then (eager or replayed), each counted if it runs: at most this
-    /// many were. A planned device runs nothing and its flags read as clear, so for it
-    /// every one counts.
-    issued: u64,
 }
 
 /// The optimizer's step count and each parameter's (None: no state yet), to restore.
@@ -579,15 +564,11 @@ impl Adam {
         let current = self
             .device_count
             .as_ref()
-            .is_some_and(|c| c.members == members && c.count.device() == device);
+            .is_some_and(|c| c.covers(&members, device));
         if !current && !self.start_device_count(&work, members, device)? {
             return self.step_waiting_for_flag(found_inf);
         }
-        let Some(count) = self.device_count.as_mut().map(|c| {
-            // Captured, it is issued by the capture's first replay.
-            c.issued += 1;
-            c.count.clone()
-        }) else {
+        let Some(count) = self.device_count.as_ref().map(|c| c.tensor().clone()) else {
             return Err(Error::invalid("Adam", "the device's step count is missing"));
         };
         let extra = Extra {
@@ -599,15 +580,15 @@ impl Adam {
         for ((_, step), group) in groups(&work, &self.state) {
             self.run_group(&work, &group, step, extra)?;
         }
-        optim::count_step(&CountStep {
-            count: count.storage(),
-            skip_if: Some(found_inf.view()),
-        })
+        match self.device_count.as_mut() {
+            Some(c) => c.advance(found_inf),
+            None => Ok(()),
+        }
     }
 
     /// Makes the device's count for `members` (the parameters of `work`), once the host's
     /// counts are exact: false, making nothing, when they are not all at one count on
-    /// `device`. Not while capturing (the count is made by the step before the capture).
+    /// `device`.
     fn start_device_count(
         &mut self,
         work: &[Work],
@@ -622,30 +603,7 @@ impl Adam {
         if counts.any(|c| c != first) || work.iter().any(|w| w.grad.device() != device) {
             return Ok(false);
         }
-        if capture::capturing_on(device) {
-            return Err(Error::invalid(
-                "Adam",
-                "the step count that the device keeps is made by an eager step before a capture; run one step with the same parameters first",
-            ));
-        }
-        // Beside the moments: made during a warm-up step, it must not keep the graph's pool.
-        let count = memory::allocator(device)?.outside_private_pool(|| {
-            Tensor::alloc(
-                &[1],
-                DType::F64,
-                device,
-                Category::OptimizerState,
-                "adam_step_count",
-            )
-        })?;
-        count.fill_(first as f64)?;
-        self.device_count = Some(DeviceCount {
-            count,
-            members,
-            known: first,
-            steps_known: self.steps,
-            issued: 0,
-        });
+        self.device_count = Some(DeviceCount::start("Adam", device, members, first)?);
         Ok(true)
     }
 
@@ -776,7 +734,7 @@ impl Optimizer for Adam {
         if let Some(slot) = &self.graph.slot {
             optim::stage_adam_scalars(&self.step_scalars(&[], None, next), slot.storage())?;
         }
-        let issued = self.device_count.as_ref().map_or(0, |c| c.issued);
+        let issued = self.device_count.as_ref().map_or(0, DeviceCount::issued);
         self.graph.before = Some((self.counts(), issued));
         Ok(())
     }
@@ -784,7 +742,7 @@ impl Optimizer for Adam {
     fn graph_step_replayed(&mut self) {
         // A captured step that the device may skip counts itself there.
         if let Some(c) = self.device_count.as_mut() {
-            c.issued += 1;
+            c.replayed();
             return;
         }
         self.steps += 1;
@@ -799,7 +757,7 @@ impl Optimizer for Adam {
         if let Some((before, issued)) = self.graph.before.take() {
             self.restore(before);
             if let Some(c) = self.device_count.as_mut() {
-                c.issued = issued;
+                c.set_issued(issued);
             }
         }
         self.graph.members.clear();
@@ -821,26 +779,10 @@ impl Optimizer for Adam {
         let Some(c) = self.device_count.as_mut() else {
             return Ok(());
         };
-        let ran = if c.count.device() == Device::Meta {
-            c.issued
-        } else {
-            (c.count.item()? as u64).saturating_sub(c.known)
-        };
-        if ran > c.issued {
-            return Err(Error::invalid(
-                "Adam",
-                format!(
-                    "the device counted {ran} steps of the {} queued since its count was last read",
-                    c.issued
-                ),
-            ));
-        }
-        let now = c.known + ran;
-        c.known = now;
-        c.issued = 0;
-        c.steps_known += ran;
-        self.steps = c.steps_known;
-        for &i in &c.members {
+        let ran = c.settle("Adam")?;
+        self.steps += ran;
+        let now = c.known();
+        for &i in c.members() {
             if let Some(s) = self.state[i].as_mut() {
                 s.step = now;
             }

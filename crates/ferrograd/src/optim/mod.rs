@@ -4,6 +4,7 @@
 
 mod adam;
 mod clip;
+mod device_count;
 mod schedule;
 mod sgd;
 
