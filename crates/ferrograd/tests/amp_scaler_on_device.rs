@@ -63,19 +63,23 @@ fn bits(params: &[Tensor]) -> Vec<Vec<u32>> {
 /// Steps poisoned with inf·loss (every gradient inf or NaN, as an f16 overflow makes them).
 const POISONED: [usize; 4] = [0, 3, 4, 8];
 
-/// (stepped, scale) of each of 11 f16 trainer steps with AdamW and clipping, the parameters'
-/// bits and Adam's step counts after them; `staged`: the scaler keeps its decision on the
-/// device, and nothing is read back until the steps are done.
+/// (stepped, scale) of each of 11 f16 trainer steps with clipping, the parameters' bits and
+/// the optimizer's counts after them (`counts`); `staged`: the scaler keeps its decision on
+/// the device, and nothing is read back until the steps are done.
 type Outcome = (Vec<(bool, Option<f64>)>, Vec<Vec<u32>>, Vec<u64>);
 
-fn train(staged: bool) -> Outcome {
+fn train<O: Optimizer + Send + 'static>(
+    staged: bool,
+    optimizer: fn(Vec<Tensor>) -> O,
+    counts: fn(&O) -> Vec<u64>,
+) -> Outcome {
     let model = mlp(1);
     let config = TrainerConfig {
         amp: Some(DType::F16),
         clip: Some(0.5),
         ..TrainerConfig::default()
     };
-    let mut trainer = Trainer::new(adamw(model.parameters()), config, CPU).unwrap();
+    let mut trainer = Trainer::new(optimizer(model.parameters()), config, CPU).unwrap();
     let scaler = trainer.scaler_mut().unwrap();
     *scaler = GradScaler::with_config(GradScalerConfig {
         init_scale: 1024.0,
@@ -109,21 +113,40 @@ fn train(staged: bool) -> Outcome {
         .iter()
         .map(|r| (r.stepped().unwrap(), r.scale().unwrap()))
         .collect();
-    let counts = trainer
-        .with_optimizer(|o| {
-            let mut c = vec![o.step_count()];
-            c.extend((0..o.params().len()).map(|i| o.state(i).map_or(0, |s| s.step)));
-            c
-        })
-        .unwrap();
+    let counts = trainer.with_optimizer(|o| counts(o)).unwrap();
     (reports, bits(&model.parameters()), counts)
+}
+
+/// Adam's step count, then each parameter's.
+fn adam_counts(o: &Adam) -> Vec<u64> {
+    let mut c = vec![o.step_count()];
+    c.extend((0..o.params().len()).map(|i| o.state(i).map_or(0, |s| s.step)));
+    c
+}
+
+fn sgd_momentum(params: Vec<Tensor>) -> Sgd {
+    let cfg = SgdConfig {
+        lr: 0.1,
+        momentum: 0.9,
+        dampening: 0.1,
+        weight_decay: 1e-3,
+        nesterov: false,
+    };
+    Sgd::new(params, cfg).unwrap()
+}
+
+/// 1 for each parameter whose momentum buffer has taken its first step.
+fn sgd_buffers(o: &Sgd) -> Vec<u64> {
+    (0..o.params().len())
+        .map(|i| o.momentum_buffer(i).is_some() as u64)
+        .collect()
 }
 
 #[test]
 fn a_trainer_whose_scaler_decides_on_the_device_trains_bit_for_bit_as_the_host_path() {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let host = train(false);
-    let device = train(true);
+    let host = train(false, adamw, adam_counts);
+    let device = train(true, adamw, adam_counts);
     // The host path itself: poisoned steps skipped with the scale halved, growth after two
     // clean steps in a row.
     let stepped: Vec<bool> = host.0.iter().map(|r| r.0).collect();
@@ -140,6 +163,23 @@ fn a_trainer_whose_scaler_decides_on_the_device_trains_bit_for_bit_as_the_host_p
     assert!(host.2.iter().all(|&c| c == 7), "{:?}", host.2);
     assert_eq!(device.0, host.0, "stepped and scale per step");
     assert_eq!(device.2, host.2, "Adam's step counts");
+    assert_eq!(device.1, host.1, "parameters");
+}
+
+/// SGD with momentum and dampening through the Trainer, its skips decided on the device:
+/// the first step is poisoned (its buffers are made, then dropped when read), and every
+/// step, the scales and the buffers match the host path's.
+#[test]
+fn sgd_through_the_trainer_skips_on_the_device_as_the_host_path_does() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let host = train(false, sgd_momentum, sgd_buffers);
+    let device = train(true, sgd_momentum, sgd_buffers);
+    let stepped: Vec<bool> = host.0.iter().map(|r| r.0).collect();
+    let want: Vec<bool> = (0..11).map(|k| !POISONED.contains(&k)).collect();
+    assert_eq!(stepped, want);
+    assert_eq!(host.2, vec![1; 4], "every buffer stepped");
+    assert_eq!(device.0, host.0, "stepped and scale per step");
+    assert_eq!(device.2, host.2, "buffers");
     assert_eq!(device.1, host.1, "parameters");
 }
 
@@ -249,6 +289,55 @@ fn adams_step_count_stays_on_the_device_until_settled() {
     host.step().unwrap();
     assert_eq!(bits(&p), bits(&q));
     assert_eq!(counts(&opt), (7, [7, 6]));
+}
+
+/// SGD's skippable steps by hand: a momentum buffer's first step is whatever step first ran,
+/// as the device counts it; a buffer made for a skipped first step is not shown once settled;
+/// a parameter that gains a gradient while the others have stepped takes the host's path
+/// (reading the flag). Every step matches an SGD stepped on the host exactly when the flag
+/// is clear.
+#[test]
+fn sgds_first_momentum_step_is_decided_on_the_device() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let (p, _) = two_params();
+    let (q, _) = two_params();
+    let mut opt = sgd_momentum(p.clone());
+    let mut host = sgd_momentum(q.clone());
+    // (flag, which parameters have a gradient)
+    let plan: [(f32, [bool; 2]); 9] = [
+        (1.0, [true, false]),
+        (1.0, [true, false]),
+        (0.0, [true, false]),
+        // p1 arrives beside a p0 that has stepped: the host's path, reading the flag.
+        (1.0, [true, true]),
+        (0.0, [true, true]),
+        (1.0, [true, true]),
+        (0.0, [true, true]),
+        (0.0, [false, true]),
+        (0.0, [true, true]),
+    ];
+    for (k, &(f, with)) in plan.iter().enumerate() {
+        set_grads(&p, k, with);
+        set_grads(&q, k, with);
+        opt.step_unless_found_inf(&flag(f)).unwrap();
+        if f == 0.0 {
+            host.step().unwrap();
+        }
+        assert_eq!(bits(&p), bits(&q), "step {k}");
+        if k == 1 {
+            // Two skipped first steps: p0's buffer exists on the device, unwritten.
+            opt.settle_counts().unwrap();
+            assert!(opt.momentum_buffer(0).is_none());
+        }
+    }
+    opt.settle_counts().unwrap();
+    for i in 0..2 {
+        let (got, want) = (opt.momentum_buffer(i), host.momentum_buffer(i));
+        assert_eq!(
+            got.map(|b| bits(std::slice::from_ref(b))),
+            want.map(|b| bits(std::slice::from_ref(b)))
+        );
+    }
 }
 
 #[test]
@@ -424,8 +513,8 @@ fn a_step_on_the_device_says_what_it_needs() {
     assert!(e.contains("stage_on"), "{e}");
     // An optimizer that cannot skip on the device.
     s.stage_on(CPU).unwrap();
-    let mut sgd = Sgd::new(vec![p.clone()], SgdConfig::default()).unwrap();
-    let e = s.step_on_device(&mut sgd).unwrap_err().to_string();
+    let mut plain = HostOnly(Sgd::new(vec![p.clone()], SgdConfig::default()).unwrap());
+    let e = s.step_on_device(&mut plain).unwrap_err().to_string();
     assert!(e.contains("GradScaler::step"), "{e}");
     // Twice in one iteration.
     let found = s.step_on_device(&mut opt).unwrap();
@@ -455,4 +544,28 @@ fn a_step_on_the_device_says_what_it_needs() {
     let two = Tensor::zeros(&[2], DType::F32, CPU).unwrap();
     let e = opt.step_unless_found_inf(&two).unwrap_err().to_string();
     assert!(e.contains("skip flag"), "{e}");
+}
+
+/// An optimizer with only the required methods: it cannot skip a step on the device.
+struct HostOnly(Sgd);
+
+impl Optimizer for HostOnly {
+    fn step(&mut self) -> ferrograd::Result<()> {
+        self.0.step()
+    }
+    fn step_param(&mut self, index: usize) -> ferrograd::Result<()> {
+        self.0.step_param(index)
+    }
+    fn params(&self) -> &[Tensor] {
+        self.0.params()
+    }
+    fn name(&self) -> &'static str {
+        "HostOnly"
+    }
+    fn lr(&self) -> f64 {
+        self.0.lr()
+    }
+    fn set_lr(&mut self, lr: f64) -> ferrograd::Result<()> {
+        self.0.set_lr(lr)
+    }
 }

@@ -4,8 +4,9 @@
 //! the accounting by category still sums to `memory_allocated`; with dropout every replay
 //! draws new masks, and without it replays of one batch are bit for bit the same; f16 loss
 //! scaling replays with its skips decided on the device, as the eager run skips, and waits
-//! for nothing; SGD with momentum replays with its rate read from device memory (with f16
-//! loss scaling it runs eagerly and says why); an out-of-range id in a replayed batch is the eager error; new
+//! for nothing; SGD with momentum replays with its rate read from device memory, with f16
+//! loss scaling too; an optimizer that cannot skip on the device runs f16 steps eagerly and
+//! says why; an out-of-range id in a replayed batch is the eager error; new
 //! shapes capture again. Needs a CUDA device: without one every test fails.
 #![cfg(feature = "gpu-tests")]
 
@@ -502,7 +503,7 @@ fn what_a_graph_cannot_replay_runs_eagerly_and_says_why() {
         amp: Some(DType::F16),
         ..trainer_config(1)
     };
-    let sgd = Sgd::new(model.parameters(), SgdConfig::default()).unwrap();
+    let sgd = HostOnly(Sgd::new(model.parameters(), SgdConfig::default()).unwrap());
     let mut trainer = Trainer::new(sgd, f16, GPU).unwrap();
     let mut graph = StepGraph::new(true, 1);
     for s in 0..2 {
@@ -511,11 +512,37 @@ fn what_a_graph_cannot_replay_runs_eagerly_and_says_why() {
             .unwrap();
     }
     assert!(graph.status().to_string().contains("loss scaling"));
-    assert_eq!(trainer.with_optimizer(|o| o.name()).unwrap(), "SGD");
+    assert_eq!(trainer.with_optimizer(|o| o.name()).unwrap(), "HostOnly");
+}
+
+/// An optimizer with only the required methods: it cannot skip a step on the device, nor
+/// take its rate from device memory.
+struct HostOnly(Sgd);
+
+impl Optimizer for HostOnly {
+    fn step(&mut self) -> ferrograd::Result<()> {
+        self.0.step()
+    }
+    fn step_param(&mut self, index: usize) -> ferrograd::Result<()> {
+        self.0.step_param(index)
+    }
+    fn params(&self) -> &[Tensor] {
+        self.0.params()
+    }
+    fn name(&self) -> &'static str {
+        "HostOnly"
+    }
+    fn lr(&self) -> f64 {
+        self.0.lr()
+    }
+    fn set_lr(&mut self, lr: f64) -> ferrograd::Result<()> {
+        self.0.set_lr(lr)
+    }
 }
 
 /// SGD with momentum, dampening, weight decay, clipping and a schedule replays as its eager
-/// steps do: each replay reads the scheduled rate from device memory, and the warm-up step
+/// steps do, under bf16 autocast and under f16 with loss scaling (its skips decided on the
+/// device): each replay reads the scheduled rate from device memory, and the warm-up step
 /// made the momentum buffers.
 #[test]
 fn sgd_with_momentum_replays_as_its_eager_steps() {
@@ -530,22 +557,28 @@ fn sgd_with_momentum_replays_as_its_eager_steps() {
         };
         Sgd::new(m.parameters(), cfg).unwrap()
     };
-    let (eager, eager_params, off) = train_with_optimizer(false, 6, trainer_config(1), sgd);
-    assert!(matches!(off, GraphStatus::Off(_)), "{off}");
-    let (graphed, params, status) = train_with_optimizer(true, 6, trainer_config(1), sgd);
-    assert!(
-        matches!(status, GraphStatus::Replaying { step: 1, .. }),
-        "{status}"
-    );
-    for (s, (g, e)) in graphed.iter().zip(&eager).enumerate() {
+    for amp in [DType::BF16, DType::F16] {
+        let config = TrainerConfig {
+            amp: Some(amp),
+            ..trainer_config(1)
+        };
+        let (eager, eager_params, off) = train_with_optimizer(false, 6, config.clone(), sgd);
+        assert!(matches!(off, GraphStatus::Off(_)), "{off}");
+        let (graphed, params, status) = train_with_optimizer(true, 6, config, sgd);
         assert!(
-            (g - e).abs() <= 1e-5 * e.abs(),
-            "step {s}: {g} replayed, {e} eager"
+            matches!(status, GraphStatus::Replaying { step: 1, .. }),
+            "{amp}: {status}"
         );
+        for (s, (g, e)) in graphed.iter().zip(&eager).enumerate() {
+            assert!(
+                (g - e).abs() <= 1e-5 * e.abs(),
+                "{amp} step {s}: {g} replayed, {e} eager"
+            );
+        }
+        let worst = largest_difference(&params, &eager_params);
+        println!("SGD {amp}: largest parameter difference {worst:e}");
+        assert!(worst <= 1e-5, "{amp}: parameters differ by {worst}");
     }
-    let worst = largest_difference(&params, &eager_params);
-    println!("SGD: largest parameter difference {worst:e}");
-    assert!(worst <= 1e-5, "parameters differ by {worst}");
 }
 
 #[test]

@@ -724,6 +724,8 @@ fn sgd_reads_its_rate_from_memory_when_staged() {
             nesterov: false,
             first_step: false,
             lr_at,
+            skip_if: None,
+            count_at: None,
         })
     };
     step(Some(View {

@@ -27,6 +27,13 @@ pub struct SgdStep<'a> {
     /// Where the device holds the rate (one F64 element), read there instead of `lr`: a
     /// replayed graph's rate follows the schedule, a kernel argument would not. None: `lr`.
     pub lr_at: Option<View<'a>>,
+    /// A one-element F32 flag (a `GradScaler`'s found_inf): when it is nonzero the step
+    /// changes nothing. None: the step always runs.
+    pub skip_if: Option<View<'a>>,
+    /// Where the device keeps how many steps the momentum buffer has taken (one F64 element,
+    /// advanced by `count_step`): the step is the first (buf ← d) when it holds 0, instead
+    /// of `first_step`. None: `first_step`.
+    pub count_at: Option<View<'a>>,
 }
 
 /// One parameter of an Adam step: its gradient (contiguous, the parameter's numel and dtype)
@@ -203,6 +210,14 @@ pub fn sgd_step(a: &SgdStep) -> Result<()> {
     if let Some(lr) = &a.lr_at {
         check::on_device(OP, device, [lr.storage])?;
         check::dense(OP, "the rate", lr, 1, DType::F64)?;
+    }
+    if let Some(flag) = &a.skip_if {
+        check::on_device(OP, device, [flag.storage])?;
+        check::dense(OP, "the skip flag", flag, 1, DType::F32)?;
+    }
+    if let Some(count) = &a.count_at {
+        check::on_device(OP, device, [count.storage])?;
+        check::dense(OP, "the step count", count, 1, DType::F64)?;
     }
     backend(device)?.sgd_step(a)?;
     all[1..].iter().for_each(|s| s.bump_version());

@@ -11,18 +11,24 @@
 //! device memory that the host rewrites before each replay; a parameter's first step, which
 //! makes its buffer, runs eagerly before the capture.
 //!
+//! A step that the device may skip (`step_unless_found_inf`, a GradScaler's inf/NaN flag)
+//! never waits for the flag: with momentum, whether a buffer has taken its first step is a
+//! count the device keeps (`DeviceCount`), and buffers made for a first step that the device
+//! skipped are dropped when the host reads it.
+//!
 //! With plain momentum (no dampening, Nesterov or weight decay) the step is linear in the
 //! gradient, so a weight gradient offered as a product (a linear layer's gᵀ·x) can be written
 //! by its GEMM straight into the momentum buffer (`accumulate_product`, reached through the
 //! `Optimizer` trait by `StepInBackward::install_fused`).
 
+use super::device_count::DeviceCount;
 use super::{Optimizer, check_lr};
 use crate::autograd::{GradProduct, no_grad};
 use crate::backend::capture;
 use crate::backend::optim::{self, SgdStep};
 use crate::base::{Error, Result};
 use crate::memory::{self, Category};
-use crate::tensor::{DType, Tensor};
+use crate::tensor::{DType, Device, Tensor};
 
 #[derive(Clone, Debug)]
 pub struct SgdConfig {
@@ -49,8 +55,21 @@ pub struct Sgd {
     params: Vec<Tensor>,
     cfg: SgdConfig,
     momentum_buffers: Vec<Option<Tensor>>,
-    /// For CUDA graphs: the rate in device memory (one F64), staged before each replay.
+    /// For CUDA graphs: the rate in device memory (one F64), staged before each replay, and
+    /// the device count's steps issued before the capture (to undo).
     graph_lr: Option<Tensor>,
+    graph_issued: u64,
+    /// While steps with momentum are skipped or not on the device: how many steps the
+    /// members' buffers have taken (0: their first is still to come), as far as it matters.
+    device_count: Option<DeviceCount>,
+}
+
+/// What a step reads on the device beside the gradient: the skip flag and the count that
+/// says whether the buffer's first step has run.
+#[derive(Clone, Copy, Default)]
+struct OnDevice<'a> {
+    skip_if: Option<&'a Tensor>,
+    count_at: Option<&'a Tensor>,
 }
 
 impl Sgd {
@@ -74,6 +93,8 @@ impl Sgd {
             cfg,
             momentum_buffers: vec![None; n],
             graph_lr: None,
+            graph_issued: 0,
+            device_count: None,
         })
     }
 
@@ -81,14 +102,24 @@ impl Sgd {
         &self.cfg
     }
 
-    /// The momentum buffer of parameter `i`, if created.
+    /// The momentum buffer of parameter `i`, once its first step has run. While the device
+    /// counts skippable steps, as of the last `settle_counts`: a buffer made for a first step
+    /// that has not run (yet, or ever) is not shown.
     pub fn momentum_buffer(&self, i: usize) -> Option<&Tensor> {
+        let unwritten = self
+            .device_count
+            .as_ref()
+            .is_some_and(|c| c.known() == 0 && c.members().contains(&i));
+        if unwritten {
+            return None;
+        }
         self.momentum_buffers.get(i).and_then(Option::as_ref)
     }
 
     /// Restores the momentum buffer of parameter `i` (saved training state): copied onto the
     /// parameter's device and dtype, counted as optimizer state.
     pub fn set_momentum_buffer(&mut self, i: usize, buf: &Tensor) -> Result<()> {
+        self.leave_device_count()?;
         let p = self.params.get(i).ok_or_else(|| {
             Error::invalid(
                 "SGD",
@@ -189,11 +220,13 @@ impl Sgd {
             nesterov: false,
             first_step: false,
             lr_at: None,
+            skip_if: None,
+            count_at: None,
         })
     }
 
     /// One fused pass per parameter: reads the gradient once, updates buffer and parameter.
-    fn update(&mut self, i: usize, grad: Tensor) -> Result<()> {
+    fn update(&mut self, i: usize, grad: Tensor, on_device: OnDevice<'_>) -> Result<()> {
         let c = &self.cfg;
         let p = &self.params[i];
         if grad.shape() != p.shape() || grad.dtype() != p.dtype() {
@@ -214,6 +247,12 @@ impl Sgd {
         let device = p.device();
         let captured = capture::capturing_on(device);
         let first_step = c.momentum != 0.0 && self.momentum_buffers[i].is_none();
+        if first_step && on_device.count_at.is_some() {
+            return Err(Error::invalid(
+                "SGD",
+                "a step counted on the device needs its buffers made first",
+            ));
+        }
         if first_step {
             if captured {
                 return Err(Error::invalid(
@@ -250,7 +289,128 @@ impl Sgd {
             nesterov: c.nesterov,
             first_step,
             lr_at,
+            skip_if: on_device.skip_if.map(Tensor::view),
+            count_at: on_device.count_at.map(Tensor::view),
         })
+    }
+
+    /// The parameters with a gradient: (index, gradient).
+    fn work(&self) -> Vec<(usize, Tensor)> {
+        let with_grad = self.params.iter().enumerate();
+        with_grad
+            .filter_map(|(i, p)| p.grad().map(|g| (i, g)))
+            .collect()
+    }
+
+    /// A step the device skips when `found_inf` is raised. Without momentum there is nothing
+    /// to count. With it, the device counts the members' steps, made (buffers included) when
+    /// the parameters with gradients change; members of which some have stepped and some not
+    /// step with the host's knowledge instead, which then waits for the flag.
+    fn step_counted_on_device(&mut self, found_inf: &Tensor) -> Result<()> {
+        let _g = no_grad();
+        let work = self.work();
+        let skip = OnDevice {
+            skip_if: Some(found_inf),
+            count_at: None,
+        };
+        if self.cfg.momentum == 0.0 {
+            for (i, g) in work {
+                self.update(i, g, skip)?;
+            }
+            return Ok(());
+        }
+        let members: Vec<usize> = work.iter().map(|(i, _)| *i).collect();
+        let device = found_inf.device();
+        let current = self
+            .device_count
+            .as_ref()
+            .is_some_and(|c| c.covers(&members, device));
+        if !current && !work.is_empty() && !self.start_device_count(&work, members, device)? {
+            return self.step_waiting_for_flag(work, found_inf);
+        }
+        let Some(count) = self.device_count.as_ref().map(|c| c.tensor().clone()) else {
+            return Ok(());
+        };
+        let counted = OnDevice {
+            count_at: Some(&count),
+            ..skip
+        };
+        for (i, g) in work {
+            self.update(i, g, counted)?;
+        }
+        match self.device_count.as_mut() {
+            Some(c) => c.advance(found_inf),
+            None => Ok(()),
+        }
+    }
+
+    /// The device's count for `members`, once the host knows which buffers stepped: all of
+    /// them (count 1) or none (count 0, their buffers made now). False, making nothing, when
+    /// some have and some have not, or they are not all on `device`.
+    fn start_device_count(
+        &mut self,
+        work: &[(usize, Tensor)],
+        members: Vec<usize>,
+        device: Device,
+    ) -> Result<bool> {
+        self.leave_device_count()?;
+        let stepped = |i: &usize| self.momentum_buffers[*i].is_some();
+        let all = members.iter().all(stepped);
+        let none = !members.iter().any(stepped);
+        if !(all || none) || work.iter().any(|(_, g)| g.device() != device) {
+            return Ok(false);
+        }
+        let count = DeviceCount::start("SGD", device, members, all as u64)?;
+        for &i in count.members() {
+            if self.momentum_buffers[i].is_none() {
+                let p = &self.params[i];
+                let b =
+                    memory::allocator(device)?.outside_private_pool(|| momentum_buffer_like(p))?;
+                self.momentum_buffers[i] = Some(b);
+            }
+        }
+        self.device_count = Some(count);
+        Ok(true)
+    }
+
+    /// The skippable step with the host's knowledge: it reads the flag (waiting for the
+    /// step) and drops the buffers its first steps made when the device skipped them.
+    fn step_waiting_for_flag(
+        &mut self,
+        work: Vec<(usize, Tensor)>,
+        found_inf: &Tensor,
+    ) -> Result<()> {
+        let fresh: Vec<usize> = work
+            .iter()
+            .map(|(i, _)| *i)
+            .filter(|&i| self.momentum_buffers[i].is_none())
+            .collect();
+        let skip = OnDevice {
+            skip_if: Some(found_inf),
+            count_at: None,
+        };
+        for (i, g) in work {
+            self.update(i, g, skip)?;
+        }
+        if found_inf.item()? != 0.0 {
+            fresh.iter().for_each(|&i| self.momentum_buffers[i] = None);
+        }
+        Ok(())
+    }
+
+    /// Reads the device's count (waiting for it) and stops keeping it: the buffers made for a
+    /// first step that never ran are dropped.
+    fn leave_device_count(&mut self) -> Result<()> {
+        let Some(mut c) = self.device_count.take() else {
+            return Ok(());
+        };
+        c.settle("SGD")?;
+        if c.known() == 0 {
+            c.members()
+                .iter()
+                .for_each(|&i| self.momentum_buffers[i] = None);
+        }
+        Ok(())
     }
 }
 
@@ -268,19 +428,19 @@ fn momentum_buffer_like(p: &Tensor) -> Result<Tensor> {
 impl Optimizer for Sgd {
     fn step(&mut self) -> Result<()> {
         let _g = no_grad();
-        for i in 0..self.params.len() {
-            if let Some(grad) = self.params[i].grad() {
-                self.update(i, grad)?;
-            }
+        self.leave_device_count()?;
+        for (i, g) in self.work() {
+            self.update(i, g, OnDevice::default())?;
         }
         Ok(())
     }
 
     fn step_param(&mut self, index: usize) -> Result<()> {
         let _g = no_grad();
+        self.leave_device_count()?;
         let grad = self.params.get(index).and_then(Tensor::grad);
         match grad {
-            Some(g) => self.update(index, g),
+            Some(g) => self.update(index, g, OnDevice::default()),
             None => Ok(()),
         }
     }
@@ -345,8 +505,41 @@ impl Optimizer for Sgd {
             })?;
             self.graph_lr = Some(slot);
         }
+        self.graph_issued = self.device_count.as_ref().map_or(0, DeviceCount::issued);
         match &self.graph_lr {
             Some(slot) => slot.fill_(self.cfg.lr),
+            None => Ok(()),
+        }
+    }
+
+    fn graph_step_replayed(&mut self) {
+        if let Some(c) = self.device_count.as_mut() {
+            c.replayed();
+        }
+    }
+
+    fn graph_step_abandoned(&mut self) {
+        let issued = self.graph_issued;
+        if let Some(c) = self.device_count.as_mut() {
+            c.set_issued(issued);
+        }
+    }
+
+    fn skips_on_device(&self) -> bool {
+        true
+    }
+
+    /// The kernel reads the flag first and returns at once when it is raised; with momentum,
+    /// whether a buffer's first step has run is counted on the device.
+    fn step_unless_found_inf(&mut self, found_inf: &Tensor) -> Result<()> {
+        self.step_counted_on_device(found_inf)
+    }
+
+    /// Reads the device's count (waiting for it) and keeps counting there (a captured step
+    /// may read it): `momentum_buffer` then shows exactly the buffers that have stepped.
+    fn settle_counts(&mut self) -> Result<()> {
+        match self.device_count.as_mut() {
+            Some(c) => c.settle("SGD").map(drop),
             None => Ok(()),
         }
     }

@@ -18,7 +18,7 @@
 //! category is the captured step's, and a replay allocates nothing. Work between steps (an
 //! evaluation) runs in that pool too (`run_between_steps`), so it reserves nothing beside
 //! it. What cannot be replayed runs eagerly, and `GraphStatus` says why: a CPU device, f16
-//! loss scaling with an optimizer that cannot skip its update on the device (SGD),
+//! loss scaling with an optimizer that cannot skip its update on the device (ZeRO-1's),
 //! data-parallel reduction, the step in backward, an optimizer whose rate is a kernel
 //! argument (`Optimizer::graph_support`), or a capture that failed. New input shapes, or a batch whose target count differs from the
 //! captured one, capture again.
@@ -233,7 +233,7 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
         let why = if !capture::can_capture(self.device()) {
             Some(format!("{} runs each op as it is called", self.device()))
         } else if config.uses_scaler() && !skips {
-            Some("f16 loss scaling needs an optimizer that skips its update on the device (AdamW does)".into())
+            Some("f16 loss scaling needs an optimizer that skips its update on the device (AdamW and SGD do)".into())
         } else if config.step_in_backward {
             Some("the step in backward is not captured".into())
         } else if self.has_grad_sync() {

@@ -88,10 +88,20 @@ impl OptimKernels for CpuBackend {
     }
 }
 
+/// Nothing when the skip flag is raised.
 fn sgd(a: &SgdStep) -> Result<()> {
+    if let Some(flag) = &a.skip_if
+        && read_f32("sgd", flag)? != 0.0
+    {
+        return Ok(());
+    }
     let lr = match &a.lr_at {
         Some(at) => read_f64(at)?,
         None => a.lr,
+    };
+    let first_step = match &a.count_at {
+        Some(c) => read_f64(c)? == 0.0,
+        None => a.first_step,
     };
     let h = Sgd {
         lr,
@@ -99,7 +109,7 @@ fn sgd(a: &SgdStep) -> Result<()> {
         dampening: a.dampening,
         weight_decay: a.weight_decay,
         nesterov: a.nesterov,
-        first_step: a.first_step,
+        first_step,
     };
     let g = read(a.grad.storage)?;
     let off = a.grad.layout.offset();

@@ -64,14 +64,16 @@ fn one_thread() -> LaunchConfig {
 
 // ---- SGD ----------------------------------------------------------------------------------------
 
-/// One SGD step in place (the momentum buffer's address and the staged rate's are 0 when
-/// absent).
+/// One SGD step in place (the addresses of the momentum buffer, the staged rate, the skip
+/// flag and the step count are 0 when absent).
 fn sgd(d: &CudaDevice, a: &SgdStep) -> Result<()> {
     let s = suffix("sgd", a.param.dtype())?;
     let n = a.param.len();
     let (g, p) = (addr(&a.grad)?, ptr(a.param)?);
     let buf = a.momentum_buf.map(ptr).transpose()?.unwrap_or(0);
     let lr_at = a.lr_at.as_ref().map(addr).transpose()?.unwrap_or(0);
+    let skip = a.skip_if.as_ref().map(addr).transpose()?.unwrap_or(0);
+    let count = a.count_at.as_ref().map(addr).transpose()?.unwrap_or(0);
     let h = [a.lr, a.weight_decay, a.momentum, 1.0 - a.dampening];
     let (nesterov, first) = (a.nesterov, a.first_step);
     if n == 0 {
@@ -89,6 +91,8 @@ fn sgd(d: &CudaDevice, a: &SgdStep) -> Result<()> {
         Arg::I32(nesterov as i32),
         Arg::I32(first as i32),
         Arg::Ptr(lr_at),
+        Arg::Ptr(skip),
+        Arg::Ptr(count),
     ];
     launch(
         d,

@@ -201,8 +201,8 @@ OPTIM_KERNELS(f64, F64T)
 OPTIM_KERNELS(f16, F16T)
 OPTIM_KERNELS(bf16, BF16T)
 
-// The device's count of the Adam steps that ran (AdamStep::count_at): one more unless the
-// GradScaler's flag is raised. One thread.
+// The device's count of the optimizer steps that ran (AdamStep::count_at, SgdStep::count_at):
+// one more unless the GradScaler's flag is raised. One thread.
 extern "C" __global__ void adam_count_step(double* steps, const float* skip) {
     if (skip == nullptr || *skip == 0.0f) *steps += 1.0;
 }
@@ -263,10 +263,15 @@ __device__ void sgd_step(const T* g, T* p, T* buf, i64 n, double lr_, double wd_
 #define SGD_KERNELS(S, T)                                                                          \
     extern "C" __global__ void sgd_step_##S(const T* g, T* p, T* buf, i64 n, double lr,            \
                                             double wd, double mu, double damp, int nesterov,       \
-                                            int first, const double* lr_at) {                      \
+                                            int first, const double* lr_at, const float* skip,     \
+                                            const double* steps) {                                 \
+        /* A GradScaler's found_inf, read on the device: the step leaves everything as it is. */   \
+        if (skip != nullptr && *skip != 0.0f) return;                                              \
         /* A replayed graph's rate follows the schedule: read where the host staged it. */         \
         const double rate = lr_at != nullptr ? *lr_at : lr;                                        \
-        sgd_step<T>(g, p, buf, n, rate, wd, mu, damp, nesterov, first);                            \
+        /* The first step of a buffer whose count the device keeps: none taken yet. */             \
+        const int first_step = steps != nullptr ? (*steps == 0.0) : first;                         \
+        sgd_step<T>(g, p, buf, n, rate, wd, mu, damp, nesterov, first_step);                       \
     }
 
 FOR_FLOATS(SGD_KERNELS)
