@@ -24,8 +24,8 @@
 use super::device_count::DeviceCount;
 use super::{Optimizer, check_lr};
 use crate::autograd::{GradProduct, no_grad};
-use crate::backend::capture;
 use crate::backend::optim::{self, SgdStep};
+use crate::backend::{View, capture};
 use crate::base::{Error, Result};
 use crate::memory::{self, Category};
 use crate::tensor::{DType, Device, Tensor};
@@ -227,7 +227,6 @@ impl Sgd {
 
     /// One fused pass per parameter: reads the gradient once, updates buffer and parameter.
     fn update(&mut self, i: usize, grad: Tensor, on_device: OnDevice<'_>) -> Result<()> {
-        let c = &self.cfg;
         let p = &self.params[i];
         if grad.shape() != p.shape() || grad.dtype() != p.dtype() {
             return Err(Error::shape(
@@ -244,38 +243,9 @@ impl Sgd {
         } else {
             grad.contiguous_copy()?
         };
-        let device = p.device();
-        let captured = capture::capturing_on(device);
-        let first_step = c.momentum != 0.0 && self.momentum_buffers[i].is_none();
-        if first_step && on_device.count_at.is_some() {
-            return Err(Error::invalid(
-                "SGD",
-                "a step counted on the device needs its buffers made first",
-            ));
-        }
-        if first_step {
-            if captured {
-                return Err(Error::invalid(
-                    "SGD",
-                    format!(
-                        "parameter {i} takes its first step (which makes its momentum buffer) in a captured step; run one eager step with the same parameters first"
-                    ),
-                ));
-            }
-            let b = memory::allocator(device)?.outside_private_pool(|| momentum_buffer_like(p))?;
-            self.momentum_buffers[i] = Some(b);
-        }
-        // A captured step reads the rate staged for it (`prepare_graph_step`).
-        let lr_at = match (&self.graph_lr, captured) {
-            (Some(lr), true) => Some(lr.view()),
-            (None, true) => {
-                return Err(Error::invalid(
-                    "SGD",
-                    "a captured step needs its rate staged first (prepare_graph_step)",
-                ));
-            }
-            (_, false) => None,
-        };
+        let captured = capture::capturing_on(p.device());
+        let first_step = self.first_step_of(i, captured, on_device)?;
+        let lr_at = self.staged_lr(captured)?;
         let c = &self.cfg;
         let p = &self.params[i];
         optim::sgd_step(&SgdStep {
@@ -292,6 +262,46 @@ impl Sgd {
             skip_if: on_device.skip_if.map(Tensor::view),
             count_at: on_device.count_at.map(Tensor::view),
         })
+    }
+
+    /// Whether parameter `i` takes its first momentum step now, as the host knows it; its
+    /// buffer made if so (beside the parameters). Not inside a capture (the replays would
+    /// repeat a first step), nor for a step whose count the device keeps (it made them).
+    fn first_step_of(&mut self, i: usize, captured: bool, on_device: OnDevice) -> Result<bool> {
+        let first = self.cfg.momentum != 0.0 && self.momentum_buffers[i].is_none();
+        if !first {
+            return Ok(false);
+        }
+        if on_device.count_at.is_some() {
+            return Err(Error::invalid(
+                "SGD",
+                "a step counted on the device needs its buffers made first",
+            ));
+        }
+        if captured {
+            return Err(Error::invalid(
+                "SGD",
+                format!(
+                    "parameter {i} takes its first step (which makes its momentum buffer) in a captured step; run one eager step with the same parameters first"
+                ),
+            ));
+        }
+        let p = &self.params[i];
+        let b = memory::allocator(p.device())?.outside_private_pool(|| momentum_buffer_like(p))?;
+        self.momentum_buffers[i] = Some(b);
+        Ok(true)
+    }
+
+    /// Where a captured step reads its rate (`prepare_graph_step` staged it); None eagerly.
+    fn staged_lr(&self, captured: bool) -> Result<Option<View<'_>>> {
+        match (&self.graph_lr, captured) {
+            (_, false) => Ok(None),
+            (Some(lr), true) => Ok(Some(lr.view())),
+            (None, true) => Err(Error::invalid(
+                "SGD",
+                "a captured step needs its rate staged first (prepare_graph_step)",
+            )),
+        }
     }
 
     /// The parameters with a gradient: (index, gradient).
