@@ -238,6 +238,28 @@ fn a_skipped_first_adam_step_leaves_no_trace() {
     assert!((0..2).all(|i| opt.state(i).unwrap().step == 1));
 }
 
+/// Steps `opt` through `plan` (flag, which parameters have a gradient) with
+/// `step_unless_found_inf`, and `host`, over twins of the same parameters, with `step()`
+/// exactly when the flag is clear: the parameters' bits match after every step. `after(k,
+/// opt)` runs after step k.
+fn against_the_host<O: Optimizer>(
+    plan: &[(f32, [bool; 2])],
+    (p, opt): (&[Tensor], &mut O),
+    (q, host): (&[Tensor], &mut O),
+    mut after: impl FnMut(usize, &mut O),
+) {
+    for (k, &(f, with)) in plan.iter().enumerate() {
+        set_grads(p, k, with);
+        set_grads(q, k, with);
+        opt.step_unless_found_inf(&flag(f)).unwrap();
+        if f == 0.0 {
+            host.step().unwrap();
+        }
+        assert_eq!(bits(p), bits(q), "step {k}");
+        after(k, opt);
+    }
+}
+
 /// Steps that the device may skip keep their count there: the host's counts move only when
 /// settled, the bias corrections follow the steps that ran, and when the parameters with
 /// gradients change the count is read and made again (or, at different counts, the host's
@@ -262,14 +284,7 @@ fn adams_step_count_stays_on_the_device_until_settled() {
         (1.0, [true, true]),
         (0.0, [true, true]),
     ];
-    for (k, &(f, with)) in plan.iter().enumerate() {
-        set_grads(&p, k, with);
-        set_grads(&q, k, with);
-        opt.step_unless_found_inf(&flag(f)).unwrap();
-        if f == 0.0 {
-            host.step().unwrap();
-        }
-        assert_eq!(bits(&p), bits(&q), "step {k}");
+    against_the_host(&plan, (&p, &mut opt), (&q, &mut host), |k, opt| {
         if k == 3 {
             // Three steps ran; the host has not read the device's count yet.
             assert_eq!(opt.step_count(), 0);
@@ -277,7 +292,7 @@ fn adams_step_count_stays_on_the_device_until_settled() {
             assert_eq!(opt.step_count(), 3);
             assert!((0..2).all(|i| opt.state(i).unwrap().step == 3));
         }
-    }
+    });
     opt.settle_counts().unwrap();
     let counts = |o: &Adam| (o.step_count(), [0, 1].map(|i| o.state(i).unwrap().step));
     assert_eq!(counts(&host), (6, [6, 5]));
@@ -316,20 +331,13 @@ fn sgds_first_momentum_step_is_decided_on_the_device() {
         (0.0, [false, true]),
         (0.0, [true, true]),
     ];
-    for (k, &(f, with)) in plan.iter().enumerate() {
-        set_grads(&p, k, with);
-        set_grads(&q, k, with);
-        opt.step_unless_found_inf(&flag(f)).unwrap();
-        if f == 0.0 {
-            host.step().unwrap();
-        }
-        assert_eq!(bits(&p), bits(&q), "step {k}");
+    against_the_host(&plan, (&p, &mut opt), (&q, &mut host), |k, opt| {
         if k == 1 {
             // Two skipped first steps: p0's buffer exists on the device, unwritten.
             opt.settle_counts().unwrap();
             assert!(opt.momentum_buffer(0).is_none());
         }
-    }
+    });
     opt.settle_counts().unwrap();
     for i in 0..2 {
         let (got, want) = (opt.momentum_buffer(i), host.momentum_buffer(i));
@@ -513,7 +521,8 @@ fn a_step_on_the_device_says_what_it_needs() {
     assert!(e.contains("stage_on"), "{e}");
     // An optimizer that cannot skip on the device.
     s.stage_on(CPU).unwrap();
-    let mut plain = HostOnly(Sgd::new(vec![p.clone()], SgdConfig::default()).unwrap());
+    let mut plain =
+        common::host_only::HostOnly(Sgd::new(vec![p.clone()], SgdConfig::default()).unwrap());
     let e = s.step_on_device(&mut plain).unwrap_err().to_string();
     assert!(e.contains("GradScaler::step"), "{e}");
     // Twice in one iteration.
@@ -544,28 +553,4 @@ fn a_step_on_the_device_says_what_it_needs() {
     let two = Tensor::zeros(&[2], DType::F32, CPU).unwrap();
     let e = opt.step_unless_found_inf(&two).unwrap_err().to_string();
     assert!(e.contains("skip flag"), "{e}");
-}
-
-/// An optimizer with only the required methods: it cannot skip a step on the device.
-struct HostOnly(Sgd);
-
-impl Optimizer for HostOnly {
-    fn step(&mut self) -> ferrograd::Result<()> {
-        self.0.step()
-    }
-    fn step_param(&mut self, index: usize) -> ferrograd::Result<()> {
-        self.0.step_param(index)
-    }
-    fn params(&self) -> &[Tensor] {
-        self.0.params()
-    }
-    fn name(&self) -> &'static str {
-        "HostOnly"
-    }
-    fn lr(&self) -> f64 {
-        self.0.lr()
-    }
-    fn set_lr(&mut self, lr: f64) -> ferrograd::Result<()> {
-        self.0.set_lr(lr)
-    }
 }

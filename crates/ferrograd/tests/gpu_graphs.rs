@@ -10,6 +10,8 @@
 //! shapes capture again. Needs a CUDA device: without one every test fails.
 #![cfg(feature = "gpu-tests")]
 
+mod common;
+
 use std::sync::Mutex;
 
 use ferrograd::job::{self, Event, TrainJob};
@@ -503,7 +505,8 @@ fn what_a_graph_cannot_replay_runs_eagerly_and_says_why() {
         amp: Some(DType::F16),
         ..trainer_config(1)
     };
-    let sgd = HostOnly(Sgd::new(model.parameters(), SgdConfig::default()).unwrap());
+    let sgd =
+        common::host_only::HostOnly(Sgd::new(model.parameters(), SgdConfig::default()).unwrap());
     let mut trainer = Trainer::new(sgd, f16, GPU).unwrap();
     let mut graph = StepGraph::new(true, 1);
     for s in 0..2 {
@@ -513,31 +516,6 @@ fn what_a_graph_cannot_replay_runs_eagerly_and_says_why() {
     }
     assert!(graph.status().to_string().contains("loss scaling"));
     assert_eq!(trainer.with_optimizer(|o| o.name()).unwrap(), "HostOnly");
-}
-
-/// An optimizer with only the required methods: it cannot skip a step on the device, nor
-/// take its rate from device memory.
-struct HostOnly(Sgd);
-
-impl Optimizer for HostOnly {
-    fn step(&mut self) -> ferrograd::Result<()> {
-        self.0.step()
-    }
-    fn step_param(&mut self, index: usize) -> ferrograd::Result<()> {
-        self.0.step_param(index)
-    }
-    fn params(&self) -> &[Tensor] {
-        self.0.params()
-    }
-    fn name(&self) -> &'static str {
-        "HostOnly"
-    }
-    fn lr(&self) -> f64 {
-        self.0.lr()
-    }
-    fn set_lr(&mut self, lr: f64) -> ferrograd::Result<()> {
-        self.0.set_lr(lr)
-    }
 }
 
 /// SGD with momentum, dampening, weight decay, clipping and a schedule replays as its eager

@@ -8,6 +8,7 @@ use ferrograd::optim::Optimizer;
 use ferrograd::{DType, Device, Generator, Result, Tensor, no_grad};
 
 pub mod fixture_file;
+pub mod host_only;
 pub mod scale_update;
 
 use fixture_file::FixtureFile;
