@@ -6,7 +6,7 @@
 //! scaling replays with its skips decided on the device, as the eager run skips, and waits
 //! for nothing; SGD with momentum replays with its rate read from device memory, with f16
 //! loss scaling too; an optimizer that cannot skip on the device runs f16 steps eagerly and
-//! says why; an out-of-range id in a replayed batch is the eager error; new
+//! says why; the step in backward replays on both of its paths; an out-of-range id in a replayed batch is the eager error; new
 //! shapes capture again. Needs a CUDA device: without one every test fails.
 #![cfg(feature = "gpu-tests")]
 
@@ -557,6 +557,62 @@ fn sgd_with_momentum_replays_as_its_eager_steps() {
         println!("SGD {amp}: largest parameter difference {worst:e}");
         assert!(worst <= 1e-5, "{amp}: parameters differ by {worst}");
     }
+}
+
+/// The step in backward replays as its eager steps do, on both paths: AdamW's per-parameter
+/// hooks and SGD's gradient-free one (weight-gradient GEMMs into the momentum buffers), with
+/// bf16 autocast and a schedule.
+#[test]
+fn the_step_in_backward_replays_as_its_eager_steps() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let config = TrainerConfig {
+        step_in_backward: true,
+        clip: None,
+        ..trainer_config(1)
+    };
+    fn check(
+        name: &str,
+        eager: (Vec<f64>, Vec<Vec<f32>>, GraphStatus),
+        graphed: (Vec<f64>, Vec<Vec<f32>>, GraphStatus),
+    ) {
+        assert!(
+            matches!(eager.2, GraphStatus::Off(_)),
+            "{name}: {}",
+            eager.2
+        );
+        assert!(
+            matches!(graphed.2, GraphStatus::Replaying { step: 1, .. }),
+            "{name}: {}",
+            graphed.2
+        );
+        for (s, (g, e)) in graphed.0.iter().zip(&eager.0).enumerate() {
+            assert!(
+                (g - e).abs() <= 1e-5 * e.abs(),
+                "{name} step {s}: {g} replayed, {e} eager"
+            );
+        }
+        let worst = largest_difference(&graphed.1, &eager.1);
+        println!("{name}: largest parameter difference {worst:e}");
+        assert!(worst <= 1e-5, "{name}: parameters differ by {worst}");
+    }
+    check(
+        "AdamW hooks",
+        train_with_optimizer(false, 6, config.clone(), adamw),
+        train_with_optimizer(true, 6, config.clone(), adamw),
+    );
+    let sgd = |m: &Gpt| {
+        let cfg = SgdConfig {
+            lr: 0.05,
+            momentum: 0.9,
+            ..SgdConfig::default()
+        };
+        Sgd::new(m.parameters(), cfg).unwrap()
+    };
+    check(
+        "SGD gradient-free",
+        train_with_optimizer(false, 6, config.clone(), sgd),
+        train_with_optimizer(true, 6, config, sgd),
+    );
 }
 
 #[test]

@@ -769,3 +769,94 @@ fn a_gpu_plan_replays_sgd_with_momentum() {
     })
     .unwrap();
 }
+
+/// The step in backward replays on a planned GPU too, on both of its paths: AdamW's
+/// per-parameter hooks (each replay advances every parameter's count, not the optimizer's
+/// whole-step count, as eager steps in backward do) and SGD's gradient-free one (the weight
+/// gradients' GEMMs write into the momentum buffers). Replays allocate nothing and the pool
+/// goes back with the graph.
+#[test]
+fn a_gpu_plan_replays_the_step_in_backward() {
+    use ferrograd::nn::Gpt;
+    use ferrograd::optim::{Sgd, SgdConfig};
+    use ferrograd::train::{GraphStatus, HostInput, MicroBatch, StepGraph, Trainer};
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let (b, t) = (4, 32);
+    let ids: Vec<i64> = (0..b * t).map(|k| (k % 65) as i64).collect();
+    let inputs = vec![vec![
+        HostInput::new(ids.clone(), &[b, t]),
+        HostInput::new(ids, &[b, t]),
+    ]];
+    let config = TrainerConfig {
+        step_in_backward: true,
+        ..TrainerConfig::default()
+    };
+    /// Warm-up, capture and three replays; the trainer's path and the allocator's bytes
+    /// checked on the way.
+    fn five_steps<O: Optimizer + Send + 'static>(
+        trainer: &mut Trainer<O>,
+        gpt: &Gpt,
+        inputs: &ferrograd::train::HostInputs,
+        device: Device,
+    ) -> ferrograd::Result<u64> {
+        let mut graph = StepGraph::new(true, 1);
+        let step = |trainer: &mut Trainer<O>, graph: &mut StepGraph| {
+            trainer
+                .step_graphed(graph, inputs, |_, x| {
+                    Ok(MicroBatch {
+                        loss: gpt.loss(&x[0], &x[1])?,
+                        tokens: x[0].numel(),
+                    })
+                })
+                .map(drop)
+        };
+        step(trainer, &mut graph)?;
+        step(trainer, &mut graph)?;
+        assert!(
+            matches!(graph.status(), GraphStatus::Replaying { step: 1, .. }),
+            "{}",
+            graph.status()
+        );
+        let alloc = memory::allocator(device)?;
+        let (allocated, reserved) = (alloc.memory_allocated(), alloc.memory_reserved());
+        for _ in 0..3 {
+            step(trainer, &mut graph)?;
+            assert_eq!(alloc.memory_allocated(), allocated, "a replay allocated");
+            assert_eq!(alloc.memory_reserved(), reserved, "a replay reserved");
+        }
+        assert_eq!(alloc.by_category().total(), alloc.memory_allocated());
+        drop(graph);
+        alloc.empty_cache();
+        assert!(alloc.memory_reserved() < reserved, "the pool was kept");
+        Ok(reserved)
+    }
+    let gpu = Target::Cuda { capacity: 80 << 30 };
+    plan::plan(gpu, PlanOptions::default(), |device| {
+        let gpt = Gpt::new(GptConfig::tiny(), device)?;
+        let opt = Adam::adamw(gpt.parameters(), AdamConfig::adamw_default())?;
+        let mut trainer = Trainer::new(opt, config.clone(), device)?;
+        five_steps(&mut trainer, &gpt, &inputs, device)?;
+        trainer.with_optimizer(|o| {
+            let counts: Vec<u64> = (0..o.params().len())
+                .map(|i| o.state(i).map_or(0, |s| s.step))
+                .collect();
+            assert!(counts.iter().all(|&c| c == 5), "step counts {counts:?}");
+            assert_eq!(o.step_count(), 0, "steps in backward are not whole steps");
+        })?;
+        Ok(())
+    })
+    .unwrap();
+    plan::plan(gpu, PlanOptions::default(), |device| {
+        let gpt = Gpt::new(GptConfig::tiny(), device)?;
+        let cfg = SgdConfig {
+            lr: 0.1,
+            momentum: 0.9,
+            ..SgdConfig::default()
+        };
+        let mut trainer = Trainer::new(Sgd::new(gpt.parameters(), cfg)?, config.clone(), device)?;
+        assert!(trainer.in_backward_path().is_some_and(|p| p.is_fused()));
+        five_steps(&mut trainer, &gpt, &inputs, device)?;
+        Ok(())
+    })
+    .unwrap();
+}

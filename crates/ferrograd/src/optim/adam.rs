@@ -97,10 +97,30 @@ type Counts = (u64, Vec<Option<u64>>);
 struct GraphStep {
     /// `ADAM_SCALAR_BYTES` on the parameters' device, staged before each capture or replay.
     slot: Option<Tensor>,
-    /// The parameters the captured step updated (their step counts advance per replay).
+    /// The parameters the captured step updated (their step counts advance per replay), and
+    /// whether it was a whole step (which the optimizer's own count counts) or steps of
+    /// single parameters (a step in backward).
     members: Vec<usize>,
+    whole: bool,
+    /// Set before a capture or replay: the next captured update starts a new member list.
+    fresh: bool,
     /// The step counts before the capture, to undo (with the device's steps issued).
     before: Option<(Counts, u64)>,
+}
+
+impl GraphStep {
+    /// Records that a captured update (whole or of one parameter) steps `indices`.
+    fn record(&mut self, indices: impl Iterator<Item = usize>, whole: bool) {
+        if std::mem::take(&mut self.fresh) {
+            self.members.clear();
+        }
+        self.whole = whole;
+        for i in indices {
+            if !self.members.contains(&i) {
+                self.members.push(i);
+            }
+        }
+    }
 }
 
 /// One parameter to update this step.
@@ -539,7 +559,7 @@ impl Adam {
             .first()
             .is_some_and(|w| capture::capturing_on(w.grad.device()))
         {
-            self.graph.members = work.iter().map(|w| w.index).collect();
+            self.graph.record(work.iter().map(|w| w.index), true);
         }
         for ((_, step), members) in groups(&work, &self.state) {
             self.run_group(&work, &members, step, extra)?;
@@ -680,6 +700,13 @@ impl Optimizer for Adam {
             .filter(|w| w.index == index)
             .collect();
         self.ensure_state(&work)?;
+        // A captured step in backward: each replay advances this parameter's count.
+        if work
+            .first()
+            .is_some_and(|w| capture::capturing_on(w.grad.device()))
+        {
+            self.graph.record(std::iter::once(index), false);
+        }
         for ((_, step), members) in groups(&work, &self.state) {
             self.run_group(&work, &members, step, Extra::default())?;
         }
@@ -736,6 +763,7 @@ impl Optimizer for Adam {
         }
         let issued = self.device_count.as_ref().map_or(0, DeviceCount::issued);
         self.graph.before = Some((self.counts(), issued));
+        self.graph.fresh = true;
         Ok(())
     }
 
@@ -745,7 +773,8 @@ impl Optimizer for Adam {
             c.replayed();
             return;
         }
-        self.steps += 1;
+        // Steps in backward (of single parameters) are not the optimizer's whole steps.
+        self.steps += self.graph.whole as u64;
         for &i in &self.graph.members {
             if let Some(s) = self.state[i].as_mut() {
                 s.step += 1;

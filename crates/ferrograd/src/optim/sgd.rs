@@ -176,7 +176,17 @@ impl Sgd {
             (Some(b), true) => (b.clone(), self.cfg.momentum),
             (Some(b), false) => (b.clone(), 1.0),
             (None, true) => {
-                let b = momentum_buffer_like(p)?;
+                let device = p.device();
+                if capture::capturing_on(device) {
+                    return Err(Error::invalid(
+                        "SGD",
+                        format!(
+                            "parameter {i} takes its first step (which makes its momentum buffer) in a captured step; run one eager step with the same parameters first"
+                        ),
+                    ));
+                }
+                let b =
+                    memory::allocator(device)?.outside_private_pool(|| momentum_buffer_like(p))?;
                 self.momentum_buffers[i] = Some(b.clone());
                 (b, 0.0)
             }
@@ -209,6 +219,7 @@ impl Sgd {
             return Err(Error::invalid("SGD", "no momentum buffer to step with"));
         };
         // The kernel without a buffer is p ← p − lr·(g + wd·p): here g = buf and wd = 0.
+        let lr_at = self.staged_lr(capture::capturing_on(p.device()))?;
         optim::sgd_step(&SgdStep {
             grad: buf.view(),
             param: p.storage(),
@@ -219,7 +230,7 @@ impl Sgd {
             weight_decay: 0.0,
             nesterov: false,
             first_step: false,
-            lr_at: None,
+            lr_at,
             skip_if: None,
             count_at: None,
         })

@@ -18,9 +18,9 @@
 //! category is the captured step's, and a replay allocates nothing. Work between steps (an
 //! evaluation) runs in that pool too (`run_between_steps`), so it reserves nothing beside
 //! it. What cannot be replayed runs eagerly, and `GraphStatus` says why: a CPU device, f16
-//! loss scaling with an optimizer that cannot skip its update on the device (ZeRO-1's),
-//! data-parallel reduction, the step in backward, an optimizer whose rate is a kernel
-//! argument (`Optimizer::graph_support`), or a capture that failed. New input shapes, or a batch whose target count differs from the
+//! loss scaling with an optimizer that cannot skip its update on the device, data-parallel
+//! reduction, an optimizer whose rate is a kernel argument (`Optimizer::graph_support`), or a
+//! capture that failed. The step in backward is captured with the backward that runs it. New input shapes, or a batch whose target count differs from the
 //! captured one, capture again.
 //!
 //! Dropout: the captured step's masks are drawn with the keys the host drew at the capture,
@@ -234,8 +234,6 @@ impl<O: Optimizer + Send + 'static> Trainer<O> {
             Some(format!("{} runs each op as it is called", self.device()))
         } else if config.uses_scaler() && !skips {
             Some("f16 loss scaling needs an optimizer that skips its update on the device (AdamW and SGD do)".into())
-        } else if config.step_in_backward {
-            Some("the step in backward is not captured".into())
         } else if self.has_grad_sync() {
             Some("data-parallel gradient reduction is not captured".into())
         } else {
