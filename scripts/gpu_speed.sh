@@ -7,15 +7,15 @@
 # Environment: ROWS (space-separated subset of: attention gpt2-bf16 gpt2-bf16-weights
 #   gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-bf16-b32 gpt2-f32 gpt2-bf16-recompute gpt2-bf16-gelu
 #   gpt2-bf16-graphs gpt2-max-batch main-job main-job-eager main-job-f16 main-job-f16-eager
-#   gpt-10m gpt-10m-eager gpt-10m-dropout; default all but gpt2-max-batch, which takes
-#   minutes), OUT (a folder for
+#   main-job-step-in-backward gpt-10m gpt-10m-eager gpt-10m-dropout; default all but
+#   gpt2-max-batch, which takes minutes), OUT (a folder for
 #   the raw log). `ferrograd train` replays a captured step (CUDA graphs) by default; the
 #   -eager rows run it with --cuda-graphs off.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${1:-python3}"
 B=.bin
-ROWS="${ROWS:-attention gpt2-bf16 gpt2-bf16-graphs gpt2-bf16-weights gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-bf16-b32 gpt2-f32 gpt2-bf16-recompute gpt2-bf16-gelu main-job main-job-eager main-job-f16 main-job-f16-eager gpt-10m gpt-10m-eager gpt-10m-dropout}"
+ROWS="${ROWS:-attention gpt2-bf16 gpt2-bf16-graphs gpt2-bf16-weights gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-bf16-b32 gpt2-f32 gpt2-bf16-recompute gpt2-bf16-gelu main-job main-job-eager main-job-f16 main-job-f16-eager main-job-step-in-backward gpt-10m gpt-10m-eager gpt-10m-dropout}"
 LOG="${OUT:-/tmp}/gpu_speed.log"
 : >"$LOG"
 TABLE=()
@@ -146,6 +146,12 @@ row_main-job-eager() { train_row "main job model, --cuda-graphs off" 300 "--cuda
 # f16 autocast with loss scaling: ours decides the skip and the scale on the GPU.
 row_main-job-f16() { train_row "main job model, f16 + GradScaler" 300 "--amp f16" "--amp f16"; }
 row_main-job-f16-eager() { train_row "main job model, f16 + GradScaler, --cuda-graphs off" 300 "--amp f16 --cuda-graphs off" "--amp f16"; }
+# The optimizer inside backward (ours only; PyTorch's twin steps after backward): AdamW's
+# hooks, and SGD's gradient-free path.
+row_main-job-step-in-backward() {
+  train_row "main job model, --step-in-backward (AdamW hooks)" 300 "--step-in-backward" ""
+  train_row "main job model, --step-in-backward --optimizer sgd (gradient-free)" 300 "--step-in-backward --optimizer sgd" ""
+}
 GPT10="--n-layer 6 --n-head 6 --n-embd 384 --batch-size 64 --block-size 256 --amp bf16 --clip 1.0"
 GPT10_PT="--n-layer 6 --n-head 6 --n-embd 384 --batch 64 --block 256 --amp bf16 --clip 1.0"
 row_gpt-10m() { train_row "10.8M GPT B64 T256 bf16" 300 "$GPT10" "$GPT10_PT"; }
