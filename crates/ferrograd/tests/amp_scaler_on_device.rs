@@ -338,6 +338,11 @@ fn sgds_first_momentum_step_is_decided_on_the_device() {
             assert!(opt.momentum_buffer(0).is_none());
         }
     });
+    // A step with no gradient at all changes nothing and counts nothing.
+    set_grads(&p, 9, [false, false]);
+    let before = bits(&p);
+    opt.step_unless_found_inf(&flag(0.0)).unwrap();
+    assert_eq!(bits(&p), before);
     opt.settle_counts().unwrap();
     for i in 0..2 {
         let (got, want) = (opt.momentum_buffer(i), host.momentum_buffer(i));

@@ -330,6 +330,9 @@ impl Sgd {
     fn step_counted_on_device(&mut self, found_inf: &Tensor) -> Result<()> {
         let _g = no_grad();
         let work = self.work();
+        if work.is_empty() {
+            return Ok(());
+        }
         let skip = OnDevice {
             skip_if: Some(found_inf),
             count_at: None,
@@ -346,7 +349,7 @@ impl Sgd {
             .device_count
             .as_ref()
             .is_some_and(|c| c.covers(&members, device));
-        if !current && !work.is_empty() && !self.start_device_count(&work, members, device)? {
+        if !current && !self.start_device_count(&work, members, device)? {
             return self.step_waiting_for_flag(work, found_inf);
         }
         let Some(count) = self.device_count.as_ref().map(|c| c.tensor().clone()) else {
