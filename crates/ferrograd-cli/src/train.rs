@@ -413,6 +413,7 @@ fn report(
             start_step,
             predicted_peak,
             in_backward,
+            loss_scaling,
             fused_attention,
         } => {
             bar.set_position(*start_step);
@@ -424,6 +425,9 @@ fn report(
             log.push(weights_line(job.weights));
             if let Some(path) = in_backward {
                 log.push(format!("step in backward: {path}"));
+            }
+            if let Some(scaling) = loss_scaling {
+                log.push(format!("f16 loss scaling: {scaling}"));
             }
             log.push(if *fused_attention {
                 "attention: fused kernel (saves one log-sum-exp per query, not the scores)".into()

@@ -270,6 +270,21 @@ fn step_in_backward_says_which_path_ran() {
     assert!(!text.contains("step in backward"), "{text}");
 }
 
+/// An f16 run says where its loss-scaling decisions are made: on the CPU, by the host,
+/// which reads the inf/NaN check before every step (a GPU run keeps them on the device).
+#[test]
+fn f16_loss_scaling_says_where_it_is_decided() {
+    let text = output_of(&[SMALL, &["--amp", "f16"]].concat());
+    assert!(
+        text.contains(
+            "f16 loss scaling: decided on the host (the inf/NaN check is read before every step)"
+        ),
+        "{text}"
+    );
+    let text = output_of(SMALL);
+    assert!(!text.contains("loss scaling"), "{text}");
+}
+
 #[test]
 fn resuming_with_another_optimizer_is_refused() {
     let dir = std::env::temp_dir().join(format!("ferrograd-cli-{}", std::process::id()));

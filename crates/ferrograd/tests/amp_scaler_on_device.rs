@@ -16,7 +16,7 @@ use ferrograd::backend::optim::{UnscaleCheck, next_scale, unscale_check};
 use ferrograd::nn::{Linear, Module, Relu, Sequential};
 use ferrograd::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use ferrograd::train::{
-    GradScaler, GradScalerConfig, MicroBatch, StepReport, Trainer, TrainerConfig,
+    GradScaler, GradScalerConfig, LossScaling, MicroBatch, StepReport, Trainer, TrainerConfig,
 };
 use ferrograd::{DType, Device, Generator, Tensor};
 
@@ -439,8 +439,10 @@ fn the_staged_scale_follows_every_update_and_a_loaded_state() {
         ..GradScalerConfig::default()
     })
     .unwrap();
+    assert_eq!(s.decided(), LossScaling::OnHost);
     s.stage_on(CPU).unwrap();
     assert_eq!(s.staged_device(), Some(CPU));
+    assert_eq!(s.decided(), LossScaling::OnDevice);
     // scale() reads the staged value: the loss times 8, with autograd.
     let loss = p.mul_scalar(3.0).unwrap().sum_all().unwrap();
     let scaled = s.scale(&loss).unwrap();

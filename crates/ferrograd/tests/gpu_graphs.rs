@@ -18,8 +18,8 @@ use ferrograd::job::{self, Event, TrainJob};
 use ferrograd::nn::{Gpt, GptConfig, Module};
 use ferrograd::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig, WarmupCosine};
 use ferrograd::train::{
-    GradScaler, GradScalerConfig, GraphStatus, HostInput, HostInputs, MicroBatch, StepGraph,
-    Trainer, TrainerConfig,
+    GradScaler, GradScalerConfig, GraphStatus, HostInput, HostInputs, LossScaling, MicroBatch,
+    StepGraph, Trainer, TrainerConfig,
 };
 use ferrograd::{DType, Device, Error, Tensor, memory};
 
@@ -387,6 +387,9 @@ fn f16_scaled(graphs: bool, staged: bool) -> ScaledRun {
         ..trainer_config(1)
     };
     let mut trainer = Trainer::new(adamw(&model), config, GPU).unwrap();
+    // A trainer built for a GPU decides on the device.
+    let built = trainer.scaler().map(GradScaler::decided);
+    assert_eq!(built, Some(LossScaling::OnDevice));
     // 2^60 backs off by 2^-12 per overflow: the warm-up, the capture and the first replays
     // skip, then the scale fits and grows every third clean step. Set after the trainer was
     // built, this scaler is not staged: with graphs off it decides on the host (reading the

@@ -39,8 +39,8 @@ use crate::nn::{Gpt, GptConfig, Module};
 use crate::optim::{Optimizer, WarmupCosine};
 use crate::tensor::{Device, Generator, Readout, Tensor};
 use crate::train::{
-    GraphStatus, HostInput, HostInputs, InBackwardPath, MicroBatch, StepGraph, StepReport, Trainer,
-    TrainerConfig,
+    GradScaler, GraphStatus, HostInput, HostInputs, InBackwardPath, LossScaling, MicroBatch,
+    StepGraph, StepReport, Trainer, TrainerConfig,
 };
 
 /// Everything a run needs; `Default` is the CPU run the README shows.
@@ -159,6 +159,8 @@ pub enum Event {
         predicted_peak: u64,
         /// Which step in backward runs (None: the optimizer steps after backward).
         in_backward: Option<InBackwardPath>,
+        /// With f16 loss scaling, where its decisions are made.
+        loss_scaling: Option<LossScaling>,
         /// Whether attention runs the fused kernel (else matmul, softmax and matmul, which
         /// keep the (B, H, T, T) probabilities for backward).
         fused_attention: bool,
@@ -334,6 +336,7 @@ fn run_replica(
         start_step,
         predicted_peak,
         in_backward: in_backward.clone(),
+        loss_scaling: trainer.scaler().map(GradScaler::decided),
         fused_attention: model.attention_fused(compute_dtype),
     });
     memory::reset_peak_memory_stats(job.device)?;

@@ -111,6 +111,28 @@ impl OptRecord {
     }
 }
 
+/// Where a run's loss-scaling decisions are made, for logs: `Display` says it in words.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LossScaling {
+    /// The skip, the optimizer's step count and the scale's update stay on the device.
+    OnDevice,
+    /// The host reads the inf/NaN check before every step.
+    OnHost,
+}
+
+impl std::fmt::Display for LossScaling {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            LossScaling::OnDevice => f.write_str(
+                "decided on the device (the skip, the step count and the scale's update stay there; nothing is read back)",
+            ),
+            LossScaling::OnHost => {
+                f.write_str("decided on the host (the inf/NaN check is read before every step)")
+            }
+        }
+    }
+}
+
 /// Dynamic loss scaling (torch.amp.GradScaler). Several optimizers may share one scaler:
 /// each is unscaled and stepped once per iteration, and `update` combines their checks.
 pub struct GradScaler {
@@ -309,6 +331,14 @@ impl GradScaler {
     /// The device whose memory holds the scale, once `stage_on` was called.
     pub fn staged_device(&self) -> Option<Device> {
         self.staged.as_ref().map(Staged::device)
+    }
+
+    /// Where this scaler's decisions are made (`stage_on` moves them to the device).
+    pub fn decided(&self) -> LossScaling {
+        match self.staged {
+            Some(_) => LossScaling::OnDevice,
+            None => LossScaling::OnHost,
+        }
     }
 
     fn staged_on(&self, device: Device) -> Option<&Staged> {

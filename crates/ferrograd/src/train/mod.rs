@@ -23,7 +23,7 @@ mod trainer;
 
 pub use accumulate::{Accumulated, Accumulation, MicroBatch, accumulate, accumulate_gradients};
 pub use freeze::{freeze, name_matches};
-pub use grad_scaler::{GradScaler, GradScalerConfig};
+pub use grad_scaler::{GradScaler, GradScalerConfig, LossScaling};
 pub use graph::{GraphStatus, HostInput, HostInputs, StepGraph};
 pub use step_in_backward::{InBackwardPath, StepInBackward};
 pub use trainer::{StepReport, Trainer, TrainerConfig};
