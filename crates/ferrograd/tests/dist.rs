@@ -415,8 +415,22 @@ fn trainer_step(
     x: &Tensor,
     t: &Tensor,
 ) -> Vec<Stepped> {
+    trainer_step_scaled(world, dtype, config, (x, t), false)
+}
+
+/// `trainer_step`; `staged`: each rank's GradScaler decides on its device (as on a GPU).
+fn trainer_step_scaled(
+    world: Option<usize>,
+    dtype: DType,
+    config: TrainerConfig,
+    (x, t): (&Tensor, &Tensor),
+    staged: bool,
+) -> Vec<Stepped> {
     let run = |model: &dyn Module, rank: usize, parts: usize, sync| -> Result<Stepped> {
         let mut trainer = Trainer::new(sgd(model), config.clone(), CPU)?;
+        if let (true, Some(s)) = (staged, trainer.scaler_mut()) {
+            s.stage_on(CPU)?;
+        }
         if let Some(s) = sync {
             trainer = trainer.with_grad_sync(s)?;
         }
@@ -522,6 +536,20 @@ fn ddp_f16_loss_scaling_skips_on_every_rank_when_one_overflows() {
             assert!(!o.stepped, "rank {r} must skip the step");
             assert_eq!(o.scale, Some(32768.0), "rank {r} backs off the scale");
             assert!(o.params == before, "rank {r}'s parameters must not move");
+        }
+    }
+    // Each rank deciding on its device (as on a GPU, nothing read back) steps, skips and
+    // scales as the host path does, bit for bit.
+    for (x, world) in [(&x, 2), (&x_bad, 2), (&x, 4), (&x_bad, 4)] {
+        let host = trainer_step_scaled(Some(world), DType::F32, config.clone(), (x, &t), false);
+        let device = trainer_step_scaled(Some(world), DType::F32, config.clone(), (x, &t), true);
+        for (r, (d, h)) in device.iter().zip(&host).enumerate() {
+            assert_eq!(
+                (d.stepped, d.scale),
+                (h.stepped, h.scale),
+                "rank {r} of {world}"
+            );
+            assert!(d.params == h.params, "rank {r} of {world}: parameters");
         }
     }
 }
