@@ -708,6 +708,59 @@ fn a_gpu_jobs_plan_counts_its_cuda_graph() {
     assert!(on.peak_reserved > off.peak_reserved);
 }
 
+/// One step's inputs for a tiny GPT on a planned GPU: ids and targets of a (4, 32) batch.
+fn tiny_batch() -> ferrograd::train::HostInputs {
+    use ferrograd::train::HostInput;
+    let (b, t) = (4, 32);
+    let ids: Vec<i64> = (0..b * t).map(|k| (k % 65) as i64).collect();
+    vec![vec![
+        HostInput::new(ids.clone(), &[b, t]),
+        HostInput::new(ids, &[b, t]),
+    ]]
+}
+
+/// Warm-up, capture and three replays of `trainer`'s step of `gpt` on a planned GPU: the
+/// capture is at step 1, replays allocate and reserve nothing, the categories sum to the
+/// total, and the graph's pool goes back when the graph does.
+fn replays_in_a_pool_that_goes_back<O: Optimizer + Send + 'static>(
+    trainer: &mut ferrograd::train::Trainer<O>,
+    gpt: &ferrograd::nn::Gpt,
+    device: Device,
+) -> ferrograd::Result<()> {
+    use ferrograd::train::{GraphStatus, MicroBatch, StepGraph};
+    let inputs = tiny_batch();
+    let mut graph = StepGraph::new(true, 1);
+    let step = |trainer: &mut ferrograd::train::Trainer<O>, graph: &mut StepGraph| {
+        trainer
+            .step_graphed(graph, &inputs, |_, x| {
+                Ok(MicroBatch {
+                    loss: gpt.loss(&x[0], &x[1])?,
+                    tokens: x[0].numel(),
+                })
+            })
+            .map(drop)
+    };
+    step(trainer, &mut graph)?;
+    step(trainer, &mut graph)?;
+    assert!(
+        matches!(graph.status(), GraphStatus::Replaying { step: 1, .. }),
+        "{}",
+        graph.status()
+    );
+    let alloc = memory::allocator(device)?;
+    let (allocated, reserved) = (alloc.memory_allocated(), alloc.memory_reserved());
+    for _ in 0..3 {
+        step(trainer, &mut graph)?;
+        assert_eq!(alloc.memory_allocated(), allocated, "a replay allocated");
+        assert_eq!(alloc.memory_reserved(), reserved, "a replay reserved");
+    }
+    assert_eq!(alloc.by_category().total(), alloc.memory_allocated());
+    drop(graph);
+    alloc.empty_cache();
+    assert!(alloc.memory_reserved() < reserved, "the pool was kept");
+    Ok(())
+}
+
 /// SGD with momentum replays on a planned GPU too: the warm-up step makes the momentum
 /// buffers beside the parameters (not in the graph's pool), the capture stages the rate in
 /// device memory, the replays allocate nothing, and the pool goes back with the graph.
@@ -715,14 +768,8 @@ fn a_gpu_jobs_plan_counts_its_cuda_graph() {
 fn a_gpu_plan_replays_sgd_with_momentum() {
     use ferrograd::nn::Gpt;
     use ferrograd::optim::{Sgd, SgdConfig};
-    use ferrograd::train::{GraphStatus, HostInput, MicroBatch, StepGraph, Trainer};
+    use ferrograd::train::Trainer;
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let (b, t) = (4, 32);
-    let ids: Vec<i64> = (0..b * t).map(|k| (k % 65) as i64).collect();
-    let inputs = vec![vec![
-        HostInput::new(ids.clone(), &[b, t]),
-        HostInput::new(ids, &[b, t]),
-    ]];
     let gpu = Target::Cuda { capacity: 80 << 30 };
     plan::plan(gpu, PlanOptions::default(), |device| {
         let gpt = Gpt::new(GptConfig::tiny(), device)?;
@@ -733,38 +780,11 @@ fn a_gpu_plan_replays_sgd_with_momentum() {
         };
         let opt = Sgd::new(gpt.parameters(), cfg)?;
         let mut trainer = Trainer::new(opt, TrainerConfig::default(), device)?;
-        let mut graph = StepGraph::new(true, 1);
-        let step = |trainer: &mut Trainer<Sgd>, graph: &mut StepGraph| {
-            trainer
-                .step_graphed(graph, &inputs, |_, x| {
-                    Ok(MicroBatch {
-                        loss: gpt.loss(&x[0], &x[1])?,
-                        tokens: x[0].numel(),
-                    })
-                })
-                .map(drop)
-        };
-        step(&mut trainer, &mut graph)?;
-        step(&mut trainer, &mut graph)?;
-        assert!(
-            matches!(graph.status(), GraphStatus::Replaying { step: 1, .. }),
-            "{}",
-            graph.status()
-        );
-        let alloc = memory::allocator(device)?;
-        let (allocated, reserved) = (alloc.memory_allocated(), alloc.memory_reserved());
-        for _ in 0..3 {
-            step(&mut trainer, &mut graph)?;
-            assert_eq!(alloc.memory_allocated(), allocated, "a replay allocated");
-            assert_eq!(alloc.memory_reserved(), reserved, "a replay reserved");
-        }
-        assert_eq!(alloc.by_category().total(), alloc.memory_allocated());
+        replays_in_a_pool_that_goes_back(&mut trainer, &gpt, device)?;
         // Every parameter's momentum buffer, and the staged rate, are optimizer state.
+        let alloc = memory::allocator(device)?;
         let params: u64 = gpt.parameters().iter().map(|p| p.numel() as u64 * 4).sum();
         assert!(alloc.by_category().get(Category::OptimizerState) >= params);
-        drop(graph);
-        alloc.empty_cache();
-        assert!(alloc.memory_reserved() < reserved, "the pool was kept");
         Ok(())
     })
     .unwrap();
@@ -779,63 +799,18 @@ fn a_gpu_plan_replays_sgd_with_momentum() {
 fn a_gpu_plan_replays_the_step_in_backward() {
     use ferrograd::nn::Gpt;
     use ferrograd::optim::{Sgd, SgdConfig};
-    use ferrograd::train::{GraphStatus, HostInput, MicroBatch, StepGraph, Trainer};
+    use ferrograd::train::Trainer;
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let (b, t) = (4, 32);
-    let ids: Vec<i64> = (0..b * t).map(|k| (k % 65) as i64).collect();
-    let inputs = vec![vec![
-        HostInput::new(ids.clone(), &[b, t]),
-        HostInput::new(ids, &[b, t]),
-    ]];
     let config = TrainerConfig {
         step_in_backward: true,
         ..TrainerConfig::default()
     };
-    /// Warm-up, capture and three replays; the trainer's path and the allocator's bytes
-    /// checked on the way.
-    fn five_steps<O: Optimizer + Send + 'static>(
-        trainer: &mut Trainer<O>,
-        gpt: &Gpt,
-        inputs: &ferrograd::train::HostInputs,
-        device: Device,
-    ) -> ferrograd::Result<u64> {
-        let mut graph = StepGraph::new(true, 1);
-        let step = |trainer: &mut Trainer<O>, graph: &mut StepGraph| {
-            trainer
-                .step_graphed(graph, inputs, |_, x| {
-                    Ok(MicroBatch {
-                        loss: gpt.loss(&x[0], &x[1])?,
-                        tokens: x[0].numel(),
-                    })
-                })
-                .map(drop)
-        };
-        step(trainer, &mut graph)?;
-        step(trainer, &mut graph)?;
-        assert!(
-            matches!(graph.status(), GraphStatus::Replaying { step: 1, .. }),
-            "{}",
-            graph.status()
-        );
-        let alloc = memory::allocator(device)?;
-        let (allocated, reserved) = (alloc.memory_allocated(), alloc.memory_reserved());
-        for _ in 0..3 {
-            step(trainer, &mut graph)?;
-            assert_eq!(alloc.memory_allocated(), allocated, "a replay allocated");
-            assert_eq!(alloc.memory_reserved(), reserved, "a replay reserved");
-        }
-        assert_eq!(alloc.by_category().total(), alloc.memory_allocated());
-        drop(graph);
-        alloc.empty_cache();
-        assert!(alloc.memory_reserved() < reserved, "the pool was kept");
-        Ok(reserved)
-    }
     let gpu = Target::Cuda { capacity: 80 << 30 };
     plan::plan(gpu, PlanOptions::default(), |device| {
         let gpt = Gpt::new(GptConfig::tiny(), device)?;
         let opt = Adam::adamw(gpt.parameters(), AdamConfig::adamw_default())?;
         let mut trainer = Trainer::new(opt, config.clone(), device)?;
-        five_steps(&mut trainer, &gpt, &inputs, device)?;
+        replays_in_a_pool_that_goes_back(&mut trainer, &gpt, device)?;
         trainer.with_optimizer(|o| {
             let counts: Vec<u64> = (0..o.params().len())
                 .map(|i| o.state(i).map_or(0, |s| s.step))
@@ -855,7 +830,7 @@ fn a_gpu_plan_replays_the_step_in_backward() {
         };
         let mut trainer = Trainer::new(Sgd::new(gpt.parameters(), cfg)?, config.clone(), device)?;
         assert!(trainer.in_backward_path().is_some_and(|p| p.is_fused()));
-        five_steps(&mut trainer, &gpt, &inputs, device)?;
+        replays_in_a_pool_that_goes_back(&mut trainer, &gpt, device)?;
         Ok(())
     })
     .unwrap();
