@@ -104,6 +104,10 @@ row_gpt2-bf16-recompute() {
   r=$(field "$GPT2_OURS" step_ms)
   b=$(field "$(run "$B/strategies" --model gpt2 --strategy bf16 --device cuda --seq 1024 --steps 5 --warmup 3 --batch 8)" step_ms)
   TABLE+=("| GPT-2 124M B8 T1024 bf16, recompute overhead (ours: recompute-bf16 / bf16 step ms) | $r / $b = $(ratio "$r" "$b") | - | - |")
+  # Selective: each recomputed block keeps its attention's output and log-sum-exp.
+  local s
+  s=$(run "$B/strategies" --model gpt2 --strategy recompute-bf16 --device cuda --seq 1024 --steps 5 --warmup 3 --batch 8 --keep-attention)
+  TABLE+=("| same, selective (attention output kept), step ms (peak); overhead over bf16 | $(field "$s" step_ms) ($(mib "$(field "$s" peak_bytes)")); $(ratio "$(field "$s" step_ms)" "$b") | - | - |")
 }
 
 # The largest GPT-2 124M batch (T 1024, bf16 autocast) each side fits in the GPU's free memory

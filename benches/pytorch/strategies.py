@@ -286,6 +286,20 @@ def make_step(a, dev, model, loss_of, make_opt):
     return step
 
 
+def print_kernel_times(prof):
+    """The measured steps' GPU kernels, the most time first, in the layout of ours."""
+    rows = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    rows.sort(key=lambda e: -e.self_device_time_total)
+    total = sum(e.self_device_time_total for e in rows)
+    print(f"{total / 1e3:>9.3f} ms device busy (all kernels)", file=sys.stderr)
+    for e in rows[:60]:
+        print(
+            f"{e.self_device_time_total / 1e3:>9.3f} ms {100 * e.self_device_time_total / total:>5.1f}% "
+            f"{e.count:>7} calls  {e.key[:110]}",
+            file=sys.stderr,
+        )
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True, choices=MODELS)
@@ -300,6 +314,10 @@ def main():
     ap.add_argument("--sdpa", action="store_true", help="GPT attention through F.scaled_dot_product_attention")
     ap.add_argument("--compile", action="store_true", help="torch.compile the GPT model")
     ap.add_argument("--fused-adam", action="store_true", help="AdamW(fused=True)")
+    ap.add_argument(
+        "--profile", action="store_true",
+        help="print the GPU kernels of the measured steps, the most time first (to stderr)",
+    )
     a = ap.parse_args()
     global SDPA
     SDPA = a.sdpa
@@ -318,7 +336,11 @@ def main():
     model, loss_of, make_opt = build(a, dev)
     step = make_step(a, dev, model, loss_of, make_opt)
     times, last = [], float("nan")
+    prof = None
     for i in range(a.warmup + a.steps):
+        if a.profile and i == a.warmup:
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
         if cuda:
             if i == a.warmup:
                 torch.cuda.reset_peak_memory_stats()
@@ -330,6 +352,9 @@ def main():
         if i >= a.warmup:
             times.append((time.perf_counter() - t0) * 1e3)
         last = loss if isinstance(loss, float) else loss.item()
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        print_kernel_times(prof)
     times.sort()
     peak = torch.cuda.max_memory_allocated() if cuda else None
     reserved = torch.cuda.max_memory_reserved() if cuda else None

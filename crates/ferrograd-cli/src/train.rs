@@ -77,7 +77,7 @@ pub struct TrainArgs {
     /// bf16), nor with --zero 1.
     #[arg(long, default_value = "f32", value_parser = parse_weights)]
     weights: Weights,
-    /// Activation recomputation: off, gelu (each MLP's GELU output, one elementwise pass per block) or every:K (every K-th transformer block).
+    /// Activation recomputation: off, gelu (each MLP's GELU output, one elementwise pass per block) every:K (every K-th transformer block) or selective:K (as every:K, each recomputed block keeping its attention's output and log-sum-exp, so backward skips the attention's forward).
     #[arg(long, default_value = "off")]
     recompute: Recompute,
     /// Attention: fused (one kernel that keeps a log-sum-exp per query, where the device has

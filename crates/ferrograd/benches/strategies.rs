@@ -38,6 +38,7 @@
 //!   [--device cpu|cuda]
 //!   [--steps 10] [--warmup 3] [--dim 10000] [--batch B] [--seq T] [--vocab V]
 //!   [--recompute-gelu] (GPT: each MLP's GELU output recomputed in backward)
+//!   [--keep-attention] (GPT, recompute strategies: blocks keep their attention's output)
 //!   [--dropout P] (GPT: dropout on embeddings, probabilities and residual branches; default 0)
 //!   [--cuda-graphs] (the measured steps replay one captured step)
 //! `--cuda-graphs` (GPU, strategies that step a plain optimizer): after the warm-up, one step
@@ -157,6 +158,9 @@ struct Args {
     /// GPT: recompute each MLP's GELU output in backward (`Recompute::Gelu`) on top of the
     /// strategy (any that does not already recompute whole blocks).
     recompute_gelu: bool,
+    /// GPT, recomputing strategies: each recomputed block keeps its attention's output and
+    /// log-sum-exp (`Recompute::Selective(1)` instead of `Every(1)`).
+    keep_attention: bool,
     /// Replay a captured step (CUDA graphs) in the measured steps.
     cuda_graphs: bool,
     /// GPT: the dropout probability of every dropout layer.
@@ -176,6 +180,7 @@ fn parse_args() -> Res<Args> {
     let (mut steps, mut warmup) = (10, 3);
     let (mut dim, mut batch, mut seq, mut vocab) = (10000, None, None, None);
     let (mut recompute_gelu, mut cuda_graphs, mut dropout) = (false, false, 0.0);
+    let mut keep_attention = false;
     let mut it = argv.iter();
     while let Some(flag) = it.next() {
         match flag.as_str() {
@@ -191,11 +196,12 @@ fn parse_args() -> Res<Args> {
             "--seq" => seq = Some(value(flag, it.next())?),
             "--vocab" => vocab = Some(value(flag, it.next())?),
             "--recompute-gelu" => recompute_gelu = true,
+            "--keep-attention" => keep_attention = true,
             "--cuda-graphs" => cuda_graphs = true,
             "--dropout" => dropout = value(flag, it.next())?,
             other => {
                 return Err(format!(
-                    "unknown flag '{other}': use --model, --strategy, --device, --steps, --warmup, --dim, --batch, --seq, --vocab, --recompute-gelu, --cuda-graphs, --dropout"
+                    "unknown flag '{other}': use --model, --strategy, --device, --steps, --warmup, --dim, --batch, --seq, --vocab, --recompute-gelu, --keep-attention, --cuda-graphs, --dropout"
                 )
                 .into());
             }
@@ -238,6 +244,7 @@ fn parse_args() -> Res<Args> {
         seq: seq.unwrap_or(default_seq),
         vocab,
         recompute_gelu,
+        keep_attention,
         cuda_graphs,
         dropout,
     })
@@ -343,7 +350,11 @@ fn gpt(a: &Args) -> Res<(LossFn, Adam)> {
         model.set_recompute(Recompute::Gelu);
     }
     match a.strategy {
-        Strategy::Recompute | Strategy::RecomputeBf16 => model.set_recompute(Recompute::Every(1)),
+        Strategy::Recompute | Strategy::RecomputeBf16 => model.set_recompute(if a.keep_attention {
+            Recompute::Selective(1)
+        } else {
+            Recompute::Every(1)
+        }),
         Strategy::Freeze => {
             freeze(&model, "transformer.wte.*")?;
             freeze(&model, "transformer.wpe.*")?;
@@ -574,10 +585,10 @@ fn run() -> Res<()> {
     } else {
         format!("B={} T={}", a.batch, a.seq)
     };
-    let gelu = if a.recompute_gelu {
-        " +recompute-gelu"
-    } else {
-        ""
+    let gelu = match (a.recompute_gelu, a.keep_attention) {
+        (true, _) => " +recompute-gelu",
+        (_, true) => " +keep-attention",
+        _ => "",
     };
     eprintln!(
         "ferrograd {} {}{gelu} {shape} device={} median_ms={:.2} peak_bytes={} reserved_bytes={} loss={:.4}",
@@ -599,6 +610,7 @@ fn run() -> Res<()> {
         "seq": if a.model == "mlp" { None } else { Some(a.seq) },
         "steps": a.steps,
         "recompute_gelu": a.recompute_gelu,
+        "keep_attention": a.keep_attention,
         "cuda_graphs": a.cuda_graphs,
         "dropout": a.dropout,
         "step_ms": m.step_ms,

@@ -199,6 +199,72 @@ mod gpt_policy {
             !Recompute::Gelu.applies_to(0),
             "gelu recomputes no whole block"
         );
+        assert_eq!(
+            "selective:2".parse::<Recompute>().unwrap(),
+            Recompute::Selective(2)
+        );
+        assert_eq!(Recompute::Selective(1).to_string(), "selective:1");
+        assert!(Recompute::Selective(2).applies_to(2) && !Recompute::Selective(2).applies_to(1));
+        assert!(
+            Recompute::Selective(1).keeps_attention() && !Recompute::Every(1).keeps_attention()
+        );
+        let e = "selective:0".parse::<Recompute>().unwrap_err().to_string();
+        assert!(e.contains("selective:K"), "{e}");
+    }
+
+    /// Selective recomputation keeps each block's attention output (B, T, C) and log-sum-exp
+    /// (B, H, T) from the forward, exactly those bytes more than every:1, and the recomputed
+    /// forward reuses them: the same loss and gradients bit for bit.
+    #[test]
+    fn selective_recomputation_keeps_the_attention_output_and_changes_no_bit() {
+        let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let cfg = config(0.0);
+        let (b, t, c, h) = (2, 32, cfg.n_embd, cfg.n_head);
+        let (loss, grads, every1) = step(Recompute::Every(1), 0.0);
+        let (l, g, selective) = step(Recompute::Selective(1), 0.0);
+        assert_eq!(l, loss);
+        assert_eq!(g, grads);
+        // f32 output and f32 log-sum-exp per block.
+        let per_block = (b * t * c * 4 + b * h * t * 4) as u64;
+        assert_eq!(selective - every1, cfg.n_layer as u64 * per_block);
+        let (_, _, selective2) = step(Recompute::Selective(2), 0.0);
+        let (_, _, every2) = step(Recompute::Every(2), 0.0);
+        assert_eq!(
+            selective2 - every2,
+            2 * per_block,
+            "blocks 0 and 2 keep theirs"
+        );
+    }
+
+    /// The attention outputs that backward allocates: every:1 runs each block's attention
+    /// forward again, selective:1 runs none of them.
+    #[test]
+    fn selective_recomputation_runs_no_attention_forward_in_backward() {
+        use ferrograd::memory::recorder::{self, Action, RecorderConfig};
+        let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let cfg = config(0.0);
+        let out_bytes = (2 * 32 * cfg.n_embd * 4) as u64;
+        let forwards_in_backward = |policy: Recompute| {
+            let mut gpt = Gpt::new(cfg.clone(), CPU).unwrap();
+            gpt.set_recompute(policy);
+            let (ids, tg) = batch(2, 32);
+            let (_, loss) = gpt.forward_loss(&ids, Some(&tg)).unwrap();
+            recorder::start(RecorderConfig { capacity: 1 << 16 }).unwrap();
+            loss.unwrap().backward().unwrap();
+            let rec = recorder::stop().unwrap();
+            rec.events
+                .iter()
+                .filter(|e| {
+                    e.action == Action::Alloc
+                        && e.origin.op == "causal_attention"
+                        && e.requested == out_bytes
+                })
+                .count()
+        };
+        assert_eq!(forwards_in_backward(Recompute::Every(1)), cfg.n_layer);
+        assert_eq!(forwards_in_backward(Recompute::Selective(1)), 0);
+        assert_eq!(forwards_in_backward(Recompute::Every(2)), cfg.n_layer / 2);
+        assert_eq!(forwards_in_backward(Recompute::Selective(2)), 0);
     }
 
     #[test]

@@ -32,7 +32,8 @@ pub use grad_mode::{GradModeGuard, enable_grad, is_grad_enabled, no_grad};
 pub use leak_check::{
     GradGraphHolder, GraphHolder, GraphKind, Holder, Leak, LeakCheck, LeakCheckConfig, LeakReport,
 };
-pub use recompute::{Segment, checkpoint_activations};
+pub(crate) use recompute::kept_across_recompute;
+pub use recompute::{Segment, checkpoint_activations, checkpoint_activations_keeping};
 
 use std::sync::Arc;
 

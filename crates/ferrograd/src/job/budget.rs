@@ -86,6 +86,12 @@ fn single_changes(job: &TrainJob) -> Vec<Change> {
             }));
         }
     }
+    // Every block recomputed but for its attention, which keeps its output instead.
+    if t.recompute != Recompute::Selective(1) && job.fused_attention {
+        out.push(change("--recompute selective:1", |j| {
+            j.trainer.recompute = Recompute::Selective(1)
+        }));
+    }
     for n in [2, 4] {
         if job.batch_size.is_multiple_of(n) && job.batch_size >= n {
             out.push(change(

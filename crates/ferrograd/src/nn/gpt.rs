@@ -396,7 +396,7 @@ impl Gpt {
                 if let Some(p) = pending.take() {
                     x = x.add(&p)?;
                 }
-                x = block.forward_recomputed(&x, &self.mask)?;
+                x = block.forward_recomputed(&x, &self.mask, self.recompute.keeps_attention())?;
             } else {
                 let (stream, m) = block.forward_open(&x, pending.as_ref(), &self.mask)?;
                 (x, pending) = (stream, Some(m));

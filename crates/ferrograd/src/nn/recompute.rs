@@ -1,7 +1,10 @@
 //! The model-level recomputation policy: which transformer blocks run under
 //! `checkpoint_activations` (every block, every k-th block, none) or, lighter, only each MLP's
-//! GELU output (`Recompute::Gelu`), and the recomputed forward of one block. A recomputed block keeps only its input (B, T, C); everything inside it is
-//! rebuilt during backward.
+//! GELU output (`Recompute::Gelu`), and the recomputed forward of one block. A recomputed block
+//! keeps only its input (B, T, C); everything inside it is rebuilt during backward. Under
+//! `Recompute::Selective` it also keeps its fused attention's output (B, T, C) and
+//! log-sum-exp (B, H, T), so backward runs the attention's backward kernels but not its
+//! forward again (PyTorch's selective activation checkpointing with the attention saved).
 //!
 //! Dropout: each block's dropouts own generators, so the segment snapshots them before the
 //! forward and replays from that snapshot when recomputing (then puts the streams back), which
@@ -12,7 +15,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use super::gpt::Block;
-use crate::autograd::{Segment, checkpoint_activations};
+use crate::autograd::{Segment, checkpoint_activations, checkpoint_activations_keeping};
 use crate::base::{Error, Result};
 use crate::tensor::{Generator, Tensor};
 
@@ -27,6 +30,9 @@ pub enum Recompute {
     /// Recompute only each MLP's GELU output (one elementwise pass per block in backward),
     /// the largest activation a block saves.
     Gelu,
+    /// As `Every(k)`, but each recomputed block also keeps its fused attention's output and
+    /// log-sum-exp, so the recomputation skips the attention's forward.
+    Selective(usize),
 }
 
 impl Recompute {
@@ -34,29 +40,35 @@ impl Recompute {
     pub fn applies_to(self, index: usize) -> bool {
         match self {
             Recompute::Off | Recompute::Gelu => false,
-            Recompute::Every(k) => k > 0 && index.is_multiple_of(k),
+            Recompute::Every(k) | Recompute::Selective(k) => k > 0 && index.is_multiple_of(k),
         }
+    }
+
+    /// Whether recomputed blocks keep their attention's results.
+    pub fn keeps_attention(self) -> bool {
+        matches!(self, Recompute::Selective(_))
     }
 }
 
 impl FromStr for Recompute {
     type Err = Error;
 
-    /// `off` or `every:K` with K ≥ 1.
+    /// `off`, `gelu`, `every:K` or `selective:K` with K ≥ 1.
     fn from_str(s: &str) -> Result<Recompute> {
         let bad = || {
             Error::invalid(
                 "recompute",
                 format!(
-                    "unknown policy '{s}': use 'off', 'gelu' (each MLP's GELU output) or 'every:K' (K ≥ 1; every:1 recomputes every block)"
+                    "unknown policy '{s}': use 'off', 'gelu' (each MLP's GELU output), 'every:K' (K ≥ 1; every:1 recomputes every block) or 'selective:K' (as every:K, keeping each block's attention output)"
                 ),
             )
         };
         match s.split_once(':') {
             None if s == "off" || s == "none" => Ok(Recompute::Off),
             None if s == "gelu" => Ok(Recompute::Gelu),
-            Some(("every", k)) => match k.parse::<usize>() {
-                Ok(k) if k >= 1 => Ok(Recompute::Every(k)),
+            Some((kind @ ("every" | "selective"), k)) => match k.parse::<usize>() {
+                Ok(k) if k >= 1 && kind == "every" => Ok(Recompute::Every(k)),
+                Ok(k) if k >= 1 => Ok(Recompute::Selective(k)),
                 _ => Err(bad()),
             },
             _ => Err(bad()),
@@ -70,6 +82,7 @@ impl std::fmt::Display for Recompute {
             Recompute::Off => write!(f, "off"),
             Recompute::Every(k) => write!(f, "every:{k}"),
             Recompute::Gelu => write!(f, "gelu"),
+            Recompute::Selective(k) => write!(f, "selective:{k}"),
         }
     }
 }
@@ -90,8 +103,14 @@ impl Block {
         self.mlp.dropout.set_generator_state(m);
     }
 
-    /// x: (B, T, C) → (B, T, C), like `forward_masked`, saving only `x` for backward.
-    pub fn forward_recomputed(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+    /// x: (B, T, C) → (B, T, C), like `forward_masked`, saving only `x` for backward (and,
+    /// when `keep_attention`, the fused attention's output and log-sum-exp).
+    pub fn forward_recomputed(
+        &self,
+        x: &Tensor,
+        mask: &Tensor,
+        keep_attention: bool,
+    ) -> Result<Tensor> {
         // A clone shares the parameters and dropout generators; the segment owns it so the
         // recomputation sees the block as it was (same train/eval mode).
         let block = self.clone();
@@ -111,6 +130,11 @@ impl Block {
             block.set_dropout_states(after);
             out
         });
-        checkpoint_activations(segment, std::slice::from_ref(x))
+        let x = std::slice::from_ref(x);
+        if keep_attention {
+            checkpoint_activations_keeping(segment, x)
+        } else {
+            checkpoint_activations(segment, x)
+        }
     }
 }

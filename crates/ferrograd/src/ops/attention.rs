@@ -7,7 +7,7 @@
 //! probabilities from them.
 
 use super::stats_dtype;
-use crate::autograd::{SavedTensor, record};
+use crate::autograd::{SavedTensor, kept_across_recompute, record};
 use crate::backend::View;
 use crate::backend::attention::{self, Attention, AttentionBackward, AttentionDropout, Heads};
 use crate::base::{Error, Layout, Result};
@@ -127,26 +127,36 @@ impl Tensor {
             ));
         }
         let qkv = self.detached_contiguous()?;
-        let out = Tensor::output_uninit(&[b, t, h * d], qkv.dtype(), qkv.device(), OP)?;
-        let lse = Tensor::output_uninit(&[b, h, t], stats_dtype(qkv.dtype()), qkv.device(), OP)?;
         let scale = 1.0 / (d as f64).sqrt();
-        let [q, k, v] = g.heads(&qkv)?;
-        attention::attention(&Attention {
-            qkv: Heads {
-                storage: qkv.storage(),
-                q: &q,
-                k: &k,
-                v: &v,
-            },
-            out: View {
-                storage: out.storage(),
-                layout: &g.merged(&out)?,
-            },
-            lse: lse.storage(),
-            scale,
-            causal: true,
-            dropout,
+        // A keeping recomputation reuses the forward's output and lse (same geometry and
+        // dropout key).
+        let tag = [b, t, h, d].map(|n| n as u64);
+        let tag = [&tag[..], &[dropout.map_or(0, |d| d.key)]].concat();
+        let kept = kept_across_recompute(OP, &tag, || {
+            let out = Tensor::output_uninit(&[b, t, h * d], qkv.dtype(), qkv.device(), OP)?;
+            let lse =
+                Tensor::output_uninit(&[b, h, t], stats_dtype(qkv.dtype()), qkv.device(), OP)?;
+            let [q, k, v] = g.heads(&qkv)?;
+            attention::attention(&Attention {
+                qkv: Heads {
+                    storage: qkv.storage(),
+                    q: &q,
+                    k: &k,
+                    v: &v,
+                },
+                out: View {
+                    storage: out.storage(),
+                    layout: &g.merged(&out)?,
+                },
+                lse: lse.storage(),
+                scale,
+                causal: true,
+                dropout,
+            })?;
+            Ok(vec![out, lse])
         })?;
+        let [out, lse] = <[Tensor; 2]>::try_from(kept)
+            .map_err(|_| Error::autograd("causal_attention: a kept result has two tensors"))?;
         let saved_out = out.detach();
         Ok(record(OP, &[self], out, move |_, _| {
             let saved = Saved {
