@@ -406,6 +406,16 @@ fn config() -> GptConfig {
     }
 }
 
+/// Two sequences of `t` token ids for the model's 61-token vocabulary, and their targets.
+fn token_batch(t: usize) -> (Tensor, Tensor) {
+    let ids: Vec<i64> = (0..2 * t as i64).map(|i| (i * 13 + 5) % 61).collect();
+    let targets: Vec<i64> = ids.iter().map(|&i| (i * 7 + 2) % 61).collect();
+    (
+        Tensor::from_vec(ids, &[2, t], GPU).unwrap(),
+        Tensor::from_vec(targets, &[2, t], GPU).unwrap(),
+    )
+}
+
 /// Loss and gradients of the model under bf16 autocast on the GPU, fused or composed, for
 /// sequences of `t` tokens.
 fn model_loss_and_grads_with(
@@ -416,10 +426,7 @@ fn model_loss_and_grads_with(
     let mut model = Gpt::new(config, GPU).unwrap();
     model.set_fused_attention(fused);
     assert_eq!(model.attention_fused(DType::BF16), fused);
-    let ids: Vec<i64> = (0..2 * t as i64).map(|i| (i * 13 + 5) % 61).collect();
-    let targets: Vec<i64> = ids.iter().map(|&i| (i * 7 + 2) % 61).collect();
-    let ids = Tensor::from_vec(ids, &[2, t], GPU).unwrap();
-    let targets = Tensor::from_vec(targets, &[2, t], GPU).unwrap();
+    let (ids, targets) = token_batch(t);
     let loss = {
         let _a = autocast(AmpDType::BF16);
         model.forward_loss(&ids, Some(&targets)).unwrap().1.unwrap()
@@ -482,10 +489,7 @@ fn loss_and_grad_bits(policy: ferrograd::nn::Recompute) -> (u64, Vec<Vec<u64>>) 
     model.set_recompute(policy);
     assert!(model.attention_fused(DType::BF16));
     let t = 148;
-    let ids: Vec<i64> = (0..2 * t as i64).map(|i| (i * 13 + 5) % 61).collect();
-    let targets: Vec<i64> = ids.iter().map(|&i| (i * 7 + 2) % 61).collect();
-    let ids = Tensor::from_vec(ids, &[2, t], GPU).unwrap();
-    let targets = Tensor::from_vec(targets, &[2, t], GPU).unwrap();
+    let (ids, targets) = token_batch(t);
     let loss = {
         let _a = autocast(AmpDType::BF16);
         model.forward_loss(&ids, Some(&targets)).unwrap().1.unwrap()

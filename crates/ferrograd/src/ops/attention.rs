@@ -136,14 +136,9 @@ impl Tensor {
             let out = Tensor::output_uninit(&[b, t, h * d], qkv.dtype(), qkv.device(), OP)?;
             let lse =
                 Tensor::output_uninit(&[b, h, t], stats_dtype(qkv.dtype()), qkv.device(), OP)?;
-            let [q, k, v] = g.heads(&qkv)?;
+            let qkv_heads = g.heads(&qkv)?;
             attention::attention(&Attention {
-                qkv: Heads {
-                    storage: qkv.storage(),
-                    q: &q,
-                    k: &k,
-                    v: &v,
-                },
+                qkv: heads_of(&qkv, &qkv_heads),
                 out: View {
                     storage: out.storage(),
                     layout: &g.merged(&out)?,
@@ -214,6 +209,16 @@ fn geometry(shape: &[usize], n_head: usize) -> Result<Geometry> {
     })
 }
 
+/// The q, k and v head layouts of `t` (qkv or its gradient) over its storage.
+fn heads_of<'a>(t: &'a Tensor, [q, k, v]: &'a [Layout; 3]) -> Heads<'a> {
+    Heads {
+        storage: t.storage(),
+        q,
+        k,
+        v,
+    }
+}
+
 /// What backward needs: qkv (B, T, 3C), the output (B, T, C) and lse (B, H, T).
 struct Saved {
     qkv: SavedTensor,
@@ -232,16 +237,10 @@ impl Saved {
         let grads = Tensor::output_uninit(qkv.shape(), qkv.dtype(), qkv.device(), OP)?;
         let delta = Tensor::output_uninit(lse.shape(), lse.dtype(), lse.device(), OP)?;
         let g = &self.geometry;
-        let [q, k, v] = g.heads(qkv)?;
-        let [gq, gk, gv] = g.heads(&grads)?;
+        let (qkv_heads, grad_heads) = (g.heads(qkv)?, g.heads(&grads)?);
         let (out_heads, gout_heads) = (g.merged(out)?, g.merged(&gout)?);
         attention::attention_backward(&AttentionBackward {
-            qkv: Heads {
-                storage: qkv.storage(),
-                q: &q,
-                k: &k,
-                v: &v,
-            },
+            qkv: heads_of(qkv, &qkv_heads),
             out: View {
                 storage: out.storage(),
                 layout: &out_heads,
@@ -252,12 +251,7 @@ impl Saved {
             },
             lse: lse.view(),
             delta: delta.storage(),
-            grads: Heads {
-                storage: grads.storage(),
-                q: &gq,
-                k: &gk,
-                v: &gv,
-            },
+            grads: heads_of(&grads, &grad_heads),
             scale: self.scale,
             causal: true,
             dropout: self.dropout,
