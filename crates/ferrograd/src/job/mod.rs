@@ -473,7 +473,12 @@ fn run_replica(
         Some(g) => data_parallel::rank_peaks(job.device, &**g)?,
         None => Vec::new(),
     };
-    let final_eval = evaluate_on(leader, &mut model, &data, job, trainer.step_index())?;
+    // In the captured step's pool, like the evaluations between steps: beside a pool that
+    // holds most of the device, a final evaluation outside it would not fit.
+    let last_step = trainer.step_index();
+    let final_eval = step_graph.run_between_steps(job.device, || {
+        evaluate_on(leader, &mut model, &data, job, last_step)
+    })?;
     on_event(&Event::Eval(final_eval.clone()));
     if !leader {
         if job.save.is_some() {
@@ -488,13 +493,15 @@ fn run_replica(
             path: path.clone(),
         });
     }
-    let sample = sample_text(
-        &mut model,
-        data.tokenizer(),
-        job.sample_chars,
-        job.seed,
-        job.device,
-    )?;
+    let sample = step_graph.run_between_steps(job.device, || {
+        sample_text(
+            &mut model,
+            data.tokenizer(),
+            job.sample_chars,
+            job.seed,
+            job.device,
+        )
+    })?;
     Ok(JobSummary {
         initial_loss: losses.first()?,
         final_loss: losses.last()?,
