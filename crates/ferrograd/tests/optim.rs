@@ -709,25 +709,11 @@ fn sgd_reads_its_rate_from_memory_when_staged() {
     let p = Tensor::from_vec(vec![1.0f32, -2.0], &[2], Device::Cpu).unwrap();
     let g = Tensor::from_vec(vec![0.5f32, 4.0], &[2], Device::Cpu).unwrap();
     let lr = Tensor::from_vec(vec![0.25f64], &[1], Device::Cpu).unwrap();
-    let step = |lr_at: Option<View>| {
-        sgd_step(&SgdStep {
-            grad: View {
-                storage: g.storage(),
-                layout: g.layout(),
-            },
-            param: p.storage(),
-            momentum_buf: None,
-            lr: 100.0,
-            momentum: 0.0,
-            dampening: 0.0,
-            weight_decay: 0.0,
-            nesterov: false,
-            first_step: false,
-            lr_at,
-            skip_if: None,
-            count_at: None,
-        })
+    let grad = View {
+        storage: g.storage(),
+        layout: g.layout(),
     };
+    let step = |lr_at: Option<View>| sgd_step(&SgdStep::plain(grad, p.storage(), 100.0, lr_at));
     step(Some(View {
         storage: lr.storage(),
         layout: lr.layout(),

@@ -761,24 +761,28 @@ fn replays_in_a_pool_that_goes_back<O: Optimizer + Send + 'static>(
     Ok(())
 }
 
+/// SGD at rate 0.1 with momentum 0.9.
+fn sgd_with_momentum() -> ferrograd::optim::SgdConfig {
+    ferrograd::optim::SgdConfig {
+        lr: 0.1,
+        momentum: 0.9,
+        ..Default::default()
+    }
+}
+
 /// SGD with momentum replays on a planned GPU too: the warm-up step makes the momentum
 /// buffers beside the parameters (not in the graph's pool), the capture stages the rate in
 /// device memory, the replays allocate nothing, and the pool goes back with the graph.
 #[test]
 fn a_gpu_plan_replays_sgd_with_momentum() {
     use ferrograd::nn::Gpt;
-    use ferrograd::optim::{Sgd, SgdConfig};
+    use ferrograd::optim::Sgd;
     use ferrograd::train::Trainer;
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let gpu = Target::Cuda { capacity: 80 << 30 };
     plan::plan(gpu, PlanOptions::default(), |device| {
         let gpt = Gpt::new(GptConfig::tiny(), device)?;
-        let cfg = SgdConfig {
-            lr: 0.1,
-            momentum: 0.9,
-            ..SgdConfig::default()
-        };
-        let opt = Sgd::new(gpt.parameters(), cfg)?;
+        let opt = Sgd::new(gpt.parameters(), sgd_with_momentum())?;
         let mut trainer = Trainer::new(opt, TrainerConfig::default(), device)?;
         replays_in_a_pool_that_goes_back(&mut trainer, &gpt, device)?;
         // Every parameter's momentum buffer, and the staged rate, are optimizer state.
@@ -798,7 +802,7 @@ fn a_gpu_plan_replays_sgd_with_momentum() {
 #[test]
 fn a_gpu_plan_replays_the_step_in_backward() {
     use ferrograd::nn::Gpt;
-    use ferrograd::optim::{Sgd, SgdConfig};
+    use ferrograd::optim::Sgd;
     use ferrograd::train::Trainer;
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let config = TrainerConfig {
@@ -823,12 +827,8 @@ fn a_gpu_plan_replays_the_step_in_backward() {
     .unwrap();
     plan::plan(gpu, PlanOptions::default(), |device| {
         let gpt = Gpt::new(GptConfig::tiny(), device)?;
-        let cfg = SgdConfig {
-            lr: 0.1,
-            momentum: 0.9,
-            ..SgdConfig::default()
-        };
-        let mut trainer = Trainer::new(Sgd::new(gpt.parameters(), cfg)?, config.clone(), device)?;
+        let opt = Sgd::new(gpt.parameters(), sgd_with_momentum())?;
+        let mut trainer = Trainer::new(opt, config.clone(), device)?;
         assert!(trainer.in_backward_path().is_some_and(|p| p.is_fused()));
         replays_in_a_pool_that_goes_back(&mut trainer, &gpt, device)?;
         Ok(())

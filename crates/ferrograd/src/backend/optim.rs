@@ -36,6 +36,27 @@ pub struct SgdStep<'a> {
     pub count_at: Option<View<'a>>,
 }
 
+impl<'a> SgdStep<'a> {
+    /// Plain descent, p ← p − lr·grad: no momentum, no weight decay, nothing on the device
+    /// but the rate where `lr_at` holds it.
+    pub fn plain(grad: View<'a>, param: &'a Storage, lr: f64, lr_at: Option<View<'a>>) -> Self {
+        SgdStep {
+            grad,
+            param,
+            momentum_buf: None,
+            lr,
+            momentum: 0.0,
+            dampening: 0.0,
+            weight_decay: 0.0,
+            nesterov: false,
+            first_step: false,
+            lr_at,
+            skip_if: None,
+            count_at: None,
+        }
+    }
+}
+
 /// One parameter of an Adam step: its gradient (contiguous, the parameter's numel and dtype)
 /// and three distinct storages updated in place. With `master` (an f16/bf16 parameter's f32
 /// copy), the step reads and writes the master and the f32 moments, then stores the master

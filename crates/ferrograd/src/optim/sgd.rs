@@ -220,20 +220,7 @@ impl Sgd {
         };
         // The kernel without a buffer is p ← p − lr·(g + wd·p): here g = buf and wd = 0.
         let lr_at = self.staged_lr(capture::capturing_on(p.device()))?;
-        optim::sgd_step(&SgdStep {
-            grad: buf.view(),
-            param: p.storage(),
-            momentum_buf: None,
-            lr: self.cfg.lr,
-            momentum: 0.0,
-            dampening: 0.0,
-            weight_decay: 0.0,
-            nesterov: false,
-            first_step: false,
-            lr_at,
-            skip_if: None,
-            count_at: None,
-        })
+        optim::sgd_step(&SgdStep::plain(buf.view(), p.storage(), self.cfg.lr, lr_at))
     }
 
     /// One fused pass per parameter: reads the gradient once, updates buffer and parameter.
