@@ -256,7 +256,10 @@ fn residual_add_and_layer_norm_in_one_kernel() {
 }
 
 /// Rows up to 1024 wide are held in a warp's registers (8, 16, 24 or 32 per lane); wider
-/// ones take a block per row. Each width at a slot boundary matches the CPU.
+/// ones take a block per row. Each width at a slot boundary matches the CPU, as do rows that
+/// start one element past a vector's bytes: the warp kernels move groups of four elements as
+/// one vector only where every row's groups are aligned, and element by element otherwise
+/// (also at widths that are not a multiple of four).
 #[test]
 fn layer_norm_at_every_row_width_boundary() {
     for n in [31, 256, 257, 768, 1024, 1025] {
@@ -265,6 +268,17 @@ fn layer_norm_at_every_row_width_boundary() {
         compare(&format!("layer_norm n={n}"), &[x, w, b], TOL, |t| {
             t[0].layer_norm(&[n], Some(&t[1]), Some(&t[2]), 1e-5)
         });
+        let flat = randn(&[37 * n + 1], 43 + n as u64);
+        let (w, b) = (randn(&[n], 44), randn(&[n], 45));
+        compare(
+            &format!("layer_norm n={n}, one in"),
+            &[flat, w, b],
+            TOL,
+            |t| {
+                let x = t[0].narrow(0, 1, 37 * n)?.reshape(&[37, n])?;
+                x.layer_norm(&[n], Some(&t[1]), Some(&t[2]), 1e-5)
+            },
+        );
     }
 }
 

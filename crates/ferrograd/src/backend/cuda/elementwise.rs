@@ -229,16 +229,21 @@ pub(crate) fn dropout_apply(
     check_bounds("dropout", &x)?;
     let (bits, _) = element_bits(dt, 1.0 / keep);
     let xp = dev_ptr(d, "dropout", x.storage)? + (x.layout.offset() * dt.size_in_bytes()) as u64;
-    // dropout_apply_*(const S*, S*, u64, u64, const u64*, double, i64); x is contiguous (the
-    // family checks).
+    let op = dev_ptr(d, "dropout", out)?;
+    // Groups of four elements move as one vector where both start on such a group's bytes.
+    let quad = 4 * dt.size_in_bytes() as u64;
+    let aligned = xp.is_multiple_of(quad) && op.is_multiple_of(quad);
+    // dropout_apply_*(const S*, S*, u64, u64, const u64*, double, i64, int); x is contiguous
+    // (the family checks).
     let args = [
         Arg::Ptr(xp),
-        Arg::Ptr(dev_ptr(d, "dropout", out)?),
+        Arg::Ptr(op),
         Arg::U64(bits),
         Arg::U64(key),
         Arg::Ptr(d.dropout_seed()?),
         Arg::F64(keep),
         Arg::I64(n as i64),
+        Arg::I32(aligned as i32),
     ];
     let kernel = format!("dropout_apply_{suffix}");
     launch(d, kernels(&[dt]), &kernel, grid(n.div_ceil(4)), &args)

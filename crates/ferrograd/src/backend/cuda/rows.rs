@@ -132,7 +132,7 @@ fn layer_norm(d: &CudaDevice, a: &LayerNorm) -> Result<()> {
     if rows == 0 {
         return Ok(());
     }
-    let args = [
+    let mut args = vec![
         Arg::Ptr(x),
         Arg::Ptr(res),
         Arg::Ptr(sum),
@@ -146,24 +146,48 @@ fn layer_norm(d: &CudaDevice, a: &LayerNorm) -> Result<()> {
         i64_of(n),
         Arg::F64(eps),
     ];
-    let (kernel, cfg) = layer_norm_kernel("layer_norm_fwd", &s, rows, n);
+    let (kernel, cfg, warp_rows) = layer_norm_kernel("layer_norm_fwd", &s, rows, n);
+    if warp_rows {
+        let (t, h) = (a.x.storage.dtype(), a.y.dtype());
+        args.push(groups_move_as_vectors(
+            n,
+            &[(t, &[x, sum, w, b]), (h, &[res, y])],
+        ));
+    }
     launch(d, kernels(OP, a.x.storage.dtype())?, &kernel, cfg, &args)
+}
+
+/// Threads per block of the warp-per-row kernels (LN_WARP_BLOCK in rows.cu): four rows.
+const LN_WARP_BLOCK: u32 = 128;
+
+/// The warp-per-row kernels' `vec` argument: 1 where every group of four elements of a row
+/// can move as one vector, that is n is a multiple of four and each address (0: absent) is a
+/// multiple of four elements of its dtype.
+fn groups_move_as_vectors(n: usize, addrs: &[(DType, &[u64])]) -> Arg<'static> {
+    let aligned = addrs.iter().all(|(dt, ps)| {
+        let quad = 4 * dt.size_in_bytes() as u64;
+        ps.iter().all(|p| p.is_multiple_of(quad))
+    });
+    Arg::I32((n.is_multiple_of(4) && aligned) as i32)
 }
 
 /// Registers per lane of the warp-per-row layer norm kernels (PER in rows.cu).
 const WARP_ROW_SLOTS: [usize; 4] = [8, 16, 24, 32];
 
-/// `{stem}_warp{PER}_{s}` with eight rows (one per warp) to a block when a row fits a warp's
-/// registers and the dtype has those kernels; `{stem}_{s}` with a block per row otherwise.
-fn layer_norm_kernel(stem: &str, s: &str, rows: usize, n: usize) -> (String, LaunchConfig) {
+/// `{stem}_warp{PER}_{s}` with four rows (one per warp) to a block of LN_WARP_BLOCK threads
+/// when a row fits a warp's registers and the dtype has those kernels; `{stem}_{s}` with a
+/// block per row otherwise.
+/// The flag says which: the warp-per-row kernels take one more argument (`vec`).
+fn layer_norm_kernel(stem: &str, s: &str, rows: usize, n: usize) -> (String, LaunchConfig, bool) {
     let slots = WARP_ROW_SLOTS.iter().find(|&&p| 32 * p >= n);
     match slots {
         Some(per) if s != "f64" => {
-            let warps = (BLOCK / 32) as usize;
-            let cfg = rows_cfg(rows.div_ceil(warps));
-            (format!("{stem}_warp{per}_{s}"), cfg)
+            let warps = (LN_WARP_BLOCK / 32) as usize;
+            let mut cfg = rows_cfg(rows.div_ceil(warps));
+            cfg.block_dim.0 = LN_WARP_BLOCK;
+            (format!("{stem}_warp{per}_{s}"), cfg, true)
         }
-        _ => (format!("{stem}_{s}"), rows_cfg(rows)),
+        _ => (format!("{stem}_{s}"), rows_cfg(rows), false),
     }
 }
 
@@ -184,7 +208,7 @@ fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
         return Ok(());
     }
     let stats = [Arg::Ptr(mean), Arg::Ptr(rstd), Arg::I32(sk)];
-    let args = [
+    let mut args = [
         &[Arg::Ptr(x), Arg::Ptr(w)][..],
         &stats,
         &[
@@ -196,7 +220,14 @@ fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
         ],
     ]
     .concat();
-    let (kernel, cfg) = layer_norm_kernel("layer_norm_bwd", &s, rows, n);
+    let (kernel, cfg, warp_rows) = layer_norm_kernel("layer_norm_bwd", &s, rows, n);
+    if warp_rows {
+        let g = a.gy.storage.dtype();
+        args.push(groups_move_as_vectors(
+            n,
+            &[(dtype, &[x, w, prior, gx]), (g, &[gy])],
+        ));
+    }
     let module = kernels(OP, dtype)?;
     launch(d, module, &kernel, cfg, &args)?;
     if param_scratch_bytes(a).is_some() {
@@ -297,7 +328,7 @@ mod tests {
             let block = kernels("test", dt).unwrap().own_block().unwrap_or_default();
             assert!(block.contains(&format!("ROW_KERNELS({s},")), "{s}");
             // The warp-per-row kernels, where layer_norm_kernel asks for them.
-            let (warp, _) = layer_norm_kernel("layer_norm_fwd", s, 4, 64);
+            let (warp, _, _) = layer_norm_kernel("layer_norm_fwd", s, 4, 64);
             let has_warp = block.contains(&format!("LN_WARP_SIZES({s},"));
             assert_eq!(has_warp, warp.contains("_warp"), "{s}");
         }
@@ -310,6 +341,43 @@ mod tests {
             assert!(f32_block.contains(&format!("LN_KERNELS({s},")), "{s}");
             assert!(f32_block.contains(&format!("LN_WARP_SIZES({s},")), "{s}");
         }
+    }
+
+    /// The warp-per-row kernels launch with the block their launch bounds and row indexing
+    /// assume, and only those kernels take the `vec` flag.
+    #[test]
+    fn warp_kernels_launch_with_the_block_the_source_declares() {
+        assert!(SOURCE.contains(&format!("#define LN_WARP_BLOCK {LN_WARP_BLOCK}\n")));
+        let (name, cfg, warp) = layer_norm_kernel("layer_norm_bwd", "f32_bf16", 8192, 768);
+        assert_eq!(
+            (name.as_str(), warp),
+            ("layer_norm_bwd_warp24_f32_bf16", true)
+        );
+        assert_eq!((cfg.block_dim.0, cfg.grid_dim.0), (LN_WARP_BLOCK, 2048));
+        let (name, cfg, warp) = layer_norm_kernel("layer_norm_bwd", "f32", 8, 1100);
+        assert_eq!(
+            (name.as_str(), warp, cfg.block_dim.0),
+            ("layer_norm_bwd_f32", false, BLOCK)
+        );
+    }
+
+    /// Groups of four move as vectors only where n and every address allow it.
+    #[test]
+    fn vectors_only_where_every_group_is_aligned() {
+        let flag = |n, addrs: &[(DType, &[u64])]| match groups_move_as_vectors(n, addrs) {
+            Arg::I32(v) => v,
+            _ => panic!("not an int"),
+        };
+        assert_eq!(
+            flag(768, &[(DType::F32, &[256, 0, 4096]), (DType::BF16, &[8])]),
+            1
+        );
+        assert_eq!(flag(770, &[(DType::F32, &[256]), (DType::BF16, &[8])]), 0);
+        assert_eq!(
+            flag(768, &[(DType::F32, &[256, 260]), (DType::BF16, &[8])]),
+            0
+        );
+        assert_eq!(flag(768, &[(DType::F32, &[256]), (DType::BF16, &[4])]), 0);
     }
 
     #[test]

@@ -469,27 +469,38 @@ extern "C" __global__ void fill_bits(void* dst, int size, u64 bits, i64 n) {
 
 // out[i] = x[i] · m_i, m_i = the mask value `bits` (1/keep in the dtype) where element i's draw
 // (24 bits of word i % 4 of philox(i / 4, key)) is below `keep`, else 0; the product in the
-// compute type, rounded once (as a multiply by a stored mask). One thread per group of four.
+// compute type, rounded once (as a multiply by a stored mask). One thread per group of four;
+// with `aligned` (x and out start on a multiple of four elements' bytes, the host checks) a
+// whole group moves as one vector load and one vector store.
 // seed: null, or a captured step's seed (rewritten before each replay): the key is key ^ *seed.
 template <typename T>
 __device__ __forceinline__ void dropout_apply_run(const typename T::S* x, typename T::S* out,
                                                   u64 bits, u64 key, const u64* seed,
-                                                  double keep, i64 n) {
+                                                  double keep, i64 n, int aligned) {
     if (seed) key ^= *seed;
     typedef typename T::S S;
     S m;
     memcpy(&m, &bits, sizeof(S));  // little-endian: the low bytes hold the value
     const typename T::C scale = T::ld(m), zero = (typename T::C)0;
+    // u < keep for u = draw / 2^24 is draw < ceil(keep · 2^24): exact, as keep · 2^24 is.
+    const u32 below = (u32)ceil(keep * 16777216.0);
     const i64 groups = (n + 3) / 4;
     for (i64 g = grid_start(); g < groups; g += grid_step()) {
         u32 w[4];
         philox4x32_10((u64)g, key, w);
+        if (aligned && g * 4 + 4 <= n) {
+            Quad<S> q = ((const Quad<S>*)x)[g];
+#pragma unroll
+            for (int j = 0; j < 4; j++)
+                q.v[j] = T::st(T::ld(q.v[j]) * ((w[j] >> 8) < below ? scale : zero));
+            ((Quad<S>*)out)[g] = q;
+            continue;
+        }
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             const i64 i = g * 4 + j;
             if (i >= n) break;
-            const double u = (double)(w[j] >> 8) * (1.0 / 16777216.0);
-            out[i] = T::st(T::ld(x[i]) * (u < keep ? scale : zero));
+            out[i] = T::st(T::ld(x[i]) * ((w[j] >> 8) < below ? scale : zero));
         }
     }
 }
@@ -497,8 +508,8 @@ __device__ __forceinline__ void dropout_apply_run(const typename T::S* x, typena
 #define DROPOUT_KERNEL(SUFFIX, T)                                                             \
     extern "C" __global__ void dropout_apply_##SUFFIX(const T::S* x, T::S* out, u64 bits,     \
                                                       u64 key, const u64* seed, double keep,  \
-                                                      i64 n) {                                \
-        dropout_apply_run<T>(x, out, bits, key, seed, keep, n);                               \
+                                                      i64 n, int aligned) {                   \
+        dropout_apply_run<T>(x, out, bits, key, seed, keep, n, aligned);                      \
     }
 
 // ---- the modules ----------------------------------------------------------------------------

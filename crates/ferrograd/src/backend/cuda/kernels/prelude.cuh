@@ -190,6 +190,13 @@ struct alignas(16) Pack16 {
     S v[16 / sizeof(S)];
 };
 
+// Four neighbouring elements of S, moved as one 8- or 16-byte load or store (a row's group of
+// four in the dropout and layer norm kernels).
+template <typename S>
+struct alignas(4 * sizeof(S)) Quad {
+    S v[4];
+};
+
 __device__ __forceinline__ bool aligned16(const void* p) {
     return (((unsigned long long)p) & 15ull) == 0;
 }

@@ -158,10 +158,16 @@ __device__ void layer_norm_bwd(const T* x, const T* w, const void* mean, const v
 
 // ---- layer norm, one warp per row ---------------------------------------------------------
 // Rows of at most 32 * PER elements in f32/f16/bf16 (a transformer's width; PER is 8, 16, 24
-// or 32, the host picks the least that holds the row): a warp holds its row in registers
-// (element j in lane j % 32, slot j / 32; f32 holds every such value exactly), so x and gy are read once, the sums are warp shuffles (no shared memory, no
-// block barrier), and eight rows share a block. The arithmetic is the block kernels' above,
-// in double; only the order of the per-row sums differs.
+// or 32, the host picks the least that holds the row): a warp holds its row in registers, so
+// x and gy are read once, the sums are warp shuffles (no shared memory, no block barrier), and
+// four rows share a block. The row is dealt out in groups of four: group q (elements 4q to
+// 4q + 3) to lane q % 32, slot q / 32. With `vec` (n a multiple of four and every pointer on
+// a group's bytes, the host checks) a group moves as one 8- or 16-byte load or store.
+// Every load of a row's elements (x, the residual branch, gy, the prior) is issued before its
+// first store: the stores may alias them as far as the compiler knows (sum may be x, gx may
+// be prior), so a store between two loads would make each load wait for the one before it
+// (the weights, read by every row, come from the cache). The arithmetic is the block kernels'
+// above, in double; only the order of the per-row sums differs.
 __device__ __forceinline__ double warp_sum_d(double v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -172,43 +178,92 @@ __device__ __forceinline__ double warp_sum_d(double v) {
 __device__ __forceinline__ i64 warp_row() { return (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); }
 __device__ __forceinline__ i64 warp_rows() { return (i64)gridDim.x * (blockDim.x >> 5); }
 
+// Elements e to e + 3 of a row of n: zero past n.
+template <typename T>
+__device__ __forceinline__ void load_group(const T* row, i64 e, i64 n, int vec, T out[4]) {
+    if (vec && e < n) {
+        const Quad<T> q = *(const Quad<T>*)(row + e);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) out[k] = q.v[k];
+        return;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) out[k] = e + k < n ? row[e + k] : T{};
+}
+
+template <typename T>
+__device__ __forceinline__ void store_group(T* row, i64 e, i64 n, int vec, const T in[4]) {
+    if (vec && e < n) {
+        Quad<T> q;
+#pragma unroll
+        for (int k = 0; k < 4; ++k) q.v[k] = in[k];
+        *(Quad<T>*)(row + e) = q;
+        return;
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+        if (e + k < n) row[e + k] = in[k];
+}
+
+// The first element of slot i's group in this lane.
+__device__ __forceinline__ i64 group_at(int lane, int i) { return 4 * ((i64)lane + 32 * i); }
+
 template <typename T, typename Y, int PER>
 __device__ void layer_norm_fwd_warp(const T* x, const Y* res, T* sum, const T* w, const T* b,
                                     Y* y, void* mean, void* rstd, int sk, i64 rows, i64 n,
-                                    double eps) {
+                                    double eps, int vec) {
+    constexpr int G = PER / 4;
     const int lane = threadIdx.x & 31;
     for (i64 r = warp_row(); r < rows; r += warp_rows()) {
-        const T* xr = x + r * n;
-        Y* yr = y + r * n;
-        float v[PER];
+        T e[G][4];
+#pragma unroll
+        for (int i = 0; i < G; ++i) load_group(x + r * n, group_at(lane, i), n, vec, e[i]);
+        if (res) {
+            Y h[G][4];
+#pragma unroll
+            for (int i = 0; i < G; ++i) load_group(res + r * n, group_at(lane, i), n, vec, h[i]);
+#pragma unroll
+            for (int i = 0; i < G; ++i) {
+#pragma unroll
+                for (int k = 0; k < 4; ++k) e[i][k] = residual_add(e[i][k], h[i][k]);
+                store_group(sum + r * n, group_at(lane, i), n, vec, e[i]);
+            }
+        }
+        float v[G][4];
         double s = 0.0;
 #pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            const i64 j = lane + 32 * i;
-            T e = j < n ? xr[j] : T{};
-            if (res && j < n) {
-                e = residual_add(e, res[r * n + j]);
-                sum[r * n + j] = e;
+        for (int i = 0; i < G; ++i)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                v[i][k] = to_f(e[i][k]);  // zero past n
+                s += (double)v[i][k];
             }
-            v[i] = to_f(e);
-            s += (double)v[i];
-        }
         const double mu = warp_sum_d(s) / (double)n;
         double q = 0.0;
 #pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            const double d = (double)v[i] - mu;
-            if (lane + 32 * i < n) q += d * d;
-        }
+        for (int i = 0; i < G; ++i)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const double d = (double)v[i][k] - mu;
+                if (group_at(lane, i) + k < n) q += d * d;
+            }
         const double rs = 1.0 / sqrt(warp_sum_d(q) / (double)n + eps);
 #pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            const i64 j = lane + 32 * i;
-            if (j >= n) break;
-            double h = ((double)v[i] - mu) * rs;
-            if (w) h *= to_d(w[j]);
-            if (b) h += to_d(b[j]);
-            yr[j] = LnOut<T, Y>::of(h);
+        for (int i = 0; i < G; ++i) {
+            const i64 at = group_at(lane, i);
+            if (at >= n) break;
+            T wg[4], bg[4];
+            if (w) load_group(w, at, n, vec, wg);
+            if (b) load_group(b, at, n, vec, bg);
+            Y out[4];
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                double h = ((double)v[i][k] - mu) * rs;
+                if (w) h *= to_d(wg[k]);
+                if (b) h += to_d(bg[k]);
+                out[k] = LnOut<T, Y>::of(h);
+            }
+            store_group(y + r * n, at, n, vec, out);
         }
         if (lane == 0) {
             store_f64(mean, sk, r, mu);
@@ -219,52 +274,75 @@ __device__ void layer_norm_fwd_warp(const T* x, const Y* res, T* sum, const T* w
 
 template <typename T, typename Y, int PER>
 __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, const void* rstd,
-                                    int sk, const Y* gy, const T* prior, T* gx, i64 rows, i64 n) {
+                                    int sk, const Y* gy, const T* prior, T* gx, i64 rows, i64 n,
+                                    int vec) {
+    constexpr int G = PER / 4;
     const int lane = threadIdx.x & 31;
     for (i64 r = warp_row(); r < rows; r += warp_rows()) {
-        const T* xr = x + r * n;
-        const Y* gr = gy + r * n;
-        T* outr = gx + r * n;
         const double mu = load_f64(mean, sk, r), rs = load_f64(rstd, sk, r);
-        float xv[PER], gv[PER];
+        T xe[G][4], we[G][4], pe[G][4];
+        Y ge[G][4];
+#pragma unroll
+        for (int i = 0; i < G; ++i) {
+            const i64 at = group_at(lane, i);
+            load_group(x + r * n, at, n, vec, xe[i]);
+            load_group(gy + r * n, at, n, vec, ge[i]);
+            if (w) load_group(w, at, n, vec, we[i]);
+            if (prior) load_group(prior + r * n, at, n, vec, pe[i]);
+        }
+        // ĝ = gy · w and x̂ per element; both zero past n (x̂ is kept only where it is in).
         double sg = 0.0, sgx = 0.0;
 #pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            const i64 j = lane + 32 * i;
-            const bool in = j < n;
-            xv[i] = in ? to_f(xr[j]) : 0.0f;
-            gv[i] = in ? to_f(gr[j]) : 0.0f;
-            const double gh = (double)gv[i] * (w && in ? to_d(w[j]) : 1.0);
-            sg += gh;
-            sgx += gh * (((double)xv[i] - mu) * rs);
-        }
+        for (int i = 0; i < G; ++i)
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const bool in = group_at(lane, i) + k < n;
+                const double g = to_d(ge[i][k]) * (w ? to_d(we[i][k]) : 1.0);
+                const double xn = in ? (to_d(xe[i][k]) - mu) * rs : 0.0;
+                sg += g;
+                sgx += g * xn;
+            }
         const double mean_g = warp_sum_d(sg) / (double)n;
         const double mean_gx = warp_sum_d(sgx) / (double)n;
 #pragma unroll
-        for (int i = 0; i < PER; ++i) {
-            const i64 j = lane + 32 * i;
-            if (j >= n) break;
-            const double gh = (double)gv[i] * (w ? to_d(w[j]) : 1.0);
-            const double xh = ((double)xv[i] - mu) * rs;
-            outr[j] = ln_grad_out(prior, r * n + j, from_d<T>(rs * (gh - mean_g - xh * mean_gx)));
+        for (int i = 0; i < G; ++i) {
+            const i64 at = group_at(lane, i);
+            if (at >= n) break;
+            // w again (a cache hit): keeping the first loop's copy costs a lane PER registers.
+            T wg[4], out[4];
+            if (w) load_group(w, at, n, vec, wg);
+#pragma unroll
+            for (int k = 0; k < 4; ++k) {
+                const double g = to_d(ge[i][k]) * (w ? to_d(wg[k]) : 1.0);
+                const double xn = (to_d(xe[i][k]) - mu) * rs;
+                const T local = from_d<T>(rs * (g - mean_g - xn * mean_gx));
+                out[k] = prior ? t_add(pe[i][k], local) : local;
+            }
+            store_group(gx + r * n, at, n, vec, out);
         }
     }
 }
 
+// Threads per block of the warp-per-row kernels (cuda/rows.rs launches them so): four rows
+// to a block. The backward takes about 160 registers a lane at rows of 768; in blocks of
+// four warps that is twelve warps per SM, in blocks of eight only eight, and bounding the
+// registers to fit two blocks of eight made the compiler spill.
+#define LN_WARP_BLOCK 128
+
 // S names the kernels: the rows' dtype, then the output's when it differs (f32_bf16: f32
 // rows, a bf16 output and output gradient).
 #define LN_WARP_KERNELS(S, T, Y, PER)                                                              \
-    extern "C" __global__ void __launch_bounds__(BLOCK)                                            \
+    extern "C" __global__ void __launch_bounds__(LN_WARP_BLOCK)                                    \
         layer_norm_fwd_warp##PER##_##S(const T* x, const Y* res, T* sum, const T* w, const T* b,   \
                                        Y* y, void* mean, void* rstd, int sk, i64 rows, i64 n,      \
-                                       double eps) {                                               \
-        layer_norm_fwd_warp<T, Y, PER>(x, res, sum, w, b, y, mean, rstd, sk, rows, n, eps);        \
+                                       double eps, int vec) {                                      \
+        layer_norm_fwd_warp<T, Y, PER>(x, res, sum, w, b, y, mean, rstd, sk, rows, n, eps, vec);   \
     }                                                                                              \
-    extern "C" __global__ void __launch_bounds__(BLOCK)                                            \
+    extern "C" __global__ void __launch_bounds__(LN_WARP_BLOCK)                                    \
         layer_norm_bwd_warp##PER##_##S(const T* x, const T* w, const void* mean,                   \
                                        const void* rstd, int sk, const Y* gy, const T* prior,      \
-                                       T* gx, i64 rows, i64 n) {                                   \
-        layer_norm_bwd_warp<T, Y, PER>(x, w, mean, rstd, sk, gy, prior, gx, rows, n);              \
+                                       T* gx, i64 rows, i64 n, int vec) {                          \
+        layer_norm_bwd_warp<T, Y, PER>(x, w, mean, rstd, sk, gy, prior, gx, rows, n, vec);         \
     }
 #define LN_WARP_SIZES(S, T, Y)                                                  \
     LN_WARP_KERNELS(S, T, Y, 8) LN_WARP_KERNELS(S, T, Y, 16) LN_WARP_KERNELS(S, T, Y, 24) \
