@@ -120,7 +120,8 @@ fn ln_suffix(op: &'static str, x: DType, y: DType) -> Result<String> {
 
 fn layer_norm(d: &CudaDevice, a: &LayerNorm) -> Result<()> {
     const OP: &str = "layer_norm";
-    let (eps, s) = (a.eps, ln_suffix(OP, a.x.storage.dtype(), a.y.dtype())?);
+    let dt = a.x.storage.dtype();
+    let (eps, s) = (a.eps, ln_suffix(OP, dt, a.y.dtype())?);
     let (rows, n) = rows_cols(a.x.layout);
     let (x, w, b) = (addr(&a.x)?, optional(&a.weight)?, optional(&a.bias)?);
     let (res, sum) = match &a.residual {
@@ -146,15 +147,12 @@ fn layer_norm(d: &CudaDevice, a: &LayerNorm) -> Result<()> {
         i64_of(n),
         Arg::F64(eps),
     ];
-    let (kernel, cfg, warp_rows) = layer_norm_kernel("layer_norm_fwd", &s, rows, n);
+    let (kernel, cfg, warp_rows) = layer_norm_kernel("layer_norm_fwd", &s, dt, rows, n);
     if warp_rows {
-        let (t, h) = (a.x.storage.dtype(), a.y.dtype());
-        args.push(groups_move_as_vectors(
-            n,
-            &[(t, &[x, sum, w, b]), (h, &[res, y])],
-        ));
+        let aligned = [(dt, &[x, sum, w, b][..]), (a.y.dtype(), &[res, y][..])];
+        args.push(groups_move_as_vectors(n, &aligned));
     }
-    launch(d, kernels(OP, a.x.storage.dtype())?, &kernel, cfg, &args)
+    launch(d, kernels(OP, dt)?, &kernel, cfg, &args)
 }
 
 /// Threads per block of the warp-per-row kernels (LN_WARP_BLOCK in rows.cu): four rows.
@@ -176,19 +174,40 @@ const WARP_ROW_SLOTS: [usize; 4] = [8, 16, 24, 32];
 
 /// `{stem}_warp{PER}_{s}` with four rows (one per warp) to a block of LN_WARP_BLOCK threads
 /// when a row fits a warp's registers and the dtype has those kernels; `{stem}_{s}` with a
-/// block per row otherwise.
-/// The flag says which: the warp-per-row kernels take one more argument (`vec`).
-fn layer_norm_kernel(stem: &str, s: &str, rows: usize, n: usize) -> (String, LaunchConfig, bool) {
-    let slots = WARP_ROW_SLOTS.iter().find(|&&p| 32 * p >= n);
-    match slots {
-        Some(per) if s != "f64" => {
+/// block per row otherwise. The flag says which: the warp-per-row kernels take more arguments.
+fn layer_norm_kernel(
+    stem: &str,
+    s: &str,
+    dtype: DType,
+    rows: usize,
+    n: usize,
+) -> (String, LaunchConfig, bool) {
+    match warp_slots(dtype, n) {
+        Some(per) => {
             let warps = (LN_WARP_BLOCK / 32) as usize;
             let mut cfg = rows_cfg(rows.div_ceil(warps));
             cfg.block_dim.0 = LN_WARP_BLOCK;
             (format!("{stem}_warp{per}_{s}"), cfg, true)
         }
-        _ => (format!("{stem}_{s}"), rows_cfg(rows), false),
+        None => (format!("{stem}_{s}"), rows_cfg(rows), false),
     }
+}
+
+/// PER of the warp-per-row kernels for rows of `n` elements of `dtype`, if they take them
+/// (f64 rows have none).
+fn warp_slots(dtype: DType, n: usize) -> Option<usize> {
+    let per = WARP_ROW_SLOTS.iter().find(|&&p| 32 * p >= n).copied();
+    per.filter(|_| dtype != DType::F64)
+}
+
+/// Blocks of a warp-per-row backward that also sums the parameter gradients: one partial
+/// per block, so at most this many (about three blocks per SM of an H100 or H200, which hold
+/// three at once); the count depends on the shape alone.
+const LN_PARAM_BLOCKS: usize = 384;
+
+fn fused_param_blocks(rows: usize) -> usize {
+    rows.div_ceil((LN_WARP_BLOCK / 32) as usize)
+        .clamp(1, LN_PARAM_BLOCKS)
 }
 
 fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
@@ -201,8 +220,13 @@ fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
     let sk = float_code(OP, a.mean.storage.dtype())?;
     let (gy, gx) = (addr(&a.gy)?, ptr(a.gx)?);
     let prior = optional(&a.prior)?;
-    let gw = a.gweight.map(ptr).transpose()?.unwrap_or(0);
-    let gb = a.gbias.map(ptr).transpose()?.unwrap_or(0);
+    let grads = ParamGrads {
+        x,
+        gy,
+        gw: a.gweight.map(ptr).transpose()?.unwrap_or(0),
+        gb: a.gbias.map(ptr).transpose()?.unwrap_or(0),
+        kind: float_code(OP, dtype)?,
+    };
     if rows == 0 {
         // No rows: gx is empty and the parameter gradients stay the caller's zeros.
         return Ok(());
@@ -220,27 +244,32 @@ fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
         ],
     ]
     .concat();
-    let (kernel, cfg, warp_rows) = layer_norm_kernel("layer_norm_bwd", &s, rows, n);
-    if warp_rows {
-        let g = a.gy.storage.dtype();
-        args.push(groups_move_as_vectors(
-            n,
-            &[(dtype, &[x, w, prior, gx]), (g, &[gy])],
-        ));
-    }
+    let (kernel, mut cfg, warp_rows) = layer_norm_kernel("layer_norm_bwd", &s, dtype, rows, n);
     let module = kernels(OP, dtype)?;
-    launch(d, module, &kernel, cfg, &args)?;
-    if param_scratch_bytes(a).is_some() {
-        let grads = ParamGrads {
-            x,
-            gy,
-            gw,
-            gb,
-            kind: float_code(OP, dtype)?,
-        };
-        layer_norm_param_grads(d, (module, &s), &grads, &stats, rows, n)?;
+    let params = param_scratch_bytes(a);
+    if !warp_rows {
+        launch(d, module, &kernel, cfg, &args)?;
+        if params.is_some() {
+            layer_norm_param_grads(d, (module, &s), &grads, &stats, rows, n)?;
+        }
+        return Ok(());
     }
-    Ok(())
+    // The warp kernels sum the parameter gradients' partials as they go (kernels/rows.cu).
+    let part = params.map(|bytes| temp(d, bytes, OP)).transpose()?;
+    let blocks = fused_param_blocks(rows);
+    if part.is_some() {
+        cfg.grid_dim.0 = blocks as u32;
+        cfg.shared_mem_bytes = (LN_WARP_BLOCK / 32) * 2 * n as u32 * 4;
+    }
+    args.push(Arg::Ptr(part.as_ref().map_or(0, |p| p.addr())));
+    let g = a.gy.storage.dtype();
+    let aligned = [(dtype, &[x, w, prior, gx][..]), (g, &[gy][..])];
+    args.push(groups_move_as_vectors(n, &aligned));
+    launch(d, module, &kernel, cfg, &args)?;
+    match part {
+        Some(part) => params_finish(d, module, part.addr(), blocks, n, &grads),
+        None => Ok(()),
+    }
 }
 
 /// Inputs and outputs of the weight/bias gradient reduction (addresses; 0 = absent output).
@@ -261,11 +290,16 @@ fn param_chunks(rows: usize, n: usize) -> (usize, usize) {
 }
 
 /// The bytes of the column-sum partials a layer norm backward takes for its parameter
-/// gradients, if it makes any (the planner counts the same block).
+/// gradients, if it makes any (the planner counts the same block): one row of n per block of
+/// the warp kernels, else one per chunk of the separate column sums.
 pub(crate) fn param_scratch_bytes(a: &LayerNormBackward) -> Option<usize> {
     let (rows, n) = rows_cols(a.x.layout);
     let wanted = (a.gweight.is_some() || a.gbias.is_some()) && rows > 0 && n > 0;
-    wanted.then(|| 2 * param_chunks(rows, n).1 * n * 8)
+    let partials = match warp_slots(a.x.storage.dtype(), n) {
+        Some(_) => fused_param_blocks(rows),
+        None => param_chunks(rows, n).1,
+    };
+    wanted.then(|| 2 * partials * n * 8)
 }
 
 /// gweight = Σ_r gy x̂ and gbias = Σ_r gy per column, in two deterministic stages: each chunk
@@ -298,8 +332,21 @@ fn layer_norm_param_grads(
     ]
     .concat();
     launch(d, module, &format!("layer_norm_params_{s}"), cfg, &args)?;
+    params_finish(d, module, part.addr(), chunks, n, p)
+}
+
+/// The second stage: each column adds its `chunks` partials (at `part`) in chunk order into
+/// gweight and gbias.
+fn params_finish(
+    d: &CudaDevice,
+    module: &'static Module,
+    part: u64,
+    chunks: usize,
+    n: usize,
+    p: &ParamGrads,
+) -> Result<()> {
     let args = [
-        Arg::Ptr(part.addr()),
+        Arg::Ptr(part),
         i64_of(chunks),
         i64_of(n),
         Arg::Ptr(p.gw),
@@ -328,7 +375,7 @@ mod tests {
             let block = kernels("test", dt).unwrap().own_block().unwrap_or_default();
             assert!(block.contains(&format!("ROW_KERNELS({s},")), "{s}");
             // The warp-per-row kernels, where layer_norm_kernel asks for them.
-            let (warp, _, _) = layer_norm_kernel("layer_norm_fwd", s, 4, 64);
+            let (warp, _, _) = layer_norm_kernel("layer_norm_fwd", s, dt, 4, 64);
             let has_warp = block.contains(&format!("LN_WARP_SIZES({s},"));
             assert_eq!(has_warp, warp.contains("_warp"), "{s}");
         }
@@ -348,17 +395,29 @@ mod tests {
     #[test]
     fn warp_kernels_launch_with_the_block_the_source_declares() {
         assert!(SOURCE.contains(&format!("#define LN_WARP_BLOCK {LN_WARP_BLOCK}\n")));
-        let (name, cfg, warp) = layer_norm_kernel("layer_norm_bwd", "f32_bf16", 8192, 768);
+        let (name, cfg, warp) =
+            layer_norm_kernel("layer_norm_bwd", "f32_bf16", DType::F32, 8192, 768);
         assert_eq!(
             (name.as_str(), warp),
             ("layer_norm_bwd_warp24_f32_bf16", true)
         );
         assert_eq!((cfg.block_dim.0, cfg.grid_dim.0), (LN_WARP_BLOCK, 2048));
-        let (name, cfg, warp) = layer_norm_kernel("layer_norm_bwd", "f32", 8, 1100);
+        let (name, cfg, warp) = layer_norm_kernel("layer_norm_bwd", "f32", DType::F32, 8, 1100);
         assert_eq!(
             (name.as_str(), warp, cfg.block_dim.0),
             ("layer_norm_bwd_f32", false, BLOCK)
         );
+    }
+
+    /// The fused parameter sums take one partial per block, at most LN_PARAM_BLOCKS, and the
+    /// planner's scratch bytes follow the kernel that runs.
+    #[test]
+    fn fused_parameter_sums_take_a_partial_per_block() {
+        assert_eq!(fused_param_blocks(5), 2);
+        assert_eq!(fused_param_blocks(8192), LN_PARAM_BLOCKS);
+        assert_eq!(warp_slots(DType::F32, 768), Some(24));
+        assert_eq!(warp_slots(DType::F64, 768), None);
+        assert_eq!(warp_slots(DType::BF16, 1025), None);
     }
 
     /// Groups of four move as vectors only where n and every address allow it.

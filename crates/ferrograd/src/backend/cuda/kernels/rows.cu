@@ -272,12 +272,25 @@ __device__ void layer_norm_fwd_warp(const T* x, const Y* res, T* sum, const T* w
     }
 }
 
+// With `part` (else null) the backward also sums the weight and bias gradients' partials of
+// its block, so no second pass reads x and gy again: each warp adds Σ gy x̂ and Σ gy of its
+// rows, in row order, to its own two rows of n floats of dynamic shared memory (a lane touches
+// only its own columns), then the block adds its warps in order, in double, into
+// part[block][j] (Σ gy x̂) and part[blocks + block][j] (Σ gy) — the layout that
+// layer_norm_params_finish adds up, one chunk per block. The grid depends on the shape alone,
+// so the partition, and the sums, are reproducible.
 template <typename T, typename Y, int PER>
 __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, const void* rstd,
                                     int sk, const Y* gy, const T* prior, T* gx, i64 rows, i64 n,
-                                    int vec) {
+                                    double* part, int vec) {
     constexpr int G = PER / 4;
     const int lane = threadIdx.x & 31;
+    extern __shared__ float ln_sums[];
+    float* const sums = ln_sums + (threadIdx.x >> 5) * 2 * n;  // this warp's Σ gy x̂, Σ gy
+    if (part) {
+        for (i64 j = lane; j < 2 * n; j += 32) sums[j] = 0.f;
+        __syncwarp();
+    }
     for (i64 r = warp_row(); r < rows; r += warp_rows()) {
         const double mu = load_f64(mean, sk, r), rs = load_f64(rstd, sk, r);
         T xe[G][4], we[G][4], pe[G][4];
@@ -317,8 +330,25 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
                 const double xn = (to_d(xe[i][k]) - mu) * rs;
                 const T local = from_d<T>(rs * (g - mean_g - xn * mean_gx));
                 out[k] = prior ? t_add(pe[i][k], local) : local;
+                if (part && at + k < n) {
+                    sums[at + k] += (float)(to_d(ge[i][k]) * xn);
+                    sums[n + at + k] += to_f(ge[i][k]);
+                }
             }
             store_group(gx + r * n, at, n, vec, out);
+        }
+    }
+    if (part) {
+        __syncthreads();
+        const int warps = blockDim.x >> 5;
+        for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
+            double a = 0.0, b = 0.0;
+            for (int v = 0; v < warps; ++v) {
+                a += (double)ln_sums[v * 2 * n + j];
+                b += (double)ln_sums[v * 2 * n + n + j];
+            }
+            part[(i64)blockIdx.x * n + j] = a;
+            part[((i64)gridDim.x + blockIdx.x) * n + j] = b;
         }
     }
 }
@@ -341,8 +371,8 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
     extern "C" __global__ void __launch_bounds__(LN_WARP_BLOCK)                                    \
         layer_norm_bwd_warp##PER##_##S(const T* x, const T* w, const void* mean,                   \
                                        const void* rstd, int sk, const Y* gy, const T* prior,      \
-                                       T* gx, i64 rows, i64 n, int vec) {                          \
-        layer_norm_bwd_warp<T, Y, PER>(x, w, mean, rstd, sk, gy, prior, gx, rows, n, vec);         \
+                                       T* gx, i64 rows, i64 n, double* part, int vec) {            \
+        layer_norm_bwd_warp<T, Y, PER>(x, w, mean, rstd, sk, gy, prior, gx, rows, n, part, vec);   \
     }
 #define LN_WARP_SIZES(S, T, Y)                                                  \
     LN_WARP_KERNELS(S, T, Y, 8) LN_WARP_KERNELS(S, T, Y, 16) LN_WARP_KERNELS(S, T, Y, 24) \
