@@ -275,6 +275,16 @@ fn smem_bytes_f32(kernel: Tiled, d: usize) -> u32 {
 }
 
 /// The kernel's name: each has a twin that applies dropout.
+/// Lanes per row of the f16/bf16 attn_delta's 16-byte path: DELTA_LANES in attention.cu.
+fn delta_lanes(d: usize) -> usize {
+    match d {
+        ..=16 => 2,
+        ..=32 => 4,
+        ..=64 => 8,
+        _ => 16,
+    }
+}
+
 fn kernel(name: &'static str, dropout: Option<AttentionDropout>) -> &'static str {
     match (name, dropout.is_some()) {
         ("attn_fwd", true) => "attn_fwd_dropout",
@@ -353,9 +363,14 @@ fn backward(d: &CudaDevice, a: &AttentionBackward) -> Result<()> {
     let m = module(OP, dtype, d_head)?;
     let (lse, delta) = (addr(&a.lse)?, ptr(a.delta)?);
 
+    // Rows per warp of attn_delta: one, or 32 / DELTA_LANES with 16-byte loads (attention.cu).
     let rows = (p.b * p.h * p.t) as usize;
+    let per_warp = match (p.vec != 0, dtype) {
+        (true, DType::F16 | DType::BF16) => 32 / delta_lanes(d_head),
+        _ => 1,
+    };
     let delta_cfg = LaunchConfig {
-        grid_dim: (rows.div_ceil(4).min(1 << 16) as u32, 1, 1),
+        grid_dim: (rows.div_ceil(4 * per_warp).min(1 << 16) as u32, 1, 1),
         block_dim: (THREADS, 1, 1),
         shared_mem_bytes: 0,
     };
@@ -417,5 +432,20 @@ mod tests {
         assert_eq!(std::mem::offset_of!(Problem, key), 32);
         assert_eq!(std::mem::offset_of!(Problem, seed), 48);
         assert_eq!(std::mem::size_of::<Heads>(), 32);
+    }
+
+    /// The delta kernel's lanes per row, as attention.cu defines them: a power of two that
+    /// covers D / 8 sixteen-byte loads at every head dim the kernels take.
+    #[test]
+    fn delta_lanes_match_the_kernel() {
+        let src = include_str!("kernels/attention.cu");
+        assert!(src.contains("#define DELTA_LANES (D <= 16 ? 2 : D <= 32 ? 4 : D <= 64 ? 8 : 16)"));
+        for d in HEAD_DIMS {
+            let lanes = delta_lanes(d);
+            assert!(
+                lanes.is_power_of_two() && 8 * lanes >= d && 4 * lanes < d.max(9),
+                "{d}"
+            );
+        }
     }
 }
