@@ -278,9 +278,9 @@ fn smem_bytes_f32(kernel: Tiled, d: usize) -> u32 {
 /// Lanes per row of the f16/bf16 attn_delta's 16-byte path: DELTA_LANES in attention.cu.
 fn delta_lanes(d: usize) -> usize {
     match d {
-        ..=16 => 2,
-        ..=32 => 4,
-        ..=64 => 8,
+        0..=16 => 2,
+        17..=32 => 4,
+        33..=64 => 8,
         _ => 16,
     }
 }
