@@ -275,7 +275,7 @@ fn smem_bytes_f32(kernel: Tiled, d: usize) -> u32 {
 }
 
 /// The kernel's name: each has a twin that applies dropout.
-/// Lanes per row of the f16/bf16 attn_delta's 16-byte path: DELTA_LANES in attention.cu.
+/// Lanes per row of the f16/bf16 attn_delta: DELTA_LANES in attention.cu.
 fn delta_lanes(d: usize) -> usize {
     match d {
         0..=16 => 2,
@@ -363,10 +363,10 @@ fn backward(d: &CudaDevice, a: &AttentionBackward) -> Result<()> {
     let m = module(OP, dtype, d_head)?;
     let (lse, delta) = (addr(&a.lse)?, ptr(a.delta)?);
 
-    // Rows per warp of attn_delta: one, or 32 / DELTA_LANES with 16-byte loads (attention.cu).
+    // Rows per warp of attn_delta: 32 / DELTA_LANES in attention.cu, one in attention_f32.cu.
     let rows = (p.b * p.h * p.t) as usize;
-    let per_warp = match (p.vec != 0, dtype) {
-        (true, DType::F16 | DType::BF16) => 32 / delta_lanes(d_head),
+    let per_warp = match dtype {
+        DType::F16 | DType::BF16 => 32 / delta_lanes(d_head),
         _ => 1,
     };
     let delta_cfg = LaunchConfig {

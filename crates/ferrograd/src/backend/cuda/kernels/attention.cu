@@ -528,45 +528,41 @@ extern "C" __global__ void __launch_bounds__(THREADS, FWD_DROPOUT_CTAS)
 
 // ---- backward -------------------------------------------------------------------------------
 
-// delta[row] = Σ_d gout · out. With p.vec (every row start on 16 bytes) a row is DELTA_LANES
-// lanes of one 16-byte load of each (8 elements), added up by shuffles within those lanes, so
-// a warp takes 32 / DELTA_LANES rows at once; otherwise one warp per row, element by element.
+// delta[row] = Σ_d gout · out. A row is DELTA_LANES lanes of 8 elements each (added in order),
+// then added up by shuffles within those lanes, so a warp takes 32 / DELTA_LANES rows at once.
+// With p.vec (every row start on 16 bytes) a lane's 8 elements are one 16-byte load of each
+// operand, else 8 loads: the same sums in the same order, so the same bits either way.
 #define DELTA_LANES (D <= 16 ? 2 : D <= 32 ? 4 : D <= 64 ? 8 : 16)
 extern "C" __global__ void attn_delta(const u16* out, Heads ov, const u16* gout, Heads gv,
                                       float* delta, Problem p) {
-    const int lane = threadIdx.x & 31;
+    constexpr int per_warp = 32 / DELTA_LANES;
+    const int lane = threadIdx.x & 31, sub = lane % DELTA_LANES, c = 8 * sub;
     const i64 rows = (i64)p.b * p.h * p.t;
     const i64 warp = (i64)blockIdx.x * WARPS + (threadIdx.x >> 5), warps = (i64)gridDim.x * WARPS;
-    if (p.vec) {
-        constexpr int per_warp = 32 / DELTA_LANES;
-        const int sub = lane % DELTA_LANES, c = 8 * sub;
-        for (i64 r0 = warp * per_warp; r0 < rows; r0 += warps * per_warp) {
-            const i64 r = r0 + lane / DELTA_LANES;
-            float acc = 0.f;
-            if (r < rows && c < D) {
-                const int t = (int)(r % p.t), bh = (int)(r / p.t), b = bh / p.h, h = bh % p.h;
-                const Pack16<u16> o = *(const Pack16<u16>*)(out + row_at(ov, b, h, t) + c);
-                const Pack16<u16> go = *(const Pack16<u16>*)(gout + row_at(gv, b, h, t) + c);
+    for (i64 r0 = warp * per_warp; r0 < rows; r0 += warps * per_warp) {
+        const i64 r = r0 + lane / DELTA_LANES;
+        float acc = 0.f;
+        if (r < rows && c < D) {
+            const int t = (int)(r % p.t), bh = (int)(r / p.t), b = bh / p.h, h = bh % p.h;
+            const u16* o = out + row_at(ov, b, h, t) + c;
+            const u16* go = gout + row_at(gv, b, h, t) + c;
+            Pack16<u16> ov8, gv8;
+            if (p.vec) {
+                ov8 = *(const Pack16<u16>*)o;
+                gv8 = *(const Pack16<u16>*)go;
+            } else {
 #pragma unroll
-                for (int e = 0; e < 8; ++e) acc += elem_to_f32(o.v[e]) * elem_to_f32(go.v[e]);
+                for (int e = 0; e < 8; ++e) {
+                    ov8.v[e] = o[e];
+                    gv8.v[e] = go[e];
+                }
             }
 #pragma unroll
-            for (int s = DELTA_LANES / 2; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
-            if (sub == 0 && r < rows) delta[r] = acc;
+            for (int e = 0; e < 8; ++e) acc += elem_to_f32(ov8.v[e]) * elem_to_f32(gv8.v[e]);
         }
-        return;
-    }
-    for (i64 r = warp; r < rows; r += warps) {
-        int t = (int)(r % p.t);
-        int bh = (int)(r / p.t);
-        int b = bh / p.h, h = bh % p.h;
-        const u16* o = out + row_at(ov, b, h, t);
-        const u16* go = gout + row_at(gv, b, h, t);
-        float acc = 0.f;
-        for (int c = lane; c < D; c += 32) acc += elem_to_f32(o[c]) * elem_to_f32(go[c]);
 #pragma unroll
-        for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
-        if (lane == 0) delta[r] = acc;
+        for (int s = DELTA_LANES / 2; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+        if (sub == 0 && r < rows) delta[r] = acc;
     }
 }
 
