@@ -166,11 +166,24 @@ __device__ void layer_norm_bwd(const T* x, const T* w, const void* mean, const v
 // Every load of a row's elements (x, the residual branch, gy, the prior) is issued before its
 // first store: the stores may alias them as far as the compiler knows (sum may be x, gx may
 // be prior), so a store between two loads would make each load wait for the one before it
-// (the weights, read by every row, come from the cache). The arithmetic is the block kernels'
-// above, in double; only the order of the per-row sums differs.
-__device__ __forceinline__ double warp_sum_d(double v) {
+// (the weights, read by every row, come from the cache). The arithmetic is f32, as PyTorch's
+// CUDA kernels compute it (two passes for the variance, every sum over a row's 768-odd values
+// in f32): in double, as the block kernels above and the CPU reference compute, the
+// conversions to and from double alone (a sixteenth of the f32 rate) took longer than the
+// row's bytes take to stream.
+__device__ __forceinline__ float warp_sum_f(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+// An f32 result as an element of Y (rounded once, nearest even, for f16/bf16).
+template <typename Y>
+__device__ __forceinline__ Y f32_as(float v) {
+    return from_f<Y>(v);
+}
+template <>
+__device__ __forceinline__ float f32_as<float>(float v) {
     return v;
 }
 
@@ -230,24 +243,24 @@ __device__ void layer_norm_fwd_warp(const T* x, const Y* res, T* sum, const T* w
             }
         }
         float v[G][4];
-        double s = 0.0;
+        float s = 0.f;
 #pragma unroll
         for (int i = 0; i < G; ++i)
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 v[i][k] = to_f(e[i][k]);  // zero past n
-                s += (double)v[i][k];
+                s += v[i][k];
             }
-        const double mu = warp_sum_d(s) / (double)n;
-        double q = 0.0;
+        const float mu = warp_sum_f(s) / (float)n;
+        float q = 0.f;
 #pragma unroll
         for (int i = 0; i < G; ++i)
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
-                const double d = (double)v[i][k] - mu;
+                const float d = v[i][k] - mu;
                 if (group_at(lane, i) + k < n) q += d * d;
             }
-        const double rs = 1.0 / sqrt(warp_sum_d(q) / (double)n + eps);
+        const float rs = 1.f / sqrtf(warp_sum_f(q) / (float)n + (float)eps);
 #pragma unroll
         for (int i = 0; i < G; ++i) {
             const i64 at = group_at(lane, i);
@@ -258,10 +271,10 @@ __device__ void layer_norm_fwd_warp(const T* x, const Y* res, T* sum, const T* w
             Y out[4];
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
-                double h = ((double)v[i][k] - mu) * rs;
-                if (w) h *= to_d(wg[k]);
-                if (b) h += to_d(bg[k]);
-                out[k] = LnOut<T, Y>::of(h);
+                float h = (v[i][k] - mu) * rs;
+                if (w) h *= to_f(wg[k]);
+                if (b) h += to_f(bg[k]);
+                out[k] = f32_as<Y>(h);
             }
             store_group(y + r * n, at, n, vec, out);
         }
@@ -292,7 +305,7 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
         __syncwarp();
     }
     for (i64 r = warp_row(); r < rows; r += warp_rows()) {
-        const double mu = load_f64(mean, sk, r), rs = load_f64(rstd, sk, r);
+        const float mu = (float)load_f64(mean, sk, r), rs = (float)load_f64(rstd, sk, r);
         T xe[G][4], we[G][4], pe[G][4];
         Y ge[G][4];
 #pragma unroll
@@ -304,19 +317,19 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
             if (prior) load_group(prior + r * n, at, n, vec, pe[i]);
         }
         // ĝ = gy · w and x̂ per element; both zero past n (x̂ is kept only where it is in).
-        double sg = 0.0, sgx = 0.0;
+        float sg = 0.f, sgx = 0.f;
 #pragma unroll
         for (int i = 0; i < G; ++i)
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 const bool in = group_at(lane, i) + k < n;
-                const double g = to_d(ge[i][k]) * (w ? to_d(we[i][k]) : 1.0);
-                const double xn = in ? (to_d(xe[i][k]) - mu) * rs : 0.0;
+                const float g = to_f(ge[i][k]) * (w ? to_f(we[i][k]) : 1.f);
+                const float xn = in ? (to_f(xe[i][k]) - mu) * rs : 0.f;
                 sg += g;
                 sgx += g * xn;
             }
-        const double mean_g = warp_sum_d(sg) / (double)n;
-        const double mean_gx = warp_sum_d(sgx) / (double)n;
+        const float mean_g = warp_sum_f(sg) / (float)n;
+        const float mean_gx = warp_sum_f(sgx) / (float)n;
 #pragma unroll
         for (int i = 0; i < G; ++i) {
             const i64 at = group_at(lane, i);
@@ -326,12 +339,12 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
             if (w) load_group(w, at, n, vec, wg);
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
-                const double g = to_d(ge[i][k]) * (w ? to_d(wg[k]) : 1.0);
-                const double xn = (to_d(xe[i][k]) - mu) * rs;
-                const T local = from_d<T>(rs * (g - mean_g - xn * mean_gx));
+                const float g = to_f(ge[i][k]) * (w ? to_f(wg[k]) : 1.f);
+                const float xn = (to_f(xe[i][k]) - mu) * rs;
+                const T local = f32_as<T>(rs * (g - mean_g - xn * mean_gx));
                 out[k] = prior ? t_add(pe[i][k], local) : local;
                 if (part && at + k < n) {
-                    sums[at + k] += (float)(to_d(ge[i][k]) * xn);
+                    sums[at + k] += to_f(ge[i][k]) * xn;
                     sums[n + at + k] += to_f(ge[i][k]);
                 }
             }
