@@ -1,5 +1,6 @@
 //! CUDA launchers of the row family (backend/rows.rs; kernels in kernels/rows.cu): softmax
-//! and layer norm with their backwards, one block per row. Arguments arrive validated.
+//! and layer norm with their backwards, one block per row (layer norms of rows up to 1,024
+//! wide: a warp per row, which also sums the parameter gradients). Arguments arrive validated.
 //! Semantics and the dtypes of the statistics follow the CPU reference (backend/cpu/rows.rs).
 //! Sums across rows (weight gradients) add fixed partitions in a fixed order: results do not
 //! depend on scheduling. A layer norm whose output (and output gradient) is f16/bf16 over f32
@@ -200,9 +201,9 @@ fn warp_slots(dtype: DType, n: usize) -> Option<usize> {
     per.filter(|_| dtype != DType::F64)
 }
 
-/// Blocks of a warp-per-row backward that also sums the parameter gradients: one partial
-/// per block, so at most this many (about three blocks per SM of an H100 or H200, which hold
-/// three at once); the count depends on the shape alone.
+/// Blocks of a warp-per-row backward that also sums the parameter gradients, each writing
+/// one partial: at most this many, about three for each of an H100's or H200's 132 SMs (as
+/// many as their registers run at once). The count depends on the shape alone.
 const LN_PARAM_BLOCKS: usize = 384;
 
 fn fused_param_blocks(rows: usize) -> usize {
@@ -259,6 +260,7 @@ fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
     let blocks = fused_param_blocks(rows);
     if part.is_some() {
         cfg.grid_dim.0 = blocks as u32;
+        // Two f32 rows of n per warp: at most 32 KiB, for rows of 1024.
         cfg.shared_mem_bytes = (LN_WARP_BLOCK / 32) * 2 * n as u32 * 4;
     }
     args.push(Arg::Ptr(part.as_ref().map_or(0, |p| p.addr())));
@@ -409,8 +411,8 @@ mod tests {
         );
     }
 
-    /// The fused parameter sums take one partial per block, at most LN_PARAM_BLOCKS, and the
-    /// planner's scratch bytes follow the kernel that runs.
+    /// The fused parameter sums take one partial per block, at most LN_PARAM_BLOCKS, where
+    /// the warp kernels run (param_scratch_bytes sizes the partials by the same test).
     #[test]
     fn fused_parameter_sums_take_a_partial_per_block() {
         assert_eq!(fused_param_blocks(5), 2);

@@ -1,7 +1,8 @@
 // rows.cu — the row family's kernels (backend/rows.rs): softmax and layer norm with their
 // backwards, one block of BLOCK threads per row, looping over rows with a grid stride. They
 // mirror backend/cpu/rows.rs: per-row statistics accumulate in double whatever the element
-// type, and sums that cross rows (weight gradients) add fixed partitions in a fixed order.
+// type (except the warp-per-row layer norms, in f32 as PyTorch's: see there), and sums that
+// cross rows (weight gradients) add fixed partitions in a fixed order.
 // Pointers arrive already offset to the first element; a `*k` int argument is the dtype code
 // (DT_* in the generated header) of a float buffer whose type may differ from the rows'
 // (statistics, losses). Compiled after the generated codes and prelude.cuh.
