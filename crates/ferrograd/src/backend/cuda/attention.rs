@@ -274,7 +274,6 @@ fn smem_bytes_f32(kernel: Tiled, d: usize) -> u32 {
     (floats * 4) as u32
 }
 
-/// The kernel's name: each has a twin that applies dropout.
 /// Lanes per row of the f16/bf16 attn_delta: DELTA_LANES in attention.cu.
 fn delta_lanes(d: usize) -> usize {
     match d {
@@ -285,6 +284,7 @@ fn delta_lanes(d: usize) -> usize {
     }
 }
 
+/// The kernel's name: each has a twin that applies dropout.
 fn kernel(name: &'static str, dropout: Option<AttentionDropout>) -> &'static str {
     match (name, dropout.is_some()) {
         ("attn_fwd", true) => "attn_fwd_dropout",
@@ -434,18 +434,17 @@ mod tests {
         assert_eq!(std::mem::size_of::<Heads>(), 32);
     }
 
-    /// The delta kernel's lanes per row, as attention.cu defines them: a power of two that
-    /// covers D / 8 sixteen-byte loads at every head dim the kernels take.
+    /// The delta kernel's lanes per row, as attention.cu defines them: at every head dim the
+    /// kernels take, the least power of two (at least 2) whose lanes of 8 elements cover D.
     #[test]
     fn delta_lanes_match_the_kernel() {
         let src = include_str!("kernels/attention.cu");
         assert!(src.contains("#define DELTA_LANES (D <= 16 ? 2 : D <= 32 ? 4 : D <= 64 ? 8 : 16)"));
         for d in HEAD_DIMS {
             let lanes = delta_lanes(d);
-            assert!(
-                lanes.is_power_of_two() && 8 * lanes >= d && 4 * lanes < d.max(9),
-                "{d}"
-            );
+            let least = d.div_ceil(8).next_power_of_two().max(2);
+            assert_eq!(lanes, least, "head dim {d}");
+            assert!(32 % lanes == 0, "head dim {d}: whole rows per warp");
         }
     }
 }
