@@ -4,7 +4,7 @@
 # twin, each in its own process; prints one markdown table last (and the raw lines above it).
 #
 # Usage: scripts/gpu_speed.sh [PYTHON_WITH_TORCH]
-# Environment: ROWS (space-separated subset of: attention gpt2-bf16 gpt2-bf16-weights
+# Environment: ROWS (space-separated subset of: attention layer-norm gpt2-bf16 gpt2-bf16-weights
 #   gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-bf16-b32 gpt2-f32 gpt2-bf16-recompute gpt2-bf16-gelu
 #   gpt2-bf16-graphs gpt2-max-batch main-job main-job-eager main-job-f16 main-job-f16-eager
 #   main-job-step-in-backward gpt-10m gpt-10m-eager gpt-10m-dropout; default all but
@@ -15,7 +15,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY="${1:-python3}"
 B=.bin
-ROWS="${ROWS:-attention gpt2-bf16 gpt2-bf16-graphs gpt2-bf16-weights gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-bf16-b32 gpt2-f32 gpt2-bf16-recompute gpt2-bf16-gelu main-job main-job-eager main-job-f16 main-job-f16-eager main-job-step-in-backward gpt-10m gpt-10m-eager gpt-10m-dropout}"
+ROWS="${ROWS:-attention layer-norm gpt2-bf16 gpt2-bf16-graphs gpt2-bf16-weights gpt2-bf16-v50304 gpt2-bf16-b16 gpt2-bf16-b32 gpt2-f32 gpt2-bf16-recompute gpt2-bf16-gelu main-job main-job-eager main-job-f16 main-job-f16-eager main-job-step-in-backward gpt-10m gpt-10m-eager gpt-10m-dropout}"
 LOG="${OUT:-/tmp}/gpu_speed.log"
 : >"$LOG"
 TABLE=()
@@ -37,6 +37,14 @@ row_attention() {
   a=$(run "$B/attention" --batch 8 --heads 12 --seq 1024 --head-dim 64 --dtype bf16 --dropout 0.1)
   p=$(run "$PY" benches/pytorch/attention.py --batch 8 --heads 12 --seq 1024 --head-dim 64 --dtype bf16 --dropout 0.1)
   TABLE+=("| attention, dropout 0.1 on the probabilities, fwd+bwd ms | $(field "$a" fwd_bwd_ms) | $(field "$p" fwd_bwd_ms) (SDPA) | $(ratio "$(field "$a" fwd_bwd_ms)" "$(field "$p" fwd_bwd_ms)") |")
+}
+
+# The residual add + layer norm of a GPT-2 step alone (ours; no PyTorch twin): microseconds a
+# call and the forward's bytes per second, to set against the GPU's copy speed.
+row_layer-norm() {
+  local a
+  a=$(run "$B/layer_norm" --rows 8192 --n 768 --half bf16)
+  TABLE+=("| residual add + layer norm (8192, 768), f32 stream, bf16 out: forward µs (GB/s), forward + backward µs | $(field "$a" fwd_us) ($(field "$a" fwd_gb_per_s)), $(field "$a" fwd_bwd_us) | | |")
 }
 
 # gpt2 rows: ours (strategies bench) against PyTorch's strategies.py with extra flags.

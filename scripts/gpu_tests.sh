@@ -24,7 +24,7 @@ build() {
     | while read -r exe; do cp "$exe" "$BIN/tests/$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
   cargo bench -p ferrograd --no-run --message-format=json 2>/dev/null \
     | grep -o '"executable":"[^"]*"' | cut -d'"' -f4 \
-    | grep -E '/(mlp_step|gemm|strategies|attention)-[0-9a-f]+$' \
+    | grep -E '/(mlp_step|gemm|strategies|attention|layer_norm)-[0-9a-f]+$' \
     | while read -r exe; do cp "$exe" "$BIN/$(basename "$exe" | sed 's/-[0-9a-f]*$//')"; done
   ls -la "$BIN" "$BIN/tests"
 }
