@@ -13,14 +13,8 @@ use std::time::Instant;
 use ferrograd::backend::synchronize;
 use ferrograd::{BackwardOptions, DType, Device, Generator, Tensor};
 
-fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
+mod common;
+use common::{arg, warm_up};
 
 /// Median of `iters` timings of `f`, in milliseconds, after three warm-up calls.
 fn median_ms(
@@ -28,9 +22,7 @@ fn median_ms(
     iters: usize,
     f: &dyn Fn() -> ferrograd::Result<()>,
 ) -> ferrograd::Result<f64> {
-    for _ in 0..3 {
-        f()?;
-    }
+    warm_up(f)?;
     let mut times = Vec::with_capacity(iters);
     for _ in 0..iters {
         synchronize(dev)?;

@@ -17,14 +17,8 @@ use ferrograd::autograd::{GradOptions, grad, no_grad};
 use ferrograd::backend::synchronize;
 use ferrograd::{DType, Device, Tensor};
 
-fn arg<T: std::str::FromStr>(name: &str, default: T) -> T {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
+mod common;
+use common::{arg, warm_up};
 
 /// Microseconds per call of `f`, over `iters` calls queued back to back after three warm-up
 /// calls.
@@ -33,9 +27,7 @@ fn per_call_us(
     iters: usize,
     f: &dyn Fn() -> ferrograd::Result<()>,
 ) -> ferrograd::Result<f64> {
-    for _ in 0..3 {
-        f()?;
-    }
+    warm_up(f)?;
     synchronize(dev)?;
     let t0 = Instant::now();
     for _ in 0..iters {

@@ -11,14 +11,8 @@ use ferrograd::nn::{Linear, Module, Relu, Sequential};
 use ferrograd::optim::{Optimizer, Sgd, SgdConfig};
 use ferrograd::{DType, Device, Generator, Tensor, memory};
 
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
+mod common;
+use common::arg;
 
 fn main() -> ferrograd::Result<()> {
     let (d, b, steps) = (arg("--dim", 2048), arg("--batch", 256), arg("--steps", 20));

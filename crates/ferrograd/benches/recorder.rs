@@ -15,14 +15,8 @@ use ferrograd::job::{self, Event, MemoryTraceSettings, TrainJob};
 use ferrograd::memory::recorder::{self, RecorderConfig};
 use ferrograd::{DType, Device, Tensor};
 
-fn arg(name: &str, default: usize) -> usize {
-    let args: Vec<String> = std::env::args().collect();
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(default)
-}
+mod common;
+use common::arg;
 
 /// ns per allocate+free of a (16,) f32 host tensor, best of `reps` rounds of 200k.
 fn alloc_pair_ns(recording: bool, reps: usize) -> f64 {
