@@ -56,10 +56,11 @@
 #define DQ_SMEM ((2 * BM * LDS + 2 * DQ_STAGE) * 2)
 
 // CTAs per SM that the register budget must allow (__launch_bounds__' second argument), for
-// two kernels at head dims up to 64, where the bound costs at most a few bytes of spills:
-// left alone, the dK/dV kernel takes 172 registers (2 CTAs of 4 warps per SM) and fits in
-// 168 (3 CTAs), the dropout forward 160 (3) and fits in 128 (4). The others already reach
-// these counts; wider heads keep what the compiler picks.
+// kernels at head dims up to 64, where the bound costs at most a few bytes of spills: left
+// alone, the dK/dV kernel takes 172 registers (2 CTAs of 4 warps per SM) and fits in 168
+// (3 CTAs); the forward takes 141 (3) and the dropout forward 160 (3), and both fit in 128
+// (4). The dQ kernels reach 4 CTAs by themselves; wider heads keep what the compiler picks.
+#define FWD_CTAS (D <= 64 ? 4 : 1)
 #define FWD_DROPOUT_CTAS (D <= 64 ? 4 : 1)
 #define DKDV_CTAS (D <= 64 ? 3 : 1)
 
@@ -150,12 +151,21 @@ __device__ __forceinline__ u32 kept_cols2(const Problem& p, int bh, int q, int k
 
 
 
+// 2^x in one MUFU instruction, results below 2^-126 flushed to zero: exp2f's denormal
+// handling costs four more instructions per probability and changes nothing that a sum with
+// the row's largest probability (1) can show.
+__device__ __forceinline__ float fast_exp2(float x) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+    return r;
+}
+
 // ---- tensor-core primitives ------------------------------------------------------------
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }\n" : "=r"(r) : "l"(p));
-    return r;
+    // The compiler's own conversion, so a constant offset from one base folds into the
+    // instruction's immediate instead of costing integer instructions per access.
+    return (u32)__cvta_generic_to_shared(p);
 }
 
 // Four 8 × 8 b16 matrices; lane l gives the row address of matrix l / 8.
@@ -249,6 +259,20 @@ __device__ __forceinline__ void rows_times_rows_t(float s[N / 8][4], const u16* 
             mma(s[2 * nn], af, bf[0], bf[1]);
             mma(s[2 * nn + 1], af, bf[2], bf[3]);
         }
+    }
+}
+
+// acc (16 × D) += A (one 16 × 16 block, as fragments) · the 16 rows of V (16 × D) at `v`.
+// acc_times_rows keeps its own copy of this loop: calling this from it made the compiler
+// spill in the dK/dV kernel.
+__device__ __forceinline__ void block_times_rows(float acc[D / 8][4], const u32 af[4],
+                                                 const u16* v, int lane) {
+#pragma unroll
+    for (int dn = 0; dn < D / 16; ++dn) {
+        u32 bf[4];
+        ldsm_x4_t(bf, v + a_row(lane) * LDS + dn * 16 + a_col(lane));
+        mma(acc[2 * dn], af, bf[0], bf[1]);
+        mma(acc[2 * dn + 1], af, bf[2], bf[3]);
     }
 }
 
@@ -446,36 +470,41 @@ __device__ __forceinline__ void attn_fwd_impl(const u16* qkv, Heads qv, Heads kv
             }
         }
 
-        // Scale into base 2; mask keys past T and, causally, keys after the query.
+        // Mask keys past T and, causally, keys after the query (only tiles that hold such
+        // keys test each element). The running max is of raw scores: the scale is positive,
+        // so scaling after the max changes nothing, and each exponent is then one FFMA.
         const bool edge = k0 + BN > p.t || (p.causal && k0 + BN > q0 + warp * 16);
-        float mx[2] = {m[0], m[1]};
+        if (edge) {
 #pragma unroll
-        for (int j = 0; j < BN / 8; ++j) {
+            for (int j = 0; j < BN / 8; ++j) {
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                float v = s[j][e] * p.scale_log2;
-                if (edge) {
+                for (int e = 0; e < 4; ++e) {
                     int col = k0 + j * 8 + 2 * t4 + (e & 1);
                     int row = row0 + (e >> 1) * 8;
-                    if (col >= p.t || (p.causal && col > row)) v = neg_inf();
+                    if (col >= p.t || (p.causal && col > row)) s[j][e] = neg_inf();
                 }
-                s[j][e] = v;
-                mx[e >> 1] = fmaxf(mx[e >> 1], v);
             }
         }
+        float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
         float alpha[2];
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
-            mx[i] = quad_max(mx[i]);
+            // m: the running max in base-2 units (scaled).
+            mx[i] = fmaxf(m[i], quad_max(mx[i]) * p.scale_log2);
             // A row with every key so far masked keeps m = -inf; exp2 of (-inf) - (-inf) is
             // NaN, so such rows subtract 0 instead.
             float base = mx[i] == neg_inf() ? 0.f : mx[i];
-            alpha[i] = exp2f(m[i] - base);
+            alpha[i] = fast_exp2(m[i] - base);
             m[i] = mx[i];
             l[i] *= alpha[i];
 #pragma unroll
             for (int j = 0; j < BN / 8; ++j) {
-                float p0 = exp2f(s[j][2 * i] - base), p1 = exp2f(s[j][2 * i + 1] - base);
+                float p0 = fast_exp2(fmaf(s[j][2 * i], p.scale_log2, -base));
+                float p1 = fast_exp2(fmaf(s[j][2 * i + 1], p.scale_log2, -base));
                 s[j][2 * i] = p0;
                 s[j][2 * i + 1] = p1;
                 l[i] += p0 + p1;
@@ -516,7 +545,7 @@ __device__ __forceinline__ void attn_fwd_impl(const u16* qkv, Heads qv, Heads kv
     store_rows(out, ov, b, h, q0 + warp * 16, o, inv[0], inv[1], p, lane);
 }
 
-extern "C" __global__ void __launch_bounds__(THREADS)
+extern "C" __global__ void __launch_bounds__(THREADS, FWD_CTAS)
     attn_fwd(const u16* qkv, Heads qv, Heads kv, Heads vv, u16* out, Heads ov, float* lse, Problem p) {
     attn_fwd_impl<false>(qkv, qv, kv, vv, out, ov, lse, p);
 }
@@ -633,24 +662,9 @@ __device__ __forceinline__ void attn_bwd_dkdv_impl(const u16* qkv, Heads qv, Hea
         const float* sd = sl + BQ;               // delta of the tile's queries
         const bool tail = q0 + BQ > p.t;
 
-        // Pᵀ (16 keys × BQ queries).
-        float pt[BQ / 8][4];
-        rows_times_rows_t<BQ>(pt, wk, sq, lane);
-        const bool edge = p.causal && q0 < k0 + warp * 16 + 16;
-#pragma unroll
-        for (int j = 0; j < BQ / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                int qi = j * 8 + 2 * t4 + (e & 1);
-                int key = key0 + (e >> 1) * 8;
-                float v = exp2f(pt[j][e] * p.scale_log2 - __fmul_rn(sl[qi], LOG2E));
-                // Queries past T (zero rows, zero lse) have no probabilities.
-                if ((edge && q0 + qi < key) || (tail && q0 + qi >= p.t)) v = 0.f;
-                pt[j][e] = v;
-            }
-        }
-        // With dropout: M (the kept mask, as 0 or 1/(1 - p)); dV takes (P ∘ M)ᵀ dO and the
-        // probabilities' gradient is dP̃ ∘ M.
+        // With dropout: M (the kept mask, as 0 or 1/(1 - p)), drawn before the products so the
+        // generator's temporaries are dead while the tiles are live. dV takes (P ∘ M)ᵀ dO and
+        // the probabilities' gradient is dP̃ ∘ M.
         // The kept mask as bits (element e of tile j at bit 16·(j & 1) + 4·e + (g & 3) of
         // mb[j / 2], as kept_cols2 lays them out), not as floats: the registers go to the tiles.
         // Rows past T need no mask: their probabilities are 0 and their gradients unstored.
@@ -673,12 +687,47 @@ __device__ __forceinline__ void attn_bwd_dkdv_impl(const u16* qkv, Heads qv, Hea
                 }
                 mb[j / 2] = bits;
             }
-            float pm[BQ / 8][4];
+        }
+
+        // Pᵀ (16 keys × BQ queries).
+        float pt[BQ / 8][4];
+        rows_times_rows_t<BQ>(pt, wk, sq, lane);
+        const bool edge = p.causal && q0 < k0 + warp * 16 + 16;
 #pragma unroll
-            for (int j = 0; j < BQ / 8; ++j)
+        for (int j = 0; j < BQ / 8; ++j) {
 #pragma unroll
-                for (int e = 0; e < 4; ++e) pm[j][e] = pt[j][e] * mask_at(mb, j, e, g, p);
-            acc_times_rows<BQ>(dv, pm, sdo, lane);
+            for (int e = 0; e < 4; ++e) {
+                int qi = j * 8 + 2 * t4 + (e & 1);
+                pt[j][e] = fast_exp2(fmaf(pt[j][e], p.scale_log2, -__fmul_rn(sl[qi], LOG2E)));
+            }
+        }
+        if (edge || tail) {
+#pragma unroll
+            for (int j = 0; j < BQ / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    int qi = j * 8 + 2 * t4 + (e & 1);
+                    int key = key0 + (e >> 1) * 8;
+                    // Queries past T (zero rows, zero lse) have no probabilities.
+                    if ((edge && q0 + qi < key) || (tail && q0 + qi >= p.t)) pt[j][e] = 0.f;
+                }
+            }
+        }
+        if (DROP) {
+            // dV += (P ∘ M)ᵀ dO, one 16-query block of P ∘ M at a time (not a second copy of
+            // the tile: at 3 CTAs per SM the registers would spill).
+#pragma unroll
+            for (int kk = 0; kk < BQ / 16; ++kk) {
+                float lo[4], hi[4];
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    lo[e] = pt[2 * kk][e] * mask_at(mb, 2 * kk, e, g, p);
+                    hi[e] = pt[2 * kk + 1][e] * mask_at(mb, 2 * kk + 1, e, g, p);
+                }
+                u32 af[4];
+                acc_to_a(af, lo, hi);
+                block_times_rows(dv, af, sdo + kk * 16 * LDS, lane);
+            }
         } else {
             acc_times_rows<BQ>(dv, pt, sdo, lane);
         }
@@ -753,14 +802,17 @@ __device__ __forceinline__ void attn_bwd_dq_impl(const u16* qkv, Heads qv, Heads
         rows_times_rows_t<BNQ>(s, wq, sk, lane);
         const bool edge = k0 + BNQ > p.t || (p.causal && k0 + BNQ > q0 + warp * 16);
 #pragma unroll
-        for (int j = 0; j < BNQ / 8; ++j) {
+        for (int j = 0; j < BNQ / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                int col = k0 + j * 8 + 2 * t4 + (e & 1);
-                int i = e >> 1;
-                float v = exp2f(s[j][e] * p.scale_log2 - l2[i]);
-                if (edge && (col >= p.t || (p.causal && col > row0 + i * 8))) v = 0.f;
-                s[j][e] = v;
+            for (int e = 0; e < 4; ++e) s[j][e] = fast_exp2(fmaf(s[j][e], p.scale_log2, -l2[e >> 1]));
+        if (edge) {
+#pragma unroll
+            for (int j = 0; j < BNQ / 8; ++j) {
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    int col = k0 + j * 8 + 2 * t4 + (e & 1);
+                    if (col >= p.t || (p.causal && col > row0 + (e >> 1) * 8)) s[j][e] = 0.f;
+                }
             }
         }
         float ds[BNQ / 8][4];
@@ -795,3 +847,4 @@ extern "C" __global__ void __launch_bounds__(THREADS)
     attn_bwd_dq_dropout(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov, const float* lse, const float* delta, u16* grads, Heads gqv, Problem p) {
     attn_bwd_dq_impl<true>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gqv, keyed(p));
 }
+
