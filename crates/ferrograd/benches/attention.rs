@@ -6,6 +6,8 @@
 //! Usage: cargo bench -p ferrograd --bench attention -- [--batch 8] [--heads 12] [--seq 1024]
 //!   [--head-dim 64] [--dtype bf16|f16|f32] [--iters 50] [--device cuda|cpu] [--dropout 0]
 //! `--dropout P`: dropout on the probabilities, inside the kernels (a new mask every call).
+//! Each is timed two ways: the median of single calls the host waits for (`*_ms`), and calls
+//! queued back to back (`*_queued_ms`: the device's own time per call, host overhead hidden).
 //! Prints one JSON line.
 
 use std::time::Instant;
@@ -14,7 +16,7 @@ use ferrograd::backend::synchronize;
 use ferrograd::{BackwardOptions, DType, Device, Generator, Tensor};
 
 mod common;
-use common::{arg, warm_up};
+use common::{arg, queued_s, warm_up};
 
 /// Median of `iters` timings of `f`, in milliseconds, after three warm-up calls.
 fn median_ms(
@@ -66,9 +68,11 @@ fn main() -> ferrograd::Result<()> {
     };
     let fwd_ms = median_ms(dev, iters, &forward)?;
     let both_ms = median_ms(dev, iters, &both)?;
+    let fwd_queued_ms = queued_s(dev, iters, &forward)? * 1e3;
+    let both_queued_ms = queued_s(dev, iters, &both)? * 1e3;
     let flops = 4.0 * (b * h * t * t * d) as f64 / 2.0;
     println!(
-        "{{\"impl\":\"ferrograd\",\"batch\":{b},\"heads\":{h},\"seq\":{t},\"head_dim\":{d},\"dtype\":\"{dtype}\",\"dropout\":{dropout},\"fwd_ms\":{fwd_ms:.4},\"fwd_bwd_ms\":{both_ms:.4},\"fwd_tflops\":{:.1},\"fwd_bwd_tflops\":{:.1}}}",
+        "{{\"impl\":\"ferrograd\",\"batch\":{b},\"heads\":{h},\"seq\":{t},\"head_dim\":{d},\"dtype\":\"{dtype}\",\"dropout\":{dropout},\"fwd_ms\":{fwd_ms:.4},\"fwd_bwd_ms\":{both_ms:.4},\"fwd_queued_ms\":{fwd_queued_ms:.4},\"fwd_bwd_queued_ms\":{both_queued_ms:.4},\"fwd_tflops\":{:.1},\"fwd_bwd_tflops\":{:.1}}}",
         flops / fwd_ms / 1e9,
         3.5 * flops / both_ms / 1e9
     );

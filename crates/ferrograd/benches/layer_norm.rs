@@ -11,31 +11,11 @@
 //! synchronised once around them) and the forward's bytes over its time. The kernels alone
 //! are in `FERROGRAD_KERNEL_TIMES=1`'s table.
 
-use std::time::Instant;
-
 use ferrograd::autograd::{GradOptions, grad, no_grad};
-use ferrograd::backend::synchronize;
 use ferrograd::{DType, Device, Tensor};
 
 mod common;
-use common::{arg, warm_up};
-
-/// Microseconds per call of `f`, over `iters` calls queued back to back after three warm-up
-/// calls.
-fn per_call_us(
-    dev: Device,
-    iters: usize,
-    f: &dyn Fn() -> ferrograd::Result<()>,
-) -> ferrograd::Result<f64> {
-    warm_up(f)?;
-    synchronize(dev)?;
-    let t0 = Instant::now();
-    for _ in 0..iters {
-        f()?;
-    }
-    synchronize(dev)?;
-    Ok(t0.elapsed().as_secs_f64() * 1e6 / iters.max(1) as f64)
-}
+use common::{arg, queued_s};
 
 fn main() -> ferrograd::Result<()> {
     let (rows, n, iters) = (
@@ -69,8 +49,8 @@ fn main() -> ferrograd::Result<()> {
         };
         grad(&[&s, &y], &[&x, &h, &w, &b], opts).map(|_| ())
     };
-    let fwd_us = per_call_us(dev, iters, &forward)?;
-    let both_us = per_call_us(dev, iters, &both)?;
+    let fwd_us = queued_s(dev, iters, &forward)? * 1e6;
+    let both_us = queued_s(dev, iters, &both)? * 1e6;
     // Forward: x and h read, s and y written (the statistics are a few bytes a row).
     let fwd_bytes = rows * n * (2 * DType::F32.size_in_bytes() + 2 * half.size_in_bytes());
     println!(

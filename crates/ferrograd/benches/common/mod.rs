@@ -1,5 +1,5 @@
 //! What the benchmarks share: reading their `--name value` arguments, warming up what they
-//! time.
+//! time, timing calls queued back to back.
 // Each benchmark compiles this module and uses part of it.
 #![allow(dead_code)]
 
@@ -21,4 +21,24 @@ pub fn warm_up(f: &dyn Fn() -> ferrograd::Result<()>) -> ferrograd::Result<()> {
         f()?;
     }
     Ok(())
+}
+
+/// Seconds per call of `f`, over `iters` calls queued back to back after three warm-up calls,
+/// with one synchronisation before and one after: the device's own time per call wherever
+/// the host queues work faster than the device runs it (host overhead hidden, as in a
+/// training step), unlike a timing that waits for every call.
+pub fn queued_s(
+    dev: ferrograd::Device,
+    iters: usize,
+    f: &dyn Fn() -> ferrograd::Result<()>,
+) -> ferrograd::Result<f64> {
+    use ferrograd::backend::synchronize;
+    warm_up(f)?;
+    synchronize(dev)?;
+    let t0 = std::time::Instant::now();
+    for _ in 0..iters {
+        f()?;
+    }
+    synchronize(dev)?;
+    Ok(t0.elapsed().as_secs_f64() / iters.max(1) as f64)
 }
