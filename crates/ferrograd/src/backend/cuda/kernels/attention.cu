@@ -151,6 +151,8 @@ __device__ __forceinline__ u32 kept_cols2(const Problem& p, int bh, int q, int k
 
 
 
+// ---- tensor-core primitives ------------------------------------------------------------
+
 // 2^x in one MUFU instruction, results below 2^-126 flushed to zero: exp2f's denormal
 // handling costs four more instructions per probability and changes nothing that a sum with
 // the row's largest probability (1) can show.
@@ -159,8 +161,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
     asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
     return r;
 }
-
-// ---- tensor-core primitives ------------------------------------------------------------
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
     // The compiler's own conversion, so a constant offset from one base folds into the
