@@ -6,7 +6,9 @@
 # name filter passed to each), SANITIZE=1 (each under compute-sanitizer's memcheck, which
 # reports any access outside a live allocation), OUT (a folder for the logs), DEADLINE_S (seconds
 # from the start after which no binary runs on: each runs under the time left, and those after
-# it are reported as skipped), THREADS (test threads per binary, default 1).
+# it are reported as skipped), THREADS (test threads per binary, default 1). Before the tests,
+# `ferrograd info --compile-kernels` fills the kernel cache on every host thread (a cold one
+# otherwise costs the first tests minutes of compiling, one module at a time); WARM=0 skips it.
 # The GPU test targets (tests/gpu_*.rs and the CUDA variants of the golden tests) exist only
 # with the `gpu-tests` feature and fail, not skip, when no GPU is present.
 set -euo pipefail
@@ -31,6 +33,9 @@ build() {
 
 run() {
   local pass=0 fail=0 skipped=0 wrap=() start=$SECONDS limit=()
+  if [ "${WARM:-1}" = 1 ] && [ -x "$BIN/ferrograd" ]; then
+    "$BIN/ferrograd" info --compile-kernels | grep 'kernel modules' || echo "kernel warm-up failed: the tests compile as they go"
+  fi
   if [ "${SANITIZE:-0}" = 1 ]; then
     wrap=("${SANITIZER:-/usr/local/cuda/bin/compute-sanitizer}" --tool memcheck --error-exitcode 1)
   fi

@@ -1,7 +1,7 @@
 //! Command-line definitions and dispatch. Configuration is explicit: every knob is a flag.
 
 use clap::{Args, Parser, Subcommand};
-use ferrograd::backend::cuda::cuda_info;
+use ferrograd::backend::cuda::{compile_all_kernels, cuda_info};
 use ferrograd::demo::{self, DemoConfig};
 use ferrograd::{Device, memory};
 
@@ -26,10 +26,19 @@ enum Command {
     /// Gradient memory of Linear-ReLU-Linear, before/after backward, peak, by category.
     Demo(DemoArgs),
     /// Devices, their memory, and library versions.
-    Info,
+    Info(InfoArgs),
     /// Start N processes on this machine, one per rank, with the variables torchrun sets
     /// (RANK, WORLD_SIZE, MASTER_ADDR, ...): `ferrograd launch --nproc-per-node 2 -- CMD...`.
     Launch(crate::launch::LaunchArgs),
+}
+
+#[derive(Args, Debug)]
+struct InfoArgs {
+    /// Compile and load every kernel module on each GPU, on all host threads, into the
+    /// kernel cache: later runs on this machine compile nothing (a fresh machine otherwise
+    /// spends minutes of first use on it, one module at a time).
+    #[arg(long)]
+    compile_kernels: bool,
 }
 
 #[derive(Args, Debug)]
@@ -61,7 +70,7 @@ pub fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Train(a) => crate::train::run(*a),
         Command::Plan(a) => crate::plan::run(*a),
         Command::Demo(a) => run_demo(a),
-        Command::Info => run_info(),
+        Command::Info(a) => run_info(a),
         Command::Launch(a) => crate::launch::run(a),
     }
 }
@@ -84,7 +93,7 @@ fn run_demo(a: DemoArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn run_info() -> anyhow::Result<()> {
+fn run_info(a: InfoArgs) -> anyhow::Result<()> {
     println!("ferrograd {}", env!("CARGO_PKG_VERSION"));
     let cpu = memory::allocator(Device::Cpu)?.mem_info();
     println!(
@@ -126,6 +135,18 @@ fn run_info() -> anyhow::Result<()> {
     }
     if let Some(note) = &info.note {
         println!("note     {note}");
+    }
+    if a.compile_kernels {
+        if info.devices.is_empty() {
+            anyhow::bail!("--compile-kernels needs a CUDA GPU, and none was found");
+        }
+        for g in &info.devices {
+            let w = compile_all_kernels(g.ordinal)?;
+            println!(
+                "cuda:{}   {} kernel modules ready ({} loaded now) in {:.1} s on {} threads",
+                g.ordinal, w.modules, w.loaded_now, w.seconds, w.threads
+            );
+        }
     }
     Ok(())
 }

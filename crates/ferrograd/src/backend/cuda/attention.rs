@@ -56,8 +56,8 @@ macro_rules! modules {
     };
 }
 
-static BF16: [Module; 8] = modules!("BF16");
-static F16: [Module; 8] = modules!("F16");
+pub(super) static BF16: [Module; 8] = modules!("BF16");
+pub(super) static F16: [Module; 8] = modules!("F16");
 
 /// The f32 kernels' module for head dim `$d`.
 macro_rules! module_f32 {
@@ -73,7 +73,7 @@ macro_rules! module_f32 {
     };
 }
 
-static F32: [Module; 8] = [
+pub(super) static F32: [Module; 8] = [
     module_f32!(16),
     module_f32!(32),
     module_f32!(48),

@@ -3,7 +3,7 @@
 //! context to the calling thread first (rayon and test threads call in from anywhere).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::CudaBlas;
@@ -204,6 +204,50 @@ impl CudaDevice {
         module
             .load_function(name)
             .map_err(|e| self.err(&format!("loading kernel {name}"), e))
+    }
+
+    /// Loads every module of `modules` (key, source) this device has not loaded yet, on
+    /// `threads` threads: NVRTC's compile (or the kernel cache's read) and the driver's
+    /// translation to machine code run side by side, where first use loads one module at a
+    /// time under the module lock. Returns how many it loaded; the first error, if any.
+    pub(crate) fn load_modules(
+        &self,
+        modules: &[(&'static str, &'static str)],
+        threads: usize,
+    ) -> Result<usize> {
+        let (next, loaded) = (AtomicUsize::new(0), AtomicUsize::new(0));
+        let first_error: Mutex<Option<Error>> = Mutex::new(None);
+        let is_loaded = |key: &str| {
+            let mods = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+            mods.contains_key(key)
+        };
+        let worker = || -> Result<()> {
+            self.bind()?;
+            while let Some(&(key, src)) = modules.get(next.fetch_add(1, Ordering::Relaxed)) {
+                if is_loaded(key) {
+                    continue;
+                }
+                let m = self.load_module(key, src)?;
+                let mut mods = self.modules.lock().unwrap_or_else(|e| e.into_inner());
+                mods.entry(key).or_insert(m);
+                loaded.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok(())
+        };
+        std::thread::scope(|s| {
+            for _ in 0..threads.clamp(1, modules.len().max(1)) {
+                s.spawn(|| {
+                    if let Err(e) = worker() {
+                        let mut first = first_error.lock().unwrap_or_else(|e| e.into_inner());
+                        first.get_or_insert(e);
+                    }
+                });
+            }
+        });
+        match first_error.into_inner().unwrap_or_else(|e| e.into_inner()) {
+            Some(e) => Err(e),
+            None => Ok(loaded.into_inner()),
+        }
     }
 
     /// Module `key` loaded into this device's context: its PTX from the kernel cache (written

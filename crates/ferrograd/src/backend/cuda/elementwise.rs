@@ -21,8 +21,9 @@ use crate::memory::Allocation;
 /// what takes no single dtype (`SHARED`: strided copy, fill, casts, an f16/bf16 operand beside
 /// f32): a run compiles only what its dtypes need (all at once took NVRTC 12 s on a 2-core
 /// host; a bf16-autocast run needs about half).
-static SHARED: Module = Module::with_defines("elementwise", "#define EW_SHARED\n", SOURCE);
-static BY_DTYPE: [Module; 4] = [
+pub(super) static SHARED: Module =
+    Module::with_defines("elementwise", "#define EW_SHARED\n", SOURCE);
+pub(super) static BY_DTYPE: [Module; 4] = [
     Module::with_defines("elementwise_f32", "#define EW_F32\n", SOURCE),
     Module::with_defines("elementwise_f64", "#define EW_F64\n", SOURCE),
     Module::with_defines("elementwise_f16", "#define EW_F16\n", SOURCE),

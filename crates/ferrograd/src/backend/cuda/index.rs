@@ -19,7 +19,7 @@ use crate::backend::index::{IndexAdd, IndexKernels, IndexSelect, Where};
 use crate::base::{DType, Layout};
 use crate::base::{Error, Result};
 
-static KERNELS: Module = Module::new("index", include_str!("kernels/index.cu"));
+pub(super) static KERNELS: Module = Module::new("index", include_str!("kernels/index.cu"));
 /// Dims a `where` handles after merging (WHERE_MAX_DIMS in index.cu).
 const WHERE_MAX_DIMS: usize = 8;
 

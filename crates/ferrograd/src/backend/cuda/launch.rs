@@ -69,6 +69,17 @@ impl Module {
         Some(&rest[..end])
     }
 
+    /// The module's NVRTC cache key (unique among modules).
+    pub(crate) fn key(&self) -> &'static str {
+        self.key
+    }
+
+    /// The kernel file (with the headers the launcher prepends) this module compiles.
+    #[cfg(test)]
+    pub(crate) fn body(&self) -> &'static str {
+        self.body
+    }
+
     /// codes header + defines + prelude.cuh + the kernel file.
     pub(crate) fn source(&'static self) -> &'static str {
         self.src

@@ -19,7 +19,7 @@ use crate::backend::loss::{
 use crate::backend::{View, rows_cols};
 use crate::base::{Error, Result};
 
-static KERNELS: Module = Module::new("loss", include_str!("kernels/loss.cu"));
+pub(super) static KERNELS: Module = Module::new("loss", include_str!("kernels/loss.cu"));
 /// Most partial sums of the two-stage MSE reduction (fixed by n alone: deterministic).
 const MAX_PARTIALS: usize = 1024;
 

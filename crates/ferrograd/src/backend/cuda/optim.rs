@@ -17,7 +17,7 @@ use crate::backend::optim::{
 use crate::base::DType;
 use crate::base::Result;
 
-static KERNELS: Module = Module::new("optim", include_str!("kernels/optim.cu"));
+pub(super) static KERNELS: Module = Module::new("optim", include_str!("kernels/optim.cu"));
 /// One parameter's addresses, in the order of struct AdamEntry in optim.cu.
 type AdamRow = Row<4>;
 

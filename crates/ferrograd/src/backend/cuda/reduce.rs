@@ -14,7 +14,7 @@ use crate::backend::check::within as check_bounds;
 use crate::backend::{ReduceKernels, ReduceOp, Storage, View};
 use crate::base::Result;
 
-static KERNELS: Module = Module::new("reduce", include_str!("kernels/reduce.cu"));
+pub(super) static KERNELS: Module = Module::new("reduce", include_str!("kernels/reduce.cu"));
 
 /// At most this many reduced elements: one thread per output.
 const THREAD_MAX_IN: usize = 32;

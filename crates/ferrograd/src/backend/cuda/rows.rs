@@ -17,7 +17,7 @@ use crate::base::{DType, Result};
 /// rows.cu compiled once per dtype of the rows (the f32 module also holds the layer norms
 /// with f16/bf16 outputs): a run compiles only the row kernels of the dtypes it uses, and
 /// compiling all of them at once took NVRTC 18 s on a 2-core host.
-static KERNELS: [Module; 4] = [
+pub(super) static KERNELS: [Module; 4] = [
     Module::with_defines("rows_f32", "#define ROWS_F32\n", SOURCE),
     Module::with_defines("rows_f64", "#define ROWS_F64\n", SOURCE),
     Module::with_defines("rows_f16", "#define ROWS_F16\n", SOURCE),
