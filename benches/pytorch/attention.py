@@ -1,5 +1,6 @@
 """PyTorch twin of crates/ferrograd/benches/attention.rs: causal scaled_dot_product_attention
-alone (PyTorch picks its flash kernel for bf16/f16 on the GPU) from a (B, T, 3C) QKV tensor, the
+alone (PyTorch picks the kernel: flash, cuDNN, memory-efficient or math; the JSON's `sdpa_backend`
+names its choice) from a (B, T, 3C) QKV tensor, the
 heads split as views exactly as GPT-2's attention does, forward and forward + backward, median
 milliseconds per call and TFLOP/s counted the same way, and calls queued back to back
 (`*_queued_ms`: the device's own time per call, Python's overhead hidden). Prints one JSON line.
@@ -46,6 +47,16 @@ def queued_ms(fn, iters, device):
     return (time.perf_counter() - t0) * 1e3 / max(iters, 1)
 
 
+def sdpa_backend(q, k, v, dropout):
+    """The backend scaled_dot_product_attention picks for these operands (a private PyTorch
+    call, so None where this build lacks it)."""
+    try:
+        from torch.nn.attention import SDPBackend
+        return SDPBackend(torch._fused_sdp_choice(q, k, v, dropout_p=dropout, is_causal=True)).name
+    except Exception:  # noqa: BLE001 - any failure only means the name is unknown
+        return None
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=8)
@@ -74,13 +85,15 @@ def main():
         qkv.grad = None
 
     with torch.no_grad():
+        q, k, v = (x.view(b, t, h, d).transpose(1, 2) for x in qkv.split(c, dim=2))
+        backend = sdpa_backend(q, k, v, a.dropout)
         fwd = median_ms(attention, a.iters, a.device)
         fwd_q = queued_ms(attention, a.iters, a.device)
     fb = median_ms(both, a.iters, a.device)
     fb_q = queued_ms(both, a.iters, a.device)
     flops = 4.0 * b * h * t * t * d / 2.0
     print(json.dumps({"impl": "pytorch", "batch": b, "heads": h, "seq": t, "head_dim": d,
-                      "dtype": a.dtype, "dropout": a.dropout, "fwd_ms": round(fwd, 4), "fwd_bwd_ms": round(fb, 4),
+                      "dtype": a.dtype, "dropout": a.dropout, "sdpa_backend": backend, "fwd_ms": round(fwd, 4), "fwd_bwd_ms": round(fb, 4),
                       "fwd_queued_ms": round(fwd_q, 4), "fwd_bwd_queued_ms": round(fb_q, 4),
                       "fwd_tflops": round(flops / fwd / 1e9, 1),
                       "fwd_bwd_tflops": round(3.5 * flops / fb / 1e9, 1)}))
