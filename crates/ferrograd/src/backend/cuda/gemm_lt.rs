@@ -11,9 +11,10 @@
 //! is the cuBLAS block of this device's allocator (counted as `workspace`); calls are ordered
 //! on the device's one stream, so the two libraries never use it at once.
 //!
-//! The heuristic's choice of algorithm is cached per problem (shape, readings, dtype,
-//! operand alignments): asking for it costs more host time than the launch. A problem
-//! cuBLASLt has no algorithm for answers `Ok(false)` and the caller takes the plain path.
+//! The heuristic's choice of algorithm is cached per problem (shape, readings, dtype, the
+//! operands' and the epilogue vector's alignments): asking for it costs more host time than
+//! the launch. A problem cuBLASLt has no algorithm for answers `Ok(false)` and the caller
+//! takes the plain path.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -83,6 +84,10 @@ struct Key {
     trans: [bool; 2],
     lds: [i32; 2],
     aligns: [u32; 4],
+    /// The epilogue vector's alignment. The heuristic reads the vector pointer's value to
+    /// decide the alignment an algorithm may assume, so an algorithm is only reused for
+    /// vectors aligned as the one it was chosen for.
+    vector_align: u32,
 }
 
 static ALGOS: LazyLock<Mutex<HashMap<Key, cublasLtMatmulAlgo_t>>> =
@@ -231,6 +236,7 @@ pub(super) fn gemm_epilogue(
         trans: [g.a.trans, g.b.trans],
         lds: [g.a.ld, g.b.ld],
         aligns,
+        vector_align: alignment(vector),
     };
     let cached = ALGOS
         .lock()
