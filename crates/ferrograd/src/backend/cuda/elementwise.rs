@@ -8,7 +8,7 @@
 use cudarc::driver::LaunchConfig;
 
 use super::launch::{
-    Arg, Module, Strided, dev_ptr, dtype_code, grid, i64_of, launch, suffix, temp,
+    Arg, Module, Strided, dev_ptr, dtype_code, grid, i64_of, launch, quads_aligned, suffix, temp,
 };
 use super::{CudaDevice, codes};
 use crate::backend::check::within as check_bounds;
@@ -232,8 +232,7 @@ pub(crate) fn dropout_apply(
     let xp = dev_ptr(d, "dropout", x.storage)? + (x.layout.offset() * dt.size_in_bytes()) as u64;
     let op = dev_ptr(d, "dropout", out)?;
     // Groups of four elements move as one vector where both start on such a group's bytes.
-    let quad = 4 * dt.size_in_bytes() as u64;
-    let aligned = xp.is_multiple_of(quad) && op.is_multiple_of(quad);
+    let aligned = quads_aligned(dt, &[xp, op]);
     // dropout_apply_*(const S*, S*, u64, u64, const u64*, double, i64, int); x is contiguous
     // (the family checks).
     let args = [

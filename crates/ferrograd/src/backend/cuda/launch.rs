@@ -240,6 +240,14 @@ pub(crate) fn addr(v: &View) -> Result<u64> {
     Ok(ptr(v.storage)? + (v.layout.offset() * v.storage.dtype().size_in_bytes()) as u64)
 }
 
+/// Whether every address in `addrs` (0: an absent operand) is a multiple of four elements of
+/// `dtype`: the test for moving a group of four elements as one 8- or 16-byte vector
+/// (`Quad` in prelude.cuh).
+pub(crate) fn quads_aligned(dtype: DType, addrs: &[u64]) -> bool {
+    let quad = 4 * dtype.size_in_bytes() as u64;
+    addrs.iter().all(|a| a.is_multiple_of(quad))
+}
+
 /// What a device temporary of `bytes` takes: at least one 8-byte word, so that every
 /// temporary has an address (the planner rounds the same way).
 pub(crate) fn temp_bytes(bytes: usize) -> usize {

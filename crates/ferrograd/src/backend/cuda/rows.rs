@@ -8,7 +8,9 @@
 
 use cudarc::driver::LaunchConfig;
 
-use super::launch::{Arg, BLOCK, Module, addr, float_code, i64_of, launch, rows_cfg, suffix, temp};
+use super::launch::{
+    Arg, BLOCK, Module, addr, float_code, i64_of, launch, quads_aligned, rows_cfg, suffix, temp,
+};
 use super::{CudaDevice, ptr};
 use crate::backend::rows::{LayerNorm, LayerNormBackward, RowKernels, Softmax, SoftmaxBackward};
 use crate::backend::{View, rows_cols};
@@ -163,10 +165,7 @@ const LN_WARP_BLOCK: u32 = 128;
 /// can move as one vector, that is n is a multiple of four and each address (0: absent) is a
 /// multiple of four elements of its dtype.
 fn groups_move_as_vectors(n: usize, addrs: &[(DType, &[u64])]) -> Arg<'static> {
-    let aligned = addrs.iter().all(|(dt, ps)| {
-        let quad = 4 * dt.size_in_bytes() as u64;
-        ps.iter().all(|p| p.is_multiple_of(quad))
-    });
+    let aligned = addrs.iter().all(|(dt, ps)| quads_aligned(*dt, ps));
     Arg::I32((n.is_multiple_of(4) && aligned) as i32)
 }
 
