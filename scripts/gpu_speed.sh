@@ -28,18 +28,22 @@ run() { echo "\$ $*" >>"$LOG"; "$@" 2>>"$LOG" | tee -a "$LOG"; }
 mib() { "$PY" -c "print(f'{int($1)/2**20:.0f} MiB' if '$1' not in ('', 'None') else '-')"; }
 ratio() { "$PY" -c "print(f'{float($1)/float($2):.2f}')" 2>/dev/null || echo -; }
 
+# One attention row: label, then the JSON field both sides print.
+attention_pair() {
+  TABLE+=("| $1 | $(field "$a" "$2") | $(field "$p" "$2") (SDPA $(field "$p" sdpa_backend)) | $(ratio "$(field "$a" "$2")" "$(field "$p" "$2")") |")
+}
 row_attention() {
   local a p
   a=$(run "$B/attention" --batch 8 --heads 12 --seq 1024 --head-dim 64 --dtype bf16)
   p=$(run "$PY" benches/pytorch/attention.py --batch 8 --heads 12 --seq 1024 --head-dim 64 --dtype bf16)
-  TABLE+=("| attention B8 H12 T1024 d64 bf16, fwd+bwd ms | $(field "$a" fwd_bwd_ms) | $(field "$p" fwd_bwd_ms) (SDPA $(field "$p" sdpa_backend)) | $(ratio "$(field "$a" fwd_bwd_ms)" "$(field "$p" fwd_bwd_ms)") |")
-  TABLE+=("| attention forward ms | $(field "$a" fwd_ms) | $(field "$p" fwd_ms) (SDPA $(field "$p" sdpa_backend)) | $(ratio "$(field "$a" fwd_ms)" "$(field "$p" fwd_ms)") |")
+  attention_pair "attention B8 H12 T1024 d64 bf16, fwd+bwd ms" fwd_bwd_ms
+  attention_pair "attention forward ms" fwd_ms
   # Calls queued back to back: the device's time per call, each side's host overhead hidden.
-  TABLE+=("| attention fwd+bwd ms, calls queued | $(field "$a" fwd_bwd_queued_ms) | $(field "$p" fwd_bwd_queued_ms) (SDPA $(field "$p" sdpa_backend)) | $(ratio "$(field "$a" fwd_bwd_queued_ms)" "$(field "$p" fwd_bwd_queued_ms)") |")
-  TABLE+=("| attention forward ms, calls queued | $(field "$a" fwd_queued_ms) | $(field "$p" fwd_queued_ms) (SDPA $(field "$p" sdpa_backend)) | $(ratio "$(field "$a" fwd_queued_ms)" "$(field "$p" fwd_queued_ms)") |")
+  attention_pair "attention fwd+bwd ms, calls queued" fwd_bwd_queued_ms
+  attention_pair "attention forward ms, calls queued" fwd_queued_ms
   a=$(run "$B/attention" --batch 8 --heads 12 --seq 1024 --head-dim 64 --dtype bf16 --dropout 0.1)
   p=$(run "$PY" benches/pytorch/attention.py --batch 8 --heads 12 --seq 1024 --head-dim 64 --dtype bf16 --dropout 0.1)
-  TABLE+=("| attention, dropout 0.1 on the probabilities, fwd+bwd ms | $(field "$a" fwd_bwd_ms) | $(field "$p" fwd_bwd_ms) (SDPA $(field "$p" sdpa_backend)) | $(ratio "$(field "$a" fwd_bwd_ms)" "$(field "$p" fwd_bwd_ms)") |")
+  attention_pair "attention, dropout 0.1 on the probabilities, fwd+bwd ms" fwd_bwd_ms
 }
 
 # The residual add + layer norm of a GPT-2 step alone (ours; no PyTorch twin): microseconds a
