@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Checks, without a GPU, that the attention kernels' shared dropout draws give every element
 # the mask the dropout op draws for it. The mask functions are taken verbatim from the kernel
-# sources (Philox from prelude.cuh, Problem and kept() from attention_common.cuh, kept2 to
+# sources (Philox from prelude.cuh, Problem, draw16 and kept() from attention_common.cuh, kept2 to
 # kept_cols2 from attention.cu), compiled for the host with a 32-thread warp whose shuffles
 # go through shared slots (scripts/emu/attention_masks.cpp), and compared lane by lane with
-# kept() per element, at lengths that are and are not multiples of 4.
+# kept() per element, at lengths that are and are not multiples of 8.
 # Needs a C++20 compiler (g++ 11 or later, or clang++ 14): CXX=... to pick one.
 #   scripts/check_attention_masks.sh
 set -euo pipefail

@@ -573,22 +573,24 @@ pub(crate) fn fill(dst: &mut CpuData, value: f64) -> Result<()> {
 }
 
 /// `out[i] = x[i] · (1/keep where Philox's draw for i is below keep, else 0)`, in chunks
-/// across threads (each element depends on its index alone), one Philox call per four
+/// across threads (each element depends on its index alone), one Philox call per eight
 /// elements. `x` is the input's contiguous elements.
 fn dropout_apply<T: Elem>(x: &[T], out: &mut [T], keep: f64, key: u64) {
+    use crate::backend::philox::{DRAWS_PER_CALL, uniforms8};
     use rayon::prelude::*;
-    // A multiple of 4, so every chunk starts a group of four draws.
+    // A multiple of 8, so every chunk starts a call's eight draws.
     const CHUNK: usize = 1 << 14;
+    const PER: usize = DRAWS_PER_CALL as usize;
     let scale = T::from_f64(1.0 / keep);
     let zero = T::from_f64(0.0);
     out.par_chunks_mut(CHUNK)
         .zip(x.par_chunks(CHUNK))
         .enumerate()
         .for_each(|(c, (chunk, xs))| {
-            let first_group = (c * CHUNK / 4) as u64;
-            for (g, (four, x4)) in chunk.chunks_mut(4).zip(xs.chunks(4)).enumerate() {
-                let u = crate::backend::philox::uniforms4(key, first_group + g as u64);
-                for ((e, &x), u) in four.iter_mut().zip(x4).zip(u) {
+            let first_call = (c * CHUNK / PER) as u64;
+            for (g, (eight, x8)) in chunk.chunks_mut(PER).zip(xs.chunks(PER)).enumerate() {
+                let u = uniforms8(key, first_call + g as u64);
+                for ((e, &x), u) in eight.iter_mut().zip(x8).zip(u) {
                     *e = binary_scalar(BinaryOp::Mul, x, if u < keep { scale } else { zero });
                 }
             }

@@ -149,8 +149,8 @@ struct Problem {
     scale: f32,
     scale_log2: f32,
     vec: i32,
-    /// Kept where the 24-bit draw is below this: ceil(keep · 2²⁴), as `u < keep` for
-    /// u = draw / 2²⁴.
+    /// Kept where the 16-bit draw is below this: ceil(keep · 2¹⁶), as `u < keep` for
+    /// u = draw / 2¹⁶.
     threshold: u32,
     key: u64,
     inv_keep: f32,
@@ -192,7 +192,7 @@ impl Problem {
             scale: scale as f32,
             scale_log2: (scale * std::f64::consts::LOG2_E) as f32,
             vec: i32::from(views.iter().all(|(base, h)| h.aligned(*base))),
-            threshold: dropout.map_or(0, |d| (d.keep * 16_777_216.0).ceil() as u32),
+            threshold: dropout.map_or(0, |d| (d.keep * 65_536.0).ceil() as u32),
             key: dropout.map_or(0, |d| d.key),
             inv_keep: dropout.map_or(1.0, |d| (1.0 / d.keep) as f32),
             pad: 0,

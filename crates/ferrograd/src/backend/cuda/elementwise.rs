@@ -246,7 +246,8 @@ pub(crate) fn dropout_apply(
         Arg::I32(aligned as i32),
     ];
     let kernel = format!("dropout_apply_{suffix}");
-    launch(d, kernels(&[dt]), &kernel, grid(n.div_ceil(4)), &args)
+    // One thread per Philox call: eight elements.
+    launch(d, kernels(&[dt]), &kernel, grid(n.div_ceil(8)), &args)
 }
 
 /// Op code (U_* in codes.rs) and f64 parameter of a unary op.

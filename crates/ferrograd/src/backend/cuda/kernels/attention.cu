@@ -69,84 +69,92 @@
 #error "HEAD_DIM must be a multiple of 16, at most 128"
 #endif
 
-// kept() of (i, j) and (i, j + 1): one Philox call when both fall in one group of four.
+// kept() of (i, j) and (i, j + 1): one Philox call when both fall in one call's eight draws.
 __device__ __forceinline__ void kept2(const Problem& p, int bh, int i, int j, bool k[2]) {
     u64 n = ((u64)bh * p.t + i) * p.t + j;
     u32 w[4];
-    philox4x32_10(n >> 2, p.key, w);
-    k[0] = (pick(w, n) >> 8) < p.threshold;
-    if (((n + 1) >> 2) != (n >> 2)) philox4x32_10((n + 1) >> 2, p.key, w);
-    k[1] = (pick(w, n + 1) >> 8) < p.threshold;
+    philox4x32_10(n >> 3, p.key, w);
+    k[0] = draw16(w, n) < p.threshold;
+    if (((n + 1) >> 3) != (n >> 3)) philox4x32_10((n + 1) >> 3, p.key, w);
+    k[1] = draw16(w, n + 1) < p.threshold;
 }
 
-// The four draws of one Philox call, as bit e = draw e survives.
-__device__ __forceinline__ u32 kept4(const Problem& p, u64 group) {
+// The eight draws of one Philox call, as bit e = draw e survives (draw e: half e % 2 of word
+// e / 2).
+__device__ __forceinline__ u32 kept8(const Problem& p, u64 call) {
     u32 w[4];
-    philox4x32_10(group, p.key, w);
+    philox4x32_10(call, p.key, w);
     u32 bits = 0;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) bits |= (u32)((w[e] >> 8) < p.threshold) << e;
+    for (int e = 0; e < 4; ++e) {
+        bits |= (u32)((w[e] & 0xffffu) < p.threshold) << (2 * e);
+        bits |= (u32)((w[e] >> 16) < p.threshold) << (2 * e + 1);
+    }
     return bits;
 }
 
-// Shared draws. One Philox call yields the draws of four neighbouring keys of one query, and
-// those keys lie in different lanes: the lanes that hold a group make one call between them
-// instead of one each, and pass the results round by shuffles. The groups then start at a
-// multiple of four in every row, so these need T % 4 == 0 (else kept2/kept per element).
+// Shared draws. One Philox call yields the draws of eight neighbouring keys of one query, and
+// those keys lie in different lanes: the lanes that hold them make one call between them
+// instead of one each, and pass the results round. A call's keys then start at a multiple of
+// eight in every row, so these need T % 8 == 0 (else kept2/kept per element).
 
 // The forward's and dQ's layout (queries as rows): lane (g, t4) holds keys c + 2·t4 + {0, 1}
-// of rows r and r + 8 in the 8-key column tile at c. Lanes t4 and t4 ^ 1 hold the two halves
-// of one group in both rows: the even lane draws row r's group, the odd one row r + 8's, and
-// each passes the other the two draws it needs. k[i][e]: key c + 2·t4 + e of row r + 8·i.
-__device__ __forceinline__ void kept_rows(const Problem& p, int bh, int r, int c, int t4,
-                                          bool k[2][2]) {
-    const int odd = t4 & 1;
-    const u64 n = ((u64)bh * p.t + r + 8 * odd) * p.t + c + 2 * (t4 & 2);
-    const u32 mine = kept4(p, n >> 2);
-    const u32 theirs = __shfl_xor_sync(0xffffffffu, mine, 1);
-    // This lane's keys are words 2·odd and 2·odd + 1 of both groups.
-    const u32 row_r = (odd ? theirs : mine) >> (2 * odd);
-    const u32 row_r8 = (odd ? mine : theirs) >> (2 * odd);
-    k[0][0] = row_r & 1;
-    k[0][1] = (row_r >> 1) & 1;
-    k[1][0] = row_r8 & 1;
-    k[1][1] = (row_r8 >> 1) & 1;
+// of rows r and r + 8 in the 8-key column tile at c. Two tiles (c and c + 8) hold four calls'
+// keys per g: row r + 8i of tile u is one call, and the four lanes of a g (t4 = i + 2u) make
+// one call each, put its 8 bits in byte t4 of a word, and two shuffles give all four the
+// whole word. k[u][i][e]: key c + 8u + 2·t4 + e of row r + 8·i.
+__device__ __forceinline__ void kept_rows2(const Problem& p, int bh, int r, int c, int t4,
+                                           bool k[2][2][2]) {
+    const u64 n = ((u64)bh * p.t + r + 8 * (t4 & 1)) * p.t + c + 8 * (t4 >> 1);
+    u32 v = kept8(p, n >> 3) << (8 * t4);
+    v |= __shfl_xor_sync(0xffffffffu, v, 1);
+    v |= __shfl_xor_sync(0xffffffffu, v, 2);
+#pragma unroll
+    for (int u = 0; u < 2; ++u)
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int e = 0; e < 2; ++e) k[u][i][e] = (v >> (8 * (i + 2 * u) + 2 * t4 + e)) & 1;
 }
 
-// The dK/dV kernel's mask value (0 or 1/(1 - p)) of element e of tile j, from its bits.
-__device__ __forceinline__ float mask_at(const u32* mb, int j, int e, int g, const Problem& p) {
-    return ((mb[j >> 1] >> (16 * (j & 1) + 4 * e + (g & 3))) & 1) ? p.inv_keep : 0.f;
-}
-
-// kept_rows where T % 4 == 0, else kept2 per row.
-__device__ __forceinline__ void kept_in_rows(const Problem& p, int bh, int r, int c, int t4,
-                                             bool k[2][2]) {
-    if (p.t % 4 == 0) {
-        kept_rows(p, bh, r, c, t4, k);
+// kept_rows2 where T % 8 == 0, else kept2 per row and tile.
+__device__ __forceinline__ void kept_in_rows2(const Problem& p, int bh, int r, int c, int t4,
+                                              bool k[2][2][2]) {
+    if (p.t % 8 == 0) {
+        kept_rows2(p, bh, r, c, t4, k);
     } else {
-        kept2(p, bh, r, c + 2 * t4, k[0]);
-        kept2(p, bh, r + 8, c + 2 * t4, k[1]);
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+#pragma unroll
+            for (int i = 0; i < 2; ++i) kept2(p, bh, r + 8 * i, c + 8 * u + 2 * t4, k[u][i]);
     }
 }
 
 // The dK/dV kernel's layout (keys as rows): lane (g, t4) holds keys kb + g and kb + g + 8 of
-// queries q + 2·t4 + {0, 1} in the 8-query column tile at q. A group of four keys of one query
-// lies in the four lanes with the same g >> 2 and t4 (g & 3 = 0..3, its word), and each tile
-// has four such groups, one per accumulator element e (query + (e & 1), key + 8·(e >> 1)):
-// lane g & 3 = m draws group m, and two shuffles hand every lane all four. Does two tiles (q
-// and q + 8) at once. Element e of tile u survives where bit 16·u + 4·e + (g & 3) is set.
+// queries q + 2·t4 + {0, 1} in the 8-query column tile at q. Two tiles (q and q + 8) take 32
+// calls, one per lane: lane L draws the keys kb + 8·(L >> 4) .. + 7 of query q + (L & 15).
+// Lane (g, t4) needs bit g of the calls of lanes 16·(e >> 1) + 8u + 2·t4 + (e & 1) (element e
+// of tile u): eight ballots (one per bit) hand every lane each call's bit k as bit L of a
+// word, and each lane keeps the word of its g. Element e of tile u survives where bit
+// 16·(e >> 1) + 8u + (e & 1) of the result is set (mask_at).
 __device__ __forceinline__ u32 kept_cols2(const Problem& p, int bh, int q, int kb, int g,
                                           int t4) {
-    const int m = g & 3;
-    const int key = kb + 4 * (g >> 2) + 8 * (m >> 1);
-    u32 v = 0;
+    const int lane = 4 * g + t4;
+    const u64 n = ((u64)bh * p.t + q + (lane & 15)) * p.t + kb + 8 * (lane >> 4);
+    const u32 mine = kept8(p, n >> 3);
+    u32 w = 0;
 #pragma unroll
-    for (int u = 0; u < 2; ++u) {
-        const u64 n = ((u64)bh * p.t + q + 8 * u + 2 * t4 + (m & 1)) * p.t + key;
-        v |= kept4(p, n >> 2) << (16 * u + 4 * m);
+    for (int k = 0; k < 8; ++k) {
+        const u32 bit_k = __ballot_sync(0xffffffffu, (mine >> k) & 1);
+        if (k == g) w = bit_k;
     }
-    v |= __shfl_xor_sync(0xffffffffu, v, 4);
-    return v | __shfl_xor_sync(0xffffffffu, v, 8);
+    return (w >> (2 * t4)) & 0x03030303u;
+}
+
+// The dK/dV kernel's mask value (0 or 1/(1 - p)) of element e of tile j, from its bits
+// (kept_cols2's layout, one word per two tiles).
+__device__ __forceinline__ float mask_at(const u32* mb, int j, int e, const Problem& p) {
+    return ((mb[j >> 1] >> (16 * (e >> 1) + 8 * (j & 1) + (e & 1))) & 1) ? p.inv_keep : 0.f;
 }
 
 
@@ -520,14 +528,16 @@ __device__ __forceinline__ void attn_fwd_impl(const u16* qkv, Heads qv, Heads kv
         // Dropout acts on what multiplies V, not on the normaliser l (scaled at the end).
         if (DROP) {
 #pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-                bool k[2][2];
-                kept_in_rows(p, bh, row0, k0 + j * 8, t4, k);
+            for (int j = 0; j < BN / 8; j += 2) {
+                bool k[2][2][2];
+                kept_in_rows2(p, bh, row0, k0 + j * 8, t4, k);
 #pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    if (!k[i][0]) s[j][2 * i] = 0.f;
-                    if (!k[i][1]) s[j][2 * i + 1] = 0.f;
-                }
+                for (int u = 0; u < 2; ++u)
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        if (!k[u][i][0]) s[j + u][2 * i] = 0.f;
+                        if (!k[u][i][1]) s[j + u][2 * i + 1] = 0.f;
+                    }
             }
         }
         acc_times_rows<BN>(o, s, sv, lane);
@@ -665,12 +675,13 @@ __device__ __forceinline__ void attn_bwd_dkdv_impl(const u16* qkv, Heads qv, Hea
         // With dropout: M (the kept mask, as 0 or 1/(1 - p)), drawn before the products so the
         // generator's temporaries are dead while the tiles are live. dV takes (P ∘ M)ᵀ dO and
         // the probabilities' gradient is dP̃ ∘ M.
-        // The kept mask as bits (element e of tile j at bit 16·(j & 1) + 4·e + (g & 3) of
-        // mb[j / 2], as kept_cols2 lays them out), not as floats: the registers go to the tiles.
+        // The kept mask as bits (element e of tile j at bit 16·(e >> 1) + 8·(j & 1) + (e & 1)
+        // of mb[j / 2], as kept_cols2 lays them out), not as floats: the registers go to the
+        // tiles.
         // Rows past T need no mask: their probabilities are 0 and their gradients unstored.
         u32 mb[BQ / 16];
         if (DROP) {
-            const bool shared = p.t % 4 == 0;
+            const bool shared = p.t % 8 == 0;
 #pragma unroll
             for (int j = 0; j < BQ / 8; j += 2) {
                 u32 bits = 0;
@@ -683,7 +694,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_impl(const u16* qkv, Heads qv, Hea
                         for (int e = 0; e < 4; ++e)
                             bits |= (u32)kept(p, bh, q0 + (j + u) * 8 + 2 * t4 + (e & 1),
                                               key0 + (e >> 1) * 8)
-                                    << (16 * u + 4 * e + (g & 3));
+                                    << (16 * (e >> 1) + 8 * u + (e & 1));
                 }
                 mb[j / 2] = bits;
             }
@@ -721,8 +732,8 @@ __device__ __forceinline__ void attn_bwd_dkdv_impl(const u16* qkv, Heads qv, Hea
                 float lo[4], hi[4];
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    lo[e] = pt[2 * kk][e] * mask_at(mb, 2 * kk, e, g, p);
-                    hi[e] = pt[2 * kk + 1][e] * mask_at(mb, 2 * kk + 1, e, g, p);
+                    lo[e] = pt[2 * kk][e] * mask_at(mb, 2 * kk, e, p);
+                    hi[e] = pt[2 * kk + 1][e] * mask_at(mb, 2 * kk + 1, e, p);
                 }
                 u32 af[4];
                 acc_to_a(af, lo, hi);
@@ -740,7 +751,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_impl(const u16* qkv, Heads qv, Hea
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
                 int qi = j * 8 + 2 * t4 + (e & 1);
-                float dp = DROP ? ds[j][e] * mask_at(mb, j, e, g, p) : ds[j][e];
+                float dp = DROP ? ds[j][e] * mask_at(mb, j, e, p) : ds[j][e];
                 ds[j][e] = pt[j][e] * (dp - sd[qi]);
             }
         }
@@ -819,14 +830,17 @@ __device__ __forceinline__ void attn_bwd_dq_impl(const u16* qkv, Heads qv, Heads
         rows_times_rows_t<BNQ>(ds, wdo, sv, lane);
         if (DROP) {
 #pragma unroll
-            for (int j = 0; j < BNQ / 8; ++j) {
-                bool k[2][2];
-                kept_in_rows(p, bh, row0, k0 + j * 8, t4, k);
+            for (int j = 0; j < BNQ / 8; j += 2) {
+                bool k[2][2][2];
+                kept_in_rows2(p, bh, row0, k0 + j * 8, t4, k);
 #pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    ds[j][2 * i] = k[i][0] ? ds[j][2 * i] * p.inv_keep : 0.f;
-                    ds[j][2 * i + 1] = k[i][1] ? ds[j][2 * i + 1] * p.inv_keep : 0.f;
-                }
+                for (int u = 0; u < 2; ++u)
+#pragma unroll
+                    for (int i = 0; i < 2; ++i) {
+                        float* d = ds[j + u] + 2 * i;
+                        d[0] = k[u][i][0] ? d[0] * p.inv_keep : 0.f;
+                        d[1] = k[u][i][1] ? d[1] * p.inv_keep : 0.f;
+                    }
             }
         }
 #pragma unroll

@@ -18,7 +18,7 @@ struct Problem {
     float scale;       // applied to q·k
     float scale_log2;  // scale · log2(e): scores in base 2, so exp is one exp2
     int vec;           // 1: every row start is 16-byte aligned (8-element loads)
-    u32 threshold;     // dropout on the probabilities: kept where a 24-bit draw is below it
+    u32 threshold;     // dropout on the probabilities: kept where a 16-bit draw is below it
     u64 key;           // the dropout mask's Philox key
     float inv_keep;    // 1 / (1 - p): the kept probabilities' scale
     int pad;
@@ -34,18 +34,20 @@ __device__ __forceinline__ Problem keyed(Problem p) {
     return p;
 }
 
-// Whether probability (query i, key j) of pair bh survives dropout. Its draw is the top 24
-// bits of word n % 4 of philox(n / 4, key) with n = (bh · T + i) · T + j: exactly the mask
-// the dropout op draws over the composed path's (B, H, T, T) probabilities.
-__device__ __forceinline__ u32 pick(const u32 w[4], u64 n) {
-    return (n & 2) ? ((n & 1) ? w[3] : w[2]) : ((n & 1) ? w[1] : w[0]);
+// Whether probability (query i, key j) of pair bh survives dropout. Its draw is half n % 2
+// (the low half first) of word (n / 2) % 4 of philox(n / 8, key), 16 bits, with
+// n = (bh · T + i) · T + j: exactly the mask the dropout op draws over the composed path's
+// (B, H, T, T) probabilities (backend/philox.rs).
+__device__ __forceinline__ u32 draw16(const u32 w[4], u64 n) {
+    const u32 word = (n & 4) ? ((n & 2) ? w[3] : w[2]) : ((n & 2) ? w[1] : w[0]);
+    return (n & 1) ? word >> 16 : word & 0xffffu;
 }
 
 __device__ __forceinline__ bool kept(const Problem& p, int bh, int i, int j) {
     u64 n = ((u64)bh * p.t + i) * p.t + j;
     u32 w[4];
-    philox4x32_10(n >> 2, p.key, w);
-    return (pick(w, n) >> 8) < p.threshold;
+    philox4x32_10(n >> 3, p.key, w);
+    return draw16(w, n) < p.threshold;
 }
 
 __device__ __forceinline__ i64 row_at(const Heads& v, int b, int h, i64 t) {

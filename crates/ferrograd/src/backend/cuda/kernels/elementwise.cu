@@ -468,10 +468,10 @@ extern "C" __global__ void fill_bits(void* dst, int size, u64 bits, i64 n) {
 // ---- dropout masks ------------------------------------------------------------------------
 
 // out[i] = x[i] · m_i, m_i = the mask value `bits` (1/keep in the dtype) where element i's draw
-// (24 bits of word i % 4 of philox(i / 4, key)) is below `keep`, else 0; the product in the
-// compute type, rounded once (as a multiply by a stored mask). One thread per group of four;
-// with `aligned` (x and out start on a multiple of four elements' bytes, the host checks) a
-// whole group moves as one vector load and one vector store.
+// (half i % 2 of word (i / 2) % 4 of philox(i / 8, key), 16 bits) is below `keep`, else 0; the
+// product in the compute type, rounded once (as a multiply by a stored mask). One thread per
+// Philox call, eight elements; with `aligned` (x and out start on a multiple of four
+// elements' bytes, the host checks) they move as two vector loads and two vector stores.
 // seed: null, or a captured step's seed (rewritten before each replay): the key is key ^ *seed.
 template <typename T>
 __device__ __forceinline__ void dropout_apply_run(const typename T::S* x, typename T::S* out,
@@ -482,25 +482,32 @@ __device__ __forceinline__ void dropout_apply_run(const typename T::S* x, typena
     S m;
     memcpy(&m, &bits, sizeof(S));  // little-endian: the low bytes hold the value
     const typename T::C scale = T::ld(m), zero = (typename T::C)0;
-    // u < keep for u = draw / 2^24 is draw < ceil(keep · 2^24): exact, as keep · 2^24 is.
-    const u32 below = (u32)ceil(keep * 16777216.0);
-    const i64 groups = (n + 3) / 4;
-    for (i64 g = grid_start(); g < groups; g += grid_step()) {
+    // u < keep for u = draw / 2^16 is draw < ceil(keep · 2^16): exact, as keep · 2^16 is.
+    const u32 below = (u32)ceil(keep * 65536.0);
+    const i64 calls = (n + 7) / 8;
+    for (i64 g = grid_start(); g < calls; g += grid_step()) {
         u32 w[4];
         philox4x32_10((u64)g, key, w);
-        if (aligned && g * 4 + 4 <= n) {
-            Quad<S> q = ((const Quad<S>*)x)[g];
+        // Draw e of this call: half e % 2 of word e / 2.
+        u32 kept = 0;
 #pragma unroll
-            for (int j = 0; j < 4; j++)
-                q.v[j] = T::st(T::ld(q.v[j]) * ((w[j] >> 8) < below ? scale : zero));
-            ((Quad<S>*)out)[g] = q;
+        for (int e = 0; e < 8; e++) kept |= (u32)(((w[e >> 1] >> (16 * (e & 1))) & 0xffffu) < below) << e;
+        if (aligned && g * 8 + 8 <= n) {
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                Quad<S> q = ((const Quad<S>*)x)[2 * g + h];
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+                    q.v[j] = T::st(T::ld(q.v[j]) * ((kept >> (4 * h + j)) & 1 ? scale : zero));
+                ((Quad<S>*)out)[2 * g + h] = q;
+            }
             continue;
         }
 #pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const i64 i = g * 4 + j;
+        for (int e = 0; e < 8; e++) {
+            const i64 i = g * 8 + e;
             if (i >= n) break;
-            out[i] = T::st(T::ld(x[i]) * ((w[j] >> 8) < below ? scale : zero));
+            out[i] = T::st(T::ld(x[i]) * ((kept >> e) & 1 ? scale : zero));
         }
     }
 }
