@@ -466,8 +466,9 @@ fn gemm_batched(d: &CudaDevice, g: &Gemm, bt: &Batch) -> Result<()> {
 }
 
 /// Whether cuBLASLt may take `aux` as a GELU epilogue's auxiliary matrix of rows n wide: its
-/// address 16-byte aligned and its leading dimension (n) a multiple of 8, as cuBLASLt requires
-/// of that matrix. Elsewhere the product and the elementwise GELU run apart.
+/// leading dimension (n) a multiple of 8, as cuBLASLt documents for that matrix, and its
+/// address 16-byte aligned (so every call sees the same alignment). Elsewhere the product and
+/// the elementwise GELU run apart.
 fn aux_fits(aux: u64, n: usize) -> bool {
     aux.is_multiple_of(16) && n.is_multiple_of(8)
 }
