@@ -850,3 +850,70 @@ fn retain_grad_on_a_tensor_without_grad_is_an_error() {
     let x = Tensor::ones(&[2], DType::F32, Device::Cpu).unwrap();
     assert!(x.exp().unwrap().retain_grad().is_err());
 }
+
+// ---- fused ops equal their compositions -------------------------------------------------------
+
+/// Output and every gradient of the fused MLP and of linear → gelu → linear, on the CPU.
+fn mlp_both_ways(dtype: ferrograd::DType) -> [Vec<Vec<f32>>; 2] {
+    use ferrograd::ops::GeluApprox;
+    let mut g = ferrograd::Generator::new(7);
+    let mut leaf = |shape: &[usize]| {
+        Tensor::randn_with(shape, ferrograd::DType::F32, Device::Cpu, &mut g)
+            .and_then(|t| t.to_dtype(dtype))
+            .and_then(|t| t.requires_grad_(true))
+            .unwrap()
+    };
+    let inputs = [
+        leaf(&[2, 5, 8]),
+        leaf(&[16, 8]),
+        leaf(&[16]),
+        leaf(&[8, 16]),
+        leaf(&[8]),
+    ];
+    let run = |fused: bool| -> Vec<Vec<f32>> {
+        let [x, wf, bf, wp, bp] = &inputs;
+        let y = if fused {
+            x.mlp_gelu(wf, bf, wp, bp).unwrap()
+        } else {
+            let h = x
+                .linear(wf, Some(bf))
+                .unwrap()
+                .gelu(GeluApprox::Tanh)
+                .unwrap();
+            h.linear(wp, Some(bp)).unwrap()
+        };
+        let w = Tensor::randn_with(
+            y.shape(),
+            dtype,
+            Device::Cpu,
+            &mut ferrograd::Generator::new(9),
+        )
+        .unwrap();
+        y.mul(&w).unwrap().sum_all().unwrap().backward().unwrap();
+        let as_f32 = |t: &Tensor| {
+            t.to_dtype(ferrograd::DType::F32)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap()
+        };
+        let mut out = vec![as_f32(&y)];
+        for t in &inputs {
+            out.push(as_f32(&t.grad().unwrap()));
+            t.set_grad(None).unwrap();
+        }
+        out
+    };
+    [run(true), run(false)]
+}
+
+#[test]
+fn fused_mlp_is_the_composition_bit_for_bit_on_the_cpu() {
+    for dtype in [ferrograd::DType::F32, ferrograd::DType::BF16] {
+        let [fused, composed] = mlp_both_ways(dtype);
+        assert_eq!(fused.len(), 6);
+        for (i, (a, b)) in fused.iter().zip(&composed).enumerate() {
+            let bits = |v: &Vec<f32>| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(a), bits(b), "{dtype}: output/gradient {i} differs");
+        }
+    }
+}

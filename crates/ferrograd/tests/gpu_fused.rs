@@ -3,7 +3,8 @@
 //! parameters, cross-entropy with ignored targets, embedding (gather and deterministic
 //! scatter-add, strided and repeated ids), cat/split, masked_fill and where with broadcasting,
 //! MSE, matmul/linear in every operand layout (transposed, broadcast batch, expanded, empty
-//! inner dim) and dtype (f16/bf16 loosely, TF32 on and off), and SGD with momentum. Needs a
+//! inner dim) and dtype (f16/bf16 loosely, TF32 on and off), the fused MLP (cuBLASLt
+//! epilogues), and SGD with momentum. Needs a
 //! CUDA device: without one every test fails.
 #![cfg(feature = "gpu-tests")]
 
@@ -676,6 +677,52 @@ fn matmul_with_an_empty_inner_dim_is_zero() {
     let out = a.matmul(&b).unwrap();
     assert_eq!(out.shape(), &[3, 4]);
     assert_eq!(on_cpu(&out).to_vec::<f32>().unwrap(), vec![0.0; 12]);
+}
+
+/// The fused MLP (cuBLASLt's bias + GELU epilogue forward, the dGELU epilogue and the
+/// bias-gradient epilogue backward) against the CPU's composed linear → gelu → linear.
+#[test]
+fn fused_mlp_matches_the_cpu() {
+    let _t = TF32.read().unwrap_or_else(|e| e.into_inner());
+    // Hidden width 96 takes the epilogues; 100 (rows of the pre-activation not a multiple of
+    // 8 elements, which cuBLASLt's auxiliary matrix needs) the product and the elementwise GELU.
+    for hidden in [96usize, 100] {
+        let inputs = |dt: DType| -> Vec<Tensor> {
+            [
+                randn(&[3, 7, 32], 81),
+                randn(&[hidden, 32], 82).mul_scalar(0.2).unwrap(),
+                randn(&[hidden], 83),
+                randn(&[40, hidden], 84).mul_scalar(0.1).unwrap(),
+                randn(&[40], 85),
+            ]
+            .iter()
+            .map(|t| t.to_dtype(dt).unwrap())
+            .collect()
+        };
+        let mlp = |t: &[Tensor]| t[0].mlp_gelu(&t[1], &t[2], &t[3], &t[4]);
+        compare(
+            &format!("mlp_gelu f32 H{hidden}"),
+            &inputs(DType::F32),
+            (1e-4, 1e-4),
+            mlp,
+        );
+        // In half precision the GPU rounds the GELU's input gradient once (in the epilogue)
+        // where the CPU rounds the product and then the product times gelu'(pre): the weight
+        // gradients (sums over rows) differ by a few units in the last place where terms
+        // cancel.
+        compare(
+            &format!("mlp_gelu bf16 H{hidden}"),
+            &inputs(DType::BF16),
+            (1e-1, 5e-2),
+            mlp,
+        );
+        compare(
+            &format!("mlp_gelu f16 H{hidden}"),
+            &inputs(DType::F16),
+            (2e-2, 1e-2),
+            mlp,
+        );
+    }
 }
 
 #[test]

@@ -285,3 +285,116 @@ fn gemm_epilogues_write_nothing_past_their_outputs() {
         assert!(diff < 0.25, "{dtype}: bias gradient off by {diff}");
     }
 }
+
+/// cuBLASLt's GELU epilogues (forward: bias + GELU with the pre-activation beside the output;
+/// backward: the product times gelu'(pre)) on a product with an odd row count (21): the
+/// output, the pre-activation and the blocks right after each are checked, as for the bias
+/// epilogues above.
+#[test]
+fn gelu_epilogues_write_nothing_past_their_outputs() {
+    use ferrograd::backend::View;
+    use ferrograd::backend::matmul::{MatmulSpec, matmul_bias_gelu, matmul_dgelu};
+    use ferrograd::ops::GeluApprox;
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    const MARK: f64 = 3.0;
+    let (rows, k, n) = (21usize, 32usize, 256usize);
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let mut g = Generator::new(6);
+        let mut randn = |shape: &[usize]| {
+            Tensor::randn_with(shape, DType::F32, Device::Cpu, &mut g)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap()
+        };
+        let (x, w, b, gy) = (
+            randn(&[rows, k]),
+            randn(&[n, k]),
+            randn(&[n]),
+            randn(&[rows, k]),
+        );
+        let on_gpu = |t: &Tensor| t.to_device(GPU).unwrap();
+        let (xg, wg, bg, gyg) = (on_gpu(&x), on_gpu(&w), on_gpu(&b), on_gpu(&gy));
+        let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+
+        // Forward: pre (21, 256) = x @ wᵀ + b and out = gelu(pre), each followed by a sentinel.
+        let pre = filled(rows * n, dtype, 0.0);
+        let s1 = filled(4096, dtype, MARK);
+        let out = filled(rows * n, dtype, 0.0);
+        let s2 = filled(4096, dtype, MARK);
+        assert!(
+            directly_after(&pre, &s1) && directly_after(&out, &s2),
+            "{dtype}: the sentinels are not adjacent"
+        );
+        let wt = wg.layout().permute(&[1, 0]).unwrap();
+        let spec = MatmulSpec {
+            batch: 1,
+            m: rows,
+            n,
+            k,
+        };
+        let wt_view = View {
+            storage: wg.storage(),
+            layout: &wt,
+        };
+        matmul_bias_gelu(
+            &spec,
+            view(&xg),
+            wt_view,
+            view(&bg),
+            pre.storage(),
+            out.storage(),
+        )
+        .unwrap();
+        assert_eq!(
+            disturbed(&s1, MARK),
+            0,
+            "{dtype}: wrote past the pre-activation"
+        );
+        assert_eq!(disturbed(&s2, MARK), 0, "{dtype}: wrote past the output");
+        let want_pre = f32s(&x).linear(&f32s(&w), Some(&f32s(&b))).unwrap();
+        let want = want_pre.gelu(GeluApprox::Tanh).unwrap();
+        let diff = max_diff(&pre, &want_pre).max(max_diff(&out, &want));
+        assert!(diff < 0.25, "{dtype}: bias + GELU off by {diff}");
+
+        // Backward: dpre (21, 256) = (gy @ w') ∘ gelu'(pre) with gy (21, 32) and w' = w (256,
+        // 32) read as (32, 256), then a sentinel.
+        let dpre = filled(rows * n, dtype, 0.0);
+        let s3 = filled(4096, dtype, MARK);
+        assert!(directly_after(&dpre, &s3), "{dtype}: not adjacent");
+        let w2 = wg.reshape(&[k, n]).unwrap();
+        let pre2 = pre.reshape(&[rows, n]).unwrap();
+        matmul_dgelu(
+            &spec_t(rows, n, k),
+            view(&gyg),
+            view(&w2),
+            view(&pre2),
+            dpre.storage(),
+        )
+        .unwrap();
+        assert_eq!(
+            disturbed(&s3, MARK),
+            0,
+            "{dtype}: dGELU wrote past its output"
+        );
+        // The reference: GELU's backward on the CPU, by autograd.
+        let up = f32s(&gy)
+            .matmul(&f32s(&w).reshape(&[k, n]).unwrap())
+            .unwrap();
+        let leaf = want_pre.detach().requires_grad_(true).unwrap();
+        leaf.gelu(GeluApprox::Tanh)
+            .unwrap()
+            .backward_with(ferrograd::BackwardOptions {
+                gradient: Some(up),
+                ..Default::default()
+            })
+            .unwrap();
+        let want = leaf.grad().unwrap();
+        let diff = max_diff(&dpre, &want);
+        assert!(diff < 0.5, "{dtype}: dGELU off by {diff}");
+    }
+}
+
+/// One (m, k) @ (k, n) product.
+fn spec_t(m: usize, n: usize, k: usize) -> ferrograd::backend::matmul::MatmulSpec {
+    ferrograd::backend::matmul::MatmulSpec { batch: 1, m, n, k }
+}

@@ -256,6 +256,23 @@ fn linear_variants() {
     );
 }
 
+#[test]
+fn mlp_gelu_every_input() {
+    // x (2, 3, 4) → 6 hidden → 5 out.
+    let inputs = [
+        randn64(&[2, 3, 4], 11),
+        randn64(&[6, 4], 12),
+        randn64(&[6], 13),
+        randn64(&[5, 6], 14),
+        randn64(&[5], 15),
+    ];
+    gradcheck(
+        "mlp_gelu",
+        |x| x[0].mlp_gelu(&x[1], &x[2], &x[3], &x[4]),
+        &inputs,
+    );
+}
+
 // ---- reductions -----------------------------------------------------------------------------
 
 #[test]

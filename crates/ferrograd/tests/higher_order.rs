@@ -267,6 +267,19 @@ fn second_derivatives_of_unary_ops() {
 }
 
 #[test]
+fn second_derivatives_of_the_fused_mlp() {
+    let _l = lock();
+    let x = randn64(&[3, 4], 3);
+    let (wf, bf, wp, bp) = (
+        randn64(&[6, 4], 4),
+        randn64(&[6], 5),
+        randn64(&[2, 6], 6),
+        randn64(&[2], 7),
+    );
+    gradgradcheck("mlp_gelu", |x| x.mlp_gelu(&wf, &bf, &wp, &bp), &x);
+}
+
+#[test]
 fn second_derivatives_of_binary_and_reduction_ops() {
     let _l = lock();
     let x = randn64(&[3, 4], 3);

@@ -60,6 +60,7 @@ const DIFFERENTIABLE_BACKWARD: &[&str] = &[
     "gelu",
     "gelu_derivative",
     "linear",
+    "mlp_gelu",
     "matmul",
     "sum",
     "mse_loss",

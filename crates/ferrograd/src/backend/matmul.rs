@@ -56,6 +56,48 @@ pub trait MatmulKernels {
     fn fuses_row_sums(&self) -> bool {
         false
     }
+    /// `pre = a @ b + bias` and `out = gelu_tanh(pre)` (the first layer of a GPT MLP, its
+    /// pre-activation kept for backward). By default the biased product into `pre`, then the
+    /// elementwise GELU; CUDA computes both in the GEMM's epilogue.
+    fn matmul_bias_gelu(&self, m: &Matmul, bias: View, pre: &Storage) -> Result<()> {
+        bias_gelu_composed(self, m, bias, pre)
+    }
+    /// `out = (a @ b) ∘ gelu_tanh'(pre)`: the GELU's input gradient straight from the GEMM
+    /// that computes its output gradient. By default the product, then the elementwise GELU
+    /// backward in place; CUDA applies it in the GEMM's epilogue.
+    fn matmul_dgelu(&self, m: &Matmul, pre: View) -> Result<()> {
+        dgelu_composed(self, m, pre)
+    }
+}
+
+/// `matmul_bias_gelu` as a biased product and an elementwise GELU.
+pub(crate) fn bias_gelu_composed<K: MatmulKernels + ?Sized>(
+    k: &K,
+    m: &Matmul,
+    bias: View,
+    pre: &Storage,
+) -> Result<()> {
+    let into_pre = Matmul { out: pre, ..*m };
+    k.matmul_bias(&into_pre, bias)?;
+    let lp = crate::base::Layout::contiguous(&[pre.len()]);
+    super::elementwise::unary(
+        super::UnaryOp::GeluTanh,
+        View {
+            storage: pre,
+            layout: &lp,
+        },
+        m.out,
+    )
+}
+
+/// `matmul_dgelu` as a product and the elementwise GELU backward in place.
+pub(crate) fn dgelu_composed<K: MatmulKernels + ?Sized>(
+    k: &K,
+    m: &Matmul,
+    pre: View,
+) -> Result<()> {
+    k.matmul(m)?;
+    super::elementwise::binary_inplace(super::BinaryOp::GeluTanhBackward, m.out, pre)
 }
 
 /// out (batch·m, n) += bias (n) broadcast over the rows, as the elementwise family adds.
@@ -100,18 +142,7 @@ pub fn matmul(spec: &MatmulSpec, a: View, b: View, out: &Storage) -> Result<()> 
 /// `out = a @ b + bias`, bias (n) added to every row of the fresh output.
 pub fn matmul_bias(spec: &MatmulSpec, a: View, b: View, bias: View, out: &Storage) -> Result<()> {
     let m = checked(spec, a, b, out, 0.0)?;
-    check::on_device("linear", out.device(), [bias.storage])?;
-    check::same_dtype("linear", out.dtype(), bias.storage.dtype())?;
-    if bias.layout.shape() != [spec.n] {
-        return Err(Error::shape(
-            "linear",
-            format!(
-                "bias {:?} must have shape [{}] (one value per output column)",
-                bias.layout.shape(),
-                spec.n
-            ),
-        ));
-    }
+    check_bias("linear", spec, out, &bias)?;
     backend(out.device())?.matmul_bias(&m, bias)
 }
 
@@ -145,6 +176,71 @@ pub fn matmul_row_sums(
         ));
     }
     backend(out.device())?.matmul_row_sums(&m, sums)
+}
+
+/// `pre = a @ b + bias`, `out = gelu_tanh(pre)` for one product, both fresh (m, n) outputs.
+pub fn matmul_bias_gelu(
+    spec: &MatmulSpec,
+    a: View,
+    b: View,
+    bias: View,
+    pre: &Storage,
+    out: &Storage,
+) -> Result<()> {
+    let m = checked(spec, a, b, out, 0.0)?;
+    check_bias("mlp", spec, out, &bias)?;
+    same_output("mlp", out, pre)?;
+    backend(out.device())?.matmul_bias_gelu(&m, bias, pre)
+}
+
+/// `out = (a @ b) ∘ gelu_tanh'(pre)` for one product; pre holds the (m, n) pre-activation.
+pub fn matmul_dgelu(spec: &MatmulSpec, a: View, b: View, pre: View, out: &Storage) -> Result<()> {
+    let m = checked(spec, a, b, out, 0.0)?;
+    check::on_device("mlp_backward", out.device(), [pre.storage])?;
+    check::same_dtype("mlp_backward", out.dtype(), pre.storage.dtype())?;
+    if spec.batch != 1 || pre.layout.shape() != [spec.m, spec.n] {
+        return Err(Error::shape(
+            "mlp_backward",
+            format!(
+                "pre-activation {:?} for a product of {} x {}x{}: one product, (m, n)",
+                pre.layout.shape(),
+                spec.batch,
+                spec.m,
+                spec.n
+            ),
+        ));
+    }
+    backend(out.device())?.matmul_dgelu(&m, pre)
+}
+
+/// A bias of one value per output column, on the output's device and in its dtype.
+fn check_bias(op: &'static str, spec: &MatmulSpec, out: &Storage, bias: &View) -> Result<()> {
+    check::on_device(op, out.device(), [bias.storage])?;
+    check::same_dtype(op, out.dtype(), bias.storage.dtype())?;
+    if bias.layout.shape() != [spec.n] {
+        return Err(Error::shape(
+            op,
+            format!(
+                "bias {:?} must have shape [{}] (one value per output column)",
+                bias.layout.shape(),
+                spec.n
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A second output of the same length, device and dtype as `out`.
+fn same_output(op: &'static str, out: &Storage, other: &Storage) -> Result<()> {
+    check::on_device(op, out.device(), [other])?;
+    check::same_dtype(op, out.dtype(), other.dtype())?;
+    if other.len() != out.len() {
+        return Err(Error::shape(
+            op,
+            format!("{} elements for an output of {}", other.len(), out.len()),
+        ));
+    }
+    Ok(())
 }
 
 /// The width a GEMM dim of n is padded to on `device`: n, or n rounded up to the backend's

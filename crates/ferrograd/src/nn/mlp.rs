@@ -1,7 +1,9 @@
 //! The transformer's feed-forward block, as in GPT-2: Linear(C, 4C) → GELU (tanh
-//! approximation) → Linear(4C, C) → dropout. With `recompute_gelu` the GELU and the second
-//! Linear run as one op that saves the GELU's input only (`Tensor::gelu_linear`): the same
-//! values, and the (B, T, 4C) GELU output is recomputed in backward instead of kept.
+//! approximation) → Linear(4C, C) → dropout. With both biases the three run as one op
+//! (`Tensor::mlp_gelu`: the same values and saved bytes, the bias and GELU in the GEMMs'
+//! epilogues on the GPU). With `recompute_gelu` the GELU and the second Linear run as one op
+//! that saves the GELU's input only (`Tensor::gelu_linear`): the same values, and the
+//! (B, T, 4C) GELU output is recomputed in backward instead of kept.
 
 use super::state::prefixed;
 use super::{Dropout, Linear, Module};
@@ -23,12 +25,20 @@ pub struct Mlp {
 impl Module for Mlp {
     /// x: (B, T, C) → (B, T, C)
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let pre = self.c_fc.forward(x)?;
         let out = if self.recompute_gelu {
+            let pre = self.c_fc.forward(x)?;
             let (w, b) = (&self.c_proj.weight, self.c_proj.bias.as_ref());
             pre.gelu_linear(GeluApprox::Tanh, w, b)?
         } else {
-            self.c_proj.forward(&pre.gelu(GeluApprox::Tanh)?)?
+            match (&self.c_fc.bias, &self.c_proj.bias) {
+                // One op whose GEMMs carry the biases and the GELU in their epilogues.
+                (Some(b_fc), Some(b_proj)) => {
+                    x.mlp_gelu(&self.c_fc.weight, b_fc, &self.c_proj.weight, b_proj)?
+                }
+                _ => self
+                    .c_proj
+                    .forward(&self.c_fc.forward(x)?.gelu(GeluApprox::Tanh)?)?,
+            }
         };
         self.dropout.forward(&out)
     }

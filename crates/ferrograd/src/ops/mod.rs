@@ -15,6 +15,7 @@ mod linear;
 mod linear_cross_entropy;
 mod loss;
 mod matmul;
+mod mlp;
 mod movement;
 mod norm;
 mod reduce;

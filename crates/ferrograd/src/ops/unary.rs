@@ -139,7 +139,7 @@ impl Tensor {
 
     /// gelu'(x), recorded: the fused kernel's value (its gradient input set to ones), with a
     /// backward of gg · gelu''(x) written with tensor ops. Only a create_graph backward uses it.
-    fn gelu_derivative(&self, approx: GeluApprox) -> Result<Tensor> {
+    pub(super) fn gelu_derivative(&self, approx: GeluApprox) -> Result<Tensor> {
         let back = match approx {
             GeluApprox::None => BinaryOp::GeluErfBackward,
             GeluApprox::Tanh => BinaryOp::GeluTanhBackward,

@@ -2,7 +2,11 @@
 //! - `Bias`: forward, the bias row added while the product is still in registers, so
 //!   `x @ wᵀ + b` writes its output once instead of a GEMM pass plus a read-modify-write pass;
 //! - `BiasGrad`: backward, the weight gradient gᵀ·x with the bias gradient Σ_rows g summed
-//!   from the same operand tiles, instead of a separate reduction over g.
+//!   from the same operand tiles, instead of a separate reduction over g;
+//! - `BiasGelu`: forward of a GPT MLP's first layer, gelu_tanh(x @ wᵀ + b) with the
+//!   pre-activation written beside it for backward (cuBLASLt's GELU_AUX_BIAS);
+//! - `Dgelu`: backward, the product that is the GELU's output gradient multiplied by
+//!   gelu'(pre) before it is stored (DGELU).
 //!
 //! The operand readings (transposes, leading dims) are cuda/matmul.rs's: the row-major (m, n)
 //! output is computed as its column-major transpose (n, m) = bᵀ aᵀ. So the forward's bias (n)
@@ -12,7 +16,7 @@
 //! on the device's one stream, so the two libraries never use it at once.
 //!
 //! The heuristic's choice of algorithm is cached per problem (shape, readings, dtype, the
-//! operands' and the epilogue vector's alignments): asking for it costs more host time than
+//! operands', the epilogue vector's and the auxiliary matrix's alignments): asking for it costs more host time than
 //! the launch. A problem cuBLASLt has no algorithm for answers `Ok(false)` and the caller
 //! takes the plain path.
 
@@ -57,18 +61,27 @@ pub(super) enum Epilogue {
     Bias(u64),
     /// m elements written: the sums of a over k.
     BiasGrad(u64),
+    /// The bias (n), then GELU; the pre-activation (m, n) written at the second address.
+    BiasGelu(u64, u64),
+    /// The product times gelu'(pre), pre (m, n) at the address.
+    Dgelu(u64),
 }
 
 impl Epilogue {
-    /// cuBLASLt's epilogue, its vector's address and the call's row in the kernel times.
-    fn lt(self) -> (cublasLtEpilogue_t, u64, &'static str) {
+    /// cuBLASLt's epilogue, its vector (bias) and auxiliary matrix addresses where it has
+    /// them, and the call's row in the kernel times.
+    fn lt(self) -> (cublasLtEpilogue_t, Option<u64>, Option<u64>, &'static str) {
+        use cublasLtEpilogue_t::*;
         match self {
-            Epilogue::Bias(v) => (cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BIAS, v, "gemm+bias"),
-            Epilogue::BiasGrad(v) => (
-                cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB,
-                v,
-                "gemm+bias grad",
+            Epilogue::Bias(v) => (CUBLASLT_EPILOGUE_BIAS, Some(v), None, "gemm+bias"),
+            Epilogue::BiasGrad(v) => (CUBLASLT_EPILOGUE_BGRADB, Some(v), None, "gemm+bias grad"),
+            Epilogue::BiasGelu(v, aux) => (
+                CUBLASLT_EPILOGUE_GELU_AUX_BIAS,
+                Some(v),
+                Some(aux),
+                "gemm+bias+gelu",
             ),
+            Epilogue::Dgelu(aux) => (CUBLASLT_EPILOGUE_DGELU, None, Some(aux), "gemm+dgelu"),
         }
     }
 }
@@ -84,10 +97,12 @@ struct Key {
     trans: [bool; 2],
     lds: [i32; 2],
     aligns: [u32; 4],
-    /// The epilogue vector's alignment. The heuristic reads the vector pointer's value to
-    /// decide the alignment an algorithm may assume, so an algorithm is only reused for
-    /// vectors aligned as the one it was chosen for.
+    /// The epilogue vector's and auxiliary matrix's alignments (0 without one). The
+    /// heuristic reads those pointers' values to decide the alignment an algorithm may
+    /// assume (cuBLASLt's documentation of the aux pointer says so), so an algorithm is only
+    /// reused for pointers aligned as the ones it was chosen for.
     vector_align: u32,
+    aux_align: u32,
 }
 
 static ALGOS: LazyLock<Mutex<HashMap<Key, cublasLtMatmulAlgo_t>>> =
@@ -198,15 +213,25 @@ pub(super) fn gemm_epilogue(
         DescAttr::CUBLASLT_MATMUL_DESC_TRANSB,
         &op(g.a.trans),
     )?;
-    let (kind, vector, name) = epilogue.lt();
+    let (kind, vector, aux, name) = epilogue.lt();
     set_desc(d, &ds, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &kind)?;
-    let bias_ptr = vector as *const c_void;
-    set_desc(
-        d,
-        &ds,
-        DescAttr::CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-        &bias_ptr,
-    )?;
+    if let Some(v) = vector {
+        let v = v as *const c_void;
+        set_desc(d, &ds, DescAttr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &v)?;
+    }
+    if let Some(aux) = aux {
+        // The auxiliary matrix is laid out as the output: column-major (n, m), ld n. cuBLASLt
+        // wants it 16-byte aligned and ld a multiple of 8 (cuda/matmul.rs checks both first).
+        let aux = aux as *const c_void;
+        let ld = g.n as i64;
+        set_desc(
+            d,
+            &ds,
+            DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER,
+            &aux,
+        )?;
+        set_desc(d, &ds, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld)?;
+    }
     let (m, n, k) = (g.m as u64, g.n as u64, g.k as u64);
     let stored =
         |trans: bool, rows: u64, cols: u64| if trans { (cols, rows) } else { (rows, cols) };
@@ -236,7 +261,8 @@ pub(super) fn gemm_epilogue(
         trans: [g.a.trans, g.b.trans],
         lds: [g.a.ld, g.b.ld],
         aligns,
-        vector_align: alignment(vector),
+        vector_align: vector.map_or(0, alignment),
+        aux_align: aux.map_or(0, alignment),
     };
     let cached = ALGOS
         .lock()

@@ -465,6 +465,14 @@ fn gemm_batched(d: &CudaDevice, g: &Gemm, bt: &Batch) -> Result<()> {
     Ok(())
 }
 
+/// Whether cuBLASLt may take `aux` as a GELU epilogue's auxiliary matrix of rows n wide: its
+/// leading dimension (n) a multiple of 8, as cuBLASLt documents for that matrix, and its
+/// address 16-byte aligned (so every call sees the same alignment). Elsewhere the product and
+/// the elementwise GELU run apart.
+fn aux_fits(aux: u64, n: usize) -> bool {
+    aux.is_multiple_of(16) && n.is_multiple_of(8)
+}
+
 impl MatmulKernels for CudaDevice {
     fn matmul(&self, m: &Matmul) -> Result<()> {
         matmul_acc(self, &m.spec, m.a, m.b, m.out, m.beta)
@@ -482,6 +490,27 @@ impl MatmulKernels for CudaDevice {
     fn fuses_row_sums(&self) -> bool {
         true
     }
+    fn matmul_bias_gelu(&self, m: &Matmul, bias: View, pre: &Storage) -> Result<()> {
+        let aux = ptr(pre)?;
+        let fused = match contiguous_addr(&bias)? {
+            Some(b) if aux_fits(aux, m.spec.n) => single_lt(self, m, Epilogue::BiasGelu(b, aux))?,
+            _ => false,
+        };
+        if !fused {
+            crate::backend::matmul::bias_gelu_composed(self, m, bias, pre)?;
+        }
+        Ok(())
+    }
+    fn matmul_dgelu(&self, m: &Matmul, pre: View) -> Result<()> {
+        let fused = match contiguous_addr(&pre)? {
+            Some(aux) if aux_fits(aux, m.spec.n) => single_lt(self, m, Epilogue::Dgelu(aux))?,
+            _ => false,
+        };
+        if !fused {
+            crate::backend::matmul::dgelu_composed(self, m, pre)?;
+        }
+        Ok(())
+    }
     fn out_row_align(&self, dtype: DType) -> usize {
         out_row_align(dtype)
     }
@@ -490,13 +519,19 @@ impl MatmulKernels for CudaDevice {
 /// A single (unbatched) product with a contiguous bias through cuBLASLt's BIAS epilogue;
 /// false when it does not apply (batched, f64, a strided bias, no algorithm), nothing queued.
 fn matmul_bias_fused(d: &CudaDevice, m: &Matmul, bias: &View) -> Result<bool> {
-    let n = m.spec.n;
-    if !(n <= 1 || bias.layout.strides() == [1]) {
-        return Ok(false);
+    match contiguous_addr(bias)? {
+        Some(addr) => single_lt(d, m, Epilogue::Bias(addr)),
+        None => Ok(false),
     }
-    let size = bias.storage.dtype().size_in_bytes() as u64;
-    let addr = ptr(bias.storage)? + bias.layout.offset() as u64 * size;
-    single_lt(d, m, Epilogue::Bias(addr))
+}
+
+/// The address of a view's first element when its elements are contiguous (row-major).
+fn contiguous_addr(v: &View) -> Result<Option<u64>> {
+    if !v.layout.is_contiguous() {
+        return Ok(None);
+    }
+    let size = v.storage.dtype().size_in_bytes() as u64;
+    Ok(Some(ptr(v.storage)? + v.layout.offset() as u64 * size))
 }
 
 /// One product of `m` through cuBLASLt with `epilogue`; false when it does not apply
