@@ -200,14 +200,26 @@ fn warp_slots(dtype: DType, n: usize) -> Option<usize> {
     per.filter(|_| dtype != DType::F64)
 }
 
-/// Blocks of a warp-per-row backward that also sums the parameter gradients, each writing
-/// one partial: at most this many, about three for each of an H100's or H200's 132 SMs (as
-/// many as their registers run at once). The count depends on the shape alone.
-const LN_PARAM_BLOCKS: usize = 384;
+/// SMs of an H100 or H200: the warp-per-row backward that also sums the parameter gradients
+/// runs one grid's worth of blocks per SM slot, each writing one partial. The count depends on
+/// the shape and dtypes alone (not the device), so the sums and the planner's bytes do too.
+const PARAM_SMS: usize = 132;
 
-fn fused_param_blocks(rows: usize) -> usize {
+/// Blocks per SM the warp-per-row backward runs (its launch bounds in rows.cu, BWD24 of
+/// LN_WARP_SIZES): four for f32 rows with bf16 gradients at PER 24, else three.
+fn ln_bwd_blocks_per_sm(rows: DType, grads: DType, per: usize) -> usize {
+    if (rows, grads, per) == (DType::F32, DType::BF16, 24) {
+        4
+    } else {
+        3
+    }
+}
+
+/// Blocks of the warp-per-row backward that also sums the parameter gradients: one per four
+/// rows, at most as many as the SMs run at once.
+fn fused_param_blocks(rows: usize, per_sm: usize) -> usize {
     rows.div_ceil((LN_WARP_BLOCK / 32) as usize)
-        .clamp(1, LN_PARAM_BLOCKS)
+        .clamp(1, PARAM_SMS * per_sm)
 }
 
 fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
@@ -256,14 +268,15 @@ fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
     }
     // The warp kernels sum the parameter gradients' partials as they go (kernels/rows.cu).
     let part = params.map(|bytes| temp(d, bytes, OP)).transpose()?;
-    let blocks = fused_param_blocks(rows);
+    let g = a.gy.storage.dtype();
+    let per_sm = warp_slots(dtype, n).map_or(3, |per| ln_bwd_blocks_per_sm(dtype, g, per));
+    let blocks = fused_param_blocks(rows, per_sm);
     if part.is_some() {
         cfg.grid_dim.0 = blocks as u32;
         // Two f32 rows of n per warp: at most 32 KiB, for rows of 1024.
         cfg.shared_mem_bytes = (LN_WARP_BLOCK / 32) * 2 * n as u32 * 4;
     }
     args.push(Arg::Ptr(part.as_ref().map_or(0, |p| p.addr())));
-    let g = a.gy.storage.dtype();
     let aligned = [(dtype, &[x, w, prior, gx][..]), (g, &[gy][..])];
     args.push(groups_move_as_vectors(n, &aligned));
     launch(d, module, &kernel, cfg, &args)?;
@@ -296,8 +309,9 @@ fn param_chunks(rows: usize, n: usize) -> (usize, usize) {
 pub(crate) fn param_scratch_bytes(a: &LayerNormBackward) -> Option<usize> {
     let (rows, n) = rows_cols(a.x.layout);
     let wanted = (a.gweight.is_some() || a.gbias.is_some()) && rows > 0 && n > 0;
-    let partials = match warp_slots(a.x.storage.dtype(), n) {
-        Some(_) => fused_param_blocks(rows),
+    let (dtype, g) = (a.x.storage.dtype(), a.gy.storage.dtype());
+    let partials = match warp_slots(dtype, n) {
+        Some(per) => fused_param_blocks(rows, ln_bwd_blocks_per_sm(dtype, g, per)),
         None => param_chunks(rows, n).1,
     };
     wanted.then(|| 2 * partials * n * 8)
@@ -410,15 +424,35 @@ mod tests {
         );
     }
 
-    /// The fused parameter sums take one partial per block, at most LN_PARAM_BLOCKS, where
-    /// the warp kernels run (param_scratch_bytes sizes the partials by the same test).
+    /// The fused parameter sums take one partial per block, at most as many as the SMs run at
+    /// once, where the warp kernels run (param_scratch_bytes sizes the partials by the same
+    /// test).
     #[test]
     fn fused_parameter_sums_take_a_partial_per_block() {
-        assert_eq!(fused_param_blocks(5), 2);
-        assert_eq!(fused_param_blocks(8192), LN_PARAM_BLOCKS);
+        assert_eq!(fused_param_blocks(5, 3), 2);
+        assert_eq!(fused_param_blocks(8192, 3), 396);
+        assert_eq!(fused_param_blocks(8192, 4), 528);
         assert_eq!(warp_slots(DType::F32, 768), Some(24));
         assert_eq!(warp_slots(DType::F64, 768), None);
         assert_eq!(warp_slots(DType::BF16, 1025), None);
+    }
+
+    /// The grid of the backward that sums the parameter gradients assumes the blocks per SM
+    /// its launch bounds give: four only for f32 rows with bf16 gradients at PER 24.
+    #[test]
+    fn the_backwards_grid_matches_its_launch_bounds() {
+        assert!(SOURCE.contains("LN_WARP_SIZES(f32_bf16, float, bf16_t, 4)\n"));
+        for s in [
+            "f32, float, float",
+            "f32_f16, float, f16_t",
+            "f16, f16_t, f16_t",
+        ] {
+            assert!(SOURCE.contains(&format!("LN_WARP_SIZES({s}, 1)\n")), "{s}");
+        }
+        assert_eq!(ln_bwd_blocks_per_sm(DType::F32, DType::BF16, 24), 4);
+        assert_eq!(ln_bwd_blocks_per_sm(DType::F32, DType::BF16, 32), 3);
+        assert_eq!(ln_bwd_blocks_per_sm(DType::F32, DType::F16, 24), 3);
+        assert_eq!(ln_bwd_blocks_per_sm(DType::BF16, DType::BF16, 24), 3);
     }
 
     /// Groups of four move as vectors only where n and every address allow it.
