@@ -24,7 +24,7 @@ use ferrograd::amp::{
 use ferrograd::autograd::{BackwardOptions, CustomFunction, FunctionCtx, apply_custom};
 use ferrograd::memory::{self, CategoryBytes};
 use ferrograd::nn::{Gpt, GptConfig, IGNORE_INDEX, LayerNorm, Module, Recompute, causal_mask};
-use ferrograd::ops::GeluApprox;
+use ferrograd::ops::{GeluApprox, cast_parameters_ahead};
 use ferrograd::{Category, DType, Device, Error, Generator, Result, Tensor, no_grad};
 
 const CPU: Device = Device::Cpu;
@@ -338,6 +338,100 @@ fn a_weight_used_twice_is_cast_once() {
     drop((y1, y2, want));
     drop(amp);
     assert_usage("region ended", base, &[(Category::Gradient, o * i * F32)]);
+}
+
+/// `cast_parameters_ahead` casts each eligible parameter once, in the cache: the linear then
+/// casts only its input, and every value and gradient equals the lazily cast run's.
+#[test]
+fn parameters_cast_ahead_are_the_casts_the_linear_reads() {
+    let _l = lock();
+    let (n, i, o) = (4, 8, 6);
+    let x = randn(&[n, i], 14);
+    let run = |ahead: bool| {
+        let (w, b) = (param(&[o, i], 11), param(&[o], 12));
+        // Neither a parameter (no grad) nor f32: not cast ahead.
+        let frozen = randn(&[o, i], 13);
+        let half = randn(&[o], 15).to_dtype(DType::BF16).unwrap();
+        let base = snap();
+        let amp = autocast(AmpDType::BF16);
+        if ahead {
+            cast_parameters_ahead(&[&w, &b, &w, &frozen, &half]).unwrap();
+            // w once though listed twice, b; nothing for the others.
+            let cast = (o * i + o) * BF16;
+            assert_usage("cast ahead", base, &[(Category::Temporary, cast)]);
+        }
+        let y = x.linear(&w, Some(&b)).unwrap();
+        assert_usage(
+            "after the linear",
+            base,
+            &[
+                // x's cast, which the weight's gradient reads (x needs none: W is not saved).
+                (Category::SavedActivation, n * i * BF16),
+                // The cached W and b, held by the cache alone, and the output.
+                (Category::Temporary, (o * i + o) * BF16 + n * o * BF16),
+            ],
+        );
+        y.to_dtype(DType::F32)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        drop(amp);
+        (y, w.grad().unwrap(), b.grad().unwrap())
+    };
+    let (ahead, lazy) = (run(true), run(false));
+    assert_same_bits("y", &ahead.0, &lazy.0);
+    assert_same_bits("w.grad", &ahead.1, &lazy.1);
+    assert_same_bits("b.grad", &ahead.2, &lazy.2);
+    // Outside a region it does nothing.
+    let w = param(&[o, i], 11);
+    let base = snap();
+    cast_parameters_ahead(&[&w]).unwrap();
+    assert_usage("no region", base, &[]);
+}
+
+/// `to_dtype_many` gives each tensor's `to_dtype`, bit for bit, strided views and tensors
+/// already in the dtype included, each result its own graph node.
+#[test]
+fn to_dtype_many_equals_one_cast_each() {
+    let _l = lock();
+    let leaves = [param(&[3, 5], 21), param(&[7], 22), param(&[4, 6], 23)];
+    let inputs = [
+        leaves[0].clone(),
+        leaves[1].clone(),
+        leaves[2].transpose(0, 1).unwrap(),
+        randn(&[2, 2], 24).to_dtype(DType::BF16).unwrap(),
+    ];
+    let many = Tensor::to_dtype_many(&inputs, DType::BF16).unwrap();
+    assert_eq!(many.len(), inputs.len());
+    for (k, (m, t)) in many.iter().zip(&inputs).enumerate() {
+        assert_same_bits(&format!("tensor {k}"), m, &t.to_dtype(DType::BF16).unwrap());
+    }
+    // Already bf16: the same tensor back.
+    assert!(many[3].shares_storage(&inputs[3]));
+    let total = many[..3]
+        .iter()
+        .map(|m| {
+            m.to_dtype(DType::F32)
+                .unwrap()
+                .mul_scalar(2.0)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+        })
+        .reduce(|a, b| a.add(&b).unwrap())
+        .unwrap();
+    total.backward().unwrap();
+    for (k, l) in leaves.iter().enumerate() {
+        let g = l.grad().unwrap();
+        assert_eq!(g.dtype(), DType::F32, "leaf {k}");
+        assert!(
+            g.to_vec::<f32>().unwrap().iter().all(|&v| v == 2.0),
+            "leaf {k}"
+        );
+    }
+    assert!(Tensor::to_dtype_many(&[], DType::F16).unwrap().is_empty());
 }
 
 #[test]

@@ -12,8 +12,9 @@ use amp_chains::{
     CHAINS, assert_close, assert_steps_agree, case_name, chains_match_pytorch, gpt_step, run_chain,
     tol,
 };
-use ferrograd::Device;
+use common::assert_same_bits;
 use ferrograd::amp::AmpDType;
+use ferrograd::{DType, Device, Generator, Tensor};
 
 const GPU: Device = Device::Cuda(0);
 const CPU: Device = Device::Cpu;
@@ -43,6 +44,44 @@ fn chains_match_the_cpu(amp: AmpDType) {
         for (name, g) in &gpu_grads {
             let c = &cpu_grads[name];
             assert_close(&format!("{case}.grad.{name} GPU vs CPU"), g, c, t);
+        }
+    }
+}
+
+/// The multi-tensor cast (one launch per dtype pair) gives the CPU's casts bit for bit: sizes
+/// around its 4096-element chunks, a strided view (cast one at a time), f16 and bf16.
+#[test]
+fn to_dtype_many_equals_the_cpus_casts() {
+    for dt in [DType::BF16, DType::F16] {
+        let mut rng = Generator::new(31);
+        let shapes: [&[usize]; 7] = [
+            &[1],
+            &[4095],
+            &[4096],
+            &[4097],
+            &[3 * 4096 + 5],
+            &[10_000],
+            &[33, 65],
+        ];
+        let cpu: Vec<Tensor> = shapes
+            .iter()
+            .map(|s| Tensor::randn_with(s, DType::F32, CPU, &mut rng).unwrap())
+            .collect();
+        let mut gpu: Vec<Tensor> = cpu.iter().map(|t| t.to_device(GPU).unwrap()).collect();
+        let last = gpu.len() - 1;
+        gpu[last] = gpu[last].transpose(0, 1).unwrap();
+        let want: Vec<Tensor> = cpu
+            .iter()
+            .enumerate()
+            .map(|(k, t)| match k == last {
+                true => t.transpose(0, 1).unwrap().to_dtype(dt).unwrap(),
+                false => t.to_dtype(dt).unwrap(),
+            })
+            .collect();
+        let got = Tensor::to_dtype_many(&gpu, dt).unwrap();
+        for (k, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g.device(), GPU);
+            assert_same_bits(&format!("{dt} tensor {k}"), &g.to_device(CPU).unwrap(), w);
         }
     }
 }

@@ -71,6 +71,11 @@ pub trait ElementwiseKernels {
     /// Copies `src` into the (possibly strided) region `dst` of the same shape, converting
     /// dtype if they differ. `dst` must not overlap `src`.
     fn copy(&self, src: View, dst: View) -> Result<()>;
+    /// Every `copy(src, dst)` of `pairs` (disjoint destinations, none overlapping a source),
+    /// with the results `copy` would give; a backend may run them in fewer launches.
+    fn copy_many(&self, pairs: &[(View, View)]) -> Result<()> {
+        pairs.iter().try_for_each(|&(src, dst)| self.copy(src, dst))
+    }
     fn fill(&self, dst: &Storage, value: f64) -> Result<()>;
     /// Inverted dropout in one pass: `out[i] = x[i] · m_i`, with the mask value m_i = 1/keep
     /// (rounded to the dtype) where Philox's draw `philox::uniform(key, i)` is below `keep`,
@@ -102,6 +107,32 @@ pub fn copy(src: View, dst: View) -> Result<()> {
     }
     backend(dst.storage.device())?.copy(src, dst)?;
     dst.storage.bump_version();
+    Ok(())
+}
+
+/// `copy` of each (source, destination) pair, all on one device, in as few launches as the
+/// backend manages (the GPU: one per dtype pair for contiguous casts); bumps each
+/// destination's version.
+pub fn copy_many(pairs: &[(View, View)]) -> Result<()> {
+    let Some((_, first)) = pairs.first() else {
+        return Ok(());
+    };
+    let device = first.storage.device();
+    for (src, dst) in pairs {
+        check::on_device("copy_many", device, [src.storage, dst.storage])?;
+        if dst.layout.numel() != src.layout.numel() {
+            return Err(Error::shape(
+                "copy_many",
+                format!(
+                    "source shape {:?} and destination shape {:?} hold different element counts",
+                    src.layout.shape(),
+                    dst.layout.shape()
+                ),
+            ));
+        }
+    }
+    backend(device)?.copy_many(pairs)?;
+    pairs.iter().for_each(|(_, dst)| dst.storage.bump_version());
     Ok(())
 }
 

@@ -25,6 +25,7 @@ use super::state::prefixed;
 use super::{Dropout, Embedding, LayerNorm, Linear, Module};
 use crate::base::{Error, Result};
 use crate::memory::{Category, recorder};
+use crate::ops::cast_parameters_ahead;
 use crate::tensor::{DType, Device, Generator, Tensor};
 
 /// The cross-entropy targets equal to this are ignored (PyTorch's default).
@@ -238,6 +239,24 @@ impl Block {
     }
 }
 
+impl Block {
+    /// The weights and biases its matmuls read: what autocast casts to half precision.
+    pub fn matmul_parameters(&self) -> Vec<&Tensor> {
+        let linears = [
+            &self.attn.c_attn,
+            &self.attn.c_proj,
+            &self.mlp.c_fc,
+            &self.mlp.c_proj,
+        ];
+        let mut v = Vec::with_capacity(8);
+        for l in linears {
+            v.push(&l.weight);
+            v.extend(l.bias.as_ref());
+        }
+        v
+    }
+}
+
 impl Module for Block {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let t = x.shape().get(1).copied().unwrap_or(0);
@@ -389,6 +408,15 @@ impl Gpt {
         let mut pending: Option<Tensor> = None;
         // Without a graph there is nothing to save, so recomputation would only cost time.
         let recording = crate::autograd::is_grad_enabled();
+        // Under autocast, the weights the matmuls read are cast here in one launch instead of
+        // one each as the blocks reach them (a recomputed block casts its own, in backward).
+        let mut weights = vec![&self.wte.weight];
+        for (i, block) in self.blocks.iter().enumerate() {
+            if !(recording && self.recompute.applies_to(i)) {
+                weights.extend(block.matmul_parameters());
+            }
+        }
+        cast_parameters_ahead(&weights)?;
         for (i, block) in self.blocks.iter().enumerate() {
             let _scope = recorder::module_scope_indexed("transformer.h", i);
             if recording && self.recompute.applies_to(i) {

@@ -19,12 +19,41 @@ fn eligible_dtype(d: DType, to: DType) -> bool {
 
 /// `t` in `to`; parameters cast to half precision come from the cache.
 fn cast(t: &Tensor, to: DType) -> Result<Tensor> {
-    let cacheable = to != DType::F32 && t.dtype() == DType::F32 && t.is_leaf() && t.requires_grad();
-    if cacheable {
+    if cacheable(t, to) {
         cached_cast(t, to)
     } else {
         t.to_dtype(to)
     }
+}
+
+/// Casts now, in one launch per dtype pair on the GPU, every tensor of `params` that a
+/// matmul-like op of the active region would take from the weight-cast cache (f32 leaves that
+/// require grad, not cached since their last change), and caches the casts: the ops then find
+/// them there instead of casting one at a time. Does nothing outside a region. A model calls
+/// it at the start of its forward with the weights and biases its matmuls read (GPT-2 has 97:
+/// one launch instead of 97, each too small to fill the GPU).
+pub fn cast_parameters_ahead(params: &[&Tensor]) -> Result<()> {
+    let Some(to) = autocast_dtype() else {
+        return Ok(());
+    };
+    let recorded = is_grad_enabled();
+    let mut todo: Vec<Tensor> = Vec::with_capacity(params.len());
+    for &t in params {
+        let fresh =
+            eligible(t, to) && cacheable(t, to) && amp::cached_cast(t, to, recorded).is_none();
+        if fresh && !todo.iter().any(|d| std::sync::Arc::ptr_eq(&d.0, &t.0)) {
+            todo.push(t.clone());
+        }
+    }
+    let casts = Tensor::to_dtype_many(&todo, to)?;
+    for (t, cast) in todo.iter().zip(&casts) {
+        amp::cache_cast(t, to, recorded, cast);
+    }
+    Ok(())
+}
+
+fn cacheable(t: &Tensor, to: DType) -> bool {
+    to != DType::F32 && t.dtype() == DType::F32 && t.is_leaf() && t.requires_grad()
 }
 
 fn cached_cast(t: &Tensor, to: DType) -> Result<Tensor> {

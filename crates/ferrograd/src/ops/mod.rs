@@ -24,6 +24,7 @@ mod softmax;
 mod unary;
 
 pub use attention::{causal_attention_dropout_supported, causal_attention_supported};
+pub use autocast::cast_parameters_ahead;
 pub(crate) use binary::promoted_dtype;
 pub(crate) use matmul::matmul_acc_into;
 pub use unary::GeluApprox;

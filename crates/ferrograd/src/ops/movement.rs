@@ -230,6 +230,43 @@ impl Tensor {
 }
 
 impl Tensor {
+    /// `to_dtype` of each tensor, the conversions in as few launches as the device manages
+    /// (one per dtype pair on the GPU where they are contiguous, instead of one each). Each
+    /// result is its own graph node, as `to_dtype`'s.
+    #[track_caller]
+    pub fn to_dtype_many(tensors: &[Tensor], dtype: crate::tensor::DType) -> Result<Vec<Tensor>> {
+        let _site = crate::memory::recorder::CallSite::enter();
+        let Some(device) = tensors.first().map(Tensor::device) else {
+            return Ok(Vec::new());
+        };
+        if tensors.iter().any(|t| t.device() != device) {
+            return tensors.iter().map(|t| t.to_dtype(dtype)).collect();
+        }
+        let outs = tensors
+            .iter()
+            .map(|t| match t.dtype() == dtype {
+                true => Ok(None),
+                false => Tensor::output_uninit(t.shape(), dtype, device, "to_dtype").map(Some),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let pairs: Vec<_> = tensors
+            .iter()
+            .zip(&outs)
+            .filter_map(|(t, o)| o.as_ref().map(|o| (t.view(), o.view())))
+            .collect();
+        crate::backend::elementwise::copy_many(&pairs)?;
+        let recorded = tensors.iter().zip(outs).map(|(t, out)| match out {
+            None => t.clone(),
+            Some(out) => {
+                let orig = t.dtype();
+                record("to_dtype", &[t], out, move |_, _| {
+                    move |g: &Tensor, _: &[bool]| Ok(vec![Some(g.to_dtype(orig)?)])
+                })
+            }
+        });
+        Ok(recorded.collect())
+    }
+
     /// The same values on `device` (self when already there). Backward moves the gradient
     /// back. Host ↔ device copies go through host memory.
     #[track_caller]

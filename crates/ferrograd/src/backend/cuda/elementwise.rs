@@ -10,6 +10,7 @@ use cudarc::driver::LaunchConfig;
 use super::launch::{
     Arg, Module, Strided, dev_ptr, dtype_code, grid, i64_of, launch, quads_aligned, suffix, temp,
 };
+use super::multi_tensor::{Groups, Row, Table};
 use super::{CudaDevice, codes};
 use crate::backend::check::within as check_bounds;
 use crate::backend::{BinaryOp, ElementwiseKernels, HostValues, Storage, UnaryOp, View};
@@ -185,6 +186,58 @@ pub(crate) fn copy(d: &CudaDevice, src: View, dst: View) -> Result<()> {
         &Strided::of("copy", dst.layout)?,
         n,
     )
+}
+
+/// `copy_many`: the contiguous f32 → bf16/f16 casts among `pairs` in one launch per
+/// destination dtype (cast_many_* over a multi-tensor table), anything else one `copy` each.
+pub(crate) fn copy_many(d: &CudaDevice, pairs: &[(View, View)]) -> Result<()> {
+    let mut casts = Groups::<2>::new();
+    for &(src, dst) in pairs {
+        let (sd, dd) = (src.storage.dtype(), dst.storage.dtype());
+        if many_cast_kernel(dd).is_none()
+            || sd != DType::F32
+            || !src.layout.is_contiguous()
+            || !dst.layout.is_contiguous()
+        {
+            copy(d, src, dst)?;
+            continue;
+        }
+        check_bounds("copy_many", &src)?;
+        check_bounds("copy_many", &dst)?;
+        let at = |v: View, dt: DType| -> Result<u64> {
+            Ok(dev_ptr(d, "copy_many", v.storage)?
+                + (v.layout.offset() * dt.size_in_bytes()) as u64)
+        };
+        let row = Row {
+            addrs: [at(src, sd)?, at(dst, dd)?],
+            n: src.layout.numel(),
+        };
+        casts.push(dd, row);
+    }
+    for (dd, rows) in casts.iter() {
+        let (Some(name), Some(table)) =
+            (many_cast_kernel(*dd), Table::upload(d, rows, "cast_table")?)
+        else {
+            continue;
+        };
+        // cast_many_*(const CastEntry*, int, i64)
+        let args = [
+            Arg::Ptr(table.addr),
+            Arg::I32(table.count),
+            Arg::I64(table.chunks),
+        ];
+        launch(d, &SHARED, name, table.config(), &args)?;
+    }
+    Ok(())
+}
+
+/// The multi-tensor kernel casting f32 tensors to `dd`, where there is one.
+fn many_cast_kernel(dd: DType) -> Option<&'static str> {
+    match dd {
+        DType::BF16 => Some("cast_many_f32_bf16"),
+        DType::F16 => Some("cast_many_f32_f16"),
+        _ => None,
+    }
 }
 
 pub(crate) fn fill(d: &CudaDevice, dst: &Storage, value: f64) -> Result<()> {
@@ -581,6 +634,9 @@ impl ElementwiseKernels for CudaDevice {
     fn copy(&self, src: View, dst: View) -> Result<()> {
         copy(self, src, dst)
     }
+    fn copy_many(&self, pairs: &[(View, View)]) -> Result<()> {
+        copy_many(self, pairs)
+    }
     fn dropout_apply(&self, x: View, out: &Storage, keep: f64, key: u64) -> Result<()> {
         dropout_apply(self, x, out, keep, key)
     }
@@ -627,5 +683,22 @@ mod tests {
         }
         let src = SHARED.own_block().unwrap_or_default();
         assert_eq!(src, shared);
+        for dd in [DType::BF16, DType::F16] {
+            let name = many_cast_kernel(dd).unwrap_or_default();
+            assert!(
+                shared.contains(&format!("CAST_MANY_KERNEL({name},")),
+                "{name}"
+            );
+        }
+        assert_eq!(many_cast_kernel(DType::F64), None);
+    }
+
+    /// The multi-tensor casts walk the table's chunks with the block and chunk sizes its
+    /// grid and chunk numbering assume (multi_tensor.rs).
+    #[test]
+    fn many_casts_use_the_tables_block_and_chunk() {
+        use super::super::multi_tensor::{BLOCK, CHUNK};
+        assert!(SOURCE.contains(&format!("#define CAST_MANY_BLOCK {BLOCK}\n")));
+        assert!(SOURCE.contains(&format!("#define CAST_CHUNK {CHUNK}\n")));
     }
 }

@@ -1,7 +1,8 @@
 //! The multi-tensor launch shared by the fused optimizer-style kernels (the Adam step, the
-//! gradient unscale): the host uploads one table row per tensor — its device addresses, its
-//! element count and the index of its first chunk — and one launch walks the chunks of every
-//! tensor, each block finding its tensor by binary search (kernels/optim.cu).
+//! gradient unscale) and autocast's weight casts: the host uploads one table row per tensor —
+//! its device addresses, its element count and the index of its first chunk — and one launch
+//! walks the chunks of every tensor, each block finding its tensor by binary search
+//! (kernels/optim.cu, kernels/elementwise.cu).
 //! Here: grouping tensors by dtype (one launch per dtype), numbering chunks, uploading the
 //! table and choosing the grid.
 
@@ -12,9 +13,9 @@ use crate::base::{DType, Device};
 use crate::base::{Error, Result};
 use crate::memory::{Allocation, Category};
 
-/// Threads per block (OPTIM_BLOCK and AMP_BLOCK in optim.cu).
+/// Threads per block (OPTIM_BLOCK and AMP_BLOCK in optim.cu, CAST_MANY_BLOCK in elementwise.cu).
 pub(crate) const BLOCK: u32 = 256;
-/// Elements per chunk, a block's unit of work (ADAM_CHUNK, AMP_CHUNK).
+/// Elements per chunk, a block's unit of work (ADAM_CHUNK, AMP_CHUNK, CAST_CHUNK).
 pub(crate) const CHUNK: usize = 4096;
 /// Most blocks a launch asks for; further chunks are taken by a grid-stride loop.
 const MAX_BLOCKS: usize = 65_535 * 32;

@@ -512,6 +512,43 @@ __device__ __forceinline__ void dropout_apply_run(const typename T::S* x, typena
     }
 }
 
+// Many contiguous casts in one launch (autocast's weight casts ahead of a forward): the host
+// uploads a table with one entry per tensor (cuda/multi_tensor.rs); each block takes whole
+// chunks of CAST_CHUNK elements and finds its tensor by binary search. Per element the same
+// conversion as CAST_KERNEL, so the results are bit-identical to one cast per tensor.
+#define CAST_MANY_BLOCK 256
+#define CAST_CHUNK 4096
+// One tensor of the list. Mirrors the rows of cuda/multi_tensor.rs (Row<2>, 32 bytes).
+struct CastEntry {
+    u64 src;
+    u64 dst;
+    i64 n;
+    i64 first_chunk;  // Σ ceil(n / CAST_CHUNK) over the entries before this one
+};
+
+#define CAST_MANY_KERNEL(NAME, S, LOAD, D, STORE)                                              \
+    extern "C" __global__ void __launch_bounds__(CAST_MANY_BLOCK)                              \
+        NAME(const CastEntry* tab, int count, i64 chunks) {                                    \
+        for (i64 c = blockIdx.x; c < chunks; c += gridDim.x) {                                 \
+            const CastEntry e = tab[entry_of(tab, count, c)];                                  \
+            const i64 start = (c - e.first_chunk) * (i64)CAST_CHUNK;                           \
+            const S* src = (const S*)e.src + start;                                            \
+            D* dst = (D*)e.dst + start;                                                        \
+            const i64 len = e.n - start < CAST_CHUNK ? e.n - start : CAST_CHUNK;               \
+            if (len == CAST_CHUNK) {                                                           \
+                /* A whole chunk: all sixteen loads in flight before the first store. */       \
+                S v[CAST_CHUNK / CAST_MANY_BLOCK];                                             \
+                _Pragma("unroll") for (int k = 0; k < CAST_CHUNK / CAST_MANY_BLOCK; ++k)       \
+                    v[k] = src[k * CAST_MANY_BLOCK + threadIdx.x];                             \
+                _Pragma("unroll") for (int k = 0; k < CAST_CHUNK / CAST_MANY_BLOCK; ++k)       \
+                    dst[k * CAST_MANY_BLOCK + threadIdx.x] = STORE(LOAD(v[k]));                \
+            } else {                                                                           \
+                for (i64 i = threadIdx.x; i < len; i += CAST_MANY_BLOCK)                       \
+                    dst[i] = STORE(LOAD(src[i]));                                              \
+            }                                                                                  \
+        }                                                                                      \
+    }
+
 #define DROPOUT_KERNEL(SUFFIX, T)                                                             \
     extern "C" __global__ void dropout_apply_##SUFFIX(const T::S* x, T::S* out, u64 bits,     \
                                                       u64 key, const u64* seed, double keep,  \
@@ -533,6 +570,8 @@ CAST_KERNEL(cast_f32_bf16, float, cast_ld, u16, f32_to_bf16)
 CAST_KERNEL(cast_bf16_f32, u16, cast_ld_bf16, float, cast_ld)
 CAST_KERNEL(cast_f32_f16, float, cast_ld, u16, f32_to_f16)
 CAST_KERNEL(cast_f16_f32, u16, cast_ld_f16, float, cast_ld)
+CAST_MANY_KERNEL(cast_many_f32_bf16, float, cast_ld, u16, f32_to_bf16)
+CAST_MANY_KERNEL(cast_many_f32_f16, float, cast_ld, u16, f32_to_f16)
 #elif defined(EW_F32)
 ELEMENTWISE_KERNELS(f32, F32T)
 HOT_KERNELS(f32, F32T)

@@ -67,20 +67,6 @@ __device__ __forceinline__ double o_mul(double a, double b) { return __dmul_rn(a
 __device__ __forceinline__ double o_div(double a, double b) { return __ddiv_rn(a, b); }
 __device__ __forceinline__ double o_sqrt(double a) { return __dsqrt_rn(a); }
 
-// The entry holding global chunk c in a multi-tensor table (Adam's or unscale's): the last
-// one whose first_chunk <= c (empty tensors are left out of the table by the host, so it is
-// the one that covers c).
-template <typename Entry>
-__device__ __forceinline__ int entry_of(const Entry* tab, int count, i64 c) {
-    int lo = 0, hi = count - 1;
-    while (lo < hi) {
-        const int mid = lo + (hi - lo + 1) / 2;
-        if (tab[mid].first_chunk <= c) lo = mid;
-        else hi = mid - 1;
-    }
-    return lo;
-}
-
 template <typename T>
 __device__ void adam_multi(const AdamEntry* tab, int count, i64 chunks, const AdamHyper& h,
                            const double* grad_scale, const float* skip) {

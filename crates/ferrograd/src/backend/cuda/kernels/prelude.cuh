@@ -74,6 +74,21 @@ __device__ __forceinline__ double f64_inf() {
     return __longlong_as_double(0x7ff0000000000000LL);
 }
 
+// ---- multi-tensor tables (cuda/multi_tensor.rs) ---------------------------------------------
+// The entry holding global chunk c in a multi-tensor table (Adam's, unscale's, the casts'):
+// the last one whose first_chunk <= c (empty tensors are left out of the table by the host, so
+// it is the one that covers c).
+template <typename Entry>
+__device__ __forceinline__ int entry_of(const Entry* tab, int count, i64 c) {
+    int lo = 0, hi = count - 1;
+    while (lo < hi) {
+        const int mid = lo + (hi - lo + 1) / 2;
+        if (tab[mid].first_chunk <= c) lo = mid;
+        else hi = mid - 1;
+    }
+    return lo;
+}
+
 // ---- IEEE half (binary16) and bfloat16, stored as raw u16 bits ---------------------------
 
 __device__ __forceinline__ float f16_to_f32(u16 h) {
