@@ -191,6 +191,26 @@ fn disturbed(sentinel: &Tensor, v: f64) -> usize {
     vals.iter().filter(|&&x| x != v).count()
 }
 
+/// The epilogue tests' operands in `dtype`, drawn from `seed` in this order: x (rows, k),
+/// w (n, k), b (n) and an output gradient (rows, gy_cols); on the CPU, then copied to the GPU.
+fn epilogue_operands(
+    dtype: DType,
+    seed: u64,
+    (rows, k, n): (usize, usize, usize),
+    gy_cols: usize,
+) -> ([Tensor; 4], [Tensor; 4]) {
+    let mut g = Generator::new(seed);
+    let shapes: [&[usize]; 4] = [&[rows, k], &[n, k], &[n], &[rows, gy_cols]];
+    let cpu = shapes.map(|s| {
+        Tensor::randn_with(s, DType::F32, Device::Cpu, &mut g)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+    });
+    let gpu = cpu.clone().map(|t| t.to_device(GPU).unwrap());
+    (cpu, gpu)
+}
+
 /// cuBLASLt's bias and bias-gradient epilogues on a product with an odd row count (21): the
 /// output, the bias gradient and the blocks right after them are checked. Each output is
 /// sized to a whole number of 512-byte blocks, so any write past its end lands in a sentinel
@@ -203,21 +223,7 @@ fn gemm_epilogues_write_nothing_past_their_outputs() {
     const MARK: f64 = 3.0;
     let (rows, k, n) = (21usize, 32usize, 256usize);
     for dtype in [DType::F32, DType::BF16, DType::F16] {
-        let mut g = Generator::new(5);
-        let mut randn = |shape: &[usize]| {
-            Tensor::randn_with(shape, DType::F32, Device::Cpu, &mut g)
-                .unwrap()
-                .to_dtype(dtype)
-                .unwrap()
-        };
-        let (x, w, b, gy) = (
-            randn(&[rows, k]),
-            randn(&[n, k]),
-            randn(&[n]),
-            randn(&[rows, n]),
-        );
-        let on_gpu = |t: &Tensor| t.to_device(GPU).unwrap();
-        let (xg, wg, bg, gyg) = (on_gpu(&x), on_gpu(&w), on_gpu(&b), on_gpu(&gy));
+        let ([x, w, b, gy], [xg, wg, bg, gyg]) = epilogue_operands(dtype, 5, (rows, k, n), n);
 
         // Forward: out (21, 256) = x @ wᵀ + b, then a sentinel.
         let out = filled(rows * n, dtype, 0.0);
@@ -299,21 +305,7 @@ fn gelu_epilogues_write_nothing_past_their_outputs() {
     const MARK: f64 = 3.0;
     let (rows, k, n) = (21usize, 32usize, 256usize);
     for dtype in [DType::F32, DType::BF16, DType::F16] {
-        let mut g = Generator::new(6);
-        let mut randn = |shape: &[usize]| {
-            Tensor::randn_with(shape, DType::F32, Device::Cpu, &mut g)
-                .unwrap()
-                .to_dtype(dtype)
-                .unwrap()
-        };
-        let (x, w, b, gy) = (
-            randn(&[rows, k]),
-            randn(&[n, k]),
-            randn(&[n]),
-            randn(&[rows, k]),
-        );
-        let on_gpu = |t: &Tensor| t.to_device(GPU).unwrap();
-        let (xg, wg, bg, gyg) = (on_gpu(&x), on_gpu(&w), on_gpu(&b), on_gpu(&gy));
+        let ([x, w, b, gy], [xg, wg, bg, gyg]) = epilogue_operands(dtype, 6, (rows, k, n), k);
         let f32s = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
 
         // Forward: pre (21, 256) = x @ wᵀ + b and out = gelu(pre), each followed by a sentinel.

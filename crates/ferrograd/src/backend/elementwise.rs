@@ -95,16 +95,7 @@ pub trait ElementwiseKernels {
 /// Copies `src` into `dst` (see `ElementwiseKernels::copy`); bumps `dst`'s version.
 pub fn copy(src: View, dst: View) -> Result<()> {
     check::on_device("copy", dst.storage.device(), [src.storage])?;
-    if dst.layout.numel() != src.layout.numel() {
-        return Err(Error::shape(
-            "copy",
-            format!(
-                "source shape {:?} and destination shape {:?} hold different element counts",
-                src.layout.shape(),
-                dst.layout.shape()
-            ),
-        ));
-    }
+    same_count("copy", src, dst)?;
     backend(dst.storage.device())?.copy(src, dst)?;
     dst.storage.bump_version();
     Ok(())
@@ -118,22 +109,28 @@ pub fn copy_many(pairs: &[(View, View)]) -> Result<()> {
         return Ok(());
     };
     let device = first.storage.device();
-    for (src, dst) in pairs {
+    for &(src, dst) in pairs {
         check::on_device("copy_many", device, [src.storage, dst.storage])?;
-        if dst.layout.numel() != src.layout.numel() {
-            return Err(Error::shape(
-                "copy_many",
-                format!(
-                    "source shape {:?} and destination shape {:?} hold different element counts",
-                    src.layout.shape(),
-                    dst.layout.shape()
-                ),
-            ));
-        }
+        same_count("copy_many", src, dst)?;
     }
     backend(device)?.copy_many(pairs)?;
     pairs.iter().for_each(|(_, dst)| dst.storage.bump_version());
     Ok(())
+}
+
+/// A copy's source and destination must hold the same number of elements.
+fn same_count(op: &'static str, src: View, dst: View) -> Result<()> {
+    if dst.layout.numel() == src.layout.numel() {
+        return Ok(());
+    }
+    Err(Error::shape(
+        op,
+        format!(
+            "source shape {:?} and destination shape {:?} hold different element counts",
+            src.layout.shape(),
+            dst.layout.shape()
+        ),
+    ))
 }
 
 /// Sets every element of `dst` to `value`; bumps its version.
