@@ -37,6 +37,11 @@ pub trait MatmulKernels {
     fn out_row_align(&self, _dtype: DType) -> usize {
         1
     }
+    /// Whether `matmul_bias_gelu` and `matmul_dgelu` run as GEMM epilogues here (CUDA) rather
+    /// than as a product and an elementwise pass (the defaults below).
+    fn fuses_gelu_epilogues(&self) -> bool {
+        false
+    }
     /// `out = a @ b + bias` with `bias` (n) added to every output row (m has beta 0). By
     /// default the product, then the bias added in place by the elementwise family; CUDA adds
     /// it in the GEMM's epilogue instead (one pass over the output, not three).
@@ -68,6 +73,12 @@ pub trait MatmulKernels {
     fn matmul_dgelu(&self, m: &Matmul, pre: View) -> Result<()> {
         dgelu_composed(self, m, pre)
     }
+}
+
+/// Whether `device`'s GEMMs apply GELU and its gradient in their epilogues (see
+/// `MatmulKernels::fuses_gelu_epilogues`); while a plan runs on the meta device, its target's.
+pub fn gelu_epilogues_fused(device: crate::base::Device) -> bool {
+    backend(device).is_ok_and(|b| b.fuses_gelu_epilogues())
 }
 
 /// `matmul_bias_gelu` as a biased product and an elementwise GELU.

@@ -248,6 +248,10 @@ impl MatmulKernels for MetaBackend {
         planning_target() == Some(MetaTarget::Cuda)
     }
     /// The target's row alignment, so a plan for a GPU pads the same outputs.
+    /// While a plan runs, the target's; else the GPU's (as the attention's coverage).
+    fn fuses_gelu_epilogues(&self) -> bool {
+        !matches!(planning_target(), Some(MetaTarget::Host))
+    }
     fn out_row_align(&self, dtype: DType) -> usize {
         match planning_target() {
             Some(MetaTarget::Cuda) => super::cuda::out_row_align(dtype),

@@ -1,14 +1,14 @@
 //! The transformer's feed-forward block, as in GPT-2: Linear(C, 4C) → GELU (tanh
-//! approximation) → Linear(4C, C) → dropout. With both biases the three run as one op
-//! (`Tensor::mlp_gelu`: the same values and saved bytes, the bias and GELU in the GEMMs'
-//! epilogues on the GPU). With `recompute_gelu` the GELU and the second Linear run as one op
+//! approximation) → Linear(4C, C) → dropout. With both biases, on a device whose GEMMs carry
+//! the GELU in their epilogues (the GPU), the three run as one op (`Tensor::mlp_gelu`: the
+//! same values and saved bytes); elsewhere as three. With `recompute_gelu` the GELU and the second Linear run as one op
 //! that saves the GELU's input only (`Tensor::gelu_linear`): the same values, and the
 //! (B, T, 4C) GELU output is recomputed in backward instead of kept.
 
 use super::state::prefixed;
 use super::{Dropout, Linear, Module};
 use crate::base::Result;
-use crate::ops::GeluApprox;
+use crate::ops::{GeluApprox, mlp_gelu_fused};
 use crate::tensor::Tensor;
 
 #[derive(Clone)]
@@ -32,7 +32,7 @@ impl Module for Mlp {
         } else {
             match (&self.c_fc.bias, &self.c_proj.bias) {
                 // One op whose GEMMs carry the biases and the GELU in their epilogues.
-                (Some(b_fc), Some(b_proj)) => {
+                (Some(b_fc), Some(b_proj)) if mlp_gelu_fused(x.device()) => {
                     x.mlp_gelu(&self.c_fc.weight, b_fc, &self.c_proj.weight, b_proj)?
                 }
                 _ => self

@@ -70,6 +70,15 @@ impl Tensor {
     }
 }
 
+/// Whether `mlp_gelu` pays on `device`: where its GEMMs carry the GELU in their epilogues
+/// (the GPU). Elsewhere it runs the same product and elementwise passes as the separate
+/// layers, and as one graph node it keeps its output gradient alive until every input's
+/// gradient exists (768 KiB more at the main job's peak on the CPU), so a model composes
+/// the layers there.
+pub fn mlp_gelu_fused(device: crate::base::Device) -> bool {
+    matmul::gelu_epilogues_fused(device)
+}
+
 /// (H) and (O) for x (..., C): the layers must chain C → H → O.
 fn check_shapes(
     x: &Tensor,
@@ -220,5 +229,20 @@ impl Saved {
             want(3, &|| g2.t()?.matmul(&h))?,
             want(4, &|| g2.sum(&[0], false))?,
         ])
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::base::Device;
+
+    /// The CPU composes the layers; the meta device outside a plan stands for the GPU, whose
+    /// GEMMs carry the GELU (a plan for the host asks the CPU: tests/plan.rs checks the main
+    /// job's plan against its run to the byte).
+    #[test]
+    fn only_devices_with_gelu_epilogues_fuse_the_mlp() {
+        assert!(!mlp_gelu_fused(Device::Cpu));
+        assert!(mlp_gelu_fused(Device::Meta));
     }
 }

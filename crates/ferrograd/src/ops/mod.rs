@@ -27,6 +27,7 @@ pub use attention::{causal_attention_dropout_supported, causal_attention_support
 pub use autocast::cast_parameters_ahead;
 pub(crate) use binary::promoted_dtype;
 pub(crate) use matmul::matmul_acc_into;
+pub use mlp::mlp_gelu_fused;
 pub use unary::GeluApprox;
 
 use crate::autograd::{SavedTensor, is_grad_enabled};

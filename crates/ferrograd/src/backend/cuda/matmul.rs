@@ -514,6 +514,9 @@ impl MatmulKernels for CudaDevice {
     fn out_row_align(&self, dtype: DType) -> usize {
         out_row_align(dtype)
     }
+    fn fuses_gelu_epilogues(&self) -> bool {
+        true
+    }
 }
 
 /// A single (unbatched) product with a contiguous bias through cuBLASLt's BIAS epilogue;
