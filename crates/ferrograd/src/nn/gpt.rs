@@ -212,6 +212,22 @@ pub struct Block {
 }
 
 impl Block {
+    /// The weights and biases its matmuls read: what autocast casts to half precision.
+    pub fn matmul_parameters(&self) -> Vec<&Tensor> {
+        let linears = [
+            &self.attn.c_attn,
+            &self.attn.c_proj,
+            &self.mlp.c_fc,
+            &self.mlp.c_proj,
+        ];
+        let mut v = Vec::with_capacity(8);
+        for l in linears {
+            v.push(&l.weight);
+            v.extend(l.bias.as_ref());
+        }
+        v
+    }
+
     /// x: (B, T, C) → (B, T, C) with a causal mask of at least (T, T).
     pub fn forward_masked(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
         let (x, m) = self.forward_open(x, None, mask)?;
@@ -236,24 +252,6 @@ impl Block {
         let a = scoped("attn", || self.attn.forward_masked(&h, mask))?;
         let (x, h) = scoped("ln_2", || self.ln_2.add_forward_for_linear(&x, &a))?;
         Ok((x, scoped("mlp", || self.mlp.forward(&h))?))
-    }
-}
-
-impl Block {
-    /// The weights and biases its matmuls read: what autocast casts to half precision.
-    pub fn matmul_parameters(&self) -> Vec<&Tensor> {
-        let linears = [
-            &self.attn.c_attn,
-            &self.attn.c_proj,
-            &self.mlp.c_fc,
-            &self.mlp.c_proj,
-        ];
-        let mut v = Vec::with_capacity(8);
-        for l in linears {
-            v.push(&l.weight);
-            v.extend(l.bias.as_ref());
-        }
-        v
     }
 }
 

@@ -222,10 +222,7 @@ impl Tensor {
             return Ok(self.clone());
         }
         let out = self.copy_as(dtype, "to_dtype")?;
-        let orig = self.dtype();
-        Ok(record("to_dtype", &[self], out, move |_, _| {
-            move |g: &Tensor, _: &[bool]| Ok(vec![Some(g.to_dtype(orig)?)])
-        }))
+        Ok(recorded_cast(self, out))
     }
 }
 
@@ -257,12 +254,7 @@ impl Tensor {
         crate::backend::elementwise::copy_many(&pairs)?;
         let recorded = tensors.iter().zip(outs).map(|(t, out)| match out {
             None => t.clone(),
-            Some(out) => {
-                let orig = t.dtype();
-                record("to_dtype", &[t], out, move |_, _| {
-                    move |g: &Tensor, _: &[bool]| Ok(vec![Some(g.to_dtype(orig)?)])
-                })
-            }
+            Some(out) => recorded_cast(t, out),
         });
         Ok(recorded.collect())
     }
@@ -290,4 +282,12 @@ impl Tensor {
             move |g: &Tensor, _: &[bool]| Ok(vec![Some(g.to_device(from)?)])
         }))
     }
+}
+
+/// `out` (src converted) as src's `to_dtype` node: backward converts the gradient back.
+fn recorded_cast(src: &Tensor, out: Tensor) -> Tensor {
+    let orig = src.dtype();
+    record("to_dtype", &[src], out, move |_, _| {
+        move |g: &Tensor, _: &[bool]| Ok(vec![Some(g.to_dtype(orig)?)])
+    })
 }
