@@ -217,8 +217,7 @@ fn epilogue_operands(
 /// the allocator placed right after it.
 #[test]
 fn gemm_epilogues_write_nothing_past_their_outputs() {
-    use ferrograd::backend::View;
-    use ferrograd::backend::matmul::{MatmulSpec, matmul_bias, matmul_row_sums};
+    use ferrograd::backend::matmul::{matmul_bias, matmul_row_sums};
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     const MARK: f64 = 3.0;
     let (rows, k, n) = (21usize, 32usize, 256usize);
@@ -232,18 +231,9 @@ fn gemm_epilogues_write_nothing_past_their_outputs() {
             directly_after(&out, &s1),
             "{dtype}: the sentinel is not adjacent"
         );
-        let wt = wg.layout().permute(&[1, 0]).unwrap();
-        let spec = MatmulSpec {
-            batch: 1,
-            m: rows,
-            n,
-            k,
-        };
-        let wt_view = View {
-            storage: wg.storage(),
-            layout: &wt,
-        };
-        matmul_bias(&spec, view(&xg), wt_view, view(&bg), out.storage()).unwrap();
+        let wt = wg.t().unwrap();
+        let spec = spec_t(rows, n, k);
+        matmul_bias(&spec, view(&xg), view(&wt), view(&bg), out.storage()).unwrap();
         assert_eq!(
             disturbed(&s1, MARK),
             0,
@@ -263,19 +253,15 @@ fn gemm_epilogues_write_nothing_past_their_outputs() {
             directly_after(&dw, &s2) && directly_after(&db, &s3),
             "{dtype}: not adjacent"
         );
-        let gyt = gyg.layout().permute(&[1, 0]).unwrap();
-        let spec = MatmulSpec {
-            batch: 1,
-            m: n,
-            n: k,
-            k: rows,
-        };
-        let gyt_view = View {
-            storage: gyg.storage(),
-            layout: &gyt,
-        };
-        let fused =
-            matmul_row_sums(&spec, gyt_view, view(&xg), dw.storage(), db.storage()).unwrap();
+        let gyt = gyg.t().unwrap();
+        let fused = matmul_row_sums(
+            &spec_t(n, k, rows),
+            view(&gyt),
+            view(&xg),
+            dw.storage(),
+            db.storage(),
+        )
+        .unwrap();
         assert!(fused, "{dtype}: the GPU sums the bias gradient in the GEMM");
         assert_eq!(
             disturbed(&s2, MARK),
@@ -298,8 +284,7 @@ fn gemm_epilogues_write_nothing_past_their_outputs() {
 /// epilogues above.
 #[test]
 fn gelu_epilogues_write_nothing_past_their_outputs() {
-    use ferrograd::backend::View;
-    use ferrograd::backend::matmul::{MatmulSpec, matmul_bias_gelu, matmul_dgelu};
+    use ferrograd::backend::matmul::{matmul_bias_gelu, matmul_dgelu};
     use ferrograd::ops::GeluApprox;
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     const MARK: f64 = 3.0;
@@ -317,21 +302,11 @@ fn gelu_epilogues_write_nothing_past_their_outputs() {
             directly_after(&pre, &s1) && directly_after(&out, &s2),
             "{dtype}: the sentinels are not adjacent"
         );
-        let wt = wg.layout().permute(&[1, 0]).unwrap();
-        let spec = MatmulSpec {
-            batch: 1,
-            m: rows,
-            n,
-            k,
-        };
-        let wt_view = View {
-            storage: wg.storage(),
-            layout: &wt,
-        };
+        let wt = wg.t().unwrap();
         matmul_bias_gelu(
-            &spec,
+            &spec_t(rows, n, k),
             view(&xg),
-            wt_view,
+            view(&wt),
             view(&bg),
             pre.storage(),
             out.storage(),
