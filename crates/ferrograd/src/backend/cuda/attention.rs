@@ -261,13 +261,14 @@ fn smem_bytes(kernel: Tiled, d: usize) -> u32 {
 
 /// Dynamic shared memory of an f32 tiled kernel at head dim `d`, in bytes: attention_f32.cu's
 /// FWD_SMEM_F32, DKDV_SMEM_F32 and DQ_SMEM_F32 (rows of d + 4 floats; 64-row CTA tiles,
-/// 32-row streamed tiles; probability tiles of 36-float rows).
+/// 32-row streamed tiles, two stages of them in the forward; probability tiles of 36-float
+/// rows).
 fn smem_bytes_f32(kernel: Tiled, d: usize) -> u32 {
     const BM: usize = TILE;
     const BN: usize = 32;
     let (ldf, ldp) = (d + 4, BN + 4);
     let floats = match kernel {
-        Tiled::Forward => (BM + 2 * BN) * ldf + BM * ldp,
+        Tiled::Forward => (BM + 2 * 2 * BN) * ldf + BM * ldp,
         Tiled::DkDv => (2 * BM + 2 * BN) * ldf + 2 * BN + 2 * BM * ldp,
         Tiled::Dq => (2 * BM + 2 * BN) * ldf + BM * ldp,
     };
@@ -432,6 +433,33 @@ mod tests {
         assert_eq!(std::mem::offset_of!(Problem, key), 32);
         assert_eq!(std::mem::offset_of!(Problem, seed), 48);
         assert_eq!(std::mem::size_of::<Heads>(), 32);
+    }
+
+    /// The f32 kernels' shared memory as attention_f32.cu sizes it (its kernels trap on a
+    /// launch with less), within the 227 KiB a CTA may have at every head dim.
+    #[test]
+    fn f32_shared_memory_matches_the_kernels() {
+        let src = include_str!("kernels/attention_f32.cu");
+        for line in [
+            "#define BM 64",
+            "#define BN 32",
+            "#define LDF (D + 4)",
+            "#define LDP (BN + 4)",
+            "#define FWD_STAGE (2 * BN * LDF)",
+            "#define FWD_SMEM_F32 ((BM * LDF + 2 * FWD_STAGE + BM * LDP) * 4)",
+            "#define DKDV_SMEM_F32 (((2 * BM + 2 * BN) * LDF + 2 * BN + 2 * BM * LDP) * 4)",
+            "#define DQ_SMEM_F32 (((2 * BM + 2 * BN) * LDF + BM * LDP) * 4)",
+        ] {
+            assert!(src.contains(line), "attention_f32.cu lacks `{line}`");
+        }
+        // Head dim 64: Q (64 rows of 68 floats), two stages of K and V (4 × 32 rows), P (64
+        // rows of 36).
+        assert_eq!(smem_bytes_f32(Tiled::Forward, 64), (192 * 68 + 64 * 36) * 4);
+        for d in HEAD_DIMS {
+            for k in [Tiled::Forward, Tiled::DkDv, Tiled::Dq] {
+                assert!(smem_bytes_f32(k, d) <= 227 * 1024, "head dim {d}");
+            }
+        }
     }
 
     /// The delta kernel's lanes per row, as attention.cu defines them: at every head dim the

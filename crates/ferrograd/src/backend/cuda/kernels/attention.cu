@@ -170,12 +170,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
     return r;
 }
 
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    // The compiler's own conversion, so a constant offset from one base folds into the
-    // instruction's immediate instead of costing integer instructions per access.
-    return (u32)__cvta_generic_to_shared(p);
-}
-
 // Four 8 × 8 b16 matrices; lane l gives the row address of matrix l / 8.
 __device__ __forceinline__ void ldsm_x4(u32 r[4], const u16* p) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -327,32 +321,9 @@ __device__ __forceinline__ void load_rows(u16* dst, const u16* base, const Heads
     }
 }
 
-// ---- asynchronous copies (cp.async): global → shared without a trip through registers -----
+// ---- asynchronous copies (cp.async, attention_common.cuh) -----------------------------------
 
 extern __shared__ uint4 dyn_smem[];
-
-// 16 bytes from `src`, or zeros when `bytes` is 0 (nothing is read then).
-__device__ __forceinline__ void cp_async16(u16* dst, const u16* src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void cp_async4(float* dst, const float* src, int bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-// Waits until at most N of this thread's committed groups are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
 
 // load_rows as copies in flight (part of the next committed group) when every row start is
 // 16-byte aligned; otherwise the plain loads, complete on return.

@@ -1,7 +1,7 @@
 // attention_common.cuh — what the attention kernels of every element type share (attention.cu
 // for f16/bf16, attention_f32.cu for f32): the operand and problem structs the launcher
-// (cuda/attention.rs) passes, the dropout mask's draw, and small helpers. Prepended to each
-// attention kernel file by the launcher, after prelude.cuh.
+// (cuda/attention.rs) passes, the dropout mask's draw, the asynchronous copies and small
+// helpers. Prepended to each attention kernel file by the launcher, after prelude.cuh.
 
 #define LOG2E 1.4426950408889634f
 #define LN2 0.6931471805599453f
@@ -72,4 +72,35 @@ __device__ __forceinline__ u32 dyn_smem_bytes() {
 // of reading past them.
 __device__ __forceinline__ void check_smem(u32 need) {
     if (dyn_smem_bytes() < need) __trap();
+}
+
+// ---- asynchronous copies (cp.async): global → shared without a trip through registers -----
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    // The compiler's own conversion, so a constant offset from one base folds into the
+    // instruction's immediate instead of costing integer instructions per access.
+    return (u32)__cvta_generic_to_shared(p);
+}
+
+// 16 bytes from `src`, or zeros when `bytes` is 0 (nothing is read then).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }

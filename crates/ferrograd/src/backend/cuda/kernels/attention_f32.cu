@@ -18,6 +18,14 @@
 // the product with the next operand. Shared rows are padded by 4 floats: products read them
 // as float4 along the head dim and the probabilities as float4 along the tile, and the 8
 // lanes of a row group then fall in distinct banks (broadcast across lanes reading one row).
+//
+// Tiles arrive by 16-byte asynchronous copies (cp.async) where every row start is 16-byte
+// aligned (`Problem::vec`), by plain loads otherwise, and the next tile's copies fly while
+// the current one is multiplied: the forward keeps two stages of K/V tiles; the backward
+// kernels, whose shared memory holds three CTAs per SM only with one stage, refill each
+// streamed operand as soon as its last product has read it (dK/dV: dO during the dSᵀ·Q
+// product, Q during the next V·dOᵀ; dQ: V during the dS·K product, K during the next
+// dO·Vᵀ).
 
 #define D HEAD_DIM
 #define THREADS 128
@@ -30,10 +38,12 @@
 #define CPT (BN / 8)    // tile columns per thread
 #define DPT (D / 8)     // head-dim columns per thread: pairs 2c + 16m', m' < D / 16
 
-// Dynamic shared memory per kernel, in bytes; mirrored by `smem_bytes` in cuda/attention.rs
-// and checked on entry. Forward: Q (64 rows), K and V tiles, P. dK/dV: K and V (64 rows),
-// Q and dO tiles, lse and delta rows, Pᵀ and dSᵀ. dQ: Q and dO (64 rows), K and V tiles, dS.
-#define FWD_SMEM_F32 (((BM + 2 * BN) * LDF + BM * LDP) * 4)
+// Dynamic shared memory per kernel, in bytes; mirrored by `smem_bytes_f32` in
+// cuda/attention.rs and checked on entry. Forward: Q (64 rows), two stages of K and V tiles,
+// P. dK/dV: K and V (64 rows), Q and dO tiles, lse and delta rows, Pᵀ and dSᵀ. dQ: Q and dO
+// (64 rows), K and V tiles, dS.
+#define FWD_STAGE (2 * BN * LDF)
+#define FWD_SMEM_F32 ((BM * LDF + 2 * FWD_STAGE + BM * LDP) * 4)
 #define DKDV_SMEM_F32 (((2 * BM + 2 * BN) * LDF + 2 * BN + 2 * BM * LDP) * 4)
 #define DQ_SMEM_F32 (((2 * BM + 2 * BN) * LDF + BM * LDP) * 4)
 
@@ -44,12 +54,39 @@
 extern __shared__ float4 smem_v4[];
 #define smem_f32 ((float*)smem_v4)
 
-// Rows [t0, t0 + n) of a view into shared memory (row stride LDF), zeros past T.
-__device__ __forceinline__ void load_rows(float* dst, int n, const float* base, const Heads& v,
-                                          int b, int h, int t0, const Problem& p) {
-    for (int idx = threadIdx.x; idx < n * D; idx += THREADS) {
-        const int r = idx / D, c = idx % D, t = t0 + r;
-        dst[r * LDF + c] = t < p.t ? base[row_at(v, b, h, t) + c] : 0.f;
+// Rows [t0, t0 + R) of a view into shared memory (row stride LDF), zeros past T: as 16-byte
+// copies in flight (part of the next committed group) when every row start is 16-byte
+// aligned, as plain loads, complete on return, otherwise.
+template <int R>
+__device__ __forceinline__ void load_rows(float* dst, const float* base, const Heads& v, int b,
+                                          int h, int t0, const Problem& p) {
+    const float* head = base + row_at(v, b, h, 0);
+    if (!p.vec) {
+        for (int idx = threadIdx.x; idx < R * D; idx += THREADS) {
+            const int r = idx / D, c = idx % D, t = t0 + r;
+            dst[r * LDF + c] = t < p.t ? head[t * v.st + c] : 0.f;
+        }
+        return;
+    }
+    constexpr int CHUNKS = D / 4;  // float4 per row
+    static_assert(R * CHUNKS % THREADS == 0, "whole rounds of copies");
+#pragma unroll
+    for (int n = 0; n < R * CHUNKS / THREADS; ++n) {
+        const int idx = threadIdx.x + n * THREADS;
+        const int r = idx / CHUNKS, c = (idx % CHUNKS) * 4, t = t0 + r;
+        const bool in = t < p.t;
+        // Rows past T read nothing (zero fill) from a valid address.
+        cp_async16(dst + r * LDF + c, head + (in ? t * v.st : 0) + c, in ? 16 : 0);
+    }
+}
+
+// n f32 values of a dense (B, H, T) row (lse, delta) from t0 into shared memory, zeros past T,
+// as 4-byte copies in flight.
+__device__ __forceinline__ void load_stats(float* dst, int n, const float* row, int t0,
+                                           const Problem& p) {
+    for (int i = threadIdx.x; i < n; i += THREADS) {
+        const bool in = t0 + i < p.t;
+        cp_async4(dst + i, row + (in ? t0 + i : 0), in ? 4 : 0);
     }
 }
 
@@ -145,19 +182,40 @@ __device__ __forceinline__ void store_rows(float* base, const Heads& v, int b, i
 
 // ---- forward ----------------------------------------------------------------------------------
 
+// The K tile of keys [k0, k0 + BN) from stage `st` (its V tile BN rows after it), once it has
+// arrived. First waits until every warp is done with the other stage (and with P), then
+// starts the copies of the next key tile into it, so they fly while this tile is multiplied.
+__device__ __forceinline__ const float* kv_tile(float* stages, int st, int k0, int keys,
+                                                const float* qkv, const Heads& kv,
+                                                const Heads& vv, int b, int h,
+                                                const Problem& p) {
+    __syncthreads();
+    if (k0 + BN < keys) {
+        float* const next = stages + (st ^ 1) * FWD_STAGE;
+        load_rows<BN>(next, qkv, kv, b, h, k0 + BN, p);
+        load_rows<BN>(next + BN * LDF, qkv, vv, b, h, k0 + BN, p);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    return stages + st * FWD_STAGE;
+}
+
 template <bool DROP>
 __device__ __forceinline__ void attn_fwd_impl(const float* qkv, Heads qv, Heads kv, Heads vv,
                                               float* out, Heads ov, float* lse, Problem p) {
     check_smem(FWD_SMEM_F32);
     float* const sq = smem_f32;
-    float* const sk = sq + BM * LDF;
-    float* const sv = sk + BN * LDF;
-    float* const sp = sv + BN * LDF;
+    float* const stages = sq + BM * LDF;  // two stages of a K tile and its V tile
+    float* const sp = stages + 2 * FWD_STAGE;
     const int r = threadIdx.x >> 3, c = threadIdx.x & 7;
     const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
     const int q0 = tile_index(p) * BM;
     const int keys = p.causal ? min(p.t, q0 + BM) : p.t;
-    load_rows(sq, BM, qkv, qv, b, h, q0, p);
+    load_rows<BM>(sq, qkv, qv, b, h, q0, p);
+    load_rows<BN>(stages, qkv, kv, b, h, 0, p);
+    load_rows<BN>(stages + BN * LDF, qkv, vv, b, h, 0, p);
+    cp_async_commit();
 
     float o[RPT][DPT], m[RPT], l[RPT];
 #pragma unroll
@@ -167,11 +225,9 @@ __device__ __forceinline__ void attn_fwd_impl(const float* qkv, Heads qv, Heads 
 #pragma unroll
         for (int d = 0; d < DPT; ++d) o[i][d] = 0.f;
     }
-    for (int k0 = 0; k0 < keys; k0 += BN) {
-        __syncthreads();  // the last tile's K, V and P are used up
-        load_rows(sk, BN, qkv, kv, b, h, k0, p);
-        load_rows(sv, BN, qkv, vv, b, h, k0, p);
-        __syncthreads();
+    for (int k0 = 0, st = 0; k0 < keys; k0 += BN, st ^= 1) {
+        const float* const sk = kv_tile(stages, st, k0, keys, qkv, kv, vv, b, h, p);
+        const float* const sv = sk + BN * LDF;
         float s[RPT][CPT];
         rows_dot_rows(s, sq, sk, r, c);
 #pragma unroll
@@ -274,8 +330,17 @@ __device__ __forceinline__ void attn_bwd_dkdv_impl(const float* qkv, Heads qv, H
     const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
     const int k0 = blockIdx.x * BM;
     const int first = p.causal ? (k0 / BN) * BN : 0;
-    load_rows(sk, BM, qkv, kv, b, h, k0, p);
-    load_rows(sv, BM, qkv, vv, b, h, k0, p);
+    const float* const lse_row = lse + (i64)bh * p.t;
+    const float* const delta_row = delta + (i64)bh * p.t;
+    load_rows<BM>(sk, qkv, kv, b, h, k0, p);
+    load_rows<BM>(sv, qkv, vv, b, h, k0, p);
+    // The first query tile: dO, lse and delta in K and V's group, Q in the next.
+    load_rows<BN>(sdo, gout, gov, b, h, first, p);
+    load_stats(sl, BN, lse_row, first, p);
+    load_stats(sd, BN, delta_row, first, p);
+    cp_async_commit();
+    load_rows<BN>(sq, qkv, qv, b, h, first, p);
+    cp_async_commit();
 
     float dk[RPT][DPT], dv[RPT][DPT];
 #pragma unroll
@@ -284,18 +349,14 @@ __device__ __forceinline__ void attn_bwd_dkdv_impl(const float* qkv, Heads qv, H
         for (int d = 0; d < DPT; ++d) dk[i][d] = dv[i][d] = 0.f;
 
     for (int q0 = first; q0 < p.t; q0 += BN) {
-        __syncthreads();  // the last tile is used up
-        load_rows(sq, BN, qkv, qv, b, h, q0, p);
-        load_rows(sdo, BN, gout, gov, b, h, q0, p);
-        for (int i = threadIdx.x; i < BN; i += THREADS) {
-            const int t = q0 + i;
-            sl[i] = t < p.t ? lse[(i64)bh * p.t + t] : 0.f;
-            sd[i] = t < p.t ? delta[(i64)bh * p.t + t] : 0.f;
-        }
-        __syncthreads();
+        const int next = q0 + BN;
         float pt[RPT][CPT], dpt[RPT][CPT];
-        rows_dot_rows(pt, sk, sq, r, c);
+        cp_async_wait<1>();  // the tile's dO, lse and delta (and K, V the first time)
+        __syncthreads();
         rows_dot_rows(dpt, sv, sdo, r, c);
+        cp_async_wait<0>();  // its Q
+        __syncthreads();
+        rows_dot_rows(pt, sk, sq, r, c);
 #pragma unroll
         for (int i = 0; i < RPT; ++i) {
             const int key = k0 + 4 * r + i;
@@ -313,7 +374,17 @@ __device__ __forceinline__ void attn_bwd_dkdv_impl(const float* qkv, Heads qv, H
         }
         __syncthreads();
         weights_times_rows(dv, spt, sdo, BN, r, c);
+        __syncthreads();  // every warp is done with dO, lse and delta: the next ones fly
+        if (next < p.t) {
+            load_rows<BN>(sdo, gout, gov, b, h, next, p);
+            load_stats(sl, BN, lse_row, next, p);
+            load_stats(sd, BN, delta_row, next, p);
+        }
+        cp_async_commit();
         weights_times_rows(dk, sdst, sq, BN, r, c);
+        __syncthreads();  // ... and with Q, Pᵀ and dSᵀ
+        if (next < p.t) load_rows<BN>(sq, qkv, qv, b, h, next, p);
+        cp_async_commit();
     }
     float ones[RPT], scales[RPT];
 #pragma unroll
@@ -356,8 +427,13 @@ __device__ __forceinline__ void attn_bwd_dq_impl(const float* qkv, Heads qv, Hea
     const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
     const int q0 = tile_index(p) * BM;
     const int keys = p.causal ? min(p.t, q0 + BM) : p.t;
-    load_rows(sq, BM, qkv, qv, b, h, q0, p);
-    load_rows(sdo, BM, gout, gov, b, h, q0, p);
+    load_rows<BM>(sq, qkv, qv, b, h, q0, p);
+    load_rows<BM>(sdo, gout, gov, b, h, q0, p);
+    // The first key tile: V in Q and dO's group, K in the next.
+    load_rows<BN>(sv, qkv, vv, b, h, 0, p);
+    cp_async_commit();
+    load_rows<BN>(sk, qkv, kv, b, h, 0, p);
+    cp_async_commit();
     float l2[RPT], dl[RPT];
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
@@ -373,13 +449,14 @@ __device__ __forceinline__ void attn_bwd_dq_impl(const float* qkv, Heads qv, Hea
         for (int d = 0; d < DPT; ++d) dq[i][d] = 0.f;
 
     for (int k0 = 0; k0 < keys; k0 += BN) {
-        __syncthreads();  // the last tile is used up
-        load_rows(sk, BN, qkv, kv, b, h, k0, p);
-        load_rows(sv, BN, qkv, vv, b, h, k0, p);
-        __syncthreads();
+        const int next = k0 + BN;
         float s[RPT][CPT], dp[RPT][CPT];
-        rows_dot_rows(s, sq, sk, r, c);
+        cp_async_wait<1>();  // the tile's V (and Q, dO the first time)
+        __syncthreads();
         rows_dot_rows(dp, sdo, sv, r, c);
+        cp_async_wait<0>();  // its K
+        __syncthreads();
+        rows_dot_rows(s, sq, sk, r, c);
 #pragma unroll
         for (int i = 0; i < RPT; ++i) {
             const int row = q0 + 4 * r + i;
@@ -393,8 +470,13 @@ __device__ __forceinline__ void attn_bwd_dq_impl(const float* qkv, Heads qv, Hea
                 sds[(4 * r + i) * LDP + c + 8 * j] = pr * (g - dl[i]);
             }
         }
-        __syncthreads();
+        __syncthreads();  // dS is complete and every warp is done with V: the next V flies
+        if (next < keys) load_rows<BN>(sv, qkv, vv, b, h, next, p);
+        cp_async_commit();
         weights_times_rows(dq, sds, sk, BN, r, c);
+        __syncthreads();  // every warp is done with K and dS
+        if (next < keys) load_rows<BN>(sk, qkv, kv, b, h, next, p);
+        cp_async_commit();
     }
     float scales[RPT];
 #pragma unroll
