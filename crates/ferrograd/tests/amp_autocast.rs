@@ -325,7 +325,12 @@ fn a_weight_used_twice_is_cast_once() {
     // rounded to bf16 give it (the output gradients, ones, are exact in bf16).
     let want = {
         let _off = autocast_disabled();
-        let r = |t: &Tensor| t.to_dtype(DType::BF16).unwrap().to_dtype(DType::F32).unwrap();
+        let r = |t: &Tensor| {
+            t.to_dtype(DType::BF16)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+        };
         let wl = w.detach().requires_grad_(true).unwrap();
         let (a, b) = (
             r(&x1).linear(&wl, None).unwrap(),
@@ -706,13 +711,29 @@ fn a_linear_writes_f32_parameter_gradients_without_a_cast_backward() {
     let y2 = x.linear(&w, Some(&b)).unwrap();
     backward_from(&y2, &g);
     let twice = |t: &Tensor| t.mul_scalar(2.0).unwrap();
-    assert_close("w.grad, twice", &w.grad().unwrap(), &twice(&want_w), 1e-6, 1e-6);
-    assert_close("b.grad, twice", &b.grad().unwrap(), &twice(&want_b), 1e-6, 1e-6);
+    assert_close(
+        "w.grad, twice",
+        &w.grad().unwrap(),
+        &twice(&want_w),
+        1e-6,
+        1e-6,
+    );
+    assert_close(
+        "b.grad, twice",
+        &b.grad().unwrap(),
+        &twice(&want_b),
+        1e-6,
+        1e-6,
+    );
     drop((y, y2, gw, gb));
     let now = snap();
     assert_eq!(now.cats.total(), now.total, "categories sum");
     drop(amp);
-    assert_usage("region ended", base, &[(Category::Gradient, (o * i + o) * F32)]);
+    assert_usage(
+        "region ended",
+        base,
+        &[(Category::Gradient, (o * i + o) * F32)],
+    );
     // A weight that is not a leaf is cast each time, and its gradient comes back through the
     // cast's backward: what the observation above would have seen.
     let (w_leaf, b_leaf) = (param(&[o, i], 32), param(&[o], 33));
@@ -800,7 +821,13 @@ fn create_graph_parameter_gradients_are_recorded_in_f32() {
     x.set_grad(None).unwrap();
     gw.sum_all().unwrap().backward().unwrap();
     let want = f32(&g).sum(&[1], true).unwrap().expand(&[n, i]).unwrap();
-    assert_close("d sum(dW) / dx", &f32(&x.grad().unwrap()), &want, 1e-2, 1e-2);
+    assert_close(
+        "d sum(dW) / dx",
+        &f32(&x.grad().unwrap()),
+        &want,
+        1e-2,
+        1e-2,
+    );
 }
 
 /// The fused MLP on f32 parameters in a bf16 region: every parameter gradient is f32, no

@@ -119,18 +119,28 @@ fn half_operands_write_f32_outputs_only_in_the_plain_entries_on_every_device() {
                     "{half}"
                 );
             }
-            let other = if half == DType::BF16 { DType::F16 } else { DType::BF16 };
+            let other = if half == DType::BF16 {
+                DType::F16
+            } else {
+                DType::BF16
+            };
             for wrong in [other, DType::F64] {
                 let out = zeros(&[3, 5], wrong, dev);
                 let r = matmul(&spec, view(&a), view(&b), out.storage());
-                assert!(matches!(r, Err(Error::DType { .. })), "{dev}: {half} -> {wrong}");
+                assert!(
+                    matches!(r, Err(Error::DType { .. })),
+                    "{dev}: {half} -> {wrong}"
+                );
             }
             let bias = zeros(&[5], DType::F32, dev);
             let r = matmul_bias(&spec, view(&a), view(&b), view(&bias), out.storage());
             assert!(matches!(r, Err(Error::DType { .. })), "{dev}: {r:?}");
         }
         // f32 operands never write f64.
-        let (a, b) = (zeros(&[3, 7], DType::F32, dev), zeros(&[7, 5], DType::F32, dev));
+        let (a, b) = (
+            zeros(&[3, 7], DType::F32, dev),
+            zeros(&[7, 5], DType::F32, dev),
+        );
         let out = zeros(&[3, 5], DType::F64, dev);
         let r = matmul(&spec, view(&a), view(&b), out.storage());
         assert!(matches!(r, Err(Error::DType { .. })), "{dev}: {r:?}");

@@ -341,7 +341,10 @@ fn fused_sgd_takes_the_bf16_factors_of_f32_weights_under_autocast() {
         // Ordinary: w1 and w2 each take their gradient once per backward.
         assert_eq!(ordinary_grads, 6, "{net:?}");
         let (got, fused_grads) = autocast_steps(net, true, d, b);
-        assert_eq!(fused_grads, 0, "{net:?}: a weight took an ordinary gradient");
+        assert_eq!(
+            fused_grads, 0,
+            "{net:?}: a weight took an ordinary gradient"
+        );
         let diff = max_rel_diff(&got, &want);
         assert!(diff < 1e-6, "{net:?}: parameters differ by {diff}");
     }

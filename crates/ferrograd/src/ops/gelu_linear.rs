@@ -8,8 +8,8 @@
 //! output and every gradient are theirs bit for bit. Not differentiable twice: create_graph
 //! through it is the engine's usual error for a fused backward.
 
-use super::binary::unary_forward;
 use super::autocast::ParamIn;
+use super::binary::unary_forward;
 use super::linear::{GradDTypes, kernel_grads};
 use super::unary::{backward_into_grad, gelu_kernels};
 use super::{GeluApprox, autocast};

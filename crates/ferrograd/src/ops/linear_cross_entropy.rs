@@ -19,8 +19,8 @@
 //! receives both of its contributions in f32.
 
 use super::aligned_gemm::PaddedWeight;
-use super::binary::binary_forward;
 use super::autocast::ParamIn;
+use super::binary::binary_forward;
 use super::matmul::{matmul_acc_into, matmul_forward_as};
 use super::{autocast, check_float, check_same_device, stats_dtype};
 use crate::autograd::{SavedTensor, no_grad, record, saved_values_released_after_this_backward};
