@@ -864,12 +864,13 @@ fn the_fused_mlp_writes_f32_parameter_gradients() {
     }
 }
 
-/// GPT-2's tie: the embedding reads the f32 weight and the fused classifier its cached bf16
-/// cast; both contributions arrive in f32 and add up to the two uses' gradients taken on
-/// separate leaves, with no cast's backward of the weight's size (the activation's cast
-/// still has one).
+/// GPT-2's tie: the embedding's gradient arrives in f32 with no cast, while the fused
+/// classifier keeps its dw in bf16 and casts it back once. It makes dw in the forward and holds
+/// it until backward (the logits never exist whole), so an f32 dw would add V·C·2 bytes at
+/// the step's peak (GPT-2: 74 MiB); the one cast is the price of not holding them. The two
+/// contributions still sum in the one f32 leaf as they do on separate leaves.
 #[test]
-fn the_tied_classifier_weight_sums_two_f32_contributions() {
+fn the_tied_classifier_weight_sums_an_f32_embedding_gradient_and_one_cast_dw() {
     let _l = lock();
     let (v, c, rows) = (11, 8, 6);
     let ids = Tensor::from_vec(vec![1i64, 4, 7, 10, 0, 3], &[rows], CPU).unwrap();
@@ -883,30 +884,32 @@ fn the_tied_classifier_weight_sums_two_f32_contributions() {
     };
     let tied = param(&[v, c], 71);
     let events = run(&tied, &tied);
-    for bytes in [v * c * BF16, v * c * F32] {
-        assert!(
-            !events.contains(&("to_dtype", bytes as u64)),
-            "a cast's backward of the weight: {events:?}"
-        );
-    }
-    assert!(cast_backward_ran(&events), "the activation's cast");
+    let weight_casts = |bytes: usize| {
+        events
+            .iter()
+            .filter(|e| **e == ("to_dtype", bytes as u64))
+            .count()
+    };
+    assert_eq!(
+        weight_casts(v * c * F32),
+        1,
+        "one cast of dw to f32: {events:?}"
+    );
+    assert_eq!(weight_casts(v * c * BF16), 0, "no cast to bf16: {events:?}");
     let (emb, head) = (param(&[v, c], 71), param(&[v, c], 71));
     run(&emb, &head);
-    let head_grad = head.grad().unwrap();
-    assert_eq!(head_grad.dtype(), DType::F32);
-    let want = emb.grad().unwrap().add(&head_grad).unwrap();
+    let (emb_grad, head_grad) = (emb.grad().unwrap(), head.grad().unwrap());
+    assert_eq!(
+        (emb_grad.dtype(), head_grad.dtype()),
+        (DType::F32, DType::F32)
+    );
+    assert_same_bits(
+        "head.grad, bf16 values",
+        &f32(&bf16(&head_grad)),
+        &head_grad,
+    );
+    let want = emb_grad.add(&head_grad).unwrap();
     assert_same_bits("tied.grad", &tied.grad().unwrap(), &want);
-    // The head's share is the unrounded form of the cast path's.
-    let old = param(&[v, c], 71);
-    {
-        let _amp = autocast(AmpDType::BF16);
-        let h = emb.embedding(&ids).unwrap().mul_scalar(0.5).unwrap();
-        h.linear_cross_entropy(&bf16(&old), &targets, -100)
-            .unwrap()
-            .backward()
-            .unwrap();
-    }
-    assert_unrounded_form_of("head.grad", &head_grad, &old.grad().unwrap());
 }
 
 // ---- type promotion (with or without autocast) -------------------------------------------

@@ -3,11 +3,13 @@
 //! ops take half inputs in f32. Parameters cast to half precision come from the region's
 //! weight-cast cache. The region state and the cache itself live in `amp`.
 //!
-//! A linear-like op (linear, gelu_linear, mlp_gelu, linear_cross_entropy) whose parameter
-//! comes from the cache records its graph node on the f32 parameter itself (`ParamIn`), not
-//! on the cast: its GEMMs read the cached half copy and write the parameter's gradient in
-//! f32 from the half operands (f32 sums, no rounding to half), so no half gradient is made
-//! and no cast's backward runs for it.
+//! A linear-like op (linear, gelu_linear, mlp_gelu) whose parameter comes from the cache
+//! records its graph node on the f32 parameter itself (`ParamIn`), not on the cast: its GEMMs
+//! read the cached half copy and write the parameter's gradient in f32 from the half operands
+//! (f32 sums, no rounding to half), so no half gradient is made and no cast's backward runs
+//! for it. The fused classifier (linear_cross_entropy) holds its weight gradient from the
+//! forward to backward, where f32 would double those bytes at a step's peak: it keeps the
+//! cast's node and its half gradient.
 
 use crate::amp::{self, autocast_dtype};
 use crate::autograd::is_grad_enabled;

@@ -13,15 +13,11 @@
 //! gradients are the composition's bit for bit under a loss gradient of 1; with several, dw
 //! sums the chunks' products (a different order of the same sums) and is equal to rounding.
 //! Not differentiable twice (create_graph through it is the engine's error naming it). f16
-//! runs the composition: unscaled f16 gradients would underflow. Under autocast, an f32
-//! weight read through the weight-cast cache gets the node (see `autocast::ParamIn`), and dw
-//! is summed in f32 from the half chunks (f32-output GEMMs): GPT-2's tied embedding then
-//! receives both of its contributions in f32.
+//! runs the composition: unscaled f16 gradients would underflow.
 
 use super::aligned_gemm::PaddedWeight;
-use super::autocast::ParamIn;
 use super::binary::binary_forward;
-use super::matmul::{matmul_acc_into, matmul_forward_as};
+use super::matmul::{matmul_acc_into, matmul_forward};
 use super::{autocast, check_float, check_same_device, stats_dtype};
 use crate::autograd::{SavedTensor, no_grad, record, saved_values_released_after_this_backward};
 use crate::backend::BinaryOp;
@@ -60,27 +56,13 @@ impl Tensor {
     ) -> Result<Tensor> {
         let _site = crate::memory::recorder::CallSite::enter();
         if let Some([Some(x), Some(w)]) = autocast::cast_lower_opt([Some(self), Some(weight)])? {
-            let w_in = ParamIn::cast(&w, weight);
-            return x.linear_cross_entropy_params(w_in, targets, ignore_index, chunk_bytes);
+            return x.linear_cross_entropy_in_chunks(&w, targets, ignore_index, chunk_bytes);
         }
-        self.linear_cross_entropy_params(ParamIn::plain(weight), targets, ignore_index, chunk_bytes)
-    }
-
-    /// `linear_cross_entropy_in_chunks` on a weight whose graph node may be another tensor
-    /// than the value the GEMMs read (see `ParamIn`), past the autocast policy.
-    fn linear_cross_entropy_params(
-        &self,
-        w_in: ParamIn,
-        targets: &Tensor,
-        ignore_index: i64,
-        chunk_bytes: usize,
-    ) -> Result<Tensor> {
-        let weight = w_in.value;
         if self.dtype() == DType::F16 {
             // The gradients made for a loss gradient of 1 would underflow in f16 (GradScaler
             // exists for that): the composition, whose logits' gradient is made already scaled.
             return self
-                .linear_params(w_in, None)?
+                .linear(weight, None)?
                 .cross_entropy(targets, ignore_index);
         }
         let (rows, k) = check_args(self, weight, targets)?;
@@ -89,14 +71,13 @@ impl Tensor {
             Some(_) if half => DType::F32,
             _ => self.dtype(),
         };
-        let wants_grad = crate::autograd::should_record(&[self, w_in.node]);
+        let wants_grad = crate::autograd::should_record(&[self, weight]);
         let head = Head {
             x: self.detached_contiguous()?.reshape(&[rows, k])?,
             w: PaddedWeight::new(weight)?,
             targets: targets.detached_contiguous()?.reshape(&[rows])?,
             ignore_index,
             loss_dtype,
-            dw_dtype: w_in.node.dtype(),
         };
         let row_bytes = head.w.padded_width() * self.dtype().size_in_bytes();
         let chunk = chunk_rows(rows, row_bytes, chunk_bytes);
@@ -110,7 +91,7 @@ impl Tensor {
         let x_shape = self.shape().to_vec();
         Ok(record(
             "linear_cross_entropy",
-            &[self, w_in.node],
+            &[self, weight],
             loss,
             |_, _| {
                 let (dx, dw) = (SavedTensor::new(&dx), SavedTensor::new(&dw));
@@ -151,14 +132,13 @@ fn chunk_rows(rows: usize, row_bytes: usize, chunk_bytes: usize) -> usize {
 }
 
 /// The op's inputs, flattened: x (N, C), the weight (V, C) ready for the padded head GEMM,
-/// targets (N); and the dtype dw is summed in (the weight's node's).
+/// targets (N).
 struct Head {
     x: Tensor,
     w: PaddedWeight,
     targets: Tensor,
     ignore_index: i64,
     loss_dtype: DType,
-    dw_dtype: DType,
 }
 
 impl Head {
@@ -204,7 +184,7 @@ impl Head {
             dx.narrow(0, r0, n)?.copy_(&self.w.input_grad(&logits)?)?;
             let gt = logits.t_view()?;
             match &dw {
-                None => dw = Some(matmul_forward_as(&gt, &x, self.dw_dtype)?),
+                None => dw = Some(matmul_forward(&gt, &x)?),
                 Some(dw) => matmul_acc_into(&gt, &x, dw, 1.0)?,
             }
         }
