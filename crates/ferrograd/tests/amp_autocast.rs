@@ -22,6 +22,7 @@ use ferrograd::amp::{
     try_autocast,
 };
 use ferrograd::autograd::{BackwardOptions, CustomFunction, FunctionCtx, apply_custom};
+use ferrograd::memory::recorder::{self, Action, RecorderConfig};
 use ferrograd::memory::{self, CategoryBytes};
 use ferrograd::nn::{Gpt, GptConfig, IGNORE_INDEX, LayerNorm, Module, Recompute, causal_mask};
 use ferrograd::ops::{GeluApprox, cast_parameters_ahead};
@@ -320,21 +321,30 @@ fn a_weight_used_twice_is_cast_once() {
         .unwrap()
         .backward()
         .unwrap();
-    // The same with explicit casts, the weight cast once by hand.
+    // Each use's gradient is an f32 product of bf16 operands: the f32 layers on the inputs
+    // rounded to bf16 give it (the output gradients, ones, are exact in bf16).
     let want = {
         let _off = autocast_disabled();
-        let c = |t: &Tensor| t.to_dtype(DType::BF16).unwrap();
+        let r = |t: &Tensor| {
+            t.to_dtype(DType::BF16)
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+        };
         let wl = w.detach().requires_grad_(true).unwrap();
-        let wc = c(&wl);
         let (a, b) = (
-            c(&x1).linear(&wc, None).unwrap(),
-            c(&x2).linear(&wc, None).unwrap(),
+            r(&x1).linear(&wl, None).unwrap(),
+            r(&x2).linear(&wl, None).unwrap(),
         );
-        let sum = |t: &Tensor| t.to_dtype(DType::F32).unwrap().sum_all().unwrap();
-        sum(&a).add(&sum(&b)).unwrap().backward().unwrap();
+        a.sum_all()
+            .unwrap()
+            .add(&b.sum_all().unwrap())
+            .unwrap()
+            .backward()
+            .unwrap();
         wl.grad().unwrap()
     };
-    assert_close("w.grad", &w.grad().unwrap(), &want, 0.0, 0.0);
+    assert_close("w.grad", &w.grad().unwrap(), &want, 1e-6, 1e-6);
     drop((y1, y2, want));
     drop(amp);
     assert_usage("region ended", base, &[(Category::Gradient, o * i * F32)]);
@@ -608,6 +618,298 @@ fn backward_inside_the_region_runs_in_the_forward_dtypes() {
         .mul(&colsum)
         .unwrap();
     assert_close("x.grad", &x.grad().unwrap(), &want, 5e-2, 2e-2);
+}
+
+// ---- parameter gradients in f32, straight from the GEMMs ---------------------------------
+
+/// (op, requested bytes) of every host allocation while `f` runs, from the memory recorder.
+fn allocations_during(f: impl FnOnce()) -> Vec<(&'static str, u64)> {
+    recorder::start(RecorderConfig { capacity: 1 << 14 }).unwrap();
+    f();
+    let rec = recorder::stop().unwrap();
+    assert_eq!(rec.dropped, 0, "the recording kept every event");
+    rec.events
+        .iter()
+        .filter(|e| e.device == CPU && e.action == Action::Alloc)
+        .map(|e| (e.origin.op, e.requested))
+        .collect()
+}
+
+/// Whether a cast's backward (`to_dtype` of a gradient) allocated among `events`.
+fn cast_backward_ran(events: &[(&'static str, u64)]) -> bool {
+    events.iter().any(|(op, _)| *op == "to_dtype")
+}
+
+/// Backward from `g` (the root's gradient), returning what it allocated.
+fn backward_from(y: &Tensor, g: &Tensor) -> Vec<(&'static str, u64)> {
+    allocations_during(|| {
+        y.backward_with(BackwardOptions {
+            gradient: Some(g.clone()),
+            ..Default::default()
+        })
+        .unwrap()
+    })
+}
+
+fn bf16(t: &Tensor) -> Tensor {
+    t.to_dtype(DType::BF16).unwrap()
+}
+
+fn f32(t: &Tensor) -> Tensor {
+    t.to_dtype(DType::F32).unwrap()
+}
+
+/// Asserts `got` (f32) is an f32 sum whose bf16 rounding is `old` (the gradient the cast
+/// path gave: the same sum rounded to bf16, then widened), and that the rounding changed
+/// some element (so the f32 gradient is not a bf16 value widened).
+#[track_caller]
+fn assert_unrounded_form_of(what: &str, got: &Tensor, old: &Tensor) {
+    assert_eq!(got.dtype(), DType::F32, "{what}");
+    assert_same_bits(what, &f32(&bf16(got)), old);
+    let (g, o) = (got.to_vec::<f32>().unwrap(), old.to_vec::<f32>().unwrap());
+    assert!(
+        g.iter().zip(&o).any(|(a, b)| a != b),
+        "{what}: every element is a bf16 value"
+    );
+}
+
+/// A linear layer in a bf16 region on an f32 weight and bias: the GEMM writes dW (and the
+/// reduction db) in f32 from the bf16 operands, no cast's backward runs and no bf16 dW or
+/// db is allocated; a second backward adds into the f32 `.grad`. The same layer on a weight
+/// that is not a leaf (its cast is not cached) still goes through the cast's backward.
+#[test]
+fn a_linear_writes_f32_parameter_gradients_without_a_cast_backward() {
+    let _l = lock();
+    let (n, i, o) = (6, 8, 5);
+    // Already bf16: the input needs no cast of its own.
+    let x = bf16(&randn(&[n, i], 31));
+    let g = bf16(&randn(&[n, o], 34));
+    let (w, b) = (param(&[o, i], 32), param(&[o], 33));
+    // The f32 products and sums of the bf16 operands, and what the cast path gave: the same
+    // products rounded to bf16.
+    let want_w = f32(&g).t().unwrap().matmul(&f32(&x)).unwrap();
+    let want_b = f32(&g).sum(&[0], false).unwrap();
+    let old_w = f32(&bf16(&g).t().unwrap().matmul(&x).unwrap());
+    let base = snap();
+    let amp = autocast(AmpDType::BF16);
+    let y = x.linear(&w, Some(&b)).unwrap();
+    assert_eq!(y.dtype(), DType::BF16);
+    let events = backward_from(&y, &g);
+    assert!(!cast_backward_ran(&events), "{events:?}");
+    for half in [o * i * BF16, o * BF16] {
+        assert!(
+            !events.iter().any(|&(_, r)| r == half as u64),
+            "a bf16 parameter gradient of {half} bytes: {events:?}"
+        );
+    }
+    assert!(events.contains(&("matmul", (o * i * F32) as u64)));
+    let (gw, gb) = (w.grad().unwrap(), b.grad().unwrap());
+    assert_close("w.grad", &gw, &want_w, 1e-6, 1e-6);
+    assert_close("b.grad", &gb, &want_b, 1e-6, 1e-6);
+    assert_unrounded_form_of("w.grad", &gw, &old_w);
+    // Accumulation into the existing f32 gradients.
+    let y2 = x.linear(&w, Some(&b)).unwrap();
+    backward_from(&y2, &g);
+    let twice = |t: &Tensor| t.mul_scalar(2.0).unwrap();
+    assert_close(
+        "w.grad, twice",
+        &w.grad().unwrap(),
+        &twice(&want_w),
+        1e-6,
+        1e-6,
+    );
+    assert_close(
+        "b.grad, twice",
+        &b.grad().unwrap(),
+        &twice(&want_b),
+        1e-6,
+        1e-6,
+    );
+    drop((y, y2, gw, gb));
+    let now = snap();
+    assert_eq!(now.cats.total(), now.total, "categories sum");
+    drop(amp);
+    assert_usage(
+        "region ended",
+        base,
+        &[(Category::Gradient, (o * i + o) * F32)],
+    );
+    // A weight that is not a leaf is cast each time, and its gradient comes back through the
+    // cast's backward: what the observation above would have seen.
+    let (w_leaf, b_leaf) = (param(&[o, i], 32), param(&[o], 33));
+    let w_copy = w_leaf.mul_scalar(1.0).unwrap();
+    let _amp = autocast(AmpDType::BF16);
+    let y = x.linear(&w_copy, Some(&b_leaf)).unwrap();
+    let events = backward_from(&y, &g);
+    assert!(cast_backward_ran(&events), "{events:?}");
+    assert_same_bits("w.grad through the cast", &w_leaf.grad().unwrap(), &old_w);
+    assert_eq!(b_leaf.grad().unwrap().dtype(), DType::F32);
+}
+
+/// The paths that keep their gradients' dtypes: a frozen f32 weight (no gradient, no cached
+/// cast), a bf16 parameter (its gradient bf16), f64 (never cast) and the same layer outside
+/// a region (f32 throughout).
+#[test]
+fn frozen_half_f64_and_unregioned_parameters_keep_their_paths() {
+    let _l = lock();
+    let (n, i, o) = (4, 6, 3);
+    let x = bf16(&randn(&[n, i], 41));
+    let g = bf16(&randn(&[n, o], 42));
+    let frozen = randn(&[o, i], 43);
+    let b = param(&[o], 44);
+    let half = bf16(&randn(&[o, i], 45)).requires_grad_(true).unwrap();
+    {
+        let _amp = autocast(AmpDType::BF16);
+        backward_from(&x.linear(&frozen, Some(&b)).unwrap(), &g);
+        backward_from(&x.linear(&half, None).unwrap(), &g);
+    }
+    assert!(frozen.grad().is_none());
+    let want_b = f32(&g).sum(&[0], false).unwrap();
+    assert_close("b.grad", &b.grad().unwrap(), &want_b, 1e-6, 1e-6);
+    assert_eq!(half.grad().unwrap().dtype(), DType::BF16);
+    let w64 = randn(&[o, i], 46)
+        .to_dtype(DType::F64)
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+    let x64 = x.to_dtype(DType::F64).unwrap();
+    let w32 = param(&[o, i], 47);
+    {
+        let _amp = autocast(AmpDType::BF16);
+        let y = x64.linear(&w64, None).unwrap();
+        assert_eq!(y.dtype(), DType::F64);
+        backward_from(&y, &g.to_dtype(DType::F64).unwrap());
+    }
+    assert_eq!(w64.grad().unwrap().dtype(), DType::F64);
+    let y = f32(&x).linear(&w32, None).unwrap();
+    assert_eq!(y.dtype(), DType::F32);
+    backward_from(&y, &f32(&g));
+    let want = f32(&g).t().unwrap().matmul(&f32(&x)).unwrap();
+    assert_same_bits("f32 w.grad", &w32.grad().unwrap(), &want);
+}
+
+/// Under create_graph the f32 parameter's gradients are recorded f32 ops with history: the
+/// same values as a plain backward, and differentiable again (d Σ dW / dx = Σ_out g).
+#[test]
+fn create_graph_parameter_gradients_are_recorded_in_f32() {
+    let _l = lock();
+    let (n, i, o) = (5, 4, 3);
+    let x = bf16(&randn(&[n, i], 51)).requires_grad_(true).unwrap();
+    let g = bf16(&randn(&[n, o], 52));
+    let (w, b) = (param(&[o, i], 53), param(&[o], 54));
+    let (w_plain, b_plain) = (param(&[o, i], 53), param(&[o], 54));
+    // The f32 product of the bf16 operands (outside the region: an f32 matmul).
+    let want_w = f32(&g).t().unwrap().matmul(&f32(&x)).unwrap();
+    let _amp = autocast(AmpDType::BF16);
+    backward_from(&x.linear(&w_plain, Some(&b_plain)).unwrap(), &g);
+    let y = x.linear(&w, Some(&b)).unwrap();
+    allocations_during(|| {
+        y.backward_with(BackwardOptions {
+            gradient: Some(g.clone()),
+            create_graph: true,
+            ..Default::default()
+        })
+        .unwrap()
+    });
+    let (gw, gb) = (w.grad().unwrap(), b.grad().unwrap());
+    assert_eq!((gw.dtype(), gb.dtype()), (DType::F32, DType::F32));
+    // dW = gᵀ·x depends on x; db depends on g alone, which has no history here.
+    assert!(gw.requires_grad() && !gw.is_leaf(), "w.grad has no history");
+    assert_close("w.grad", &gw, &w_plain.grad().unwrap(), 1e-6, 1e-6);
+    assert_close("w.grad, unrounded", &gw, &want_w, 1e-6, 1e-6);
+    assert_close("b.grad", &gb, &b_plain.grad().unwrap(), 1e-6, 1e-6);
+    x.set_grad(None).unwrap();
+    gw.sum_all().unwrap().backward().unwrap();
+    let want = f32(&g).sum(&[1], true).unwrap().expand(&[n, i]).unwrap();
+    assert_close(
+        "d sum(dW) / dx",
+        &f32(&x.grad().unwrap()),
+        &want,
+        1e-2,
+        1e-2,
+    );
+}
+
+/// The fused MLP on f32 parameters in a bf16 region: every parameter gradient is f32, no
+/// cast's backward runs, and each is the unrounded form of what the cast path gave.
+#[test]
+fn the_fused_mlp_writes_f32_parameter_gradients() {
+    let _l = lock();
+    let (n, c, h) = (6, 8, 16);
+    let x = bf16(&randn(&[n, c], 61));
+    let g = bf16(&randn(&[n, c], 62));
+    let shapes: [&[usize]; 4] = [&[h, c], &[h], &[c, h], &[c]];
+    let params: Vec<Tensor> = (0..4).map(|k| param(shapes[k], 63 + k as u64)).collect();
+    let leaves: Vec<Tensor> = (0..4).map(|k| param(shapes[k], 63 + k as u64)).collect();
+    let _amp = autocast(AmpDType::BF16);
+    let p = &params;
+    let y = x.mlp_gelu(&p[0], &p[1], &p[2], &p[3]).unwrap();
+    let events = backward_from(&y, &g);
+    assert!(!cast_backward_ran(&events), "{events:?}");
+    // The cast path: explicit (uncached) casts carry the nodes.
+    let c16: Vec<Tensor> = leaves.iter().map(bf16).collect();
+    let y_old = x.mlp_gelu(&c16[0], &c16[1], &c16[2], &c16[3]).unwrap();
+    assert_same_bits("output", &y, &y_old);
+    let events = backward_from(&y_old, &g);
+    assert!(cast_backward_ran(&events));
+    let names = ["w_fc", "b_fc", "w_proj", "b_proj"];
+    for k in [0, 2] {
+        let (got, old) = (p[k].grad().unwrap(), leaves[k].grad().unwrap());
+        assert_unrounded_form_of(names[k], &got, &old);
+    }
+    for k in [1, 3] {
+        let (got, old) = (p[k].grad().unwrap(), leaves[k].grad().unwrap());
+        assert_eq!(got.dtype(), DType::F32, "{}", names[k]);
+        assert_close(names[k], &got, &old, 1e-2, 1e-2);
+    }
+}
+
+/// GPT-2's tie: the embedding's gradient arrives in f32 with no cast, while the fused
+/// classifier keeps its dw in bf16 and casts it back once. It makes dw in the forward and holds
+/// it until backward (the logits never exist whole), so an f32 dw would add V·C·2 bytes at
+/// the step's peak (GPT-2: 74 MiB); the one cast is the price of not holding them. The two
+/// contributions still sum in the one f32 leaf as they do on separate leaves.
+#[test]
+fn the_tied_classifier_weight_sums_an_f32_embedding_gradient_and_one_cast_dw() {
+    let _l = lock();
+    let (v, c, rows) = (11, 8, 6);
+    let ids = Tensor::from_vec(vec![1i64, 4, 7, 10, 0, 3], &[rows], CPU).unwrap();
+    let targets = Tensor::from_vec(vec![2i64, 5, -100, 9, 1, 6], &[rows], CPU).unwrap();
+    let run = |emb: &Tensor, head: &Tensor| {
+        let _amp = autocast(AmpDType::BF16);
+        let h = emb.embedding(&ids).unwrap().mul_scalar(0.5).unwrap();
+        let loss = h.linear_cross_entropy(head, &targets, -100).unwrap();
+        assert_eq!(loss.dtype(), DType::F32);
+        allocations_during(|| loss.backward().unwrap())
+    };
+    let tied = param(&[v, c], 71);
+    let events = run(&tied, &tied);
+    let weight_casts = |bytes: usize| {
+        events
+            .iter()
+            .filter(|e| **e == ("to_dtype", bytes as u64))
+            .count()
+    };
+    assert_eq!(
+        weight_casts(v * c * F32),
+        1,
+        "one cast of dw to f32: {events:?}"
+    );
+    assert_eq!(weight_casts(v * c * BF16), 0, "no cast to bf16: {events:?}");
+    let (emb, head) = (param(&[v, c], 71), param(&[v, c], 71));
+    run(&emb, &head);
+    let (emb_grad, head_grad) = (emb.grad().unwrap(), head.grad().unwrap());
+    assert_eq!(
+        (emb_grad.dtype(), head_grad.dtype()),
+        (DType::F32, DType::F32)
+    );
+    assert_same_bits(
+        "head.grad, bf16 values",
+        &f32(&bf16(&head_grad)),
+        &head_grad,
+    );
+    let want = emb_grad.add(&head_grad).unwrap();
+    assert_same_bits("tied.grad", &tied.grad().unwrap(), &want);
 }
 
 // ---- type promotion (with or without autocast) -------------------------------------------
@@ -953,9 +1255,12 @@ fn the_logits_gradient_takes_the_logits_buffer_when_nothing_else_reads_them() {
     let _l = lock();
     let (n, k, c) = (64, 4, 100);
     let x = param(&[n, k], 22);
-    let w = param(&[c, k], 23);
+    let w_leaf = param(&[c, k], 23);
     let t = classifier_case(n, c).1;
     // f16: the CPU's bf16 GEMM widens its operands to f32, which would hide what is measured.
+    // A weight that is not a leaf for the same reason: a parameter's gradient is an
+    // f32-output GEMM, which the CPU runs on f32 copies of the (n, c) logits' gradient.
+    let w = w_leaf.mul_scalar(1.0).unwrap();
     let _amp = autocast(AmpDType::F16);
     // A head GEMM's logits, dropped by the caller after the loss as a training step does.
     let logits = x.linear(&w, None).unwrap();
@@ -972,7 +1277,7 @@ fn the_logits_gradient_takes_the_logits_buffer_when_nothing_else_reads_them() {
         grew < logits_block / 2,
         "the backward's peak grew by {grew} bytes: the gradient did not reuse the logits ({logits_block} bytes)"
     );
-    assert!(x.grad().is_some() && w.grad().is_some());
+    assert!(x.grad().is_some() && w_leaf.grad().is_some());
 }
 
 #[test]

@@ -1,9 +1,9 @@
 //! The op families' entry functions validate once for every device: operands that one
 //! device refuses, every device refuses with the same typed error (checked on the CPU and on
 //! the shape-only meta device, whose kernels do nothing), and in-place entry points bump the
-//! version of what they write.
+//! version of what they write. The one dtype mix of the GEMMs: half operands into f32.
 
-use ferrograd::backend::matmul::{matmul, matmul_acc};
+use ferrograd::backend::matmul::{matmul, matmul_acc, matmul_bias, matmul_row_sums};
 use ferrograd::backend::reduce::reduce;
 use ferrograd::backend::rows::{LayerNorm, layer_norm};
 use ferrograd::backend::{MatmulSpec, ReduceOp, View};
@@ -78,6 +78,72 @@ fn matmul_refuses_mismatched_operands_on_every_device() {
         let v = out.storage().version();
         matmul_acc(&spec, view(&a), view(&b), out.storage(), 1.0).unwrap();
         assert_eq!(out.storage().version(), v + 1, "{dev}: matmul_acc bumps");
+    }
+}
+
+/// f16 and bf16 operands may write an f32 output in the plain, accumulating and row-sum
+/// entries (the f32 sums, equal on the CPU to the f32 product of the widened operands bit
+/// for bit); no other mix, and not in the epilogue entries.
+#[test]
+fn half_operands_write_f32_outputs_only_in_the_plain_entries_on_every_device() {
+    let spec = MatmulSpec {
+        batch: 1,
+        m: 3,
+        n: 5,
+        k: 7,
+    };
+    for dev in DEVICES {
+        for half in [DType::BF16, DType::F16] {
+            let draw = |shape: &[usize], seed| {
+                let mut g = ferrograd::Generator::new(seed);
+                Tensor::randn_with(shape, half, Device::Cpu, &mut g)
+                    .unwrap()
+                    .to_device(dev)
+                    .unwrap()
+            };
+            let (a, b) = (draw(&[3, 7], 1), draw(&[7, 5], 2));
+            let out = zeros(&[3, 5], DType::F32, dev);
+            matmul(&spec, view(&a), view(&b), out.storage()).unwrap();
+            let v = out.storage().version();
+            matmul_acc(&spec, view(&a), view(&b), out.storage(), 1.0).unwrap();
+            assert_eq!(out.storage().version(), v + 1, "{dev}: matmul_acc bumps");
+            let sums = zeros(&[3], DType::F32, dev);
+            matmul_row_sums(&spec, view(&a), view(&b), out.storage(), sums.storage()).unwrap();
+            if dev == Device::Cpu {
+                // out = 2·(a @ b) after the accumulation (the row sums do not fuse here).
+                let f = |t: &Tensor| t.to_dtype(DType::F32).unwrap();
+                let want = f(&a).matmul(&f(&b)).unwrap().mul_scalar(2.0).unwrap();
+                assert_eq!(
+                    out.to_vec::<f32>().unwrap(),
+                    want.to_vec::<f32>().unwrap(),
+                    "{half}"
+                );
+            }
+            let other = if half == DType::BF16 {
+                DType::F16
+            } else {
+                DType::BF16
+            };
+            for wrong in [other, DType::F64] {
+                let out = zeros(&[3, 5], wrong, dev);
+                let r = matmul(&spec, view(&a), view(&b), out.storage());
+                assert!(
+                    matches!(r, Err(Error::DType { .. })),
+                    "{dev}: {half} -> {wrong}"
+                );
+            }
+            let bias = zeros(&[5], DType::F32, dev);
+            let r = matmul_bias(&spec, view(&a), view(&b), view(&bias), out.storage());
+            assert!(matches!(r, Err(Error::DType { .. })), "{dev}: {r:?}");
+        }
+        // f32 operands never write f64.
+        let (a, b) = (
+            zeros(&[3, 7], DType::F32, dev),
+            zeros(&[7, 5], DType::F32, dev),
+        );
+        let out = zeros(&[3, 5], DType::F64, dev);
+        let r = matmul(&spec, view(&a), view(&b), out.storage());
+        assert!(matches!(r, Err(Error::DType { .. })), "{dev}: {r:?}");
     }
 }
 

@@ -103,3 +103,280 @@ fn tiny_gpt_bf16_step_matches_the_cpu() {
     let cpu = gpt_step(Some(AmpDType::BF16), CPU);
     assert_steps_agree(&gpu, &cpu);
 }
+
+// ---- parameter gradients in f32, straight from the GEMMs ---------------------------------
+
+/// Bounds for an f32 result of half operands on two devices: the same products, summed in
+/// f32 in another order.
+const F32_SUMS: (f64, f64) = (1e-4, 1e-5);
+
+/// `shape` drawn on the CPU in `dtype`, then moved to `device` (both devices see the same
+/// values).
+fn draw(shape: &[usize], dtype: DType, seed: u64, device: Device) -> Tensor {
+    let mut g = Generator::new(seed);
+    Tensor::randn_with(shape, DType::F32, CPU, &mut g)
+        .unwrap()
+        .to_dtype(dtype)
+        .unwrap()
+        .to_device(device)
+        .unwrap_or_else(|e| panic!("these tests need a CUDA device (cuda:0): {e}"))
+}
+
+/// An f32 leaf that requires grad (a parameter), the same values on every device.
+fn param_on(shape: &[usize], seed: u64, device: Device) -> Tensor {
+    draw(shape, DType::F32, seed, device)
+        .detach()
+        .requires_grad_(true)
+        .unwrap()
+}
+
+fn host(t: &Tensor) -> Tensor {
+    t.to_device(CPU).unwrap()
+}
+
+fn backend_view(t: &Tensor) -> ferrograd::backend::View<'_> {
+    ferrograd::backend::View {
+        storage: t.storage(),
+        layout: t.layout(),
+    }
+}
+
+/// The ops that allocated on `device` while `f` ran (the memory recorder's events).
+fn ops_allocating(device: Device, f: impl FnOnce()) -> Vec<(&'static str, u64)> {
+    use ferrograd::memory::recorder::{self, Action, RecorderConfig};
+    recorder::start(RecorderConfig { capacity: 1 << 16 }).unwrap();
+    f();
+    let rec = recorder::stop().unwrap();
+    rec.events
+        .iter()
+        .filter(|e| e.device == device && e.action == Action::Alloc)
+        .map(|e| (e.origin.op, e.requested))
+        .collect()
+}
+
+/// Asserts `t` (f32) holds some value that bf16 cannot: it was not rounded to bf16.
+fn assert_not_bf16_rounded(what: &str, t: &Tensor) {
+    assert_eq!(t.dtype(), DType::F32, "{what}");
+    let v = host(t).to_vec::<f32>().unwrap();
+    assert!(
+        v.iter().any(|&x| half::bf16::from_f32(x).to_f32() != x),
+        "{what}: every element is a bf16 value"
+    );
+}
+
+/// cuBLAS and cuBLASLt write f32 outputs of bf16 and f16 operands: the plain product (a
+/// transposed operand, a batch with a broadcast operand), the accumulating one (beta 1) and
+/// the bias-gradient epilogue (BGRADB, its sums f32): each as the CPU's f32 product of the
+/// widened operands, to the order of the sums, and not rounded to half.
+#[test]
+fn half_gemms_write_f32_outputs_as_the_cpu() {
+    use ferrograd::backend::MatmulSpec;
+    use ferrograd::backend::matmul::{matmul, matmul_acc, matmul_row_sums};
+    let (m, n, k) = (48, 40, 96);
+    for half in [DType::BF16, DType::F16] {
+        let run = |device: Device| {
+            // a read transposed: (k, m) storage.
+            let at = draw(&[k, m], half, 1, device);
+            let a = at.t().unwrap();
+            let b = draw(&[k, n], half, 2, device);
+            let spec = MatmulSpec { batch: 1, m, n, k };
+            let out = Tensor::zeros(&[m, n], DType::F32, device).unwrap();
+            matmul(&spec, backend_view(&a), backend_view(&b), out.storage()).unwrap();
+            let acc = out.mul_scalar(1.0).unwrap();
+            matmul_acc(
+                &spec,
+                backend_view(&a),
+                backend_view(&b),
+                acc.storage(),
+                1.0,
+            )
+            .unwrap();
+            let fused = Tensor::zeros(&[m, n], DType::F32, device).unwrap();
+            let sums = Tensor::zeros(&[m], DType::F32, device).unwrap();
+            let (va, vb) = (backend_view(&a), backend_view(&b));
+            let did = matmul_row_sums(&spec, va, vb, fused.storage(), sums.storage()).unwrap();
+            // A batch of 3 with b broadcast (stride 0).
+            let a3 = draw(&[3, m, k], half, 3, device);
+            let b3 = b.unsqueeze(0).unwrap().expand(&[3, k, n]).unwrap();
+            let batched = Tensor::zeros(&[3, m, n], DType::F32, device).unwrap();
+            let spec3 = MatmulSpec { batch: 3, m, n, k };
+            let (va3, vb3) = (backend_view(&a3), backend_view(&b3));
+            matmul(&spec3, va3, vb3, batched.storage()).unwrap();
+            (out, acc, (did, fused, sums), batched)
+        };
+        let (gpu, cpu) = (run(GPU), run(CPU));
+        assert!(
+            gpu.2.0,
+            "{half}: cuBLASLt took no BGRADB algorithm for an f32 output"
+        );
+        assert!(!cpu.2.0, "the CPU does not fuse the row sums");
+        assert_close(&format!("{half} product"), &host(&gpu.0), &cpu.0, F32_SUMS);
+        assert_not_bf16_rounded(&format!("{half} product"), &gpu.0);
+        let twice = cpu.0.mul_scalar(2.0).unwrap();
+        assert_close(
+            &format!("{half} accumulated"),
+            &host(&gpu.1),
+            &twice,
+            F32_SUMS,
+        );
+        assert_close(
+            &format!("{half} fused product"),
+            &host(&gpu.2.1),
+            &cpu.0,
+            F32_SUMS,
+        );
+        let a = draw(&[k, m], half, 1, CPU).to_dtype(DType::F32).unwrap();
+        let want_sums = a.sum(&[0], false).unwrap();
+        assert_close(
+            &format!("{half} row sums"),
+            &host(&gpu.2.2),
+            &want_sums,
+            F32_SUMS,
+        );
+        assert_not_bf16_rounded(&format!("{half} row sums"), &gpu.2.2);
+        assert_close(&format!("{half} batched"), &host(&gpu.3), &cpu.3, F32_SUMS);
+    }
+}
+
+/// A linear layer on f32 parameters in a bf16 region: on the GPU dW and db come from one
+/// cuBLASLt GEMM (BGRADB) in f32, with no cast's backward and no bf16 gradient of either
+/// allocated, and equal the CPU's f32 gradients to the order of the sums.
+#[test]
+fn linear_parameter_gradients_are_f32_gemm_outputs_as_the_cpu() {
+    let (n, i, o) = (64, 96, 80);
+    let run = |device: Device| {
+        let x = draw(&[n, i], DType::BF16, 11, device);
+        let g = draw(&[n, o], DType::BF16, 12, device);
+        let (w, b) = (param_on(&[o, i], 13, device), param_on(&[o], 14, device));
+        let _amp = ferrograd::amp::autocast(AmpDType::BF16);
+        let y = x.linear(&w, Some(&b)).unwrap();
+        let events = ops_allocating(device, || {
+            y.backward_with(ferrograd::autograd::BackwardOptions {
+                gradient: Some(g.clone()),
+                ..Default::default()
+            })
+            .unwrap()
+        });
+        (w.grad().unwrap(), b.grad().unwrap(), events)
+    };
+    let (gpu, cpu) = (run(GPU), run(CPU));
+    let events = &gpu.2;
+    assert!(
+        !events.iter().any(|(op, _)| *op == "to_dtype"),
+        "{events:?}"
+    );
+    for half in [o * i * 2, o * 2] {
+        assert!(
+            !events.iter().any(|&(_, r)| r == half as u64),
+            "a bf16 parameter gradient of {half} bytes: {events:?}"
+        );
+    }
+    for (name, got, want) in [("w", &gpu.0, &cpu.0), ("b", &gpu.1, &cpu.1)] {
+        assert_eq!(
+            (got.dtype(), got.device()),
+            (DType::F32, GPU),
+            "{name}.grad"
+        );
+        assert_close(
+            &format!("{name}.grad GPU vs CPU"),
+            &host(got),
+            want,
+            F32_SUMS,
+        );
+        assert_not_bf16_rounded(&format!("{name}.grad"), got);
+    }
+}
+
+/// The fused MLP on f32 parameters in a bf16 region on the GPU (GELU and DGELU epilogues,
+/// BGRADB into f32): every parameter gradient f32, no cast's backward, and the CPU's
+/// gradients within the bf16 chains' tolerance (the intermediate activations round to bf16
+/// on each device).
+#[test]
+fn fused_mlp_parameter_gradients_are_f32_as_the_cpu() {
+    let (rows, c, h) = (64, 64, 256);
+    let shapes: [&[usize]; 4] = [&[h, c], &[h], &[c, h], &[c]];
+    let run = |device: Device| {
+        let x = draw(&[rows, c], DType::BF16, 21, device);
+        let g = draw(&[rows, c], DType::BF16, 22, device);
+        let p: Vec<Tensor> = (0..4)
+            .map(|k| param_on(shapes[k], 23 + k as u64, device))
+            .collect();
+        let _amp = ferrograd::amp::autocast(AmpDType::BF16);
+        let y = x.mlp_gelu(&p[0], &p[1], &p[2], &p[3]).unwrap();
+        let events = ops_allocating(device, || {
+            y.backward_with(ferrograd::autograd::BackwardOptions {
+                gradient: Some(g.clone()),
+                ..Default::default()
+            })
+            .unwrap()
+        });
+        let grads: Vec<Tensor> = p.iter().map(|t| t.grad().unwrap()).collect();
+        (grads, events)
+    };
+    let (gpu, cpu) = (run(GPU), run(CPU));
+    assert!(
+        !gpu.1.iter().any(|(op, _)| *op == "to_dtype"),
+        "{:?}",
+        gpu.1
+    );
+    let names = ["w_fc", "b_fc", "w_proj", "b_proj"];
+    for (k, (got, want)) in gpu.0.iter().zip(&cpu.0).enumerate() {
+        assert_eq!(
+            (got.dtype(), got.device()),
+            (DType::F32, GPU),
+            "{}",
+            names[k]
+        );
+        assert_close(names[k], &host(got), want, tol(DType::BF16));
+    }
+    assert_not_bf16_rounded("w_proj.grad", &gpu.0[2]);
+}
+
+/// GPT-2's tie on the GPU: the embedding's f32 gradient and the fused classifier's bf16 dw
+/// (summed over chunks at a padded vocabulary width, then cast back once: it is held from the
+/// forward to backward, and in f32 it would raise the step's peak) add up in the one f32 leaf
+/// as on the CPU.
+#[test]
+fn tied_classifier_weight_gradient_is_the_cpus() {
+    let (v, c, rows) = (1100, 64, 48);
+    let ids: Vec<i64> = (0..rows as i64).map(|r| (r * 37) % v as i64).collect();
+    let targets: Vec<i64> = (0..rows as i64)
+        .map(|r| {
+            if r % 7 == 3 {
+                -100
+            } else {
+                (r * 11 + 5) % v as i64
+            }
+        })
+        .collect();
+    let run = |device: Device| {
+        let ids = Tensor::from_vec(ids.clone(), &[rows], device).unwrap();
+        let targets = Tensor::from_vec(targets.clone(), &[rows], device).unwrap();
+        let wte = param_on(&[v, c], 31, device);
+        let _amp = ferrograd::amp::autocast(AmpDType::BF16);
+        let h = wte.embedding(&ids).unwrap();
+        // Two chunks: dw sums them.
+        let chunk = (rows / 2) * 1152 * 2;
+        let loss = h
+            .linear_cross_entropy_in_chunks(&wte, &targets, -100, chunk)
+            .unwrap();
+        let events = ops_allocating(device, || loss.backward().unwrap());
+        (wte.grad().unwrap(), events)
+    };
+    let (gpu, cpu) = (run(GPU), run(CPU));
+    let casts = |bytes: usize| {
+        gpu.1
+            .iter()
+            .filter(|e| **e == ("to_dtype", bytes as u64))
+            .count()
+    };
+    assert_eq!(casts(v * c * 4), 1, "one cast of dw to f32: {:?}", gpu.1);
+    assert_eq!(casts(v * c * 2), 0, "no cast to bf16: {:?}", gpu.1);
+    assert_eq!((gpu.0.dtype(), gpu.0.device()), (DType::F32, GPU));
+    assert_close(
+        "wte.grad GPU vs CPU",
+        &host(&gpu.0),
+        &cpu.0,
+        tol(DType::BF16),
+    );
+}

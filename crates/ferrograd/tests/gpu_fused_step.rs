@@ -2,7 +2,9 @@
 //! gradients written by cuBLAS straight into the momentum buffers, beta = μ then 1) against
 //! the ordinary CPU step, f32, over 3 steps: an MLP, a weight used twice in one forward and a
 //! weight with an extra non-linear use. Also the backward peak on the device: lower than the
-//! plain step in backward by at least the weight gradient. Needs a CUDA device.
+//! plain step in backward by at least the weight gradient. Under a bf16 autocast region, the
+//! bf16 factors of the f32 weights' gradients go into the f32 momentum buffers the same way.
+//! Needs a CUDA device.
 #![cfg(feature = "gpu-tests")]
 
 use std::sync::Mutex;
@@ -83,6 +85,61 @@ fn fused_sgd_on_cuda_matches_the_ordinary_cpu_step() {
                     "{net:?} {what}: cuda {g} vs cpu {w}"
                 );
             }
+        }
+    }
+}
+
+/// Under autocast the f32 weights' gradients are offered as products of bf16 factors: cuBLAS
+/// sums them in f32 into the f32 momentum buffers (no weight takes an ordinary gradient), and
+/// three fused steps on the GPU follow three ordinary steps on the CPU to bf16's precision
+/// (each device rounds the activations to bf16).
+#[test]
+fn fused_sgd_on_cuda_takes_bf16_factors_under_autocast() {
+    use ferrograd::amp::{AmpDType, autocast};
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let (d, b) = (96, 24);
+    for net in [Net::Mlp, Net::SharedWeight] {
+        let ps = layers(d, CPU);
+        let (x, y) = data_as(b, d, DType::F32, CPU);
+        let mut opt = Sgd::new(ps.clone(), momentum_cfg()).unwrap();
+        for _ in 0..3 {
+            let loss = {
+                let _amp = autocast(AmpDType::BF16);
+                loss_of(net, &ps, &x, &y)
+            };
+            loss.backward().unwrap();
+            opt.step().unwrap();
+            opt.zero_grad().unwrap();
+        }
+        let qs = layers(d, GPU);
+        let (gx, gy) = data_as(b, d, DType::F32, GPU);
+        let accumulated = Arc::new(AtomicUsize::new(0));
+        for w in [&qs[0], &qs[2]] {
+            let n = Arc::clone(&accumulated);
+            w.register_post_accumulate_grad_hook(move |_| {
+                n.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            })
+            .unwrap();
+        }
+        let _sib =
+            StepInBackward::install_fused(Sgd::new(qs.clone(), momentum_cfg()).unwrap()).unwrap();
+        for _ in 0..3 {
+            let loss = {
+                let _amp = autocast(AmpDType::BF16);
+                loss_of(net, &qs, &gx, &gy)
+            };
+            loss.backward().unwrap();
+            assert!(qs.iter().all(|p| p.grad().is_none()), "{net:?}");
+        }
+        assert_eq!(accumulated.load(Ordering::Relaxed), 0, "{net:?}");
+        for (g, w) in host(&qs).iter().flatten().zip(host(&ps).iter().flatten()) {
+            assert!(
+                (g - w).abs() <= 1e-3 * w.abs().max(1.0),
+                "{net:?} parameters: cuda {g} vs cpu {w}"
+            );
         }
     }
 }

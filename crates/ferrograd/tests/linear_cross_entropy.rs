@@ -79,12 +79,26 @@ fn one_chunk_is_the_composition_bit_for_bit() {
             assert_eq!(bits(&got[i]), bits(&want[i]), "{dtype:?} {name}");
         }
     }
-    // Under bf16 autocast: f32 weight cast as linear casts it, the loss in f32.
+    // Under bf16 autocast: f32 weight cast as linear casts it, the loss in f32. The linear
+    // writes the f32 weight's gradient in f32; the fused op keeps its dw in bf16 (it holds dw
+    // from the forward on), so its dw is the composition's rounded to bf16.
     let region = |chunks| {
         let _amp = autocast(AmpDType::BF16);
         run(DType::BF16, DType::F32, chunks, 1.0)
     };
-    assert_eq!(region(ONE_CHUNK), region(None));
+    let (got, want) = (region(ONE_CHUNK), region(None));
+    assert_eq!(got[..2], want[..2], "loss and dx");
+    // The values are f32s: rounded from f32, as the GEMM rounds.
+    let to_bf16 = |v: &[f64]| {
+        v.iter()
+            .map(|&x| half::bf16::from_f32(x as f32).to_f64())
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(got[2], to_bf16(&want[2]), "dw");
+    assert_ne!(
+        got[2], want[2],
+        "the composition's dw is not rounded to bf16"
+    );
 }
 
 #[track_caller]

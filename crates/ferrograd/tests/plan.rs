@@ -310,6 +310,39 @@ fn a_wide_unaligned_gemm_output_gets_aligned_rows_on_a_gpu_only() {
     assert_eq!(host.peak_allocated, 3 * (x + w + 16 * 50257 * 2));
 }
 
+/// A linear layer's weight gradient in a bf16 region on an f32 weight: (32, 16) f32 from
+/// bf16 g (64, 32) and x (64, 16).
+fn f32_weight_grad(device: Device) -> ferrograd::Result<()> {
+    let x = Tensor::zeros(&[64, 16], DType::BF16, device)?;
+    let g = Tensor::zeros(&[64, 32], DType::BF16, device)?;
+    let w = Tensor::zeros(&[32, 16], DType::F32, device)?.requires_grad_(true)?;
+    let _amp = ferrograd::amp::autocast(ferrograd::amp::AmpDType::BF16);
+    let y = x.linear(&w, None)?;
+    y.backward_with(ferrograd::autograd::BackwardOptions {
+        gradient: Some(g),
+        ..Default::default()
+    })?;
+    assert_eq!(w.grad().map(|g| g.dtype()), Some(DType::F32));
+    Ok(())
+}
+
+#[test]
+fn an_f32_weight_gradient_of_bf16_operands_is_planned_to_the_byte() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let host = plan::plan(Target::Cpu, PlanOptions::default(), f32_weight_grad).unwrap();
+    memory::reset_peak_memory_stats(Device::Cpu).unwrap();
+    let before = memory::memory_allocated(Device::Cpu).unwrap();
+    f32_weight_grad(Device::Cpu).unwrap();
+    let measured = memory::max_memory_allocated(Device::Cpu).unwrap() - before;
+    assert_eq!(host.peak_allocated, measured);
+    let (x, g, w) = (64 * 16 * 2, 64 * 32 * 2, 32 * 16 * 4);
+    // At the weight gradient's GEMM: the inputs, the bf16 weight cast and output (x needs no
+    // gradient), the f32 gradient, and f32 widenings of g and x only (not of the output,
+    // which is f32 already).
+    let gemm = x + g + w + 32 * 16 * 2 + 64 * 32 * 2 + w + 2 * (x + g);
+    assert_eq!(host.peak_allocated, gemm as u64);
+}
+
 #[test]
 fn a_plan_larger_than_the_gpu_says_so_with_what_it_would_need() {
     let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());

@@ -8,6 +8,7 @@ use std::sync::Mutex;
 mod fused_nets;
 use fused_nets::{Net, data_as, loss_of, momentum_cfg};
 
+use ferrograd::amp::{AmpDType, autocast};
 use ferrograd::nn::{Linear, Module, Relu, Sequential};
 use ferrograd::optim::{Adam, AdamConfig, Optimizer, Sgd, SgdConfig};
 use ferrograd::train::StepInBackward;
@@ -289,6 +290,63 @@ fn fused_sgd_matches_the_ordinary_step_in_f64() {
             b,
         );
         assert!(max_rel_diff(&got, &init) > 1e-6, "{net:?}");
+    }
+}
+
+/// Three steps of `net` on f32 layers with each forward in a bf16 autocast region, the
+/// ordinary way or fused; the parameters and how many ordinary gradients the weights took.
+fn autocast_steps(net: Net, fused: bool, d: usize, b: usize) -> (Vec<Vec<f64>>, usize) {
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let ps = layers(d, DType::F32, CPU);
+    let (x, y) = data_as(b, d, DType::F32, CPU);
+    let accumulated = Arc::new(AtomicUsize::new(0));
+    for w in [&ps[0], &ps[2]] {
+        let n = Arc::clone(&accumulated);
+        w.register_post_accumulate_grad_hook(move |_| {
+            n.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        })
+        .unwrap();
+    }
+    let sgd = Sgd::new(ps.clone(), momentum_cfg()).unwrap();
+    let (mut ordinary, _sib) = match fused {
+        true => (None, Some(StepInBackward::install_fused(sgd).unwrap())),
+        false => (Some(sgd), None),
+    };
+    for _ in 0..3 {
+        let loss = {
+            let _amp = autocast(AmpDType::BF16);
+            loss_of(net, &ps, &x, &y)
+        };
+        loss.backward().unwrap();
+        if let Some(opt) = ordinary.as_mut() {
+            opt.step().unwrap();
+            opt.zero_grad().unwrap();
+        }
+    }
+    (values_f64(&ps), accumulated.load(Ordering::Relaxed))
+}
+
+/// Under autocast a weight's gradient is offered as the product of two bf16 factors for an
+/// f32 parameter: the fused step sums it in f32 into the f32 momentum buffer (the weights
+/// take no ordinary gradient), and the parameters follow the ordinary steps, whose f32
+/// weight gradients come from the same f32-output GEMM.
+#[test]
+fn fused_sgd_takes_the_bf16_factors_of_f32_weights_under_autocast() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let (d, b) = (32, 8);
+    for net in [Net::Mlp, Net::SharedWeight] {
+        let (want, ordinary_grads) = autocast_steps(net, false, d, b);
+        // Ordinary: w1 and w2 each take their gradient once per backward.
+        assert_eq!(ordinary_grads, 6, "{net:?}");
+        let (got, fused_grads) = autocast_steps(net, true, d, b);
+        assert_eq!(
+            fused_grads, 0,
+            "{net:?}: a weight took an ordinary gradient"
+        );
+        let diff = max_rel_diff(&got, &want);
+        assert!(diff < 1e-6, "{net:?}: parameters differ by {diff}");
     }
 }
 

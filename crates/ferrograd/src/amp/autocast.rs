@@ -15,7 +15,12 @@
 //! version (an in-place update such as an optimizer step makes a new cast) and the dtype. A
 //! weight used twice (GPT's tied embedding and head) or in several micro-batches is cast
 //! once. The cached tensor is a `to_dtype` graph node that saves nothing, so each graph that
-//! uses it can backpropagate through it (no retain_graph needed). The cache lives until the
+//! uses it can backpropagate through it (no retain_graph needed). The linear-like ops
+//! (linear, gelu_linear, mlp_gelu) go around it: they record their node on the f32 parameter
+//! and write its gradient in f32 from their half operands (see `ops/autocast.rs`), so no half
+//! gradient is cast back. The fused classifier (linear_cross_entropy) does not: it holds its
+//! dw from the forward to backward, where f32 would double those bytes at a step's peak, so
+//! its one half dw is cast back. The cache lives until the
 //! OUTERMOST guard on the thread drops (disabled regions count in the nesting too, as in
 //! PyTorch). Cached casts count as `temporary` bytes while only the cache holds them and as
 //! `saved_activation` while a graph saves them.

@@ -1,7 +1,10 @@
 //! The matmul family: batched GEMMs, plain, accumulating into their output, or with a bias
 //! row added (linear's `x @ wᵀ + b`). Here: the shape spec, the `MatmulKernels` trait that
 //! every backend implements, and the entry functions; `matmul_acc` with beta != 0 writes a
-//! live buffer in place and bumps its version. Not here: the kernels
+//! live buffer in place and bumps its version. `matmul`, `matmul_acc` and `matmul_row_sums`
+//! also take f16 or bf16 operands into an f32 output (accumulated and stored in f32: a
+//! parameter's gradient under autocast, written in the parameter's dtype directly); the
+//! epilogue entries want one dtype throughout. Not here: the kernels
 //! (backend/cpu/matmul.rs, backend/cuda/matmul.rs with cuBLAS, cuda/gemm_lt.rs with cuBLASLt).
 
 use super::{Storage, View, backend, check};
@@ -125,6 +128,21 @@ pub(crate) fn add_bias_rows(m: &Matmul, bias: View) -> Result<()> {
     )
 }
 
+/// Which output dtypes an entry takes for its operands' dtype.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum OutDType {
+    /// The operands' dtype only (the epilogue entries).
+    Same,
+    /// The operands' dtype, or f32 for f16/bf16 operands.
+    SameOrF32,
+}
+
+/// Whether a GEMM of `operands` may write `out`: f16 and bf16 products accumulate in f32
+/// anyway, so storing that f32 sum costs no extra pass.
+pub fn widens_to(operands: DType, out: DType) -> bool {
+    out == DType::F32 && matches!(operands, DType::F16 | DType::BF16)
+}
+
 /// The product's arguments, validated.
 fn checked<'a>(
     spec: &MatmulSpec,
@@ -132,6 +150,7 @@ fn checked<'a>(
     b: View<'a>,
     out: &'a Storage,
     beta: f64,
+    out_dtype: OutDType,
 ) -> Result<Matmul<'a>> {
     let m = Matmul {
         spec: *spec,
@@ -140,19 +159,20 @@ fn checked<'a>(
         out,
         beta,
     };
-    validate(&m)?;
+    validate(&m, out_dtype)?;
     Ok(m)
 }
 
 /// `out = a @ b` into a fresh output.
+/// An f32 `out` for f16/bf16 operands holds the f32 sums unrounded.
 pub fn matmul(spec: &MatmulSpec, a: View, b: View, out: &Storage) -> Result<()> {
-    let m = checked(spec, a, b, out, 0.0)?;
+    let m = checked(spec, a, b, out, 0.0, OutDType::SameOrF32)?;
     backend(out.device())?.matmul(&m)
 }
 
 /// `out = a @ b + bias`, bias (n) added to every row of the fresh output.
 pub fn matmul_bias(spec: &MatmulSpec, a: View, b: View, bias: View, out: &Storage) -> Result<()> {
-    let m = checked(spec, a, b, out, 0.0)?;
+    let m = checked(spec, a, b, out, 0.0, OutDType::Same)?;
     check_bias("linear", spec, out, &bias)?;
     backend(out.device())?.matmul_bias(&m, bias)
 }
@@ -163,7 +183,8 @@ pub fn fuses_row_sums(device: crate::base::Device) -> Result<bool> {
 }
 
 /// `out = a @ b` and `sums = Σ_k a[:, k]` (m) in one pass where the backend fuses them;
-/// Ok(false) (nothing written) where it does not.
+/// Ok(false) (nothing written) where it does not. An f32 `out` for f16/bf16 operands takes
+/// f32 sums.
 pub fn matmul_row_sums(
     spec: &MatmulSpec,
     a: View,
@@ -171,7 +192,7 @@ pub fn matmul_row_sums(
     out: &Storage,
     sums: &Storage,
 ) -> Result<bool> {
-    let m = checked(spec, a, b, out, 0.0)?;
+    let m = checked(spec, a, b, out, 0.0, OutDType::SameOrF32)?;
     check::on_device("linear_backward", out.device(), [sums])?;
     check::same_dtype("linear_backward", out.dtype(), sums.dtype())?;
     if spec.batch != 1 || sums.len() != spec.m {
@@ -198,7 +219,7 @@ pub fn matmul_bias_gelu(
     pre: &Storage,
     out: &Storage,
 ) -> Result<()> {
-    let m = checked(spec, a, b, out, 0.0)?;
+    let m = checked(spec, a, b, out, 0.0, OutDType::Same)?;
     check_bias("mlp", spec, out, &bias)?;
     same_output("mlp", out, pre)?;
     backend(out.device())?.matmul_bias_gelu(&m, bias, pre)
@@ -206,7 +227,7 @@ pub fn matmul_bias_gelu(
 
 /// `out = (a @ b) ∘ gelu_tanh'(pre)` for one product; pre holds the (m, n) pre-activation.
 pub fn matmul_dgelu(spec: &MatmulSpec, a: View, b: View, pre: View, out: &Storage) -> Result<()> {
-    let m = checked(spec, a, b, out, 0.0)?;
+    let m = checked(spec, a, b, out, 0.0, OutDType::Same)?;
     check::on_device("mlp_backward", out.device(), [pre.storage])?;
     check::same_dtype("mlp_backward", out.dtype(), pre.storage.dtype())?;
     if spec.batch != 1 || pre.layout.shape() != [spec.m, spec.n] {
@@ -266,23 +287,28 @@ pub fn padded_gemm_width(device: crate::base::Device, dtype: DType, n: usize) ->
 }
 
 /// `out = a @ b + beta·out` into an existing buffer; bumps `out`'s version (the caller's
-/// buffer is live: a momentum buffer, or a gradient being accumulated).
+/// buffer is live: a momentum buffer, or a gradient being accumulated). An f32 `out` may
+/// take f16/bf16 operands (an f32 buffer accumulates their products in f32).
 pub fn matmul_acc(spec: &MatmulSpec, a: View, b: View, out: &Storage, beta: f64) -> Result<()> {
-    let m = checked(spec, a, b, out, beta)?;
+    let m = checked(spec, a, b, out, beta, OutDType::SameOrF32)?;
     backend(out.device())?.matmul(&m)?;
     out.bump_version();
     Ok(())
 }
 
-/// The one check of a GEMM's operands: one device, one dtype, a (..., m, k) and b (..., k, n)
-/// with one batch shape of `batch` matrices, out holding batch·m·n elements.
-fn validate(g: &Matmul) -> Result<()> {
+/// The one check of a GEMM's operands: one device, one operand dtype (and the output's, or
+/// f32 where `out_dtype` allows it), a (..., m, k) and b (..., k, n) with one batch shape of
+/// `batch` matrices, out holding batch·m·n elements.
+fn validate(g: &Matmul, out_dtype: OutDType) -> Result<()> {
     const OP: &str = "matmul";
     let (s, la, lb) = (&g.spec, g.a.layout, g.b.layout);
     check::on_device(OP, g.out.device(), [g.a.storage, g.b.storage])?;
     let dtype = g.a.storage.dtype();
     check::same_dtype(OP, dtype, g.b.storage.dtype())?;
-    check::same_dtype(OP, dtype, g.out.dtype())?;
+    let widened = out_dtype == OutDType::SameOrF32 && widens_to(dtype, g.out.dtype());
+    if !widened {
+        check::same_dtype(OP, dtype, g.out.dtype())?;
+    }
     let (ra, rb) = (la.rank(), lb.rank());
     let ok = ra >= 2
         && ra == rb

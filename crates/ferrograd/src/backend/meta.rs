@@ -83,14 +83,20 @@ fn kernel_block(bytes: usize, category: Category, origin: &'static str) -> Resul
 }
 
 /// What the host's matmul takes: bf16 products run in f32 on widened copies of both operand
-/// storages and the output (backend/cpu/matmul.rs), unless k = 0 with beta = 0 only fills.
+/// storages and the output, and f16 or bf16 products into an f32 output on widened copies of
+/// the operands alone (backend/cpu/matmul.rs), unless k = 0 with beta = 0 only fills.
 fn host_matmul_scratch(m: &Matmul) -> Result<Vec<Allocation>> {
-    let skip = m.a.storage.dtype() != DType::BF16 || (m.spec.k == 0 && m.beta == 0.0);
+    let operands = m.a.storage.dtype();
+    let widened = super::matmul::widens_to(operands, m.out.dtype());
+    let skip = (operands != DType::BF16 && !widened) || (m.spec.k == 0 && m.beta == 0.0);
     if skip {
         return Ok(Vec::new());
     }
-    [m.a.storage.len(), m.b.storage.len(), m.out.len()]
-        .into_iter()
+    let mut lens = vec![m.a.storage.len(), m.b.storage.len()];
+    if !widened {
+        lens.push(m.out.len());
+    }
+    lens.into_iter()
         .map(|n| kernel_block(n * 4, Category::Workspace, "matmul_bf16_widen"))
         .collect()
 }

@@ -2,6 +2,14 @@
 //! matmul-like ops take their float inputs in the region's f16/bf16 and precision-sensitive
 //! ops take half inputs in f32. Parameters cast to half precision come from the region's
 //! weight-cast cache. The region state and the cache itself live in `amp`.
+//!
+//! A linear-like op (linear, gelu_linear, mlp_gelu) whose parameter comes from the cache
+//! records its graph node on the f32 parameter itself (`ParamIn`), not on the cast: its GEMMs
+//! read the cached half copy and write the parameter's gradient in f32 from the half operands
+//! (f32 sums, no rounding to half), so no half gradient is made and no cast's backward runs
+//! for it. The fused classifier (linear_cross_entropy) holds its weight gradient from the
+//! forward to backward, where f32 would double those bytes at a step's peak: it keeps the
+//! cast's node and its half gradient.
 
 use crate::amp::{self, autocast_dtype};
 use crate::autograd::is_grad_enabled;
@@ -50,6 +58,36 @@ pub fn cast_parameters_ahead(params: &[&Tensor]) -> Result<()> {
         amp::cache_cast(t, to, recorded, cast);
     }
     Ok(())
+}
+
+/// A parameter input of a linear-like op: `value`, the tensor its GEMMs read, and `node`, the
+/// tensor its graph node records and whose dtype its gradient takes. The same tensor, except
+/// for an f32 parameter read through the weight-cast cache in a recorded forward: then the
+/// value is the cached half cast and the node is the parameter.
+#[derive(Clone, Copy)]
+pub(crate) struct ParamIn<'a> {
+    pub(crate) value: &'a Tensor,
+    pub(crate) node: &'a Tensor,
+}
+
+impl<'a> ParamIn<'a> {
+    /// A parameter read as it is.
+    pub(crate) fn plain(t: &'a Tensor) -> ParamIn<'a> {
+        ParamIn { value: t, node: t }
+    }
+
+    /// `value`, the region's cast of `orig`: `orig` is the node when the cast came from the
+    /// cache with a graph node (an f32 leaf that requires grad, grad mode on); else the cast
+    /// is, and the gradient flows back through it as any cast's.
+    pub(crate) fn cast(value: &'a Tensor, orig: &'a Tensor) -> ParamIn<'a> {
+        let direct = autocast_dtype().is_some_and(|d| {
+            value.dtype() == d && eligible(orig, d) && cacheable(orig, d) && is_grad_enabled()
+        });
+        ParamIn {
+            value,
+            node: if direct { orig } else { value },
+        }
+    }
 }
 
 fn cacheable(t: &Tensor, to: DType) -> bool {

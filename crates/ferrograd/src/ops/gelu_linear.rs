@@ -8,8 +8,9 @@
 //! output and every gradient are theirs bit for bit. Not differentiable twice: create_graph
 //! through it is the engine's usual error for a fused backward.
 
+use super::autocast::ParamIn;
 use super::binary::unary_forward;
-use super::linear::kernel_grads;
+use super::linear::{GradDTypes, kernel_grads};
 use super::unary::{backward_into_grad, gelu_kernels};
 use super::{GeluApprox, autocast};
 use crate::autograd::{SavedTensor, no_grad, record};
@@ -32,18 +33,32 @@ impl Tensor {
             return self.gelu(approx)?.linear(weight, bias);
         }
         if let Some([_, Some(w), b]) = autocast::cast_lower_opt([Some(self), Some(weight), bias])? {
-            return self.gelu_linear(approx, &w, b.as_ref());
+            let b = b.as_ref().zip(bias).map(|(v, orig)| ParamIn::cast(v, orig));
+            return self.gelu_linear_params(approx, ParamIn::cast(&w, weight), b);
         }
+        self.gelu_linear_params(approx, ParamIn::plain(weight), bias.map(ParamIn::plain))
+    }
+
+    /// `gelu_linear` on parameters whose graph nodes may be other tensors than the values
+    /// the GEMMs read (see `ParamIn`), past the autocast policy.
+    fn gelu_linear_params(
+        &self,
+        approx: GeluApprox,
+        w_in: ParamIn,
+        b_in: Option<ParamIn>,
+    ) -> Result<Tensor> {
+        let (weight, bias) = (w_in.value, b_in.map(|b| b.value));
         let (op, back) = gelu_kernels(approx);
         let out = {
             let h = unary_forward(op, self, "gelu")?;
             let _plain = no_grad();
             h.linear(weight, bias)?
         };
-        let inputs: Vec<&Tensor> = [Some(self), Some(weight), bias]
+        let inputs: Vec<&Tensor> = [Some(self), Some(w_in.node), b_in.map(|b| b.node)]
             .into_iter()
             .flatten()
             .collect();
+        let dtypes = GradDTypes::of(w_in, b_in);
         let pre_shape = self.shape().to_vec();
         let k = pre_shape.last().copied().unwrap_or(1);
         let rows = self.numel() / k.max(1);
@@ -52,7 +67,7 @@ impl Tensor {
             // weight's; the bias needs neither.
             let pre = (needs[0] || needs[1]).then(|| SavedTensor::new(self));
             let w = needs[0].then(|| SavedTensor::new(weight));
-            let leaf = (needs[1] && weight.is_leaf()).then(|| weight.clone());
+            let leaf = (needs[1] && w_in.node.is_leaf()).then(|| w_in.node.clone());
             move |g: &Tensor, n: &[bool]| {
                 let g2 = g.reshape(&[rows, g.shape()[g.dims() - 1]])?;
                 let pre = pre
@@ -65,7 +80,7 @@ impl Tensor {
                     _ => None,
                 };
                 let w = w.as_ref().map(SavedTensor::get);
-                let mut grads = kernel_grads(&g2, h.as_ref(), w, leaf.as_ref(), n)?;
+                let mut grads = kernel_grads(&g2, h.as_ref(), w, leaf.as_ref(), n, dtypes)?;
                 drop(h);
                 if let (Some(gh), Some(p)) = (grads[0].take(), &pre) {
                     let gpre = backward_into_grad(back, &gh, p, "gelu_backward")?;

@@ -6,13 +6,16 @@
 //! (the fused SGD step) is offered dw as the product gᵀ·x instead, and then gets no dw at all.
 //! Under create_graph the same three products are recorded ops on the saved values with their
 //! history (`recorded_grads`), and no sink is offered anything.
+//! Under autocast, an f32 parameter read through the weight-cast cache gets its node here
+//! (`autocast::ParamIn`): dw and db are written in f32 by GEMMs on the half operands.
 
 use super::aligned_gemm;
-use super::matmul::{linear_bias_forward, matmul_forward};
+use super::autocast::ParamIn;
+use super::matmul::{linear_bias_forward, matmul_forward, matmul_forward_as};
 use crate::autograd::{GradProduct, ProductForm, SavedTensor, is_grad_enabled, record};
 use crate::backend::ReduceOp;
 use crate::backend::matmul::{self, MatmulSpec};
-use crate::base::{Error, Result};
+use crate::base::{DType, Error, Result};
 use crate::tensor::Tensor;
 
 impl Tensor {
@@ -23,8 +26,16 @@ impl Tensor {
         if let Some([Some(x), Some(w), b]) =
             super::autocast::cast_lower_opt([Some(self), Some(weight), bias])?
         {
-            return x.linear(&w, b.as_ref());
+            let b = b.as_ref().zip(bias).map(|(v, orig)| ParamIn::cast(v, orig));
+            return x.linear_params(ParamIn::cast(&w, weight), b);
         }
+        self.linear_params(ParamIn::plain(weight), bias.map(ParamIn::plain))
+    }
+
+    /// `linear` on parameters whose graph node may be another tensor than the value the
+    /// GEMMs read (see `ParamIn`); x, the values and the nodes are past the autocast policy.
+    pub(crate) fn linear_params(&self, w_in: ParamIn, b_in: Option<ParamIn>) -> Result<Tensor> {
+        let (weight, bias) = (w_in.value, b_in.map(|b| b.value));
         let (rank, inner) = (self.dims(), weight.dims());
         if rank < 1 || inner != 2 || self.shape()[rank - 1] != weight.shape()[1] {
             return Err(Error::shape(
@@ -75,16 +86,17 @@ impl Tensor {
             )
         })?;
         let out = out.with_layout(layout);
-        let inputs: Vec<&Tensor> = match bias {
-            Some(b) => vec![self, weight, b],
-            None => vec![self, weight],
+        let inputs: Vec<&Tensor> = match b_in {
+            Some(b) => vec![self, w_in.node, b.node],
+            None => vec![self, w_in.node],
         };
         let x_shape = self.shape().to_vec();
+        let dtypes = GradDTypes::of(w_in, b_in);
         Ok(record("linear", &inputs, out, |_, needs| {
             let x = needs[1].then(|| SavedTensor::new(&x_in));
             let w = needs[0].then(|| SavedTensor::new(weight));
             // The parameter itself (not saved: the sink reads no values of it here).
-            let leaf = (needs[1] && weight.is_leaf()).then(|| weight.clone());
+            let leaf = (needs[1] && w_in.node.is_leaf()).then(|| w_in.node.clone());
             move |g: &Tensor, n: &[bool]| {
                 let n_out = g.shape()[g.dims() - 1];
                 let g2 = g.reshape(&[rows, n_out])?;
@@ -94,7 +106,7 @@ impl Tensor {
                         .map(|x| x.unpack().reshape(&[rows, k]))
                         .transpose()?;
                     let w = w.as_ref().map(SavedTensor::unpack);
-                    let mut grads = recorded_grads(&g2, x.as_ref(), w.as_ref(), n)?;
+                    let mut grads = recorded_grads(&g2, x.as_ref(), w.as_ref(), n, dtypes)?;
                     if let Some(gx) = grads[0].take() {
                         grads[0] = Some(gx.reshape(&x_shape)?);
                     }
@@ -106,7 +118,7 @@ impl Tensor {
                     .filter(|_| n[1])
                     .map(|x| x.get().reshape(&[rows, k]))
                     .transpose()?;
-                let mut grads = kernel_grads(&g2, x2.as_ref(), w, leaf.as_ref(), n)?;
+                let mut grads = kernel_grads(&g2, x2.as_ref(), w, leaf.as_ref(), n, dtypes)?;
                 if let Some(gx) = grads[0].take() {
                     grads[0] = Some(gx.reshape(&x_shape)?);
                 }
@@ -121,16 +133,37 @@ impl Tensor {
     }
 }
 
+/// The dtypes a linear layer's weight and bias gradients are written in: their graph
+/// nodes' (f32 for a parameter under autocast whose node is the f32 parameter), which the
+/// GEMM writes directly from operands of the output gradient's dtype.
+#[derive(Clone, Copy)]
+pub(super) struct GradDTypes {
+    pub(super) weight: DType,
+    pub(super) bias: DType,
+}
+
+impl GradDTypes {
+    pub(super) fn of(w: ParamIn, b: Option<ParamIn>) -> GradDTypes {
+        let weight = w.node.dtype();
+        GradDTypes {
+            weight,
+            bias: b.map_or(weight, |b| b.node.dtype()),
+        }
+    }
+}
+
 /// A linear layer's gradients outside create_graph, in its inputs' order [dx, dw, db (when
 /// `n` has a third entry)], each only where `n` asks: dx (rows, in) = g2 @ w from g2 (rows,
 /// out) and w (out, in); dw = g2ᵀ·x2 from x2 (rows, in), offered first to `leaf`'s gradient
-/// sink; db = Σ_rows g2, from dw's GEMM where the backend fuses it. dx is computed before dw.
+/// sink; db = Σ_rows g2, from dw's GEMM where the backend fuses it. dw and db in `dtypes`.
+/// dx is computed before dw.
 pub(super) fn kernel_grads(
     g2: &Tensor,
     x2: Option<&Tensor>,
     w: Option<&Tensor>,
     leaf: Option<&Tensor>,
     n: &[bool],
+    dtypes: GradDTypes,
 ) -> Result<Vec<Option<Tensor>>> {
     let gx = match (w, n[0]) {
         (Some(w), true) => Some(aligned_gemm::input_grad(g2, w)?),
@@ -138,15 +171,16 @@ pub(super) fn kernel_grads(
     };
     let wants_bias = n.len() == 3 && n[2];
     let (gw, gb) = match (x2, n[1]) {
-        (Some(x2), true) => weight_and_bias_grads(leaf, g2, x2, wants_bias)?,
+        (Some(x2), true) => weight_and_bias_grads(leaf, g2, x2, wants_bias, dtypes)?,
         _ => (None, None),
     };
     let gb = match (gb, wants_bias) {
         (Some(gb), _) => Some(gb),
         (None, true) => {
+            // Summed straight into the bias gradient's dtype (the kernels accumulate wide).
             let n_out = g2.shape()[1];
             Some(
-                g2.reduce_dims(ReduceOp::Sum, &[0], "linear_backward")?
+                g2.reduce_dims_into(ReduceOp::Sum, &[0], "linear_backward", dtypes.bias)?
                     .reshape(&[n_out])?,
             )
         }
@@ -160,25 +194,31 @@ pub(super) fn kernel_grads(
 }
 
 /// (dx, dw, db) as recorded ops for a create_graph backward. g: (N, out), x: (N, in),
-/// w: (out, in); `n` says which are wanted (a third entry when there is a bias).
+/// w: (out, in); `n` says which are wanted (a third entry when there is a bias). dw and db
+/// are products and sums in `dtypes` (recorded casts of g and x to f32 for a half layer
+/// whose parameters are f32: the values the kernels' f32-output GEMMs give).
 fn recorded_grads(
     g: &Tensor,
     x: Option<&Tensor>,
     w: Option<&Tensor>,
     n: &[bool],
+    dtypes: GradDTypes,
 ) -> Result<Vec<Option<Tensor>>> {
     let gx = match w {
         Some(w) if n[0] => Some(g.matmul(w)?),
         _ => None,
     };
     let gw = match x {
-        Some(x) if n[1] => Some(g.t()?.matmul(x)?),
+        Some(x) if n[1] => {
+            let d = dtypes.weight;
+            Some(g.to_dtype(d)?.t()?.matmul(&x.to_dtype(d)?)?)
+        }
         _ => None,
     };
     let mut grads = vec![gx, gw];
     if n.len() == 3 {
         grads.push(if n[2] {
-            Some(g.sum(&[0], false)?)
+            Some(g.to_dtype(dtypes.bias)?.sum(&[0], false)?)
         } else {
             None
         });
@@ -186,14 +226,17 @@ fn recorded_grads(
     Ok(grads)
 }
 
-/// dW = gᵀ·x (g: (N, out), x: (N, in)), unless the weight's gradient sink consumes it, and
-/// with `bias` db = Σ_N g from the same GEMM where the backend fuses it (else db is None and
+/// dW = gᵀ·x (g: (N, out), x: (N, in)) in `dtypes.weight`, unless the weight's gradient
+/// sink consumes it (offered the half factors of an f32 parameter's gradient too: the sink
+/// takes them only where it can write an f32 product of them), and with `bias` db = Σ_N g
+/// from the same GEMM where the backend fuses it and both share a dtype (else db is None and
 /// the caller reduces g).
 fn weight_and_bias_grads(
     leaf: Option<&Tensor>,
     g2: &Tensor,
     x: &Tensor,
     bias: bool,
+    dtypes: GradDTypes,
 ) -> Result<(Option<Tensor>, Option<Tensor>)> {
     let product = GradProduct {
         a: g2,
@@ -207,22 +250,27 @@ fn weight_and_bias_grads(
         return Ok((None, None));
     }
     let gt = g2.t_view()?;
-    if bias && let Some((gw, gb)) = weight_grad_with_row_sums(&gt, x)? {
+    let fusable = bias && dtypes.bias == dtypes.weight;
+    if fusable && let Some((gw, gb)) = weight_grad_with_row_sums(&gt, x, dtypes.weight)? {
         return Ok((Some(gw), Some(gb)));
     }
-    Ok((Some(matmul_forward(&gt, x)?), None))
+    Ok((Some(matmul_forward_as(&gt, x, dtypes.weight)?), None))
 }
 
-/// gᵀ·x and Σ_N g in one GEMM (gt: (out, N), x: (N, in)), or None where the backend does
-/// not fuse them (nothing computed).
-fn weight_grad_with_row_sums(gt: &Tensor, x: &Tensor) -> Result<Option<(Tensor, Tensor)>> {
+/// gᵀ·x and Σ_N g in one GEMM (gt: (out, N), x: (N, in)), both written as `dtype`, or None
+/// where the backend does not fuse them (nothing computed).
+fn weight_grad_with_row_sums(
+    gt: &Tensor,
+    x: &Tensor,
+    dtype: DType,
+) -> Result<Option<(Tensor, Tensor)>> {
     let (n_out, rows, k) = (gt.shape()[0], gt.shape()[1], x.shape()[1]);
     let empty = rows == 0 || n_out == 0 || k == 0;
     if empty || gt.dtype() != x.dtype() || !matmul::fuses_row_sums(x.device())? {
         return Ok(None);
     }
-    let gw = Tensor::output_uninit(&[n_out, k], x.dtype(), x.device(), "linear_backward")?;
-    let gb = Tensor::output_uninit(&[n_out], x.dtype(), x.device(), "linear_backward")?;
+    let gw = Tensor::output_uninit(&[n_out, k], dtype, x.device(), "linear_backward")?;
+    let gb = Tensor::output_uninit(&[n_out], dtype, x.device(), "linear_backward")?;
     let spec = MatmulSpec {
         batch: 1,
         m: n_out,

@@ -6,12 +6,18 @@
 use crate::autograd::{SavedTensor, is_grad_enabled, record};
 use crate::backend::View;
 use crate::backend::matmul::{self, MatmulSpec};
-use crate::base::{Error, Result};
+use crate::base::{DType, Error, Result};
 use crate::tensor::{Tensor, broadcast_shape};
 
 /// `a @ b` for rank ≥ 2 operands with broadcast batch dims, no autograd.
 /// a: (..., m, k), b: (..., k, n) → (..., m, n)
 pub(crate) fn matmul_forward(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    matmul_forward_as(a, b, a.dtype())
+}
+
+/// `matmul_forward` written as `dtype`: the operands' dtype, or f32 for f16/bf16 operands
+/// (their f32 sums unrounded: a parameter's gradient in the parameter's dtype).
+pub(crate) fn matmul_forward_as(a: &Tensor, b: &Tensor, dtype: DType) -> Result<Tensor> {
     super::check_pair("matmul", a, b)?;
     super::check_float("matmul", a)?;
     let (ra, rb) = (a.dims(), b.dims());
@@ -39,9 +45,9 @@ pub(crate) fn matmul_forward(a: &Tensor, b: &Tensor) -> Result<Tensor> {
     );
     // With k = 0 the product is all zeros, which only a zero-filled output gives.
     let out = if k > 0 {
-        Tensor::output_uninit(&with(m, n), a.dtype(), a.device(), "matmul")?
+        Tensor::output_uninit(&with(m, n), dtype, a.device(), "matmul")?
     } else {
-        Tensor::output(&with(m, n), a.dtype(), a.device(), "matmul")?
+        Tensor::output(&with(m, n), dtype, a.device(), "matmul")?
     };
     let spec = MatmulSpec {
         batch: batch.iter().product(),
@@ -106,10 +112,14 @@ pub(crate) fn padded_width(
 }
 
 /// `out ← a @ b + beta·out` for 2-D a (m, k), b (k, n) and a contiguous out (m, n), no
-/// autograd; beta = 0 does not read out. Bumps out's version (it is written in place).
+/// autograd; beta = 0 does not read out. Bumps out's version (it is written in place). An
+/// f32 out may take f16/bf16 operands.
 pub(crate) fn matmul_acc_into(a: &Tensor, b: &Tensor, out: &Tensor, beta: f64) -> Result<()> {
     super::check_pair("matmul", a, b)?;
-    super::check_pair("matmul", a, out)?;
+    super::check_same_device("matmul", a, out)?;
+    if !matmul::widens_to(a.dtype(), out.dtype()) {
+        super::check_pair("matmul", a, out)?;
+    }
     super::check_float("matmul", a)?;
     let two = a.dims() == 2 && b.dims() == 2;
     let (m, k, n) = if two {

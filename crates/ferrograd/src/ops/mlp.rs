@@ -10,8 +10,11 @@
 //! Shapes: x (..., C), w_fc (H, C), b_fc (H), w_proj (O, H), b_proj (O) → (..., O).
 //! Under create_graph the backward is the composed ops' (recorded, on the saved values with
 //! their history), so higher-order gradients see the same graph as the unfused layers.
+//! Under autocast, f32 parameters read through the weight-cast cache get the node (see
+//! `autocast::ParamIn`), and their gradients are written in f32 by the GEMMs.
 
-use super::linear::kernel_grads;
+use super::autocast::ParamIn;
+use super::linear::{GradDTypes, kernel_grads};
 use super::matmul::{linear_bias_forward, matmul_forward};
 use super::unary::GeluApprox;
 use crate::autograd::{SavedTensor, is_grad_enabled, record};
@@ -31,11 +34,21 @@ impl Tensor {
         b_proj: &Tensor,
     ) -> Result<Tensor> {
         let _site = crate::memory::recorder::CallSite::enter();
+        let params = [w_fc, b_fc, w_proj, b_proj];
         if let Some([x, wf, bf, wp, bp]) =
             super::autocast::cast_lower([self, w_fc, b_fc, w_proj, b_proj])?
         {
-            return x.mlp_gelu(&wf, &bf, &wp, &bp);
+            let values = [&wf, &bf, &wp, &bp];
+            let p: [ParamIn; 4] = std::array::from_fn(|i| ParamIn::cast(values[i], params[i]));
+            return x.mlp_gelu_params(p);
         }
+        self.mlp_gelu_params(params.map(ParamIn::plain))
+    }
+
+    /// `mlp_gelu` on [w_fc, b_fc, w_proj, b_proj] whose graph nodes may be other tensors
+    /// than the values the GEMMs read (see `ParamIn`), past the autocast policy.
+    fn mlp_gelu_params(&self, p: [ParamIn; 4]) -> Result<Tensor> {
+        let [w_fc, b_fc, w_proj, b_proj] = p.map(|p| p.value);
         let (c, hidden, c_out) = check_shapes(self, w_fc, b_fc, w_proj, b_proj)?;
         for t in [w_fc, b_fc, w_proj, b_proj] {
             super::check_pair("mlp", self, t)?;
@@ -50,7 +63,7 @@ impl Tensor {
         shape[last] = c_out;
         let y = y.reshape(&shape)?;
         let x_shape = self.shape().to_vec();
-        let inputs = [self, w_fc, b_fc, w_proj, b_proj];
+        let inputs = [self, p[0].node, p[1].node, p[2].node, p[3].node];
         Ok(record("mlp_gelu", &inputs, y, |_, needs| {
             let saved = Saved {
                 x: SavedTensor::new(&x_in),
@@ -60,8 +73,10 @@ impl Tensor {
                 pre: SavedTensor::new(&pre),
                 h: SavedTensor::new(&h),
                 // The parameters themselves, for their gradient sinks (no values read).
-                leaf_fc: (needs[1] && w_fc.is_leaf()).then(|| w_fc.clone()),
-                leaf_proj: (needs[3] && w_proj.is_leaf()).then(|| w_proj.clone()),
+                leaf_fc: (needs[1] && p[0].node.is_leaf()).then(|| p[0].node.clone()),
+                leaf_proj: (needs[3] && p[2].node.is_leaf()).then(|| p[2].node.clone()),
+                dtypes_fc: GradDTypes::of(p[0], Some(p[1])),
+                dtypes_proj: GradDTypes::of(p[2], Some(p[3])),
                 dims: (rows, c, hidden, c_out),
                 x_shape,
             };
@@ -144,14 +159,16 @@ fn first_layer(x: &Tensor, w: &Tensor, b: &Tensor) -> Result<(Tensor, Tensor)> {
 }
 
 /// A linear layer's (dW, db) for output gradient g2: (N, out): dW = g2ᵀ·x when x (N, in) is
-/// given, db = Σ_N g2 when `bias` (from dW's GEMM where the backend fuses it).
+/// given, db = Σ_N g2 when `bias` (from dW's GEMM where the backend fuses it), in `dtypes`.
 fn param_grads(
     leaf: Option<&Tensor>,
     g2: &Tensor,
     x: Option<&Tensor>,
     bias: bool,
+    dtypes: GradDTypes,
 ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-    let mut grads = kernel_grads(g2, x, None, leaf, &[false, x.is_some(), bias])?;
+    let n = [false, x.is_some(), bias];
+    let mut grads = kernel_grads(g2, x, None, leaf, &n, dtypes)?;
     Ok((grads[1].take(), grads[2].take()))
 }
 
@@ -165,6 +182,9 @@ struct Saved {
     h: SavedTensor,
     leaf_fc: Option<Tensor>,
     leaf_proj: Option<Tensor>,
+    /// The layers' parameter gradient dtypes (their nodes').
+    dtypes_fc: GradDTypes,
+    dtypes_proj: GradDTypes,
     /// (N, C, H, O)
     dims: (usize, usize, usize, usize),
     x_shape: Vec<usize>,
@@ -179,7 +199,8 @@ impl Saved {
             return self.recorded(&g2, n);
         }
         let h = n[3].then(|| self.h.get());
-        let (gw_proj, gb_proj) = param_grads(self.leaf_proj.as_ref(), &g2, h, n[4])?;
+        let leaf_proj = self.leaf_proj.as_ref();
+        let (gw_proj, gb_proj) = param_grads(leaf_proj, &g2, h, n[4], self.dtypes_proj)?;
         let (mut gx, mut gw_fc, mut gb_fc) = (None, None, None);
         if n[0] || n[1] || n[2] {
             // dpre = (g @ w_proj) ∘ gelu'(pre): (N, O) @ (O, H) → (N, H).
@@ -205,7 +226,8 @@ impl Saved {
             let x = n[1]
                 .then(|| self.x.get().reshape(&[rows, self.dims.1]))
                 .transpose()?;
-            (gw_fc, gb_fc) = param_grads(self.leaf_fc.as_ref(), &gpre, x.as_ref(), n[2])?;
+            let leaf_fc = self.leaf_fc.as_ref();
+            (gw_fc, gb_fc) = param_grads(leaf_fc, &gpre, x.as_ref(), n[2], self.dtypes_fc)?;
         }
         Ok(vec![gx, gw_fc, gb_fc, gw_proj, gb_proj])
     }

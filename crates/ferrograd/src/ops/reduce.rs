@@ -57,7 +57,7 @@ impl Tensor {
     }
 
     /// `reduce_dims` into an output of `dtype` (the kernels accumulate in f64 whatever it is).
-    fn reduce_dims_into(
+    pub(crate) fn reduce_dims_into(
         &self,
         op: ReduceOp,
         dims: &[usize],

@@ -163,11 +163,16 @@ impl Sgd {
         let Some(p) = self.params.get(i) else {
             return Ok(false);
         };
+        // Factors in the parameter's dtype, or half factors of an f32 parameter (autocast):
+        // the GEMM sums their product in f32 into the f32 buffer.
+        let dtype = product.a.dtype();
         let fits = self.fusable()
             && product.shape().is_some_and(|s| p.shape() == s)
+            && product.b.dtype() == dtype
+            && (dtype == p.dtype() || crate::backend::matmul::widens_to(dtype, p.dtype()))
             && [product.a, product.b]
                 .iter()
-                .all(|t| t.dtype() == p.dtype() && t.device() == p.device());
+                .all(|t| t.device() == p.device());
         if !fits {
             return Ok(false);
         }

@@ -1,6 +1,8 @@
 //! Batched GEMM on the CPU through the `gemm` crate, which takes arbitrary row and column
 //! strides: transposed operands (`x @ w.T`) and broadcast gradients (stride 0) need no copy.
-//! bf16 has no kernel there, so it is widened to f32 and narrowed back. `matmul_acc` adds
+//! bf16 has no kernel there, so it is widened to f32 and narrowed back. f16 or bf16 operands
+//! into an f32 output are widened and multiplied in f32, the sums stored as they are (what
+//! the GPU's f32-accumulating half GEMM computes, to its order of sums). `matmul_acc` adds
 //! the product into the output scaled by beta (the gemm crate's dst = α·dst + β·lhs·rhs).
 
 use gemm::{Parallelism, gemm};
@@ -155,13 +157,27 @@ fn product(
             o,
             beta.map(crate::base::f16_of),
         ),
+        (CpuData::BF16(x), CpuData::BF16(y), CpuData::F32(o)) => {
+            let (xw, yw) = (widen(x)?, widen(y)?);
+            gemm_typed(
+                s,
+                operand(&xw, al),
+                operand(&yw, bl),
+                o,
+                beta.map(|v| v as f32),
+            );
+        }
+        (CpuData::F16(x), CpuData::F16(y), CpuData::F32(o)) => {
+            let (xw, yw) = (widen(x)?, widen(y)?);
+            gemm_typed(
+                s,
+                operand(&xw, al),
+                operand(&yw, bl),
+                o,
+                beta.map(|v| v as f32),
+            );
+        }
         (CpuData::BF16(x), CpuData::BF16(y), CpuData::BF16(o)) => {
-            // The widened copies are workspace the allocator counts while the product runs.
-            let widen = |v: &[bf16]| -> Result<Scratch<f32>> {
-                let mut w = Scratch::uninit(v.len(), "matmul_bf16_widen")?;
-                w.iter_mut().zip(v).for_each(|(w, h)| *w = h.to_f32());
-                Ok(w)
-            };
             let (xw, yw) = (widen(x)?, widen(y)?);
             // Accumulating reads the output: widen it too (else gemm does not read it).
             let mut ow = widen(o)?;
@@ -185,6 +201,14 @@ fn product(
         }
     }
     Ok(())
+}
+
+/// An f32 copy of half-precision operand elements: workspace the allocator counts while the
+/// product runs (the planner's meta backend takes the same blocks).
+fn widen<H: Copy + Into<f32>>(v: &[H]) -> Result<Scratch<f32>> {
+    let mut w = Scratch::uninit(v.len(), "matmul_bf16_widen")?;
+    w.iter_mut().zip(v).for_each(|(w, &h)| *w = h.into());
+    Ok(w)
 }
 
 /// `out = a @ b (+ beta·out)` for k ≤ 2 in f16. The gemm crate's f16 kernel for such k rounds

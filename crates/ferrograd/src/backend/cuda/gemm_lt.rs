@@ -15,7 +15,10 @@
 //! is the cuBLAS block of this device's allocator (counted as `workspace`); calls are ordered
 //! on the device's one stream, so the two libraries never use it at once.
 //!
-//! The heuristic's choice of algorithm is cached per problem (shape, readings, dtype, the
+//! f16 and bf16 operands may write an f32 output (compute and scale f32): `BiasGrad` then sums
+//! into an f32 vector, as cuBLASLt's bias vectors take the output's type.
+//!
+//! The heuristic's choice of algorithm is cached per problem (shape, readings, dtypes, the
 //! operands', the epilogue vector's and the auxiliary matrix's alignments): asking for it costs more host time than
 //! the launch. A problem cuBLASLt has no algorithm for answers `Ok(false)` and the caller
 //! takes the plain path.
@@ -92,6 +95,7 @@ struct Key {
     device: usize,
     epilogue: u32,
     data: i32,
+    out_data: i32,
     compute: i32,
     dims: [usize; 3],
     trans: [bool; 2],
@@ -154,25 +158,27 @@ fn set_desc<T>(d: &CudaDevice, desc: &Descriptors, attr: DescAttr, value: &T) ->
     .map_err(|e| d.err("cublasLtMatmulDescSetAttribute", e))
 }
 
-/// cuBLASLt's names for the product's data and compute types (the f32-scaled ones).
-fn lt_types(g: &Gemm) -> Option<(cudaDataType, cublasComputeType_t)> {
+/// cuBLASLt's names for the product's operand, output and compute types (the f32-scaled
+/// ones).
+fn lt_types(g: &Gemm) -> Option<(cudaDataType, cudaDataType, cublasComputeType_t)> {
     use cudarc::cublas::sys::{cublasComputeType_t as Blas, cudaDataType as BlasData};
-    let data = match g.ty.data {
-        BlasData::CUDA_R_32F => cudaDataType::CUDA_R_32F,
-        BlasData::CUDA_R_16F => cudaDataType::CUDA_R_16F,
-        BlasData::CUDA_R_16BF => cudaDataType::CUDA_R_16BF,
-        _ => return None,
+    let lt_data = |d: BlasData| match d {
+        BlasData::CUDA_R_32F => Some(cudaDataType::CUDA_R_32F),
+        BlasData::CUDA_R_16F => Some(cudaDataType::CUDA_R_16F),
+        BlasData::CUDA_R_16BF => Some(cudaDataType::CUDA_R_16BF),
+        _ => None,
     };
     let compute = match g.ty.compute {
         Blas::CUBLAS_COMPUTE_32F => cublasComputeType_t::CUBLAS_COMPUTE_32F,
         Blas::CUBLAS_COMPUTE_32F_FAST_TF32 => cublasComputeType_t::CUBLAS_COMPUTE_32F_FAST_TF32,
         _ => return None,
     };
-    Some((data, compute))
+    Some((lt_data(g.ty.data)?, lt_data(g.out_ty.data)?, compute))
 }
 
 /// `out (m, n) = a @ b` for one product (no batch, beta 0) with f32 scaling (f32, f16 and
-/// bf16 data) and the epilogue; its vector holds contiguous elements of the output's dtype.
+/// bf16 data; an f32 output for half operands) and the epilogue; its vector holds contiguous
+/// elements of the output's dtype.
 /// `ws` is the device's workspace block. Ok(false): not for cuBLASLt (f64), or it has no
 /// algorithm for it; nothing was queued.
 pub(super) fn gemm_epilogue(
@@ -190,7 +196,7 @@ pub(super) fn gemm_epilogue(
             cublasOperation_t::CUBLAS_OP_N
         }
     };
-    let Some((data, compute)) = lt_types(g) else {
+    let Some((data, out_data, compute)) = lt_types(g) else {
         return Ok(false);
     };
     let desc = lt::create_matmul_desc(compute, cudaDataType::CUDA_R_32F)
@@ -237,12 +243,12 @@ pub(super) fn gemm_epilogue(
         |trans: bool, rows: u64, cols: u64| if trans { (cols, rows) } else { (rows, cols) };
     let (ar, ac) = stored(g.b.trans, n, k);
     let (br, bc) = stored(g.a.trans, k, m);
-    for (rows, cols, ld) in [
-        (ar, ac, g.b.ld as i64),
-        (br, bc, g.a.ld as i64),
-        (n, m, g.n as i64),
+    for (ty, rows, cols, ld) in [
+        (data, ar, ac, g.b.ld as i64),
+        (data, br, bc, g.a.ld as i64),
+        (out_data, n, m, g.n as i64),
     ] {
-        let l = lt::create_matrix_layout(data, rows, cols, ld)
+        let l = lt::create_matrix_layout(ty, rows, cols, ld)
             .map_err(|e| d.err("cublasLtMatrixLayoutCreate", e))?;
         ds.layouts.push(l);
     }
@@ -256,6 +262,7 @@ pub(super) fn gemm_epilogue(
         device: d.ordinal(),
         epilogue: kind as u32,
         data: g.ty.data as i32,
+        out_data: g.out_ty.data as i32,
         compute: g.ty.compute as i32,
         dims: [g.m, g.n, g.k],
         trans: [g.a.trans, g.b.trans],
@@ -283,7 +290,12 @@ pub(super) fn gemm_epilogue(
     let [la, lb, lc] = [ds.layouts[0], ds.layouts[1], ds.layouts[2]];
     super::timing::timed(
         d,
-        || format!("{name} {}x{}x{} {:?}", g.m, g.n, g.k, g.ty.data),
+        || {
+            format!(
+                "{name} {}x{}x{} {:?}->{:?}",
+                g.m, g.n, g.k, g.ty.data, g.out_ty.data
+            )
+        },
         || {
             // SAFETY: the operand and output addresses and leading dims come from layouts
             // of live device blocks validated by the matmul family (as for cuBLAS in

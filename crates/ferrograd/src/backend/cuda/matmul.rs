@@ -10,7 +10,8 @@
 //! same pass (out = a·b + beta·out).
 //!
 //! f32 accumulates in f32 (TF32 tensor cores only when `allow_tf32()`), f64 in f64, f16 and
-//! bf16 in f32. cuBLAS's workspace is a block of this device's allocator, counted as
+//! bf16 in f32, stored in their dtype or, for an f32 output, as the f32 sums (cuBLAS's
+//! A/B = 16F or 16BF with C = 32F). cuBLAS's workspace is a block of this device's allocator, counted as
 //! `workspace` and kept for the process.
 
 use std::ffi::c_void;
@@ -45,6 +46,7 @@ pub(crate) fn matmul_acc(
     // Dtypes and shapes were validated by the family (backend/matmul.rs).
     let dtype = a.storage.dtype();
     let ty = GemmType::of(dtype)?;
+    let out_ty = OutType::of(out.dtype())?;
     check_cublas_sizes(spec)?;
     let MatmulSpec { batch, m, n, k } = *spec;
     if batch * m * n == 0 {
@@ -62,13 +64,14 @@ pub(crate) fn matmul_acc(
                 "an empty product (k = 0) with a beta other than 0 or 1 is not supported on CUDA",
             ));
         }
-        return d.memset_zero(ptr(out)?, out.len() * dtype.size_in_bytes());
+        return d.memset_zero(ptr(out)?, out.len() * out.dtype().size_in_bytes());
     }
     ensure_workspace(d)?;
     let pa = Prepared::new(d, a)?;
     let pb = Prepared::new(d, b)?;
     let call = Gemm {
         ty,
+        out_ty,
         m,
         n,
         k,
@@ -140,6 +143,23 @@ impl GemmType {
             data,
             compute,
             wide,
+            size: dtype.size_in_bytes(),
+        })
+    }
+}
+
+/// The cuBLAS data type and element size of a GEMM's output: the operands' type, or f32
+/// for f16/bf16 operands (validated by the family).
+#[derive(Clone, Copy)]
+pub(super) struct OutType {
+    pub(super) data: cudaDataType,
+    pub(super) size: usize,
+}
+
+impl OutType {
+    pub(super) fn of(dtype: DType) -> Result<OutType> {
+        Ok(OutType {
+            data: GemmType::of(dtype)?.data,
             size: dtype.size_in_bytes(),
         })
     }
@@ -331,7 +351,9 @@ fn single_step(shape: &[usize], strides: &[isize]) -> Option<i64> {
 
 /// One GEMM shape with its operand readings and output address.
 pub(super) struct Gemm {
+    /// The operands' types and the compute type.
     pub(super) ty: GemmType,
+    pub(super) out_ty: OutType,
     pub(super) m: usize,
     pub(super) n: usize,
     pub(super) k: usize,
@@ -363,11 +385,12 @@ fn run_batches(d: &CudaDevice, g: &Gemm, a: &View, b: &View) -> Result<()> {
     let (oa, ob) = (outer(a.layout, sa), outer(b.layout, sb));
     let (base_a, base_b) = (ptr(a.storage)?, ptr(b.storage)?);
     let size = g.ty.size as u64;
+    let out_size = g.out_ty.size as u64;
     for (i, (offa, offb)) in oa.offsets().zip(ob.offsets()).enumerate() {
         let batch = Batch {
             a: base_a + offa as u64 * size,
             b: base_b + offb as u64 * size,
-            out: g.out + (i * count * g.m * g.n) as u64 * size,
+            out: g.out + (i * count * g.m * g.n) as u64 * out_size,
             step_a,
             step_b,
             count,
@@ -391,13 +414,14 @@ struct Batch {
 fn gemm_name(g: &Gemm, count: usize) -> String {
     let t = |m: Matrix| if m.trans { "T" } else { "N" };
     format!(
-        "gemm {}x{}x{} {}{} x{count} {:?}",
+        "gemm {}x{}x{} {}{} x{count} {:?}->{:?}",
         g.m,
         g.n,
         g.k,
         t(g.a),
         t(g.b),
-        g.ty.data
+        g.ty.data,
+        g.out_ty.data
     )
 }
 
@@ -416,12 +440,13 @@ fn gemm_batched(d: &CudaDevice, g: &Gemm, bt: &Batch) -> Result<()> {
     } else {
         (&one32 as *const f32 as _, &beta32 as *const f32 as _)
     };
-    let size = g.ty.size as u64;
+    let (size, out_size) = (g.ty.size as u64, g.out_ty.size as u64);
     let out_step = (g.m * g.n) as i64;
     let mut start = 0usize;
     while start < bt.count {
         let count = (bt.count - start).min(i32::MAX as usize);
         let at = |base: u64, step: i64| base + (start as i64 * step) as u64 * size;
+        let out_at = bt.out + (start as i64 * out_step) as u64 * out_size;
         // SAFETY: the operand addresses, leading dimensions and steps come from layouts that
         // address live device blocks (validated by the matmul family); the
         // output is a contiguous block of batch·m·n elements; alpha/beta are host scalars of
@@ -448,8 +473,8 @@ fn gemm_batched(d: &CudaDevice, g: &Gemm, bt: &Batch) -> Result<()> {
                         g.a.ld,
                         bt.step_a,
                         beta,
-                        at(bt.out, out_step) as *mut c_void,
-                        g.ty.data,
+                        out_at as *mut c_void,
+                        g.out_ty.data,
                         g.n as i32,
                         out_step,
                         count as i32,
@@ -550,6 +575,7 @@ fn single_lt(d: &CudaDevice, m: &Matmul, epilogue: Epilogue) -> Result<bool> {
         return Ok(false);
     }
     let ty = GemmType::of(m.a.storage.dtype())?;
+    let out_ty = OutType::of(m.out.dtype())?;
     if ty.wide {
         // f64: cuBLASLt's epilogues scale in f32 only.
         return Ok(false);
@@ -564,6 +590,7 @@ fn single_lt(d: &CudaDevice, m: &Matmul, epilogue: Epilogue) -> Result<bool> {
     let at = |v: &View| -> Result<u64> { Ok(ptr(v.storage)? + v.layout.offset() as u64 * size) };
     let call = Gemm {
         ty,
+        out_ty,
         m: rows,
         n,
         k,
