@@ -3,7 +3,8 @@
 //! backward peak drops by one layer's gradients) and gradient accumulation (the same
 //! gradients as one large batch with one micro-batch of activations at the peak).
 
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 
 mod fused_nets;
 use fused_nets::{Net, data_as, loss_of, momentum_cfg};
@@ -218,17 +219,8 @@ fn ordinary_steps(net: Net, cfg: SgdConfig, d: usize, b: usize) -> (Vec<Vec<f64>
     (values_f64(&ps), bufs)
 }
 
-/// Three steps with `install_fused`; also counts the weights' ordinary gradient accumulations.
-fn fused_steps(
-    net: Net,
-    cfg: SgdConfig,
-    d: usize,
-    b: usize,
-) -> (Vec<Vec<f64>>, Vec<Vec<f64>>, usize) {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    let ps = layers(d, DType::F64, CPU);
-    let (x, y) = data_as(b, d, DType::F64, CPU);
+/// A counter of the ordinary gradient accumulations of the weights (layers 0 and 2) of `ps`.
+fn count_weight_grads(ps: &[Tensor]) -> Arc<AtomicUsize> {
     let accumulated = Arc::new(AtomicUsize::new(0));
     for w in [&ps[0], &ps[2]] {
         let n = Arc::clone(&accumulated);
@@ -238,6 +230,19 @@ fn fused_steps(
         })
         .unwrap();
     }
+    accumulated
+}
+
+/// Three steps with `install_fused`; also counts the weights' ordinary gradient accumulations.
+fn fused_steps(
+    net: Net,
+    cfg: SgdConfig,
+    d: usize,
+    b: usize,
+) -> (Vec<Vec<f64>>, Vec<Vec<f64>>, usize) {
+    let ps = layers(d, DType::F64, CPU);
+    let (x, y) = data_as(b, d, DType::F64, CPU);
+    let accumulated = count_weight_grads(&ps);
     let sib = StepInBackward::install_fused(Sgd::new(ps.clone(), cfg).unwrap()).unwrap();
     for _ in 0..3 {
         loss_of(net, &ps, &x, &y).backward().unwrap();
@@ -296,19 +301,9 @@ fn fused_sgd_matches_the_ordinary_step_in_f64() {
 /// Three steps of `net` on f32 layers with each forward in a bf16 autocast region, the
 /// ordinary way or fused; the parameters and how many ordinary gradients the weights took.
 fn autocast_steps(net: Net, fused: bool, d: usize, b: usize) -> (Vec<Vec<f64>>, usize) {
-    use std::sync::Arc;
-    use std::sync::atomic::{AtomicUsize, Ordering};
     let ps = layers(d, DType::F32, CPU);
     let (x, y) = data_as(b, d, DType::F32, CPU);
-    let accumulated = Arc::new(AtomicUsize::new(0));
-    for w in [&ps[0], &ps[2]] {
-        let n = Arc::clone(&accumulated);
-        w.register_post_accumulate_grad_hook(move |_| {
-            n.fetch_add(1, Ordering::Relaxed);
-            Ok(())
-        })
-        .unwrap();
-    }
+    let accumulated = count_weight_grads(&ps);
     let sgd = Sgd::new(ps.clone(), momentum_cfg()).unwrap();
     let (mut ordinary, _sib) = match fused {
         true => (None, Some(StepInBackward::install_fused(sgd).unwrap())),
