@@ -317,7 +317,8 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
                                     double* part, int vec) {
     constexpr int G = PER / 4;
     const int lane = threadIdx.x & 31;
-    extern __shared__ float ln_sums[];
+    // 16-byte aligned: add_group moves a lane's four sums as one vector.
+    extern __shared__ __align__(16) float ln_sums[];
     float* const sums = ln_sums + (threadIdx.x >> 5) * 2 * n;  // this warp's Σ gy x̂, Σ gy
     if (part) {
         for (i64 j = lane; j < 2 * n; j += 32) sums[j] = 0.f;
