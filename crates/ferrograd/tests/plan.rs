@@ -310,6 +310,32 @@ fn a_wide_unaligned_gemm_output_gets_aligned_rows_on_a_gpu_only() {
     assert_eq!(host.peak_allocated, 3 * (x + w + 16 * 50257 * 2));
 }
 
+/// GPT-2's head in a bf16 region on an f32 weight: autocast's cast of it is made in the
+/// zero-padded block the padded product reads.
+fn wide_head_under_autocast(device: Device) -> ferrograd::Result<()> {
+    let x = Tensor::zeros(&[16, 768], DType::BF16, device)?;
+    let w = Tensor::zeros(&[50257, 768], DType::F32, device)?.requires_grad_(true)?;
+    let _amp = ferrograd::amp::autocast(ferrograd::amp::AmpDType::BF16);
+    let logits = x.linear(&w, None)?;
+    assert_eq!(logits.shape(), &[16, 50257]);
+    Ok(())
+}
+
+#[test]
+fn an_autocast_cast_of_a_wide_head_is_its_padded_weight() {
+    let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let gpu = Target::Cuda { capacity: 80 << 30 };
+    let plan = plan::plan(gpu, PlanOptions::default(), wide_head_under_autocast).unwrap();
+    let (x, w): (u64, u64) = (16 * 768 * 2, 50257 * 768 * 4);
+    // x, the f32 weight, its bf16 cast in a (50304, 768) block, the logits, the workspace:
+    // no padded copy of the cast beside it.
+    let cast_block = (50304 * 768 * 2u64).next_multiple_of(2 << 20);
+    assert_eq!(
+        plan.peak_allocated,
+        x + w.next_multiple_of(2 << 20) + cast_block + 16 * 50304 * 2 + (32 << 20)
+    );
+}
+
 /// A linear layer's weight gradient in a bf16 region on an f32 weight: (32, 16) f32 from
 /// bf16 g (64, 32) and x (64, 16).
 fn f32_weight_grad(device: Device) -> ferrograd::Result<()> {

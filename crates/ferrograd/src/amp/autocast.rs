@@ -33,7 +33,7 @@ use std::collections::HashMap;
 use std::marker::PhantomData;
 use std::sync::{Arc, Weak};
 
-use crate::base::{Error, Result};
+use crate::base::{Error, Layout, Result};
 use crate::tensor::{DType, Tensor, TensorImpl};
 
 /// The dtypes an autocast region can run matmul-like ops in.
@@ -100,6 +100,9 @@ struct CacheEntry {
     /// The source storage's version when cast.
     version: u64,
     cast: Tensor,
+    /// The rows of the cast's storage when it is a zero-padded (rows, k) block of which the
+    /// cast is the first rows (see `zero_padded`).
+    padded_rows: Option<usize>,
     /// When it was cached: the region's end frees casts in this order (a map's order would
     /// depend on addresses, and with it how the caching allocator's free blocks merge).
     order: u64,
@@ -210,12 +213,20 @@ pub(crate) fn cached_cast(source: &Tensor, dtype: DType, recorded: bool) -> Opti
 }
 
 /// Keeps `cast` (of `source` to `dtype`, made with grad mode `recorded`) until the outermost
-/// region ends. A stale entry (older version) is replaced.
-pub(crate) fn cache_cast(source: &Tensor, dtype: DType, recorded: bool, cast: &Tensor) {
+/// region ends; `padded_rows` when its storage is a zero-padded block of that many rows. A
+/// stale entry (older version) is replaced.
+pub(crate) fn cache_cast(
+    source: &Tensor,
+    dtype: DType,
+    recorded: bool,
+    cast: &Tensor,
+    padded_rows: Option<usize>,
+) {
     let entry = CacheEntry {
         _source: Arc::downgrade(&source.0),
         version: source.storage().version(),
         cast: cast.clone(),
+        padded_rows,
         order: CACHED.with(|n| {
             n.set(n.get() + 1);
             n.get()
@@ -225,4 +236,24 @@ pub(crate) fn cache_cast(source: &Tensor, dtype: DType, recorded: bool, cast: &T
     // The replaced entry is dropped outside the borrow.
     let stale = CACHE.with(|c| c.borrow_mut().insert(key, entry));
     drop(stale);
+}
+
+/// The zero-padded (rows, k) block behind `w` when `w` (n, k) is a cached cast made as its
+/// first n rows (a GEMM at a padded width then reads the cast itself instead of a padded
+/// copy), as a new view without history; None otherwise. A cast replaced in the cache since
+/// is found no more and gets its copy.
+pub(crate) fn zero_padded(w: &Tensor, rows: usize) -> Option<Tensor> {
+    CACHE.with(|c| {
+        c.borrow()
+            .values()
+            .find(|e| {
+                e.padded_rows == Some(rows)
+                    && e.cast.shares_storage(w)
+                    && e.cast.layout() == w.layout()
+            })
+            .map(|e| {
+                let k = w.shape()[1];
+                e.cast.with_layout(Layout::contiguous(&[rows, k]))
+            })
+    })
 }

@@ -4,7 +4,8 @@
 //! computed at the padded width `vp`, as nanoGPT and llm.c pad their vocabulary, but without
 //! changing the parameter:
 //! - forward: out (rows, vp) = x (rows, k) @ wpᵀ, where wp (vp, k) is w with zero rows
-//!   appended (a temporary); the result is the (rows, n) view of it, rows vp apart, and its
+//!   appended (a temporary, unless w is autocast's cast of a parameter, which is made in such
+//!   a zero-padded block: `amp::zero_padded`); the result is the (rows, n) view of it, rows vp apart, and its
 //!   padding columns hold exact zeros;
 //! - input gradient: dx = g (rows, vp) @ wp with g's padding columns set to zero first (they
 //!   lie outside every view of the gradient), so the padding adds exact zeros;
@@ -113,8 +114,12 @@ impl PaddedWeight {
     }
 }
 
-/// w (n, k) with vp - n zero rows appended, as a fresh (vp, k) temporary.
+/// w (n, k) with vp - n zero rows appended: the block behind an autocast weight cast made
+/// zero-padded (no copy), else a fresh (vp, k) temporary.
 fn zero_padded_rows(w: &Tensor, vp: usize) -> Result<Tensor> {
+    if let Some(block) = crate::amp::zero_padded(w, vp) {
+        return Ok(block);
+    }
     let (n, k) = (w.shape()[0], w.shape()[1]);
     let wp = Tensor::output(&[vp, k], w.dtype(), w.device(), "linear_padded_weight")?;
     let rows = Layout::contiguous(&[n, k]);

@@ -53,11 +53,36 @@ pub fn cast_parameters_ahead(params: &[&Tensor]) -> Result<()> {
             todo.push(t.clone());
         }
     }
-    let casts = Tensor::to_dtype_many(&todo, to)?;
-    for (t, cast) in todo.iter().zip(&casts) {
-        amp::cache_cast(t, to, recorded, cast);
+    // Weights that a GEMM reads at a padded width are cast into zero-padded blocks, one at a
+    // time; the rest in one launch.
+    let mut plain = Vec::with_capacity(todo.len());
+    for t in todo {
+        match padded_rows(&t, to)? {
+            Some(rows) => {
+                let cast = t.to_dtype_zero_padded(to, rows)?;
+                amp::cache_cast(&t, to, recorded, &cast, Some(rows));
+            }
+            None => plain.push(t),
+        }
+    }
+    let casts = Tensor::to_dtype_many(&plain, to)?;
+    for (t, cast) in plain.iter().zip(&casts) {
+        amp::cache_cast(t, to, recorded, cast, None);
     }
     Ok(())
+}
+
+/// The rows of the zero-padded block a cast of `t` to `to` is made in: the padded width at
+/// which a GEMM on this device reads a (n, k) weight of that dtype (GPT-2's 50257-row
+/// classifier: 50304), or None where it reads n rows. The cast then is the GEMM's padded
+/// weight itself (ops/aligned_gemm.rs), not copied each step.
+fn padded_rows(t: &Tensor, to: DType) -> Result<Option<usize>> {
+    if t.dims() != 2 || t.numel() == 0 {
+        return Ok(None);
+    }
+    let n = t.shape()[0];
+    let rows = super::matmul::padded_width(t.device(), to, n)?;
+    Ok((rows != n).then_some(rows))
 }
 
 /// A parameter input of a linear-like op: `value`, the tensor its GEMMs read, and `node`, the
@@ -99,8 +124,12 @@ fn cached_cast(t: &Tensor, to: DType) -> Result<Tensor> {
     if let Some(hit) = amp::cached_cast(t, to, recorded) {
         return Ok(hit);
     }
-    let cast = t.to_dtype(to)?;
-    amp::cache_cast(t, to, recorded, &cast);
+    let rows = padded_rows(t, to)?;
+    let cast = match rows {
+        Some(rows) => t.to_dtype_zero_padded(to, rows)?,
+        None => t.to_dtype(to)?,
+    };
+    amp::cache_cast(t, to, recorded, &cast, rows);
     Ok(cast)
 }
 
@@ -203,4 +232,53 @@ pub(crate) fn f32_policy_out(dtype: DType) -> DType {
 /// dtype). A producer that knows its consumer is such an op may write this dtype directly.
 pub(crate) fn lower_cast_target(dtype: DType) -> Option<DType> {
     autocast_dtype().filter(|&d| eligible_dtype(dtype, d))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::base::{Device, Layout};
+
+    /// A cast made in a zero-padded block: the cast's values, zeros past its rows, and the
+    /// cache hands the block to a padded GEMM only for that very view.
+    #[test]
+    fn a_zero_padded_cast_is_found_with_its_zero_rows() {
+        let _amp = amp::autocast(amp::AmpDType::BF16);
+        let w = Tensor::from_vec(
+            vec![1.5f32, -2.0, 3.25, 0.5, 7.0, -1.0],
+            &[3, 2],
+            Device::Cpu,
+        )
+        .unwrap()
+        .requires_grad_(true)
+        .unwrap();
+        let cast = w.to_dtype_zero_padded(DType::BF16, 5).unwrap();
+        assert_eq!(
+            (cast.shape(), cast.dtype()),
+            (&[3usize, 2][..], DType::BF16)
+        );
+        assert_eq!(cast.storage().len(), 10);
+        assert!(amp::zero_padded(&cast, 5).is_none(), "not cached yet");
+        amp::cache_cast(&w, DType::BF16, true, &cast, Some(5));
+        let block = amp::zero_padded(&cast, 5).expect("the cached cast's block");
+        assert_eq!(block.shape(), &[5, 2]);
+        let values: Vec<f32> = block.to_dtype(DType::F32).unwrap().to_vec().unwrap();
+        assert_eq!(
+            values,
+            [1.5, -2.0, 3.25, 0.5, 7.0, -1.0, 0.0, 0.0, 0.0, 0.0]
+        );
+        // Another width, or another view of the same storage, is not that block.
+        assert!(amp::zero_padded(&cast, 4).is_none());
+        let rows = cast.with_layout(Layout::contiguous(&[2, 2]));
+        assert!(amp::zero_padded(&rows, 5).is_none());
+        // The cast is a graph node of w: the gradient comes back in f32.
+        cast.to_dtype(DType::F32)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        let g: Vec<f32> = w.grad().unwrap().to_vec().unwrap();
+        assert_eq!(g, [1.0; 6]);
+    }
 }

@@ -284,6 +284,23 @@ impl Tensor {
     }
 }
 
+impl Tensor {
+    /// `to_dtype` of a 2-D (n, k) tensor whose storage is a (rows, k) block, rows ≥ n, with
+    /// zeros past the first n rows: the cast as a GEMM at a padded width reads it (see
+    /// ops/aligned_gemm.rs), with no padded copy. The same graph node as `to_dtype`'s.
+    pub(crate) fn to_dtype_zero_padded(
+        &self,
+        dtype: crate::tensor::DType,
+        rows: usize,
+    ) -> Result<Tensor> {
+        let (n, k) = (self.shape()[0], self.shape()[1]);
+        let block = Tensor::output(&[rows.max(n), k], dtype, self.device(), "to_dtype")?;
+        let out = block.with_layout(crate::base::Layout::contiguous(&[n, k]));
+        crate::backend::elementwise::copy(self.view(), out.view())?;
+        Ok(recorded_cast(self, out))
+    }
+}
+
 /// `out` (src converted) as src's `to_dtype` node: backward converts the gradient back.
 fn recorded_cast(src: &Tensor, out: Tensor) -> Tensor {
     let orig = src.dtype();
