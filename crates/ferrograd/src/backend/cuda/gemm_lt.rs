@@ -16,9 +16,9 @@
 //! on the device's one stream, so the two libraries never use it at once.
 //!
 //! The heuristic's choice of algorithm is cached per problem (shape, readings, dtype, the
-//! operands', the epilogue vector's and the auxiliary matrix's alignments): asking for it costs more host time than
-//! the launch. A problem cuBLASLt has no algorithm for answers `Ok(false)` and the caller
-//! takes the plain path.
+//! operands', the epilogue vector's and the auxiliary matrix's alignments): asking for it
+//! costs more host time than the launch. A problem cuBLASLt has no algorithm for answers
+//! `Ok(false)` and the caller takes the plain path.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
