@@ -1,9 +1,9 @@
 //! The transformer's feed-forward block, as in GPT-2: Linear(C, 4C) → GELU (tanh
 //! approximation) → Linear(4C, C) → dropout. With both biases, on a device whose GEMMs carry
 //! the GELU in their epilogues (the GPU), the three run as one op (`Tensor::mlp_gelu`: the
-//! same values and saved bytes); elsewhere as three. With `recompute_gelu` the GELU and the second Linear run as one op
-//! that saves the GELU's input only (`Tensor::gelu_linear`): the same values, and the
-//! (B, T, 4C) GELU output is recomputed in backward instead of kept.
+//! same values and saved bytes); elsewhere as three. With `recompute_gelu` the GELU and the
+//! second Linear run as one op that saves the GELU's input only (`Tensor::gelu_linear`): the
+//! same values, and the (B, T, 4C) GELU output is recomputed in backward instead of kept.
 
 use super::state::prefixed;
 use super::{Dropout, Linear, Module};

@@ -19,9 +19,9 @@
 //! into an f32 vector, as cuBLASLt's bias vectors take the output's type.
 //!
 //! The heuristic's choice of algorithm is cached per problem (shape, readings, dtypes, the
-//! operands', the epilogue vector's and the auxiliary matrix's alignments): asking for it costs more host time than
-//! the launch. A problem cuBLASLt has no algorithm for answers `Ok(false)` and the caller
-//! takes the plain path.
+//! operands', the epilogue vector's and the auxiliary matrix's alignments): asking for it
+//! costs more host time than the launch. A problem cuBLASLt has no algorithm for answers
+//! `Ok(false)` and the caller takes the plain path.
 
 use std::collections::HashMap;
 use std::ffi::c_void;
