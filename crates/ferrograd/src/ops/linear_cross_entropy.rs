@@ -182,7 +182,7 @@ impl Head {
             let Some(dx) = &dx else { continue };
             self.chunk_grad(&logits, &t, &lse, &share)?;
             dx.narrow(0, r0, n)?.copy_(&self.w.input_grad(&logits)?)?;
-            let gt = logits.t_view()?;
+            let gt = self.w.weight_grad_rows(&logits)?;
             match &dw {
                 None => dw = Some(matmul_forward(&gt, &x)?),
                 Some(dw) => matmul_acc_into(&gt, &x, dw, 1.0)?,
@@ -190,6 +190,7 @@ impl Head {
         }
         // count / count: exactly 1, or NaN when no target counts (the composition's mean).
         let total = total.mul(&count.div(&count)?.to_dtype(self.loss_dtype)?)?;
+        let dw = dw.map(|dw| self.w.unpadded_rows(dw)).transpose()?;
         Ok((total, dx.zip(dw)))
     }
 
