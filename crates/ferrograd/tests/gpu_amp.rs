@@ -390,3 +390,44 @@ fn tied_classifier_weight_gradient_is_the_cpus() {
         tol(DType::BF16),
     );
 }
+
+/// The residual add fused into the norm after it, f32 stream and bf16 branch, on the GPU: the
+/// norm's backward writes the stream's gradient and its bf16 rounding (in the same kernel at
+/// rows a warp holds, 768; converted after it at 1100), and the branch's gradient is x.grad
+/// rounded, bit for bit, with no cast of its own.
+#[test]
+fn the_residual_branch_gradient_comes_from_the_norm_backward() {
+    for n in [768usize, 1100] {
+        let x = param_on(&[9, n], 71, GPU);
+        let h = draw(&[9, n], DType::BF16, 72, GPU)
+            .requires_grad_(true)
+            .unwrap();
+        let (w, b) = (param_on(&[n], 73, GPU), param_on(&[n], 74, GPU));
+        let c = draw(&[9, n], DType::F32, 75, GPU);
+        let (s, y) = x
+            .add_layer_norm_to(&h, &[n], Some(&w), Some(&b), 1e-5, DType::BF16)
+            .unwrap();
+        let loss = y
+            .sum_all()
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .add(&s.mul(&c).unwrap().sum_all().unwrap())
+            .unwrap();
+        let events = ops_allocating(GPU, || loss.backward().unwrap());
+        let half_bytes = (9 * n * 2) as u64;
+        assert!(
+            !events.contains(&("to_dtype", half_bytes)),
+            "n={n}: a cast of the branch's gradient: {events:?}"
+        );
+        let want = x.grad().unwrap().to_dtype(DType::BF16).unwrap();
+        let bits = |t: &Tensor| {
+            host(t)
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap()
+        };
+        assert_eq!(bits(&h.grad().unwrap()), bits(&want), "n={n}");
+    }
+}
