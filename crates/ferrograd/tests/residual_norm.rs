@@ -331,3 +331,27 @@ fn the_norm_backward_writes_the_half_branch_gradient() {
     let want = x.grad().unwrap().to_dtype(DType::BF16).unwrap();
     assert_eq!(bits(&h.grad().unwrap()), bits(&want));
 }
+
+/// A bf16 branch that needs no gradient (frozen): the norm's backward writes no half copy.
+#[test]
+fn a_frozen_half_branch_gets_no_half_gradient_written() {
+    let _one_at_a_time = lock();
+    let mut g = Generator::new(32);
+    let x = randn(&[4, 3, N], DType::F32, &mut g)
+        .requires_grad_(true)
+        .unwrap();
+    let h = randn(&[4, 3, N], DType::F32, &mut g)
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let (_, y) = x
+        .add_layer_norm_to(&h, &[N], None, None, 1e-5, DType::BF16)
+        .unwrap();
+    let loss = y.sum_all().unwrap();
+    let events = ops_allocating(|| loss.backward().unwrap());
+    let half_bytes = (4 * 3 * N * 2) as u64;
+    assert!(
+        !events.contains(&("layer_norm_backward", half_bytes)),
+        "a half copy nothing reads: {events:?}"
+    );
+    assert_eq!(x.grad().unwrap().shape(), &[4, 3, N]);
+}

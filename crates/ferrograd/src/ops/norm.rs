@@ -144,11 +144,15 @@ impl Tensor {
         let (input, x, half_branch) = match added {
             Some((branch, _, sum)) => {
                 let s = sum.reshape(self.shape())?;
-                let half = (branch.dtype() != self.dtype()).then(|| branch.dtype());
-                let input = match half {
-                    Some(_) => half_grad::record_residual_add(self, branch, s),
-                    None => record_add_sub(self, branch, s, false, "add"),
+                let input = if branch.dtype() != self.dtype() {
+                    half_grad::record_residual_add(self, branch, s)
+                } else {
+                    record_add_sub(self, branch, s, false, "add")
                 };
+                // The norm's backward writes the branch's half gradient only if it has one.
+                let half = (branch.dtype() != self.dtype()
+                    && crate::autograd::should_record(&[branch]))
+                .then(|| branch.dtype());
                 (input, sum, half)
             }
             None => (self.clone(), x, None),
@@ -298,7 +302,8 @@ fn check_args(
 /// its rounding in the same pass and offers it here; the add's backward takes it instead of
 /// launching a cast, when the gradient it receives is still that very buffer, unchanged (the
 /// same storage at the same version), else it casts as any add does. One offer is held at a
-/// time, on the thread that runs the backward.
+/// time, on the thread that runs the backward; one that no add takes (a backward stopped by
+/// an error between the two) is dropped by the next offer or take.
 mod half_grad {
     use std::cell::RefCell;
     use std::sync::{Arc, Weak};
