@@ -209,8 +209,8 @@ fn warp_slots(dtype: DType, n: usize) -> Option<usize> {
 const PARAM_SMS: usize = 132;
 
 /// Blocks per SM the warp-per-row backward runs (its launch bounds in rows.cu, BWD24 of
-/// LN_WARP_SIZES): four for f32 rows with bf16 gradients at PER 24 unless it also writes gx
-/// in half precision (`half_too`: LN_HALF_TOO_MIN), else three.
+/// LN_WARP_SIZES, where one is set): four for f32 rows with bf16 gradients at PER 24 unless
+/// it also writes gx in half precision (`half_too`: LN_HALF_TOO_MIN), else three.
 fn ln_bwd_blocks_per_sm(rows: DType, grads: DType, per: usize, half_too: bool) -> usize {
     if (rows, grads, per, half_too) == (DType::F32, DType::BF16, 24, false) {
         4
@@ -473,6 +473,7 @@ mod tests {
     #[test]
     fn the_backwards_grid_matches_its_launch_bounds() {
         assert!(SOURCE.contains("LN_WARP_SIZES(f32_bf16, float, bf16_t, 4)\n"));
+        assert!(SOURCE.contains("LN_WARP_SIZES(bf16, bf16_t, bf16_t, 3)\n"));
         assert!(
             SOURCE
                 .contains("#define LN_HALF_TOO_MIN(BWD_MIN) ((BWD_MIN) > 1 ? (BWD_MIN) - 1 : 1)\n")
