@@ -5,8 +5,8 @@
 //! changing the parameter:
 //! - forward: out (rows, vp) = x (rows, k) @ wpᵀ, where wp (vp, k) is w with zero rows
 //!   appended (a temporary, unless w is autocast's cast of a parameter, which is made in such
-//!   a zero-padded block: `amp::zero_padded`); the result is the (rows, n) view of it, rows vp apart, and its
-//!   padding columns hold exact zeros;
+//!   a zero-padded block: `amp::zero_padded`); the result is the (rows, n) view of it, rows
+//!   vp apart, and its padding columns hold exact zeros;
 //! - input gradient: dx = g (rows, vp) @ wp with g's padding columns set to zero first (they
 //!   lie outside every view of the gradient), so the padding adds exact zeros;
 //! - weight gradient: dw = gᵀ @ x at the true width n (that GEMM's M is n); the chunked

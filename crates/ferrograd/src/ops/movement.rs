@@ -3,7 +3,7 @@
 
 use crate::autograd::record;
 use crate::base::{Error, Result};
-use crate::tensor::{Layout, Tensor, resolve_dim};
+use crate::tensor::{DType, Layout, Tensor, resolve_dim};
 
 impl Tensor {
     /// Same elements in a new shape (see `reshape_infer` for -1). A view when the tensor is
@@ -216,7 +216,7 @@ impl Tensor {
 
     /// Converts to `dtype`. Backward: the gradient converted back.
     #[track_caller]
-    pub fn to_dtype(&self, dtype: crate::tensor::DType) -> Result<Tensor> {
+    pub fn to_dtype(&self, dtype: DType) -> Result<Tensor> {
         let _site = crate::memory::recorder::CallSite::enter();
         if dtype == self.dtype() {
             return Ok(self.clone());
@@ -231,7 +231,7 @@ impl Tensor {
     /// (one per dtype pair on the GPU where they are contiguous, instead of one each). Each
     /// result is its own graph node, as `to_dtype`'s.
     #[track_caller]
-    pub fn to_dtype_many(tensors: &[Tensor], dtype: crate::tensor::DType) -> Result<Vec<Tensor>> {
+    pub fn to_dtype_many(tensors: &[Tensor], dtype: DType) -> Result<Vec<Tensor>> {
         let _site = crate::memory::recorder::CallSite::enter();
         let Some(device) = tensors.first().map(Tensor::device) else {
             return Ok(Vec::new());
@@ -282,20 +282,14 @@ impl Tensor {
             move |g: &Tensor, _: &[bool]| Ok(vec![Some(g.to_device(from)?)])
         }))
     }
-}
 
-impl Tensor {
     /// `to_dtype` of a 2-D (n, k) tensor whose storage is a (rows, k) block, rows ≥ n, with
     /// zeros past the first n rows: the cast as a GEMM at a padded width reads it (see
     /// ops/aligned_gemm.rs), with no padded copy. The same graph node as `to_dtype`'s.
-    pub(crate) fn to_dtype_zero_padded(
-        &self,
-        dtype: crate::tensor::DType,
-        rows: usize,
-    ) -> Result<Tensor> {
+    pub(crate) fn to_dtype_zero_padded(&self, dtype: DType, rows: usize) -> Result<Tensor> {
         let (n, k) = (self.shape()[0], self.shape()[1]);
         let block = Tensor::output(&[rows.max(n), k], dtype, self.device(), "to_dtype")?;
-        let out = block.with_layout(crate::base::Layout::contiguous(&[n, k]));
+        let out = block.with_layout(Layout::contiguous(&[n, k]));
         crate::backend::elementwise::copy(self.view(), out.view())?;
         Ok(recorded_cast(self, out))
     }
