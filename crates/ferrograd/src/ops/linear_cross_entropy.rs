@@ -21,7 +21,7 @@ use super::matmul::{matmul_acc_into, matmul_forward};
 use super::{autocast, check_float, check_same_device, stats_dtype};
 use crate::autograd::{SavedTensor, no_grad, record, saved_values_released_after_this_backward};
 use crate::backend::BinaryOp;
-use crate::backend::loss::{self, CrossEntropy, CrossEntropyBackward};
+use crate::backend::loss::{self, CrossEntropy, CrossEntropyWithGrad};
 use crate::base::{Error, Result};
 use crate::tensor::{DType, Tensor};
 
@@ -168,10 +168,13 @@ impl Head {
             let n = chunk.min(rows - r0);
             let (x, t) = (self.x.narrow(0, r0, n)?, self.targets.narrow(0, r0, n)?);
             let logits = self.w.forward(&x)?;
-            let (loss, lse) = self.chunk_loss(&logits, &t)?;
             // The chunk's share of the counted targets weighs its mean, and its gradient.
             let count_c = counted(&ignored.narrow(0, r0, n)?, n)?;
             let share = count_c.div(&count)?;
+            let loss = match dx {
+                Some(_) => self.chunk_loss_and_grad(&logits, &t, &share)?,
+                None => self.chunk_loss(&logits, &t)?,
+            };
             let empty = binary_forward(BinaryOp::Eq, &count_c, &zero, "linear_cross_entropy")?
                 .to_dtype(DType::U8)?;
             // An empty chunk's mean is NaN; it adds nothing.
@@ -180,7 +183,6 @@ impl Head {
                 .masked_fill(&empty, 0.0)?;
             total = total.add(&term)?;
             let Some(dx) = &dx else { continue };
-            self.chunk_grad(&logits, &t, &lse, &share)?;
             dx.narrow(0, r0, n)?.copy_(&self.w.input_grad(&logits)?)?;
             let gt = self.w.weight_grad_rows(&logits)?;
             match &dw {
@@ -194,11 +196,10 @@ impl Head {
         Ok((total, dx.zip(dw)))
     }
 
-    /// The chunk's mean loss over its counted targets (NaN when it has none) and the
-    /// log-sum-exp of each of its rows.
-    fn chunk_loss(&self, logits: &Tensor, t: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// The chunk's mean loss over its counted targets (NaN when it has none).
+    fn chunk_loss(&self, logits: &Tensor, t: &Tensor) -> Result<Tensor> {
         let device = logits.device();
-        let loss = Tensor::output_uninit(&[], self.loss_dtype, device, "linear_cross_entropy")?;
+        let loss = self.loss_out(logits)?;
         let lse = Tensor::output_uninit(
             &[t.numel()],
             stats_dtype(logits.dtype()),
@@ -212,20 +213,31 @@ impl Head {
             lse: lse.storage(),
             ignore_index: self.ignore_index,
         })?;
-        Ok((loss, lse))
+        Ok(loss)
     }
 
-    /// Overwrites the chunk's logits with their gradient for a loss gradient of 1:
-    /// (softmax - onehot) · share / count_c = (softmax - onehot) / count.
-    fn chunk_grad(&self, logits: &Tensor, t: &Tensor, lse: &Tensor, share: &Tensor) -> Result<()> {
-        loss::cross_entropy_backward(&CrossEntropyBackward {
+    /// `chunk_loss`, with the chunk's logits overwritten by their gradient for a loss gradient
+    /// of 1 in the same pass: (softmax - onehot) · share / count_c = (softmax - onehot) / count.
+    fn chunk_loss_and_grad(&self, logits: &Tensor, t: &Tensor, share: &Tensor) -> Result<Tensor> {
+        let loss = self.loss_out(logits)?;
+        loss::cross_entropy_with_grad(&CrossEntropyWithGrad {
             logits: logits.view(),
             targets: t.view(),
-            lse: lse.view(),
+            loss: loss.storage(),
             gloss: share.view(),
-            glogits: logits.view(),
             ignore_index: self.ignore_index,
-        })
+        })?;
+        Ok(loss)
+    }
+
+    /// The 0-dim output a chunk's loss is written to.
+    fn loss_out(&self, logits: &Tensor) -> Result<Tensor> {
+        Tensor::output_uninit(
+            &[],
+            self.loss_dtype,
+            logits.device(),
+            "linear_cross_entropy",
+        )
     }
 }
 

@@ -12,7 +12,7 @@ use super::data::{CpuData, Elem, per_float_variant};
 use super::rows::{Inputs, dispatch, map_indices, max_and_log_sum, store_f64, typed, typed_mut};
 use super::{read, write};
 use crate::backend::loss::{
-    CrossEntropy, CrossEntropyBackward, LossKernels, MseLoss, MseLossBackward,
+    CrossEntropy, CrossEntropyBackward, CrossEntropyWithGrad, LossKernels, MseLoss, MseLossBackward,
 };
 use crate::backend::{View, rows_cols};
 use crate::base::DType;
@@ -31,6 +31,13 @@ impl LossKernels for CpuBackend {
             a.logits.storage.dtype(),
             "cross_entropy_backward",
             cross_entropy_backward(a)
+        )
+    }
+    fn cross_entropy_with_grad(&self, a: &CrossEntropyWithGrad) -> Result<()> {
+        dispatch!(
+            a.logits.storage.dtype(),
+            "cross_entropy",
+            cross_entropy_with_grad(a)
         )
     }
     fn mse_loss(&self, a: &MseLoss) -> Result<()> {
@@ -187,6 +194,55 @@ fn cross_entropy_backward<T: Elem>(a: &CrossEntropyBackward) -> Result<()> {
         }
         Ok(())
     })
+}
+
+/// Per row: the log-sum-exp and -log p(target) as `cross_entropy` computes them, then the
+/// row overwritten by its gradient as `cross_entropy_backward` computes it — the same values,
+/// bit for bit, from one visit of each row.
+fn cross_entropy_with_grad<T: Elem>(a: &CrossEntropyWithGrad) -> Result<()> {
+    const OP: &str = "cross_entropy";
+    let ignore_index = a.ignore_index;
+    let (rows, c, ld) = logit_rows(&a.logits)?;
+    let views = [a.targets, a.gloss];
+    let ins = Inputs::read(&views)?;
+    let t = ins.i64s(OP, 0, rows)?;
+    check_targets(t, c, ignore_index)?;
+    let count = t.iter().filter(|&&v| v != ignore_index).count();
+    let scale = ins.f64s(OP, 1, 1)?[0] / count as f64;
+    let (off, span) = (a.logits.layout.offset(), rows_span(rows, c, ld));
+    let nll = write(a.logits.storage, |d| {
+        let all = typed_mut::<T>(OP, d, a.logits.storage.len())?;
+        let each = |(r, xr): (usize, &mut [T])| {
+            let xr = &mut xr[..c];
+            let (max, log_sum) = max_and_log_sum(xr);
+            let lse = max + log_sum;
+            let nll = if t[r] == ignore_index {
+                0.0
+            } else {
+                lse - xr[t[r] as usize].to_f64()
+            };
+            // The backward reads the log-sum-exp as the forward saved it: f32 statistics
+            // below f64.
+            let saved = if size_of::<T>() == 8 {
+                lse
+            } else {
+                lse as f32 as f64
+            };
+            grad_row(xr, None, t[r], ignore_index, saved, scale);
+            nll
+        };
+        let x = &mut all[off..off + span];
+        Ok(if rows * c >= 1 << 15 {
+            x.par_chunks_mut(ld)
+                .enumerate()
+                .map(each)
+                .collect::<Vec<_>>()
+        } else {
+            x.chunks_mut(ld).enumerate().map(each).collect()
+        })
+    })?;
+    // Added in row order, as `cross_entropy` adds them; 0 / 0 = NaN when all are ignored.
+    store_f64(OP, a.loss, &[nll.iter().sum::<f64>() / count as f64])
 }
 
 // ---- MSE ------------------------------------------------------------------------------------

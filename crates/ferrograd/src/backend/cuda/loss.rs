@@ -14,10 +14,10 @@ use super::{CudaDevice, ptr};
 use crate::backend::capture::{self, IdCheck};
 use crate::backend::loss::check_class_targets;
 use crate::backend::loss::{
-    CrossEntropy, CrossEntropyBackward, LossKernels, MseLoss, MseLossBackward,
+    CrossEntropy, CrossEntropyBackward, CrossEntropyWithGrad, LossKernels, MseLoss, MseLossBackward,
 };
 use crate::backend::{View, rows_cols};
-use crate::base::{Error, Result};
+use crate::base::{DType, Error, Result};
 
 pub(super) static KERNELS: Module = Module::new("loss", include_str!("kernels/loss.cu"));
 /// Most partial sums of the two-stage MSE reduction (fixed by n alone: deterministic).
@@ -29,6 +29,9 @@ impl LossKernels for CudaDevice {
     }
     fn cross_entropy_backward(&self, a: &CrossEntropyBackward) -> Result<()> {
         cross_entropy_backward(self, a)
+    }
+    fn cross_entropy_with_grad(&self, a: &CrossEntropyWithGrad) -> Result<()> {
+        cross_entropy_with_grad(self, a)
     }
     fn mse_loss(&self, a: &MseLoss) -> Result<()> {
         mse(self, a)
@@ -74,6 +77,13 @@ fn ce_kernel(stem: &str, s: &str, ld: usize, addrs: &[u64]) -> String {
 /// The per-row losses the cross entropy sums (the planner counts the same block).
 pub(crate) fn nll_scratch_bytes(rows: usize) -> usize {
     rows * 8
+}
+
+/// The scratch of `cross_entropy_with_grad`: the per-row losses, then room for an f64
+/// log-sum-exp per row (used where the rows take the two-kernel path; the planner counts the
+/// same block either way).
+pub(crate) fn nll_lse_scratch_bytes(rows: usize) -> usize {
+    rows * 16
 }
 
 fn cross_entropy(d: &CudaDevice, a: &CrossEntropy) -> Result<()> {
@@ -156,6 +166,102 @@ fn cross_entropy_backward(d: &CudaDevice, a: &CrossEntropyBackward) -> Result<()
     ];
     let kernel = ce_kernel("cross_entropy_bwd", s, ld, &[x, gx]);
     launch(d, &KERNELS, &kernel, rows_cfg(rows), &args)
+}
+
+/// The loss into `a.loss`, and the logits overwritten by their gradient: one kernel over
+/// half-precision rows of whole 16-byte vectors (loss.cu's `cross_entropy_grad_vec`), else the
+/// forward and backward kernels with the log-sum-exp in scratch.
+fn cross_entropy_with_grad(d: &CudaDevice, a: &CrossEntropyWithGrad) -> Result<()> {
+    const OP: &str = "cross_entropy";
+    let ignore_index = a.ignore_index;
+    let s = suffix(OP, a.logits.storage.dtype())?;
+    let (rows, c) = rows_cols(a.logits.layout);
+    let ld = row_stride(&a.logits)?;
+    let x = addr(&a.logits)?;
+    let (loss, lk) = (ptr(a.loss)?, float_code(OP, a.loss.dtype())?);
+    let (gloss, gk) = (addr(&a.gloss)?, float_code(OP, a.gloss.storage.dtype())?);
+    let (t, count) = targets(d, &a.targets, c, ignore_index)?;
+    let scratch = temp(d, nll_lse_scratch_bytes(rows), OP)?;
+    let (nll, lse) = (
+        scratch.addr(),
+        scratch.addr() + nll_scratch_bytes(rows) as u64,
+    );
+    if rows * c > 0 {
+        let (ld_, rows_, c_) = (i64_of(ld), i64_of(rows), i64_of(c));
+        let (ignore, count_) = (Arg::I64(ignore_index), Arg::F64(count as f64));
+        let kernel = ce_kernel("cross_entropy_grad", s, ld, &[x]);
+        if kernel.contains("_vec_") {
+            let args = [
+                Arg::Ptr(x),
+                ld_,
+                Arg::Ptr(t),
+                rows_,
+                c_,
+                ignore,
+                Arg::Ptr(gloss),
+                Arg::I32(gk),
+                count_,
+                Arg::Ptr(nll),
+            ];
+            launch(d, &KERNELS, &kernel, grad_rows_cfg(rows), &args)?;
+        } else {
+            // The log-sum-exp at the forward's statistics dtype (f32 below f64), as the
+            // backward would read it saved.
+            let stats = match a.logits.storage.dtype() {
+                DType::F64 => DType::F64,
+                _ => DType::F32,
+            };
+            let stats_code = float_code(OP, stats)?;
+            let fwd = [
+                Arg::Ptr(x),
+                ld_,
+                Arg::Ptr(t),
+                rows_,
+                c_,
+                ignore,
+                Arg::Ptr(lse),
+                Arg::I32(stats_code),
+                Arg::Ptr(nll),
+            ];
+            launch(
+                d,
+                &KERNELS,
+                &format!("cross_entropy_fwd_{s}"),
+                rows_cfg(rows),
+                &fwd,
+            )?;
+            let bwd = [
+                Arg::Ptr(x),
+                ld_,
+                Arg::Ptr(t),
+                Arg::Ptr(lse),
+                Arg::I32(stats_code),
+                Arg::Ptr(gloss),
+                Arg::I32(gk),
+                count_,
+                Arg::Ptr(x),
+                rows_,
+                c_,
+                ignore,
+            ];
+            launch(
+                d,
+                &KERNELS,
+                &format!("cross_entropy_bwd_{s}"),
+                rows_cfg(rows),
+                &bwd,
+            )?;
+        }
+    }
+    sum_to_scalar(d, nll, rows, count as f64, loss, lk)
+}
+
+/// One block of CE_GRAD_BLOCK (loss.cu) threads per row.
+fn grad_rows_cfg(rows: usize) -> LaunchConfig {
+    LaunchConfig {
+        block_dim: (1024, 1, 1),
+        ..rows_cfg(rows)
+    }
 }
 
 // ---- MSE ----------------------------------------------------------------------------------------
