@@ -112,15 +112,7 @@ fn cross_entropy<T: Elem>(a: &CrossEntropy) -> Result<()> {
     let x = logit_slice::<T>(&xd, &a.logits)?;
     // Per row: log-sum-exp (saved for backward) and -log p(target) (0 when ignored).
     let per_row = map_indices(rows, rows * c, |r| {
-        let xr = strided_row(x, r, c, ld);
-        let (max, log_sum) = max_and_log_sum(xr);
-        let lse = max + log_sum;
-        let nll = if t[r] == ignore_index {
-            0.0
-        } else {
-            lse - xr[t[r] as usize].to_f64()
-        };
-        (lse, nll)
+        lse_and_nll(strided_row(x, r, c, ld), t[r], ignore_index)
     });
     drop(xd);
     let count = t.iter().filter(|&&v| v != ignore_index).count();
@@ -129,6 +121,18 @@ fn cross_entropy<T: Elem>(a: &CrossEntropy) -> Result<()> {
     let lse: Vec<f64> = per_row.into_iter().map(|p| p.0).collect();
     store_f64(OP, a.loss, &[loss])?;
     store_f64(OP, a.lse, &lse)
+}
+
+/// A row's log-sum-exp and -log p(target) (0 when the target is ignored).
+fn lse_and_nll<T: Elem>(xr: &[T], target: i64, ignore: i64) -> (f64, f64) {
+    let (max, log_sum) = max_and_log_sum(xr);
+    let lse = max + log_sum;
+    let nll = if target == ignore {
+        0.0
+    } else {
+        lse - xr[target as usize].to_f64()
+    };
+    (lse, nll)
 }
 
 /// One gradient row from its logits row: (softmax - onehot)·scale, rounded through f32 (as an
@@ -214,13 +218,7 @@ fn cross_entropy_with_grad<T: Elem>(a: &CrossEntropyWithGrad) -> Result<()> {
         let all = typed_mut::<T>(OP, d, a.logits.storage.len())?;
         let each = |(r, xr): (usize, &mut [T])| {
             let xr = &mut xr[..c];
-            let (max, log_sum) = max_and_log_sum(xr);
-            let lse = max + log_sum;
-            let nll = if t[r] == ignore_index {
-                0.0
-            } else {
-                lse - xr[t[r] as usize].to_f64()
-            };
+            let (lse, nll) = lse_and_nll(xr, t[r], ignore_index);
             // The backward reads the log-sum-exp as the forward saved it: f32 statistics
             // below f64.
             let saved = if size_of::<T>() == 8 {
