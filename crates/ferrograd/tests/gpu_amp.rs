@@ -289,11 +289,10 @@ fn linear_parameter_gradients_are_f32_gemm_outputs_as_the_cpu() {
 
 /// The fused MLP on f32 parameters in a bf16 region on the GPU (GELU and DGELU epilogues,
 /// BGRADB into f32): every parameter gradient f32, no cast's backward, and the CPU's
-/// gradients within `gpu_fused`'s tolerance for the half-precision MLP: the GPU rounds the
-/// GELU's input gradient once (in the epilogue) where the CPU rounds the product and then the
-/// product times gelu'(pre), so the weight gradients (sums over rows) differ by a few units in
-/// the last place where terms cancel. The weights are scaled as a trained MLP's are, so the
-/// GELU works across its curve.
+/// gradients within bf16 rounding of their largest: the GPU rounds the GELU's input gradient
+/// once (in the epilogue) where the CPU rounds the product and then the product times
+/// gelu'(pre), so the weight gradients (sums over rows) differ most where terms cancel. The
+/// weights are scaled as a trained MLP's are, so the GELU works across its curve.
 #[test]
 fn fused_mlp_parameter_gradients_are_f32_as_the_cpu() {
     let (rows, c, h) = (64, 64, 256);
@@ -337,7 +336,15 @@ fn fused_mlp_parameter_gradients_are_f32_as_the_cpu() {
             "{}",
             names[k]
         );
-        assert_close(names[k], &host(got), want, (1e-1, 5e-2));
+        // Rounding differences of bf16 summands scale with the largest gradient, not with the
+        // element (a sum that cancels keeps its terms' error): 4% of the largest, twice the
+        // 2.1% an H100 showed.
+        let largest = want
+            .to_vec::<f64>()
+            .unwrap()
+            .iter()
+            .fold(0.0f64, |m, v| m.max(v.abs()));
+        assert_close(names[k], &host(got), want, (0.04 * largest, 5e-2));
     }
     assert_not_bf16_rounded("w_proj.grad", &gpu.0[2]);
 }
