@@ -118,7 +118,7 @@ impl PaddedWeight {
     /// g2ᵀ for the weight gradient g2ᵀ @ x2: (vp, rows) over g2's whole padded block, once
     /// `input_grad` has zeroed its padding columns (so the padding rows of the product are
     /// exact zeros), else (n, rows). cuBLAS runs the bf16 product with M = 50304 on faster
-    /// kernels than with GPT-2's M = 50257. `unpadded_rows` takes the product back to n rows.
+    /// kernels than with GPT-2's M = 50257. `first_rows` takes the product back to n rows.
     pub(crate) fn weight_grad_rows(&self, g2: &Tensor) -> Result<Tensor> {
         if self.padded.is_some() && is_padded_block(g2, self.vp, &self.w) {
             let full = g2.with_layout(Layout::contiguous(&[g2.shape()[0], self.vp]));
@@ -126,15 +126,16 @@ impl PaddedWeight {
         }
         g2.t_view()
     }
+}
 
-    /// The first n rows (w's) of a weight gradient made from `weight_grad_rows`.
-    pub(crate) fn unpadded_rows(&self, dw: Tensor) -> Result<Tensor> {
-        let n = self.w.shape()[0];
-        if dw.shape()[0] == n {
-            return Ok(dw);
-        }
-        dw.narrow(0, 0, n)
+/// The first n rows (the weight's) of a weight gradient made from `weight_grad_rows`: a view
+/// of the padded block, which is best scaled in place before (an in-place op on a slice of a
+/// storage goes through a temporary).
+pub(crate) fn first_rows(dw: Tensor, n: usize) -> Result<Tensor> {
+    if dw.shape()[0] == n {
+        return Ok(dw);
     }
+    dw.narrow(0, 0, n)
 }
 
 /// w (n, k) with vp - n zero rows appended: the block behind an autocast weight cast made

@@ -6,16 +6,17 @@
 //! block of a step, shrink to one chunk's.
 //!
 //! The gradients are therefore computed in the forward, for a loss gradient of 1, and kept
-//! (dx (N, C), dw (V, C), counted as saved activations); backward multiplies them by the
-//! loss's actual gradient. Each chunk's loss is its mean over its counted targets, weighed by
-//! its share of all counted targets (computed on the device: nothing is read back); its
-//! gradient uses the same share. With one chunk (most small models) the loss and both
+//! (dx (N, C), dw (V, C) or the GPU's padded (Vp, C) block, counted as saved activations);
+//! backward multiplies them by the loss's actual gradient, in place where nothing else holds
+//! them. Each chunk's loss is its mean over its counted targets, weighed by its share of all
+//! counted targets (computed on the device: nothing is read back); its gradient uses the same
+//! share. With one chunk (most small models) the loss and both
 //! gradients are the composition's bit for bit under a loss gradient of 1; with several, dw
 //! sums the chunks' products (a different order of the same sums) and is equal to rounding.
 //! Not differentiable twice (create_graph through it is the engine's error naming it). f16
 //! runs the composition: unscaled f16 gradients would underflow.
 
-use super::aligned_gemm::PaddedWeight;
+use super::aligned_gemm::{PaddedWeight, first_rows};
 use super::binary::binary_forward;
 use super::matmul::{matmul_acc_into, matmul_forward};
 use super::{autocast, check_float, check_same_device, stats_dtype};
@@ -88,7 +89,7 @@ impl Tensor {
         let Some((dx, dw)) = grads else {
             return Ok(loss);
         };
-        let x_shape = self.shape().to_vec();
+        let (x_shape, w_rows) = (self.shape().to_vec(), weight.shape()[0]);
         Ok(record(
             "linear_cross_entropy",
             &[self, weight],
@@ -100,7 +101,9 @@ impl Tensor {
                     Ok(vec![
                         n[0].then(|| scale(dx.get())?.reshape(&x_shape))
                             .transpose()?,
-                        n[1].then(|| scale(dw.get())).transpose()?,
+                        // Scaled over the whole padded block: in place where it may be.
+                        n[1].then(|| first_rows(scale(dw.get())?, w_rows))
+                            .transpose()?,
                     ])
                 }
             },
@@ -142,7 +145,8 @@ struct Head {
 }
 
 impl Head {
-    /// The loss and, when `wants_grad`, (dx, dw) for a loss gradient of 1.
+    /// The loss and, when `wants_grad`, (dx, dw) for a loss gradient of 1; dw over the
+    /// padded block `weight_grad_rows` makes (its first V rows are the weight's).
     fn run(&self, chunk: usize, wants_grad: bool) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
         let rows = self.x.shape()[0];
         let device = self.x.device();
@@ -192,7 +196,6 @@ impl Head {
         }
         // count / count: exactly 1, or NaN when no target counts (the composition's mean).
         let total = total.mul(&count.div(&count)?.to_dtype(self.loss_dtype)?)?;
-        let dw = dw.map(|dw| self.w.unpadded_rows(dw)).transpose()?;
         Ok((total, dx.zip(dw)))
     }
 
