@@ -139,15 +139,35 @@ row_gpt2-max-batch() {
     | awk '/^largest micro-batch/{f=1;next} f && /\(as given\)/{print $3; exit}')
   a=$(run "$B/ferrograd" train --device cuda $GPT2_JOB $short --batch-size "$b" --sample-chars 0 --json)
   TABLE+=("| GPT-2 124M bf16, largest batch in the free $(mib $((free << 20))) (ours, planned), tokens/s (peak / reserved / planned reserved) | B $b: $(field "$a" tokens_per_s) ($(mib "$(field "$a" peak_bytes)") / $(mib "$(field "$a" peak_reserved_bytes)") / $(mib "$(field "$a" predicted_peak_reserved_bytes)")) | | |")
-  p16=$(field "$(run "$PY" benches/pytorch/strategies.py --model gpt2 --strategy bf16 --device cuda --seq 1024 --steps 2 --warmup 1 --batch 16 $COMPILED)" peak_bytes)
-  p32=$(field "$(run "$PY" benches/pytorch/strategies.py --model gpt2 --strategy bf16 --device cuda --seq 1024 --steps 2 --warmup 1 --batch 32 $COMPILED)" peak_bytes)
+  local o16 o32
+  o16=$(run "$PY" benches/pytorch/strategies.py --model gpt2 --strategy bf16 --device cuda --seq 1024 --steps 2 --warmup 1 --batch 16 $COMPILED)
+  o32=$(run "$PY" benches/pytorch/strategies.py --model gpt2 --strategy bf16 --device cuda --seq 1024 --steps 2 --warmup 1 --batch 32 $COMPILED)
+  p16=$(field "$o16" peak_bytes)
+  p32=$(field "$o32" peak_bytes)
+  # Its largest batch: the estimate from the B16/B32 peaks first (its large batches also hold
+  # whole-logits blocks, so the estimate runs high), then halving the gap between the largest
+  # batch seen to fit (lo, B32 at first) and the smallest seen to fail (hi), in multiples of 8.
+  local name="same, PyTorch torch.compile+SDPA+fused AdamW, largest batch found"
+  if [ -z "$p32" ] || [ "$p32" = None ]; then
+    TABLE+=("| $name | | B 32 out of memory | |")
+    return
+  fi
+  local lo=32 hi=0 lo_out=$o32 tries=0
   bt=$("$PY" -c "per = ($p32 - $p16) / 16; print(int((0.97 * $free * 2**20 - ($p16 - 16 * per)) // per) // 8 * 8)")
-  for _ in 1 2 3; do
+  while [ "$tries" -lt "${MAX_BATCH_TRIES:-4}" ] && [ "$bt" -gt "$lo" ]; do
+    tries=$((tries + 1))
     p=$(run "$PY" benches/pytorch/strategies.py --model gpt2 --strategy bf16 --device cuda --seq 1024 --steps 2 --warmup 1 --batch "$bt" $COMPILED)
-    [ "$(field "$p" peak_bytes)" != None ] && [ -n "$(field "$p" peak_bytes)" ] && break
-    bt=$((bt - 8))
+    if [ -n "$(field "$p" peak_bytes)" ] && [ "$(field "$p" peak_bytes)" != None ]; then
+      lo=$bt lo_out=$p
+    else
+      hi=$bt
+    fi
+    [ "$hi" = 0 ] && break
+    bt=$(( (lo + hi) / 16 * 8 ))
   done
-  TABLE+=("| same, PyTorch torch.compile+SDPA+fused AdamW (batch from its B16/B32 peaks), step ms (peak) | | B $bt: $(field "$p" step_ms) ms ($(mib "$(field "$p" peak_bytes)")) | |")
+  local above="no larger batch tried"
+  [ "$hi" -gt 0 ] && above="B $hi out of memory"
+  TABLE+=("| $name in $tries tries past B32, step ms (peak) | | B $lo: $(field "$lo_out" step_ms) ms ($(mib "$(field "$lo_out" peak_bytes)")); $above | |")
 }
 
 # ferrograd train against benches/pytorch/gpt_step.py on the same flags.

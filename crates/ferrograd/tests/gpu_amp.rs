@@ -289,11 +289,10 @@ fn linear_parameter_gradients_are_f32_gemm_outputs_as_the_cpu() {
 
 /// The fused MLP on f32 parameters in a bf16 region on the GPU (GELU and DGELU epilogues,
 /// BGRADB into f32): every parameter gradient f32, no cast's backward, and the CPU's
-/// gradients within `gpu_fused`'s tolerance for the half-precision MLP: the GPU rounds the
-/// GELU's input gradient once (in the epilogue) where the CPU rounds the product and then the
-/// product times gelu'(pre), so the weight gradients (sums over rows) differ by a few units in
-/// the last place where terms cancel. The weights are scaled as a trained MLP's are, so the
-/// GELU works across its curve.
+/// gradients within bf16 rounding of their largest: the GPU rounds the GELU's input gradient
+/// once (in the epilogue) where the CPU rounds the product and then the product times
+/// gelu'(pre), so the weight gradients (sums over rows) differ most where terms cancel. The
+/// weights are scaled as a trained MLP's are, so the GELU works across its curve.
 #[test]
 fn fused_mlp_parameter_gradients_are_f32_as_the_cpu() {
     let (rows, c, h) = (64, 64, 256);
@@ -337,7 +336,15 @@ fn fused_mlp_parameter_gradients_are_f32_as_the_cpu() {
             "{}",
             names[k]
         );
-        assert_close(names[k], &host(got), want, (1e-1, 5e-2));
+        // Rounding differences of bf16 summands scale with the largest gradient, not with the
+        // element (a sum that cancels keeps its terms' error): 4% of the largest, twice the
+        // 2.1% an H100 showed.
+        let largest = want
+            .to_vec::<f64>()
+            .unwrap()
+            .iter()
+            .fold(0.0f64, |m, v| m.max(v.abs()));
+        assert_close(names[k], &host(got), want, (0.04 * largest, 5e-2));
     }
     assert_not_bf16_rounded("w_proj.grad", &gpu.0[2]);
 }
@@ -389,4 +396,45 @@ fn tied_classifier_weight_gradient_is_the_cpus() {
         &cpu.0,
         tol(DType::BF16),
     );
+}
+
+/// The residual add fused into the norm after it, f32 stream and bf16 branch, on the GPU: the
+/// norm's backward writes the stream's gradient and its bf16 rounding (in the same kernel at
+/// rows a warp holds, 768; converted after it at 1100), and the branch's gradient is x.grad
+/// rounded, bit for bit, with no cast of its own.
+#[test]
+fn the_residual_branch_gradient_comes_from_the_norm_backward() {
+    for n in [768usize, 1100] {
+        let x = param_on(&[9, n], 71, GPU);
+        let h = draw(&[9, n], DType::BF16, 72, GPU)
+            .requires_grad_(true)
+            .unwrap();
+        let (w, b) = (param_on(&[n], 73, GPU), param_on(&[n], 74, GPU));
+        let c = draw(&[9, n], DType::F32, 75, GPU);
+        let (s, y) = x
+            .add_layer_norm_to(&h, &[n], Some(&w), Some(&b), 1e-5, DType::BF16)
+            .unwrap();
+        let loss = y
+            .sum_all()
+            .unwrap()
+            .to_dtype(DType::F32)
+            .unwrap()
+            .add(&s.mul(&c).unwrap().sum_all().unwrap())
+            .unwrap();
+        let events = ops_allocating(GPU, || loss.backward().unwrap());
+        let half_bytes = (9 * n * 2) as u64;
+        assert!(
+            !events.contains(&("to_dtype", half_bytes)),
+            "n={n}: a cast of the branch's gradient: {events:?}"
+        );
+        let want = x.grad().unwrap().to_dtype(DType::BF16).unwrap();
+        let bits = |t: &Tensor| {
+            host(t)
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_vec::<f32>()
+                .unwrap()
+        };
+        assert_eq!(bits(&h.grad().unwrap()), bits(&want), "n={n}");
+    }
 }

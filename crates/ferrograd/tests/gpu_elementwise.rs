@@ -659,8 +659,8 @@ fn dropout_masks_made_on_the_gpu_equal_the_cpus() {
 
 // ---- 16-byte vector paths ---------------------------------------------------------------
 
-/// Contiguous, aligned operands take the kernels' 16-byte vector path; a view that starts one
-/// element in does not. Both must give the CPU's results, for lengths with and without a
+/// Contiguous, aligned operands take the kernels' 16-byte vector path, with a 0-dim operand
+/// too; a view that starts one element in does not. Both must give the CPU's results, for lengths with and without a
 /// tail after the last whole vector.
 #[test]
 fn vector_and_scalar_paths_match_the_cpu() {
@@ -697,6 +697,23 @@ fn vector_and_scalar_paths_match_the_cpu() {
                 acc.add_(&y).unwrap();
                 gacc.add_(&gy).unwrap();
                 check(&what("add_"), &gacc, &acc);
+                // A 0-dim operand broadcast to every element (a loss gradient, a clipping
+                // coefficient): loaded once, the other operand on its own path.
+                let s = Tensor::scalar(-1.75, dt, Device::Cpu).unwrap();
+                let gs = gpu(&s);
+                check(
+                    &what("x * 0-dim"),
+                    &gx.mul(&gs).unwrap(),
+                    &x.mul(&s).unwrap(),
+                );
+                check(
+                    &what("0-dim - x"),
+                    &gs.sub(&gx).unwrap(),
+                    &s.sub(&x).unwrap(),
+                );
+                acc.mul_(&s).unwrap();
+                gacc.mul_(&gs).unwrap();
+                check(&what("mul_ by 0-dim"), &gacc, &acc);
                 // GELU's backward writes g · gelu'(x) into the incoming gradient in place.
                 let grad_of = |x: &Tensor, g: &Tensor| {
                     let leaf = x.detach().requires_grad_(true).unwrap();

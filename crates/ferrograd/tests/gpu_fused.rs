@@ -410,6 +410,40 @@ fn cross_entropy_rejects_a_bad_target_on_the_gpu() {
     }
 }
 
+/// The fused classifier against the CPU: loss, dx and dw over several chunks, in bf16 (the
+/// loss and the logits' gradient in one kernel per chunk), f32 and f64 (the forward and
+/// backward kernels); vocabularies of whole 16-byte vectors (1024) and not (1100: a tail, and
+/// a row stride padded past it); ignored targets, among them chunks of nothing else.
+#[test]
+fn linear_cross_entropy_in_chunks_matches_the_cpu() {
+    let rows = 40;
+    for v in [1024usize, 1100] {
+        let t: Vec<i64> = (0..rows as i64)
+            .map(|r| match r {
+                8..24 => -100,
+                _ if r % 5 == 2 => -100,
+                _ => (r * 131 + 7) % v as i64,
+            })
+            .collect();
+        for (dt, tol) in [
+            (DType::BF16, (1e-3, 3e-2)),
+            (DType::F32, (1e-5, 1e-5)),
+            (DType::F64, TOL),
+        ] {
+            let x = randn(&[rows, 48], 40).to_dtype(dt).unwrap();
+            let w = randn(&[v, 48], 41).mul_scalar(0.3).unwrap();
+            // Chunks of at most 10 rows' logits (8 where the stride is padded).
+            let chunk = 10 * v * dt.size_in_bytes();
+            compare(
+                &format!("linear_cross_entropy {dt} V {v}"),
+                &[x, w.to_dtype(dt).unwrap(), ids(&t, &[rows])],
+                tol,
+                |a| a[0].linear_cross_entropy_in_chunks(&a[1], &a[2], -100, chunk),
+            );
+        }
+    }
+}
+
 /// A training step's ids and targets come from the host: their range checks use the host
 /// copy the upload kept, so neither the forward nor the backward waits for the GPU.
 #[test]

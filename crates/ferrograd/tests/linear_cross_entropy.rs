@@ -228,3 +228,51 @@ fn the_gpt_training_loss_is_forward_loss_bit_for_bit() {
     };
     assert_eq!(step(true), step(false));
 }
+
+/// GPT-2's tied head planned for a GPU (whose head GEMMs pad the vocabulary to 50304): the
+/// backward scales dw over its whole padded block in place and hands on the first 50257 rows,
+/// so no slice temporary of dw's size is allocated; the one (V, C) f32 buffer the cast back to
+/// the parameter makes is there.
+#[test]
+fn the_padded_weight_gradient_is_scaled_in_place() {
+    use ferrograd::memory::recorder::Action;
+    use ferrograd::plan::{PlanOptions, Target, plan};
+    let _g = lock();
+    let (v, c) = (50257, 768);
+    let mut backward_allocs = Vec::new();
+    let p = plan(
+        Target::Cuda { capacity: 80 << 30 },
+        PlanOptions { record: true },
+        |dev| {
+            let wte = Tensor::zeros(&[v, c], DType::F32, dev)?.requires_grad_(true)?;
+            let ids = Tensor::zeros(&[8, 1024], DType::I64, dev)?;
+            let loss = {
+                let _amp = autocast(AmpDType::BF16);
+                wte.embedding(&ids)?
+                    .linear_cross_entropy(&wte, &ids, -100)?
+            };
+            loss.backward()
+        },
+    )
+    .unwrap();
+    let events = p.recording.unwrap().events;
+    // The backward's allocations: those after the last of the forward's dw GEMM outputs.
+    let start = events
+        .iter()
+        .rposition(|e| e.action == Action::Alloc && e.origin.op == "cross_entropy")
+        .unwrap();
+    for e in &events[start..] {
+        if e.action == Action::Alloc {
+            backward_allocs.push((e.origin.op, e.requested));
+        }
+    }
+    let dw_bf16 = (v * c * 2) as u64;
+    assert!(
+        !backward_allocs.iter().any(|&(_, b)| b == dw_bf16),
+        "a bf16 temporary of dw's size: {backward_allocs:?}"
+    );
+    assert!(
+        backward_allocs.contains(&("to_dtype", (v * c * 4) as u64)),
+        "{backward_allocs:?}"
+    );
+}

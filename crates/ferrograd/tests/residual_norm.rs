@@ -278,3 +278,80 @@ fn the_fused_residual_step_checks_its_arguments() {
             .is_err()
     );
 }
+
+/// The residual step's ops that allocate during `f`: (op, bytes requested) on the CPU.
+fn ops_allocating(f: impl FnOnce()) -> Vec<(&'static str, u64)> {
+    use ferrograd::memory::recorder::{self, Action, RecorderConfig};
+    recorder::start(RecorderConfig { capacity: 1 << 12 }).unwrap();
+    f();
+    let rec = recorder::stop().unwrap();
+    rec.events
+        .iter()
+        .filter(|e| e.device == CPU && e.action == Action::Alloc)
+        .map(|e| (e.origin.op, e.requested))
+        .collect()
+}
+
+/// An f32 stream with a bf16 branch: the norm's backward writes the stream's gradient and its
+/// bf16 rounding together, and the branch's gradient is that rounding (x.grad rounded, bit
+/// for bit) with no cast of its own in the backward.
+#[test]
+fn the_norm_backward_writes_the_half_branch_gradient() {
+    let _one_at_a_time = lock();
+    let mut g = Generator::new(31);
+    let mut leaf = |dt: DType| {
+        randn(&[4, 3, N], DType::F32, &mut g)
+            .to_dtype(dt)
+            .unwrap()
+            .requires_grad_(true)
+            .unwrap()
+    };
+    let (x, h) = (leaf(DType::F32), leaf(DType::BF16));
+    let c = randn(&[4, 3, N], DType::F32, &mut g);
+    let (s, y) = x
+        .add_layer_norm_to(&h, &[N], None, None, 1e-5, DType::BF16)
+        .unwrap();
+    let loss = y
+        .sum_all()
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap()
+        .add(&s.mul(&c).unwrap().sum_all().unwrap())
+        .unwrap();
+    let events = ops_allocating(|| loss.backward().unwrap());
+    let half_bytes = (4 * 3 * N * 2) as u64;
+    assert!(
+        !events.contains(&("to_dtype", half_bytes)),
+        "a cast of the branch's gradient: {events:?}"
+    );
+    assert!(
+        events.contains(&("layer_norm_backward", half_bytes)),
+        "the norm's half gradient: {events:?}"
+    );
+    let want = x.grad().unwrap().to_dtype(DType::BF16).unwrap();
+    assert_eq!(bits(&h.grad().unwrap()), bits(&want));
+}
+
+/// A bf16 branch that needs no gradient (frozen): the norm's backward writes no half copy.
+#[test]
+fn a_frozen_half_branch_gets_no_half_gradient_written() {
+    let _one_at_a_time = lock();
+    let mut g = Generator::new(32);
+    let x = randn(&[4, 3, N], DType::F32, &mut g)
+        .requires_grad_(true)
+        .unwrap();
+    let h = randn(&[4, 3, N], DType::F32, &mut g)
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let (_, y) = x
+        .add_layer_norm_to(&h, &[N], None, None, 1e-5, DType::BF16)
+        .unwrap();
+    let loss = y.sum_all().unwrap();
+    let events = ops_allocating(|| loss.backward().unwrap());
+    let half_bytes = (4 * 3 * N * 2) as u64;
+    assert!(
+        !events.contains(&("layer_norm_backward", half_bytes)),
+        "a half copy nothing reads: {events:?}"
+    );
+    assert_eq!(x.grad().unwrap().shape(), &[4, 3, N]);
+}

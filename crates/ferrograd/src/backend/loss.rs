@@ -36,6 +36,18 @@ pub struct CrossEntropyBackward<'a> {
     pub ignore_index: i64,
 }
 
+/// `CrossEntropy`'s loss, then the logits overwritten by `CrossEntropyBackward`'s gradient
+/// for the loss gradient gloss, in one call: the fused classifier's chunk, whose logits nothing
+/// else reads. Where the backend can, one pass per row (the logits cross memory once each way);
+/// no log-sum-exp is kept.
+pub struct CrossEntropyWithGrad<'a> {
+    pub logits: View<'a>,
+    pub targets: View<'a>,
+    pub loss: &'a Storage,
+    pub gloss: View<'a>,
+    pub ignore_index: i64,
+}
+
 /// loss () = mean((x - y)²) in one pass; x, y contiguous of one shape and float dtype.
 pub struct MseLoss<'a> {
     pub x: View<'a>,
@@ -55,6 +67,7 @@ pub struct MseLossBackward<'a> {
 pub trait LossKernels {
     fn cross_entropy(&self, a: &CrossEntropy) -> Result<()>;
     fn cross_entropy_backward(&self, a: &CrossEntropyBackward) -> Result<()>;
+    fn cross_entropy_with_grad(&self, a: &CrossEntropyWithGrad) -> Result<()>;
     fn mse_loss(&self, a: &MseLoss) -> Result<()>;
     fn mse_loss_backward(&self, a: &MseLossBackward) -> Result<()>;
 }
@@ -88,6 +101,17 @@ pub fn cross_entropy_backward(a: &CrossEntropyBackward) -> Result<()> {
     }
     check::within(OP, &a.glogits)?;
     backend(device)?.cross_entropy_backward(a)
+}
+
+pub fn cross_entropy_with_grad(a: &CrossEntropyWithGrad) -> Result<()> {
+    const OP: &str = "cross_entropy";
+    let device = a.loss.device();
+    let ins = [a.logits, a.targets, a.gloss];
+    check::on_device(OP, device, ins.iter().map(|v| v.storage))?;
+    logits_and_targets(OP, &a.logits, &a.targets)?;
+    check::out_float(OP, a.loss, 1)?;
+    check::dense_float(OP, "the loss gradient", &a.gloss, 1)?;
+    backend(device)?.cross_entropy_with_grad(a)
 }
 
 /// (R, C) of float logits read as evenly spaced rows of their last dim, with R contiguous

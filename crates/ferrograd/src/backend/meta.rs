@@ -12,7 +12,9 @@ use super::attention::{Attention, AttentionBackward, AttentionKernels};
 use super::capture::{Capture, GraphExec};
 use super::elementwise::ElementwiseKernels;
 use super::index::{IndexAdd, IndexKernels, IndexSelect, Where};
-use super::loss::{CrossEntropy, CrossEntropyBackward, LossKernels, MseLoss, MseLossBackward};
+use super::loss::{
+    CrossEntropy, CrossEntropyBackward, CrossEntropyWithGrad, LossKernels, MseLoss, MseLossBackward,
+};
 use super::matmul::{Matmul, MatmulKernels};
 use super::optim::{AdamStep, CountStep, OptimKernels, SgdStep, UnscaleCheck, UpdateScale};
 use super::reduce::ReduceKernels;
@@ -317,6 +319,14 @@ impl LossKernels for MetaBackend {
         Ok(())
     }
     fn cross_entropy_backward(&self, _: &CrossEntropyBackward) -> Result<()> {
+        Ok(())
+    }
+    fn cross_entropy_with_grad(&self, a: &CrossEntropyWithGrad) -> Result<()> {
+        if planning_target() == Some(MetaTarget::Cuda) {
+            let (rows, _) = super::rows_cols(a.logits.layout);
+            let bytes = super::cuda::nll_lse_scratch_bytes(rows);
+            let _scratch = cuda_temp(bytes, "cross_entropy")?;
+        }
         Ok(())
     }
     fn mse_loss(&self, _: &MseLoss) -> Result<()> {

@@ -6,7 +6,7 @@
 
 use super::check::{self, rows_cols};
 use super::{Storage, View, backend};
-use crate::base::{Error, Result};
+use crate::base::{DType, Error, Layout, Result};
 
 /// y (R, N) = softmax (or log-softmax) of x (R, N) over the last dim. Any shape is read as
 /// rows of its last dim; x contiguous, y of x's dtype and numel.
@@ -58,7 +58,10 @@ pub struct Residual<'a> {
 /// have x's dtype. With `prior` (R, N) of x's dtype, gx = prior + the norm's gradient, each
 /// element rounded as a separate add would round it: a backward that folds the gradient its
 /// input already has from other paths (a residual stream's) into the one write of gx. prior
-/// may be gx's own storage; the sum is then written in place.
+/// may be gx's own storage; the sum is then written in place. With `gx_half` (R, N) of gy's
+/// half dtype beside f32 rows, gx is also written there rounded as a cast rounds it (the
+/// gradient of the half branch whose f32 sum these rows are), in the same pass where the
+/// device can (`RowKernels::layer_norm_backward_writes_half`), else converted after it.
 pub struct LayerNormBackward<'a> {
     pub x: View<'a>,
     pub weight: Option<View<'a>>,
@@ -69,6 +72,7 @@ pub struct LayerNormBackward<'a> {
     pub gx: &'a Storage,
     pub gweight: Option<&'a Storage>,
     pub gbias: Option<&'a Storage>,
+    pub gx_half: Option<&'a Storage>,
 }
 
 /// The row kernels of one device. Arguments arrive validated (entry functions below).
@@ -77,6 +81,11 @@ pub trait RowKernels {
     fn softmax_backward(&self, a: &SoftmaxBackward) -> Result<()>;
     fn layer_norm(&self, a: &LayerNorm) -> Result<()>;
     fn layer_norm_backward(&self, a: &LayerNormBackward) -> Result<()>;
+    /// Whether `layer_norm_backward` writes `gx_half` itself for these arguments; where it
+    /// does not, the entry function converts gx into it afterwards.
+    fn layer_norm_backward_writes_half(&self, _a: &LayerNormBackward) -> bool {
+        false
+    }
 }
 
 pub fn softmax(a: &Softmax) -> Result<()> {
@@ -176,7 +185,29 @@ pub fn layer_norm_backward(a: &LayerNormBackward) -> Result<()> {
     for g in [a.gweight, a.gbias].into_iter().flatten() {
         check::out(OP, g, n, dtype)?;
     }
-    backend(device)?.layer_norm_backward(a)
+    if let Some(h) = a.gx_half {
+        if dtype != DType::F32 || h.dtype() != gy_dtype {
+            return Err(Error::invalid(
+                OP,
+                "gx_half is for f32 rows and has the dtype of their f16/bf16 gradient gy",
+            ));
+        }
+        check::on_device(OP, device, [h])?;
+        check::out(OP, h, rows * n, gy_dtype)?;
+    }
+    let kernels = backend(device)?;
+    kernels.layer_norm_backward(a)?;
+    match a.gx_half {
+        Some(h) if !kernels.layer_norm_backward_writes_half(a) => {
+            let all = Layout::contiguous(&[rows * n]);
+            let view = |storage| View {
+                storage,
+                layout: &all,
+            };
+            super::elementwise::copy(view(a.gx), view(h))
+        }
+        _ => Ok(()),
+    }
 }
 
 /// mean and rstd: `rows` elements each of one float dtype.

@@ -6,22 +6,23 @@
 //! block of a step, shrink to one chunk's.
 //!
 //! The gradients are therefore computed in the forward, for a loss gradient of 1, and kept
-//! (dx (N, C), dw (V, C), counted as saved activations); backward multiplies them by the
-//! loss's actual gradient. Each chunk's loss is its mean over its counted targets, weighed by
-//! its share of all counted targets (computed on the device: nothing is read back); its
-//! gradient uses the same share. With one chunk (most small models) the loss and both
+//! (dx (N, C), dw (V, C) or the GPU's padded (Vp, C) block, counted as saved activations);
+//! backward multiplies them by the loss's actual gradient, in place where nothing else holds
+//! them. Each chunk's loss is its mean over its counted targets, weighed by its share of all
+//! counted targets (computed on the device: nothing is read back); its gradient uses the same
+//! share. With one chunk (most small models) the loss and both
 //! gradients are the composition's bit for bit under a loss gradient of 1; with several, dw
 //! sums the chunks' products (a different order of the same sums) and is equal to rounding.
 //! Not differentiable twice (create_graph through it is the engine's error naming it). f16
 //! runs the composition: unscaled f16 gradients would underflow.
 
-use super::aligned_gemm::PaddedWeight;
+use super::aligned_gemm::{PaddedWeight, first_rows};
 use super::binary::binary_forward;
 use super::matmul::{matmul_acc_into, matmul_forward};
 use super::{autocast, check_float, check_same_device, stats_dtype};
 use crate::autograd::{SavedTensor, no_grad, record, saved_values_released_after_this_backward};
 use crate::backend::BinaryOp;
-use crate::backend::loss::{self, CrossEntropy, CrossEntropyBackward};
+use crate::backend::loss::{self, CrossEntropy, CrossEntropyWithGrad};
 use crate::base::{Error, Result};
 use crate::tensor::{DType, Tensor};
 
@@ -88,7 +89,7 @@ impl Tensor {
         let Some((dx, dw)) = grads else {
             return Ok(loss);
         };
-        let x_shape = self.shape().to_vec();
+        let (x_shape, w_rows) = (self.shape().to_vec(), weight.shape()[0]);
         Ok(record(
             "linear_cross_entropy",
             &[self, weight],
@@ -100,7 +101,9 @@ impl Tensor {
                     Ok(vec![
                         n[0].then(|| scale(dx.get())?.reshape(&x_shape))
                             .transpose()?,
-                        n[1].then(|| scale(dw.get())).transpose()?,
+                        // Scaled over the whole padded block: in place where it may be.
+                        n[1].then(|| first_rows(scale(dw.get())?, w_rows))
+                            .transpose()?,
                     ])
                 }
             },
@@ -142,7 +145,8 @@ struct Head {
 }
 
 impl Head {
-    /// The loss and, when `wants_grad`, (dx, dw) for a loss gradient of 1.
+    /// The loss and, when `wants_grad`, (dx, dw) for a loss gradient of 1; dw over the
+    /// padded block `weight_grad_rows` makes (its first V rows are the weight's).
     fn run(&self, chunk: usize, wants_grad: bool) -> Result<(Tensor, Option<(Tensor, Tensor)>)> {
         let rows = self.x.shape()[0];
         let device = self.x.device();
@@ -168,10 +172,13 @@ impl Head {
             let n = chunk.min(rows - r0);
             let (x, t) = (self.x.narrow(0, r0, n)?, self.targets.narrow(0, r0, n)?);
             let logits = self.w.forward(&x)?;
-            let (loss, lse) = self.chunk_loss(&logits, &t)?;
             // The chunk's share of the counted targets weighs its mean, and its gradient.
             let count_c = counted(&ignored.narrow(0, r0, n)?, n)?;
             let share = count_c.div(&count)?;
+            let loss = match dx {
+                Some(_) => self.chunk_loss_and_grad(&logits, &t, &share)?,
+                None => self.chunk_loss(&logits, &t)?,
+            };
             let empty = binary_forward(BinaryOp::Eq, &count_c, &zero, "linear_cross_entropy")?
                 .to_dtype(DType::U8)?;
             // An empty chunk's mean is NaN; it adds nothing.
@@ -180,9 +187,8 @@ impl Head {
                 .masked_fill(&empty, 0.0)?;
             total = total.add(&term)?;
             let Some(dx) = &dx else { continue };
-            self.chunk_grad(&logits, &t, &lse, &share)?;
             dx.narrow(0, r0, n)?.copy_(&self.w.input_grad(&logits)?)?;
-            let gt = logits.t_view()?;
+            let gt = self.w.weight_grad_rows(&logits)?;
             match &dw {
                 None => dw = Some(matmul_forward(&gt, &x)?),
                 Some(dw) => matmul_acc_into(&gt, &x, dw, 1.0)?,
@@ -193,11 +199,10 @@ impl Head {
         Ok((total, dx.zip(dw)))
     }
 
-    /// The chunk's mean loss over its counted targets (NaN when it has none) and the
-    /// log-sum-exp of each of its rows.
-    fn chunk_loss(&self, logits: &Tensor, t: &Tensor) -> Result<(Tensor, Tensor)> {
+    /// The chunk's mean loss over its counted targets (NaN when it has none).
+    fn chunk_loss(&self, logits: &Tensor, t: &Tensor) -> Result<Tensor> {
         let device = logits.device();
-        let loss = Tensor::output_uninit(&[], self.loss_dtype, device, "linear_cross_entropy")?;
+        let loss = self.loss_out(logits)?;
         let lse = Tensor::output_uninit(
             &[t.numel()],
             stats_dtype(logits.dtype()),
@@ -211,20 +216,31 @@ impl Head {
             lse: lse.storage(),
             ignore_index: self.ignore_index,
         })?;
-        Ok((loss, lse))
+        Ok(loss)
     }
 
-    /// Overwrites the chunk's logits with their gradient for a loss gradient of 1:
-    /// (softmax - onehot) · share / count_c = (softmax - onehot) / count.
-    fn chunk_grad(&self, logits: &Tensor, t: &Tensor, lse: &Tensor, share: &Tensor) -> Result<()> {
-        loss::cross_entropy_backward(&CrossEntropyBackward {
+    /// `chunk_loss`, with the chunk's logits overwritten by their gradient for a loss gradient
+    /// of 1 in the same pass: (softmax - onehot) · share / count_c = (softmax - onehot) / count.
+    fn chunk_loss_and_grad(&self, logits: &Tensor, t: &Tensor, share: &Tensor) -> Result<Tensor> {
+        let loss = self.loss_out(logits)?;
+        loss::cross_entropy_with_grad(&CrossEntropyWithGrad {
             logits: logits.view(),
             targets: t.view(),
-            lse: lse.view(),
+            loss: loss.storage(),
             gloss: share.view(),
-            glogits: logits.view(),
             ignore_index: self.ignore_index,
-        })
+        })?;
+        Ok(loss)
+    }
+
+    /// The 0-dim output a chunk's loss is written to.
+    fn loss_out(&self, logits: &Tensor) -> Result<Tensor> {
+        Tensor::output_uninit(
+            &[],
+            self.loss_dtype,
+            logits.device(),
+            "linear_cross_entropy",
+        )
     }
 }
 

@@ -141,12 +141,21 @@ impl Tensor {
             eps,
         })?;
         // The rows normalised: self, or the sum recorded as the add it is.
-        let (input, x) = match added {
+        let (input, x, half_branch) = match added {
             Some((branch, _, sum)) => {
                 let s = sum.reshape(self.shape())?;
-                (record_add_sub(self, branch, s, false, "add"), sum)
+                let input = if branch.dtype() != self.dtype() {
+                    half_grad::record_residual_add(self, branch, s)
+                } else {
+                    record_add_sub(self, branch, s, false, "add")
+                };
+                // The norm's backward writes the branch's half gradient only if it has one.
+                let half = (branch.dtype() != self.dtype()
+                    && crate::autograd::should_record(&[branch]))
+                .then(|| branch.dtype());
+                (input, sum, half)
             }
-            None => (self.clone(), x),
+            None => (self.clone(), x, None),
         };
         let recorded: Vec<&Tensor> = [Some(&input), weight, bias].into_iter().flatten().collect();
         let y = record("layer_norm", &recorded, y, |_, _| {
@@ -158,6 +167,7 @@ impl Tensor {
                 bias: b.is_some(),
                 x_shape: self.shape().to_vec(),
                 param_shape: normalized_shape.to_vec(),
+                half_branch,
             };
             move |g: &Tensor, needs: &[bool]| saved.backward(g, needs)
         });
@@ -175,6 +185,9 @@ struct Saved {
     bias: bool,
     x_shape: Vec<usize>,
     param_shape: Vec<usize>,
+    /// The dtype of the half branch whose f32 sum x is (`add_layer_norm_to`'s fused add):
+    /// gx is also written in it, for that add's backward (`half_grad`).
+    half_branch: Option<DType>,
 }
 
 impl Saved {
@@ -210,6 +223,13 @@ impl Saved {
         };
         let gw = w.map(|_| grad(&[n])).transpose()?;
         let gb = self.bias.then(|| grad(&[n])).transpose()?;
+        // Under create_graph the add's backward casts a recorded gradient instead.
+        let half = match self.half_branch {
+            Some(dt) if needs[0] && !crate::autograd::is_grad_enabled() => Some(
+                Tensor::output_uninit(x.shape(), dt, x.device(), "layer_norm_backward")?,
+            ),
+            _ => None,
+        };
         rows::layer_norm_backward(&LayerNormBackward {
             x: x.view(),
             weight: w.map(Tensor::view),
@@ -220,8 +240,12 @@ impl Saved {
             gx: gx.storage(),
             gweight: gw.as_ref().map(|t| &**t.storage()),
             gbias: gb.as_ref().map(|t| &**t.storage()),
+            gx_half: half.as_ref().map(|t| &**t.storage()),
         })?;
         let gx = gx.reshape(&self.x_shape)?;
+        if let Some(half) = half {
+            half_grad::offer(&gx, half.reshape(&self.x_shape)?);
+        }
         let params = [gw, gb]
             .into_iter()
             .flatten()
@@ -270,4 +294,75 @@ fn check_args(
     Ok(shape[..shape.len() - normalized_shape.len()]
         .iter()
         .product())
+}
+
+/// The residual add of `add_layer_norm_to` with a half branch beside f32 rows, s = x + h:
+/// its backward gives h the gradient of s rounded to h's dtype. The layer norm's backward,
+/// which writes that gradient (gx: the norm's own term plus what s's other uses sent), writes
+/// its rounding in the same pass and offers it here; the add's backward takes it instead of
+/// launching a cast, when the gradient it receives is still that very buffer, unchanged (the
+/// same storage at the same version), else it casts as any add does. One offer is held at a
+/// time, on the thread that runs the backward; one that no add takes (a backward stopped by
+/// an error between the two) is dropped by the next offer or take.
+mod half_grad {
+    use std::cell::RefCell;
+    use std::sync::{Arc, Weak};
+
+    use crate::autograd::record;
+    use crate::backend::Storage;
+    use crate::base::Result;
+    use crate::tensor::Tensor;
+
+    struct Offer {
+        /// gx's storage (not kept alive by the offer) and its version when offered.
+        of: Weak<Storage>,
+        version: u64,
+        half: Tensor,
+    }
+
+    thread_local! {
+        static OFFER: RefCell<Option<Offer>> = const { RefCell::new(None) };
+    }
+
+    /// Offers `half`, gx rounded, for the add whose output's gradient is gx.
+    pub(super) fn offer(gx: &Tensor, half: Tensor) {
+        let offer = Offer {
+            of: Arc::downgrade(gx.storage()),
+            version: gx.storage().version(),
+            half,
+        };
+        OFFER.with(|o| *o.borrow_mut() = Some(offer));
+    }
+
+    /// The offer (dropping it either way) when it is g's rounding to `dtype`.
+    fn take(g: &Tensor, dtype: crate::tensor::DType) -> Option<Tensor> {
+        let offer = OFFER.with(|o| o.borrow_mut().take())?;
+        let same = offer
+            .of
+            .upgrade()
+            .is_some_and(|s| Arc::ptr_eq(&s, g.storage()))
+            && g.storage().version() == offer.version
+            && g.layout().is_contiguous()
+            && g.layout().offset() == 0
+            && offer.half.shape() == g.shape()
+            && offer.half.dtype() == dtype;
+        same.then_some(offer.half)
+    }
+
+    /// s = x + h recorded as `add` (s already computed): backward (g, g rounded to h's dtype).
+    pub(super) fn record_residual_add(x: &Tensor, h: &Tensor, s: Tensor) -> Tensor {
+        let (x_dtype, h_dtype) = (x.dtype(), h.dtype());
+        record("add", &[x, h], s, move |_, _| {
+            move |g: &Tensor, n: &[bool]| -> Result<Vec<Option<Tensor>>> {
+                let offered = take(g, h_dtype);
+                let gh = match (n[1], offered) {
+                    (false, _) => None,
+                    (true, Some(half)) => Some(half),
+                    (true, None) => Some(g.to_dtype(h_dtype)?),
+                };
+                let gx = n[0].then(|| g.to_dtype(x_dtype)).transpose()?;
+                Ok(vec![gx, gh])
+            }
+        })
+    }
 }

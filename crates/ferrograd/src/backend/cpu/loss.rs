@@ -12,7 +12,7 @@ use super::data::{CpuData, Elem, per_float_variant};
 use super::rows::{Inputs, dispatch, map_indices, max_and_log_sum, store_f64, typed, typed_mut};
 use super::{read, write};
 use crate::backend::loss::{
-    CrossEntropy, CrossEntropyBackward, LossKernels, MseLoss, MseLossBackward,
+    CrossEntropy, CrossEntropyBackward, CrossEntropyWithGrad, LossKernels, MseLoss, MseLossBackward,
 };
 use crate::backend::{View, rows_cols};
 use crate::base::DType;
@@ -31,6 +31,13 @@ impl LossKernels for CpuBackend {
             a.logits.storage.dtype(),
             "cross_entropy_backward",
             cross_entropy_backward(a)
+        )
+    }
+    fn cross_entropy_with_grad(&self, a: &CrossEntropyWithGrad) -> Result<()> {
+        dispatch!(
+            a.logits.storage.dtype(),
+            "cross_entropy",
+            cross_entropy_with_grad(a)
         )
     }
     fn mse_loss(&self, a: &MseLoss) -> Result<()> {
@@ -105,15 +112,7 @@ fn cross_entropy<T: Elem>(a: &CrossEntropy) -> Result<()> {
     let x = logit_slice::<T>(&xd, &a.logits)?;
     // Per row: log-sum-exp (saved for backward) and -log p(target) (0 when ignored).
     let per_row = map_indices(rows, rows * c, |r| {
-        let xr = strided_row(x, r, c, ld);
-        let (max, log_sum) = max_and_log_sum(xr);
-        let lse = max + log_sum;
-        let nll = if t[r] == ignore_index {
-            0.0
-        } else {
-            lse - xr[t[r] as usize].to_f64()
-        };
-        (lse, nll)
+        lse_and_nll(strided_row(x, r, c, ld), t[r], ignore_index)
     });
     drop(xd);
     let count = t.iter().filter(|&&v| v != ignore_index).count();
@@ -122,6 +121,18 @@ fn cross_entropy<T: Elem>(a: &CrossEntropy) -> Result<()> {
     let lse: Vec<f64> = per_row.into_iter().map(|p| p.0).collect();
     store_f64(OP, a.loss, &[loss])?;
     store_f64(OP, a.lse, &lse)
+}
+
+/// A row's log-sum-exp and -log p(target) (0 when the target is ignored).
+fn lse_and_nll<T: Elem>(xr: &[T], target: i64, ignore: i64) -> (f64, f64) {
+    let (max, log_sum) = max_and_log_sum(xr);
+    let lse = max + log_sum;
+    let nll = if target == ignore {
+        0.0
+    } else {
+        lse - xr[target as usize].to_f64()
+    };
+    (lse, nll)
 }
 
 /// One gradient row from its logits row: (softmax - onehot)·scale, rounded through f32 (as an
@@ -187,6 +198,49 @@ fn cross_entropy_backward<T: Elem>(a: &CrossEntropyBackward) -> Result<()> {
         }
         Ok(())
     })
+}
+
+/// Per row: the log-sum-exp and -log p(target) as `cross_entropy` computes them, then the
+/// row overwritten by its gradient as `cross_entropy_backward` computes it — the same values,
+/// bit for bit, from one visit of each row.
+fn cross_entropy_with_grad<T: Elem>(a: &CrossEntropyWithGrad) -> Result<()> {
+    const OP: &str = "cross_entropy";
+    let ignore_index = a.ignore_index;
+    let (rows, c, ld) = logit_rows(&a.logits)?;
+    let views = [a.targets, a.gloss];
+    let ins = Inputs::read(&views)?;
+    let t = ins.i64s(OP, 0, rows)?;
+    check_targets(t, c, ignore_index)?;
+    let count = t.iter().filter(|&&v| v != ignore_index).count();
+    let scale = ins.f64s(OP, 1, 1)?[0] / count as f64;
+    let (off, span) = (a.logits.layout.offset(), rows_span(rows, c, ld));
+    let nll = write(a.logits.storage, |d| {
+        let all = typed_mut::<T>(OP, d, a.logits.storage.len())?;
+        let each = |(r, xr): (usize, &mut [T])| {
+            let xr = &mut xr[..c];
+            let (lse, nll) = lse_and_nll(xr, t[r], ignore_index);
+            // The backward reads the log-sum-exp as the forward saved it: f32 statistics
+            // below f64.
+            let saved = if size_of::<T>() == 8 {
+                lse
+            } else {
+                lse as f32 as f64
+            };
+            grad_row(xr, None, t[r], ignore_index, saved, scale);
+            nll
+        };
+        let x = &mut all[off..off + span];
+        Ok(if rows * c >= 1 << 15 {
+            x.par_chunks_mut(ld)
+                .enumerate()
+                .map(each)
+                .collect::<Vec<_>>()
+        } else {
+            x.chunks_mut(ld).enumerate().map(each).collect()
+        })
+    })?;
+    // Added in row order, as `cross_entropy` adds them; 0 / 0 = NaN when all are ignored.
+    store_f64(OP, a.loss, &[nll.iter().sum::<f64>() / count as f64])
 }
 
 // ---- MSE ------------------------------------------------------------------------------------

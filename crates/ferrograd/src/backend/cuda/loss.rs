@@ -14,10 +14,10 @@ use super::{CudaDevice, ptr};
 use crate::backend::capture::{self, IdCheck};
 use crate::backend::loss::check_class_targets;
 use crate::backend::loss::{
-    CrossEntropy, CrossEntropyBackward, LossKernels, MseLoss, MseLossBackward,
+    CrossEntropy, CrossEntropyBackward, CrossEntropyWithGrad, LossKernels, MseLoss, MseLossBackward,
 };
 use crate::backend::{View, rows_cols};
-use crate::base::{Error, Result};
+use crate::base::{DType, Error, Result};
 
 pub(super) static KERNELS: Module = Module::new("loss", include_str!("kernels/loss.cu"));
 /// Most partial sums of the two-stage MSE reduction (fixed by n alone: deterministic).
@@ -29,6 +29,9 @@ impl LossKernels for CudaDevice {
     }
     fn cross_entropy_backward(&self, a: &CrossEntropyBackward) -> Result<()> {
         cross_entropy_backward(self, a)
+    }
+    fn cross_entropy_with_grad(&self, a: &CrossEntropyWithGrad) -> Result<()> {
+        cross_entropy_with_grad(self, a)
     }
     fn mse_loss(&self, a: &MseLoss) -> Result<()> {
         mse(self, a)
@@ -76,35 +79,139 @@ pub(crate) fn nll_scratch_bytes(rows: usize) -> usize {
     rows * 8
 }
 
+/// The scratch of `cross_entropy_with_grad`: the per-row losses, then room for an f64
+/// log-sum-exp per row (used where the rows take the two-kernel path; the planner counts the
+/// same block either way).
+pub(crate) fn nll_lse_scratch_bytes(rows: usize) -> usize {
+    rows * 16
+}
+
+/// The logits' rows and their targets as every cross-entropy kernel takes them (the targets
+/// checked on the host; `count` of them not ignored).
+struct Rows<'a> {
+    s: &'a str,
+    x: u64,
+    ld: usize,
+    t: u64,
+    rows: usize,
+    c: usize,
+    ignore: i64,
+    count: usize,
+}
+
+impl<'a> Rows<'a> {
+    fn new(
+        d: &CudaDevice,
+        op: &'static str,
+        logits: &View,
+        targets: &View,
+        ignore: i64,
+    ) -> Result<Self> {
+        let s = suffix(op, logits.storage.dtype())?;
+        let (rows, c) = rows_cols(logits.layout);
+        let (t, count) = self::targets(d, targets, c, ignore)?;
+        Ok(Self {
+            s,
+            x: addr(logits)?,
+            ld: row_stride(logits)?,
+            t,
+            rows,
+            c,
+            ignore,
+            count,
+        })
+    }
+
+    /// The arguments the forward kernels begin with: x, ld, t, rows, c, ignore.
+    fn leading_args(&self) -> [Arg<'static>; 6] {
+        [
+            Arg::Ptr(self.x),
+            i64_of(self.ld),
+            Arg::Ptr(self.t),
+            i64_of(self.rows),
+            i64_of(self.c),
+            Arg::I64(self.ignore),
+        ]
+    }
+
+    /// cross_entropy_fwd: lse (kind lk) and -log p(target) per row into nll.
+    fn forward(&self, d: &CudaDevice, lse: u64, lk: i32, nll: u64) -> Result<()> {
+        let args = [
+            self.leading_args().as_slice(),
+            &[Arg::Ptr(lse), Arg::I32(lk), Arg::Ptr(nll)],
+        ]
+        .concat();
+        let kernel = ce_kernel("cross_entropy_fwd", self.s, self.ld, &[self.x]);
+        launch(d, &KERNELS, &kernel, rows_cfg(self.rows), &args)
+    }
+
+    /// cross_entropy_bwd: the gradient for loss gradient `gloss` (kind gk) into gx.
+    fn backward(&self, d: &CudaDevice, lse: (u64, i32), gloss: (u64, i32), gx: u64) -> Result<()> {
+        let args = [
+            Arg::Ptr(self.x),
+            i64_of(self.ld),
+            Arg::Ptr(self.t),
+            Arg::Ptr(lse.0),
+            Arg::I32(lse.1),
+            Arg::Ptr(gloss.0),
+            Arg::I32(gloss.1),
+            Arg::F64(self.count as f64),
+            Arg::Ptr(gx),
+            i64_of(self.rows),
+            i64_of(self.c),
+            Arg::I64(self.ignore),
+        ];
+        let kernel = ce_kernel("cross_entropy_bwd", self.s, self.ld, &[self.x, gx]);
+        launch(d, &KERNELS, &kernel, rows_cfg(self.rows), &args)
+    }
+
+    /// The one-pass kernel, when the rows are whole 16-byte vectors of f16/bf16.
+    fn one_pass_kernel(&self) -> Option<String> {
+        let kernel = ce_kernel("cross_entropy_grad", self.s, self.ld, &[self.x]);
+        kernel.contains("_vec_").then_some(kernel)
+    }
+
+    /// cross_entropy_grad_vec: nll as `forward` writes it, the logits overwritten by
+    /// `backward`'s gradient.
+    fn forward_and_grad(
+        &self,
+        d: &CudaDevice,
+        kernel: &str,
+        gloss: (u64, i32),
+        nll: u64,
+    ) -> Result<()> {
+        let tail = [
+            Arg::Ptr(gloss.0),
+            Arg::I32(gloss.1),
+            Arg::F64(self.count as f64),
+            Arg::Ptr(nll),
+        ];
+        let args = [self.leading_args().as_slice(), &tail].concat();
+        // One block of CE_GRAD_BLOCK (loss.cu) threads per row.
+        let cfg = LaunchConfig {
+            block_dim: (1024, 1, 1),
+            ..rows_cfg(self.rows)
+        };
+        launch(d, &KERNELS, kernel, cfg, &args)
+    }
+
+    /// The loss (kind lk) into `loss`: Σ nll over the non-ignored count (0 / 0 = NaN when all
+    /// are ignored, as PyTorch's mean).
+    fn mean(&self, d: &CudaDevice, nll: u64, loss: u64, lk: i32) -> Result<()> {
+        sum_to_scalar(d, nll, self.rows, self.count as f64, loss, lk)
+    }
+}
+
 fn cross_entropy(d: &CudaDevice, a: &CrossEntropy) -> Result<()> {
     const OP: &str = "cross_entropy";
-    let ignore_index = a.ignore_index;
-    let s = suffix(OP, a.logits.storage.dtype())?;
-    let (rows, c) = rows_cols(a.logits.layout);
-    let ld = row_stride(&a.logits)?;
-    let x = addr(&a.logits)?;
+    let r = Rows::new(d, OP, &a.logits, &a.targets, a.ignore_index)?;
     let (loss, lk) = (ptr(a.loss)?, float_code(OP, a.loss.dtype())?);
     let (lse, sk) = (ptr(a.lse)?, float_code(OP, a.lse.dtype())?);
-    let (t, count) = targets(d, &a.targets, c, ignore_index)?;
-    // Per-row -log p(target), then their sum over the non-ignored count (0 / 0 = NaN when all
-    // are ignored, as PyTorch's mean).
-    let nll = temp(d, nll_scratch_bytes(rows), "cross_entropy")?;
-    if rows > 0 {
-        let args = [
-            Arg::Ptr(x),
-            i64_of(ld),
-            Arg::Ptr(t),
-            i64_of(rows),
-            i64_of(c),
-            Arg::I64(ignore_index),
-            Arg::Ptr(lse),
-            Arg::I32(sk),
-            Arg::Ptr(nll.addr()),
-        ];
-        let kernel = ce_kernel("cross_entropy_fwd", s, ld, &[x]);
-        launch(d, &KERNELS, &kernel, rows_cfg(rows), &args)?;
+    let nll = temp(d, nll_scratch_bytes(r.rows), OP)?;
+    if r.rows > 0 {
+        r.forward(d, lse, sk, nll.addr())?;
     }
-    sum_to_scalar(d, nll.addr(), rows, count as f64, loss, lk)
+    r.mean(d, nll.addr(), loss, lk)
 }
 
 /// out[0] (kind `k`) = Σ part[..count] / divisor, in one block.
@@ -128,34 +235,45 @@ fn sum_to_scalar(
 
 fn cross_entropy_backward(d: &CudaDevice, a: &CrossEntropyBackward) -> Result<()> {
     const OP: &str = "cross_entropy_backward";
-    let ignore_index = a.ignore_index;
-    let s = suffix(OP, a.logits.storage.dtype())?;
-    let (rows, c) = rows_cols(a.logits.layout);
-    let ld = row_stride(&a.logits)?;
-    let x = addr(&a.logits)?;
-    let (lse, lk) = (addr(&a.lse)?, float_code(OP, a.lse.storage.dtype())?);
-    let (gloss, gk) = (addr(&a.gloss)?, float_code(OP, a.gloss.storage.dtype())?);
-    let gx = addr(&a.glogits)?;
-    let (t, count) = targets(d, &a.targets, c, ignore_index)?;
-    if rows * c == 0 {
+    let r = Rows::new(d, OP, &a.logits, &a.targets, a.ignore_index)?;
+    let lse = (addr(&a.lse)?, float_code(OP, a.lse.storage.dtype())?);
+    let gloss = (addr(&a.gloss)?, float_code(OP, a.gloss.storage.dtype())?);
+    if r.rows * r.c == 0 {
         return Ok(());
     }
-    let args = [
-        Arg::Ptr(x),
-        i64_of(ld),
-        Arg::Ptr(t),
-        Arg::Ptr(lse),
-        Arg::I32(lk),
-        Arg::Ptr(gloss),
-        Arg::I32(gk),
-        Arg::F64(count as f64),
-        Arg::Ptr(gx),
-        i64_of(rows),
-        i64_of(c),
-        Arg::I64(ignore_index),
-    ];
-    let kernel = ce_kernel("cross_entropy_bwd", s, ld, &[x, gx]);
-    launch(d, &KERNELS, &kernel, rows_cfg(rows), &args)
+    r.backward(d, lse, gloss, addr(&a.glogits)?)
+}
+
+/// The loss into `a.loss`, and the logits overwritten by their gradient: one kernel over
+/// half-precision rows of whole 16-byte vectors (loss.cu's `cross_entropy_grad_vec`), else the
+/// forward and backward kernels with the log-sum-exp in scratch.
+fn cross_entropy_with_grad(d: &CudaDevice, a: &CrossEntropyWithGrad) -> Result<()> {
+    const OP: &str = "cross_entropy";
+    let r = Rows::new(d, OP, &a.logits, &a.targets, a.ignore_index)?;
+    let (loss, lk) = (ptr(a.loss)?, float_code(OP, a.loss.dtype())?);
+    let gloss = (addr(&a.gloss)?, float_code(OP, a.gloss.storage.dtype())?);
+    let scratch = temp(d, nll_lse_scratch_bytes(r.rows), OP)?;
+    let nll = scratch.addr();
+    if r.rows * r.c > 0 {
+        match r.one_pass_kernel() {
+            Some(kernel) => r.forward_and_grad(d, &kernel, gloss, nll)?,
+            None => {
+                // The log-sum-exp at the forward's statistics dtype (f32 below f64), as the
+                // backward would read it saved.
+                let stats = match a.logits.storage.dtype() {
+                    DType::F64 => DType::F64,
+                    _ => DType::F32,
+                };
+                let lse = (
+                    nll + nll_scratch_bytes(r.rows) as u64,
+                    float_code(OP, stats)?,
+                );
+                r.forward(d, lse.0, lse.1, nll)?;
+                r.backward(d, lse, gloss, r.x)?;
+            }
+        }
+    }
+    r.mean(d, nll, loss, lk)
 }
 
 // ---- MSE ----------------------------------------------------------------------------------------

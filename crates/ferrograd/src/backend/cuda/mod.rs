@@ -34,7 +34,7 @@ pub use warm::{Warmed, compile_all_kernels};
 // workspace, which matmul operands cuBLAS needs copied, and the kernels' larger temporaries.
 pub(crate) use attention::supports as supports_attention;
 pub(crate) use launch::temp_bytes;
-pub(crate) use loss::nll_scratch_bytes;
+pub(crate) use loss::{nll_lse_scratch_bytes, nll_scratch_bytes};
 pub(crate) use matmul::{
     WORKSPACE_BYTES as CUBLAS_WORKSPACE_BYTES, operand_copy_shape, out_row_align,
 };

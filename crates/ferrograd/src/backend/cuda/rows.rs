@@ -53,6 +53,9 @@ impl RowKernels for CudaDevice {
     fn layer_norm_backward(&self, a: &LayerNormBackward) -> Result<()> {
         layer_norm_backward(self, a)
     }
+    fn layer_norm_backward_writes_half(&self, a: &LayerNormBackward) -> bool {
+        warp_slots(a.x.storage.dtype(), rows_cols(a.x.layout).1).is_some()
+    }
 }
 
 /// The address of an optional operand; 0 (a null pointer) when absent.
@@ -206,14 +209,24 @@ fn warp_slots(dtype: DType, n: usize) -> Option<usize> {
 const PARAM_SMS: usize = 132;
 
 /// Blocks per SM the warp-per-row backward runs (its launch bounds in rows.cu, BWD24 of
-/// LN_WARP_SIZES, where one is set): four for f32 rows with bf16 gradients at PER 24, else
-/// three.
-fn ln_bwd_blocks_per_sm(rows: DType, grads: DType, per: usize) -> usize {
-    if (rows, grads, per) == (DType::F32, DType::BF16, 24) {
+/// LN_WARP_SIZES, where one is set): four for f32 rows with bf16 gradients at PER 24 unless
+/// it also writes gx in half precision (`half_too`: LN_HALF_TOO_MIN), else three.
+fn ln_bwd_blocks_per_sm(rows: DType, grads: DType, per: usize, half_too: bool) -> usize {
+    if (rows, grads, per, half_too) == (DType::F32, DType::BF16, 24, false) {
         4
     } else {
         3
     }
+}
+
+/// Blocks per SM of the warp-per-row backward these arguments take (three where no such
+/// kernel runs; the grid is then another).
+fn bwd_blocks_per_sm(a: &LayerNormBackward) -> usize {
+    let (dtype, g) = (a.x.storage.dtype(), a.gy.storage.dtype());
+    let n = rows_cols(a.x.layout).1;
+    warp_slots(dtype, n).map_or(3, |per| {
+        ln_bwd_blocks_per_sm(dtype, g, per, a.gx_half.is_some())
+    })
 }
 
 /// Blocks of the warp-per-row backward that also sums the parameter gradients: one per four
@@ -260,6 +273,12 @@ fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
     let (kernel, mut cfg, warp_rows) = layer_norm_kernel("layer_norm_bwd", &s, dtype, rows, n);
     let module = kernels(OP, dtype)?;
     let params = param_scratch_bytes(a);
+    // The half copy of gx, which only the warp-per-row kernels write (the entry function
+    // converts gx otherwise).
+    let half = match a.gx_half {
+        Some(h) if warp_rows => Some(ptr(h)?),
+        _ => None,
+    };
     if !warp_rows {
         launch(d, module, &kernel, cfg, &args)?;
         if params.is_some() {
@@ -270,15 +289,26 @@ fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
     // The warp kernels sum the parameter gradients' partials as they go (kernels/rows.cu).
     let part = params.map(|bytes| temp(d, bytes, OP)).transpose()?;
     let g = a.gy.storage.dtype();
-    let per_sm = warp_slots(dtype, n).map_or(3, |per| ln_bwd_blocks_per_sm(dtype, g, per));
+    let per_sm = bwd_blocks_per_sm(a);
     let blocks = fused_param_blocks(rows, per_sm);
     if part.is_some() {
         cfg.grid_dim.0 = blocks as u32;
         // Two f32 rows of n per warp: at most 32 KiB, for rows of 1024.
         cfg.shared_mem_bytes = (LN_WARP_BLOCK / 32) * 2 * n as u32 * 4;
     }
+    let kernel = match half {
+        Some(h) => {
+            // gxh follows gx: rows.cu's `_half_too` kernels.
+            args.insert(args.len() - 2, Arg::Ptr(h));
+            format!("{kernel}_half_too")
+        }
+        None => kernel,
+    };
     args.push(Arg::Ptr(part.as_ref().map_or(0, |p| p.addr())));
-    let aligned = [(dtype, &[x, w, prior, gx][..]), (g, &[gy][..])];
+    let aligned = [
+        (dtype, &[x, w, prior, gx][..]),
+        (g, &[gy, half.unwrap_or(0)][..]),
+    ];
     args.push(groups_move_as_vectors(n, &aligned));
     launch(d, module, &kernel, cfg, &args)?;
     match part {
@@ -310,9 +340,8 @@ fn param_chunks(rows: usize, n: usize) -> (usize, usize) {
 pub(crate) fn param_scratch_bytes(a: &LayerNormBackward) -> Option<usize> {
     let (rows, n) = rows_cols(a.x.layout);
     let wanted = (a.gweight.is_some() || a.gbias.is_some()) && rows > 0 && n > 0;
-    let (dtype, g) = (a.x.storage.dtype(), a.gy.storage.dtype());
-    let partials = match warp_slots(dtype, n) {
-        Some(per) => fused_param_blocks(rows, ln_bwd_blocks_per_sm(dtype, g, per)),
+    let partials = match warp_slots(a.x.storage.dtype(), n) {
+        Some(_) => fused_param_blocks(rows, bwd_blocks_per_sm(a)),
         None => param_chunks(rows, n).1,
     };
     wanted.then(|| 2 * partials * n * 8)
@@ -439,11 +468,17 @@ mod tests {
     }
 
     /// The grid of the backward that sums the parameter gradients assumes the blocks per SM
-    /// its launch bounds give: four only for f32 rows with bf16 gradients at PER 24.
+    /// its launch bounds give: four only for f32 rows with bf16 gradients at PER 24, and one
+    /// fewer (three) for its kernel that also writes gx in bf16.
     #[test]
     fn the_backwards_grid_matches_its_launch_bounds() {
         assert!(SOURCE.contains("LN_WARP_SIZES(f32_bf16, float, bf16_t, 4)\n"));
         assert!(SOURCE.contains("LN_WARP_SIZES(bf16, bf16_t, bf16_t, 3)\n"));
+        assert!(
+            SOURCE
+                .contains("#define LN_HALF_TOO_MIN(BWD_MIN) ((BWD_MIN) > 1 ? (BWD_MIN) - 1 : 1)\n")
+        );
+        assert!(SOURCE.contains("__launch_bounds__(LN_WARP_BLOCK, LN_HALF_TOO_MIN(BWD_MIN))"));
         for s in [
             "f32, float, float",
             "f32_f16, float, f16_t",
@@ -451,10 +486,11 @@ mod tests {
         ] {
             assert!(SOURCE.contains(&format!("LN_WARP_SIZES({s}, 1)\n")), "{s}");
         }
-        assert_eq!(ln_bwd_blocks_per_sm(DType::F32, DType::BF16, 24), 4);
-        assert_eq!(ln_bwd_blocks_per_sm(DType::F32, DType::BF16, 32), 3);
-        assert_eq!(ln_bwd_blocks_per_sm(DType::F32, DType::F16, 24), 3);
-        assert_eq!(ln_bwd_blocks_per_sm(DType::BF16, DType::BF16, 24), 3);
+        assert_eq!(ln_bwd_blocks_per_sm(DType::F32, DType::BF16, 24, false), 4);
+        assert_eq!(ln_bwd_blocks_per_sm(DType::F32, DType::BF16, 24, true), 3);
+        assert_eq!(ln_bwd_blocks_per_sm(DType::F32, DType::BF16, 32, false), 3);
+        assert_eq!(ln_bwd_blocks_per_sm(DType::F32, DType::F16, 24, false), 3);
+        assert_eq!(ln_bwd_blocks_per_sm(DType::BF16, DType::BF16, 24, false), 3);
     }
 
     /// Groups of four move as vectors only where n and every address allow it.

@@ -191,6 +191,36 @@ __device__ __forceinline__ void binary_vec(int op, double p, const typename T::S
     }
 }
 
+// Whether view `s` is one element broadcast to every index (its only stride is 0).
+__device__ __forceinline__ bool scalar_view(const Strided& s) {
+    return s.rank == 1 && s.strides[0] == 0;
+}
+
+// out[i] = op(a[i], v) (or op(v, a[i]) when V_FIRST) for one value v, over 16-byte vectors
+// of a contiguous, aligned a and out: a scalar operand (a loss gradient, a clip coefficient)
+// costs no load per element, and the rest streams at the vector width.
+template <typename T, bool V_FIRST>
+__device__ __forceinline__ void binary_vec_value(int op, double p, const typename T::S* a,
+                                                 typename T::C v, typename T::S* out, i64 n) {
+    typedef typename T::S S;
+    constexpr int N = 16 / sizeof(S);
+    const Pack16<S>* av = (const Pack16<S>*)a;
+    Pack16<S>* ov = (Pack16<S>*)out;
+    const i64 chunks = n / N;
+    for (i64 c = grid_start(); c < chunks; c += grid_step()) {
+        const Pack16<S> x = av[c];
+        Pack16<S> r;
+#pragma unroll
+        for (int k = 0; k < N; ++k)
+            r.v[k] = T::st(V_FIRST ? binary_op<T>(op, p, v, T::ld(x.v[k]))
+                                   : binary_op<T>(op, p, T::ld(x.v[k]), v));
+        ov[c] = r;
+    }
+    for (i64 i = chunks * N + grid_start(); i < n; i += grid_step()) {
+        out[i] = T::st(V_FIRST ? binary_op<T>(op, p, v, T::ld(a[i])) : binary_op<T>(op, p, T::ld(a[i]), v));
+    }
+}
+
 // out[i] = op(x[i]); out is contiguous with n elements.
 template <typename T>
 __device__ __forceinline__ void unary_run(int op, double p, double q, const typename T::S* x,
@@ -213,6 +243,14 @@ __device__ __forceinline__ void binary_run(int op, double p, const typename T::S
         binary_vec<T>(op, p, a + sa.offset, b + sb.offset, out, n);
         return;
     }
+    if (vec16_view(a, sa) && scalar_view(sb) && aligned16(out)) {
+        binary_vec_value<T, false>(op, p, a + sa.offset, T::ld(b[sb.offset]), out, n);
+        return;
+    }
+    if (scalar_view(sa) && vec16_view(b, sb) && aligned16(out)) {
+        binary_vec_value<T, true>(op, p, b + sb.offset, T::ld(a[sa.offset]), out, n);
+        return;
+    }
     for (i64 i = grid_start(); i < n; i += grid_step()) {
         typename T::C va = T::ld(a[strided_offset(sa, i)]);
         typename T::C vb = T::ld(b[strided_offset(sb, i)]);
@@ -229,6 +267,10 @@ __device__ __forceinline__ void inplace_run(int op, double p, typename T::S* dst
         // Each thread reads a whole vector of dst and src before writing it back, so the exact
         // element-for-element alias stays safe.
         binary_vec<T>(op, p, dst, src + ss.offset, dst, n);
+        return;
+    }
+    if (scalar_view(ss) && aligned16(dst)) {
+        binary_vec_value<T, false>(op, p, dst, T::ld(src[ss.offset]), dst, n);
         return;
     }
     for (i64 i = grid_start(); i < n; i += grid_step()) {

@@ -90,21 +90,28 @@ __device__ __forceinline__ void online_add(float v, float& m, float& s) {
     }
 }
 
+// Adds this thread's share of a row to its running (max m, sum s): the 16-byte vectors
+// threadIdx.x, + STRIDE, ..., then the elements past the last whole vector.
+template <typename T, int STRIDE>
+__device__ __forceinline__ void online_row(const T* xr, i64 c, float& m, float& s) {
+    const i64 nv = c / 8;
+    const Pack16<T>* xv = (const Pack16<T>*)xr;
+    for (i64 v = threadIdx.x; v < nv; v += STRIDE) {
+        const Pack16<T> p = xv[v];
+#pragma unroll
+        for (int k = 0; k < 8; ++k) online_add(to_f(p.v[k]), m, s);
+    }
+    for (i64 j = nv * 8 + threadIdx.x; j < c; j += STRIDE) online_add(to_f(xr[j]), m, s);
+}
+
 template <typename T>
 __device__ void cross_entropy_fwd_vec(const T* x, i64 ld, const i64* t, i64 rows, i64 c,
                                       i64 ignore, void* lse, int lk, double* nll) {
     __shared__ double sh[BLOCK];
-    const i64 nv = c / 8;
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* xr = x + r * ld;
-        const Pack16<T>* xv = (const Pack16<T>*)xr;
         float m = NEG_INF_F, s = 0.0f;
-        for (i64 v = threadIdx.x; v < nv; v += BLOCK) {
-            const Pack16<T> p = xv[v];
-#pragma unroll
-            for (int k = 0; k < 8; ++k) online_add(to_f(p.v[k]), m, s);
-        }
-        for (i64 j = nv * 8 + threadIdx.x; j < c; j += BLOCK) online_add(to_f(xr[j]), m, s);
+        online_row<T, BLOCK>(xr, c, m, s);
         const double big = block_max((double)m, sh);
         const double part = m == NEG_INF_F ? 0.0 : (double)s * exp((double)m - big);
         const double sum = block_sum(part, sh);
@@ -165,6 +172,87 @@ __device__ void cross_entropy_bwd_vec(const T* x, i64 ld, const i64* t, const vo
 
 CROSS_ENTROPY_VEC_KERNELS(f16, f16_t)
 CROSS_ENTROPY_VEC_KERNELS(bf16, bf16_t)
+
+// ---- cross-entropy and its gradient in one kernel, half-precision rows -----------------------
+// The fused classifier's chunks: per row, -log p(target) into nll and the logits overwritten by
+// (softmax - onehot) · gloss / count, as cross_entropy_fwd_vec then cross_entropy_bwd_vec would
+// give (the log-sum-exp stays in f32, the value the backward rounds it to). One block of
+// CE_GRAD_BLOCK threads per row and two blocks per SM: the row is read, reduced, then read
+// again while at most two rows per SM (26 MB on 132 SMs for GPT-2's 100 KB rows) are live, so
+// the second read comes from L2 and the logits cross HBM once each way.
+
+#define CE_GRAD_BLOCK 1024
+
+// The block's max (then sum) of one float per thread, in a fixed order; red holds 32 floats.
+__device__ __forceinline__ float ce_block_max(float v, float* red) {
+    for (int s = 16; s > 0; s >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, s));
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = red[threadIdx.x & 31];
+    for (int s = 16; s > 0; s >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, s));
+    __syncthreads();
+    return v;
+}
+__device__ __forceinline__ float ce_block_sum(float v, float* red) {
+    for (int s = 16; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = red[threadIdx.x & 31];
+    for (int s = 16; s > 0; s >>= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
+    __syncthreads();
+    return v;
+}
+
+// The gradient of one logit: (exp(v - l) - onehot) · scale, 0 when the target is ignored.
+template <typename T>
+__device__ __forceinline__ T ce_grad(float v, float l, bool hot, bool ignored, float scale) {
+    const float g = (__expf(v - l) - (hot ? 1.0f : 0.0f)) * scale;
+    return from_f<T>(ignored ? 0.0f : g);
+}
+
+template <typename T>
+__device__ void cross_entropy_grad_vec(T* x, i64 ld, const i64* t, i64 rows, i64 c, i64 ignore,
+                                       const void* gloss, int gk, double count, double* nll) {
+    __shared__ float red[32];
+    const float scale = (float)(load_f64(gloss, gk, 0) / count);
+    const i64 nv = c / 8;
+    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
+        T* xr = x + r * ld;
+        Pack16<T>* xv = (Pack16<T>*)xr;
+        const i64 tr = t[r];
+        const bool ignored = tr == ignore, valid = !ignored && tr >= 0 && tr < c;
+        // Read before any thread overwrites the row (the reductions below synchronise).
+        const float target = threadIdx.x == 0 && valid ? to_f(xr[tr]) : 0.0f;
+        float m = NEG_INF_F, s = 0.0f;
+        online_row<T, CE_GRAD_BLOCK>(xr, c, m, s);
+        const float big = ce_block_max(m, red);
+        const float part = m == NEG_INF_F ? 0.0f : s * __expf(m - big);
+        const float l = big + logf(ce_block_sum(part, red));
+        if (threadIdx.x == 0) nll[r] = valid ? (double)l - (double)target : 0.0;
+        for (i64 v = threadIdx.x; v < nv; v += CE_GRAD_BLOCK) {
+            const Pack16<T> p = xv[v];
+            Pack16<T> o;
+#pragma unroll
+            for (int k = 0; k < 8; ++k)
+                o.v[k] = ce_grad<T>(to_f(p.v[k]), l, v * 8 + k == tr, ignored, scale);
+            xv[v] = o;
+        }
+        for (i64 j = nv * 8 + threadIdx.x; j < c; j += CE_GRAD_BLOCK)
+            xr[j] = ce_grad<T>(to_f(xr[j]), l, j == tr, ignored, scale);
+        // The next row's target read must not pass this row's last writes of another thread.
+        __syncthreads();
+    }
+}
+
+#define CROSS_ENTROPY_GRAD_KERNEL(S, T)                                                            \
+    extern "C" __global__ void __launch_bounds__(CE_GRAD_BLOCK, 2) cross_entropy_grad_vec_##S(    \
+        T* x, i64 ld, const i64* t, i64 rows, i64 c, i64 ignore, const void* gloss, int gk,        \
+        double count, double* nll) {                                                               \
+        cross_entropy_grad_vec<T>(x, ld, t, rows, c, ignore, gloss, gk, count, nll);               \
+    }
+
+CROSS_ENTROPY_GRAD_KERNEL(f16, f16_t)
+CROSS_ENTROPY_GRAD_KERNEL(bf16, bf16_t)
 
 // One block: out[0] (kind ok) = Σ part[0..count) / divisor, partials added in a fixed order.
 extern "C" __global__ void __launch_bounds__(BLOCK)

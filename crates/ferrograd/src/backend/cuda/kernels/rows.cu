@@ -311,10 +311,12 @@ __device__ void layer_norm_fwd_warp(const T* x, const Y* res, T* sum, const T* w
 // part[block][j] (Σ gy x̂) and part[blocks + block][j] (Σ gy) — the layout that
 // layer_norm_params_finish adds up, one chunk per block. The grid depends on the shape alone,
 // so the partition, and the sums, are reproducible.
-template <typename T, typename Y, int PER>
+// With `gxh` (else null) gx is also written rounded to Y, as a cast kernel rounds it: the
+// gradient of a half residual branch whose f32 sum these rows are, with no cast launch.
+template <typename T, typename Y, int PER, bool HALF_TOO>
 __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, const void* rstd,
-                                    int sk, const Y* gy, const T* prior, T* gx, i64 rows, i64 n,
-                                    double* part, int vec) {
+                                    int sk, const Y* gy, const T* prior, T* gx, Y* gxh, i64 rows,
+                                    i64 n, double* part, int vec) {
     constexpr int G = PER / 4;
     const int lane = threadIdx.x & 31;
     // 16-byte aligned: add_group moves a lane's four sums as one vector.
@@ -368,6 +370,12 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
                 gxn[k] = gk[k] * xn;
             }
             store_group(gx + r * n, at, n, vec, out);
+            if (HALF_TOO) {
+                Y half[4];
+#pragma unroll
+                for (int k = 0; k < 4; ++k) half[k] = f32_as<Y>(to_f(out[k]));
+                store_group(gxh + r * n, at, n, vec, half);
+            }
             if (part) {
                 add_group(sums, at, n, vec, gxn);
                 add_group(sums + n, at, n, vec, gk);
@@ -399,6 +407,10 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
 // faster on an H100 at GPT-2's rows; 8 blocks spilled and ran slower).
 #define LN_FWD_MIN_BLOCKS(PER) ((PER) <= 24 ? 6 : 1)
 
+// The backward that also writes gx rounded to Y (`_half_too`) keeps one block per SM fewer
+// than the plain one where that is bounded: at four it spills (about 110 B at rows of 768).
+#define LN_HALF_TOO_MIN(BWD_MIN) ((BWD_MIN) > 1 ? (BWD_MIN) - 1 : 1)
+
 // S names the kernels: the rows' dtype, then the output's when it differs (f32_bf16: f32
 // rows, a bf16 output and output gradient).
 #define LN_WARP_KERNELS(S, T, Y, PER, BWD_MIN)                                                              \
@@ -412,7 +424,15 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
         layer_norm_bwd_warp##PER##_##S(const T* x, const T* w, const void* mean,                   \
                                        const void* rstd, int sk, const Y* gy, const T* prior,      \
                                        T* gx, i64 rows, i64 n, double* part, int vec) {            \
-        layer_norm_bwd_warp<T, Y, PER>(x, w, mean, rstd, sk, gy, prior, gx, rows, n, part, vec);   \
+        layer_norm_bwd_warp<T, Y, PER, false>(x, w, mean, rstd, sk, gy, prior, gx, nullptr, rows,  \
+                                              n, part, vec);                                       \
+    }                                                                                              \
+    extern "C" __global__ void __launch_bounds__(LN_WARP_BLOCK, LN_HALF_TOO_MIN(BWD_MIN))                   \
+        layer_norm_bwd_warp##PER##_##S##_half_too(const T* x, const T* w, const void* mean,        \
+                                       const void* rstd, int sk, const Y* gy, const T* prior,      \
+                                       T* gx, Y* gxh, i64 rows, i64 n, double* part, int vec) {    \
+        layer_norm_bwd_warp<T, Y, PER, true>(x, w, mean, rstd, sk, gy, prior, gx, gxh, rows, n,    \
+                                             part, vec);                                           \
     }
 // BWD24: blocks per SM the backward at rows of 513 to 768 is held to (cuda/rows.rs sizes its
 // grid from it: ln_bwd_blocks_per_sm).
