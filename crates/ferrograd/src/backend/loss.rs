@@ -1,5 +1,6 @@
 //! The loss family: cross-entropy over class logits and the mean squared error, each with its
-//! backward, fused into single kernels. Here: the typed arguments, their one validator, the
+//! backward, fused into single kernels, and cross-entropy's loss and gradient in one call (the
+//! fused classifier's). Here: the typed arguments, their one validator, the
 //! `LossKernels` trait that every backend implements, and the entry functions (validate once,
 //! then dispatch). Class targets are checked against the class count by the kernels (that
 //! needs their values), before anything is written. Not here: the kernels

@@ -1,5 +1,6 @@
 //! CUDA launchers of the loss family (backend/loss.rs; kernels in kernels/loss.cu):
-//! cross-entropy with one block per row and the two-stage MSE. Arguments arrive validated.
+//! cross-entropy with one block per row (its loss and gradient in one pass for half-precision
+//! rows) and the two-stage MSE. Arguments arrive validated.
 //! Class targets are copied to the host and checked there before any kernel runs, so a bad
 //! one is an `Error::Index` naming it and nothing is written, as on the CPU (one
 //! synchronisation per such op). Sums across rows or blocks add fixed partitions in a fixed
