@@ -1,7 +1,8 @@
 // loss.cu — the loss family's kernels (backend/loss.rs): cross-entropy (one block per row;
-// for half-precision rows also the loss and gradient in one pass) and the two-stage MSE. They mirror backend/cpu/loss.rs: statistics in double, sums across
-// rows or blocks in a fixed order (deterministic); f16/bf16 arithmetic that the CPU does in the
-// element type (MSE backward) rounds after every operation here too.
+// for half-precision rows also the loss and gradient in one pass) and the two-stage MSE. They
+// mirror backend/cpu/loss.rs: statistics in double, sums across rows or blocks in a fixed order
+// (deterministic); f16/bf16 arithmetic that the CPU does in the element type (MSE backward)
+// rounds after every operation here too.
 // Pointers arrive already offset to the first element; a `*k` int argument is the dtype code
 // (DT_* in the generated header) of a float buffer whose type may differ from the rows'
 // (statistics, losses). Compiled after the generated codes and prelude.cuh.
