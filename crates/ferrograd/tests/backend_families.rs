@@ -261,7 +261,8 @@ fn half_beside_f32_is_the_only_mix_allowed_on_every_device() {
             matches!(up, Err(Error::InvalidArgument { .. })),
             "{dev}: {up:?}"
         );
-        let backward = |x: &Tensor, gy: &Tensor, gx: &Tensor| {
+        // gx_half, when given, is gx's half copy: it has gy's half dtype, beside f32 rows only.
+        let with_half = |x: &Tensor, gy: &Tensor, gx: &Tensor, half: Option<&Tensor>| {
             layer_norm_backward(&LayerNormBackward {
                 x: view(x),
                 weight: None,
@@ -272,33 +273,19 @@ fn half_beside_f32_is_the_only_mix_allowed_on_every_device() {
                 gx: gx.storage(),
                 gweight: None,
                 gbias: None,
-                gx_half: None,
+                gx_half: half.map(|h| &**h.storage()),
             })
         };
+        let backward = |x: &Tensor, gy: &Tensor, gx: &Tensor| with_half(x, gy, gx, None);
         assert!(
             backward(&f32s, &f16, &out).is_ok(),
             "{dev}: f16 gy, f32 rows"
         );
-        // gx's half copy has gy's half dtype, beside f32 rows only.
-        let with_half = |x: &Tensor, gy: &Tensor, gx: &Tensor, half: &Tensor| {
-            layer_norm_backward(&LayerNormBackward {
-                x: view(x),
-                weight: None,
-                mean: view(&stat),
-                rstd: view(&stat),
-                gy: view(gy),
-                prior: None,
-                gx: gx.storage(),
-                gweight: None,
-                gbias: None,
-                gx_half: Some(half.storage()),
-            })
-        };
         assert!(
-            with_half(&f32s, &f16, &out, &f16).is_ok(),
+            with_half(&f32s, &f16, &out, Some(&f16)).is_ok(),
             "{dev}: f16 copy"
         );
-        let wrong = with_half(&f32s, &f16, &out, &bf16);
+        let wrong = with_half(&f32s, &f16, &out, Some(&bf16));
         assert!(
             matches!(wrong, Err(Error::InvalidArgument { .. })),
             "{dev}: a bf16 copy of an f16 gradient: {wrong:?}"
