@@ -144,15 +144,15 @@ impl Tensor {
         let (input, x, half_branch) = match added {
             Some((branch, _, sum)) => {
                 let s = sum.reshape(self.shape())?;
-                let input = if branch.dtype() != self.dtype() {
+                let mixed = branch.dtype() != self.dtype();
+                let input = if mixed {
                     half_grad::record_residual_add(self, branch, s)
                 } else {
                     record_add_sub(self, branch, s, false, "add")
                 };
                 // The norm's backward writes the branch's half gradient only if it has one.
-                let half = (branch.dtype() != self.dtype()
-                    && crate::autograd::should_record(&[branch]))
-                .then(|| branch.dtype());
+                let half =
+                    (mixed && crate::autograd::should_record(&[branch])).then(|| branch.dtype());
                 (input, sum, half)
             }
             None => (self.clone(), x, None),

@@ -9,6 +9,7 @@ use rayon::prelude::*;
 
 use super::CpuBackend;
 use super::data::{CpuData, Elem, per_float_variant};
+use super::elementwise::PAR_MIN;
 use super::rows::{Inputs, dispatch, map_indices, max_and_log_sum, store_f64, typed, typed_mut};
 use super::{read, write};
 use crate::backend::loss::{
@@ -183,21 +184,33 @@ fn cross_entropy_backward<T: Elem>(a: &CrossEntropyBackward) -> Result<()> {
     write(a.glogits.storage, |d| {
         let all = typed_mut::<T>(OP, d, a.glogits.storage.len())?;
         let gx = &mut all[goff..goff + span];
-        let each = |r: usize, gr: &mut [T]| {
+        map_rows_mut(gx, ld, rows * c, |r, gr| {
             let xr = x.map(|x| strided_row(x, r, c, ld));
             grad_row(&mut gr[..c], xr, t[r], ignore_index, lse[r], scale);
-        };
-        if rows * c >= 1 << 15 {
-            gx.par_chunks_mut(ld)
-                .enumerate()
-                .for_each(|(r, gr)| each(r, gr));
-        } else {
-            gx.chunks_mut(ld)
-                .enumerate()
-                .for_each(|(r, gr)| each(r, gr));
-        }
+        });
         Ok(())
     })
+}
+
+/// `f(r, row)` for each row `ld` apart of `x` (the last may be shorter), in parallel once the
+/// rows hold `work` >= PAR_MIN elements; the results in row order.
+fn map_rows_mut<T: Send, R: Send>(
+    x: &mut [T],
+    ld: usize,
+    work: usize,
+    f: impl Fn(usize, &mut [T]) -> R + Sync + Send,
+) -> Vec<R> {
+    if work >= PAR_MIN {
+        x.par_chunks_mut(ld)
+            .enumerate()
+            .map(|(r, row)| f(r, row))
+            .collect()
+    } else {
+        x.chunks_mut(ld)
+            .enumerate()
+            .map(|(r, row)| f(r, row))
+            .collect()
+    }
 }
 
 /// Per row: the log-sum-exp and -log p(target) as `cross_entropy` computes them, then the
@@ -216,7 +229,8 @@ fn cross_entropy_with_grad<T: Elem>(a: &CrossEntropyWithGrad) -> Result<()> {
     let (off, span) = (a.logits.layout.offset(), rows_span(rows, c, ld));
     let nll = write(a.logits.storage, |d| {
         let all = typed_mut::<T>(OP, d, a.logits.storage.len())?;
-        let each = |(r, xr): (usize, &mut [T])| {
+        let x = &mut all[off..off + span];
+        Ok(map_rows_mut(x, ld, rows * c, |r, xr| {
             let xr = &mut xr[..c];
             let (lse, nll) = lse_and_nll(xr, t[r], ignore_index);
             // The backward reads the log-sum-exp as the forward saved it: f32 statistics
@@ -228,16 +242,7 @@ fn cross_entropy_with_grad<T: Elem>(a: &CrossEntropyWithGrad) -> Result<()> {
             };
             grad_row(xr, None, t[r], ignore_index, saved, scale);
             nll
-        };
-        let x = &mut all[off..off + span];
-        Ok(if rows * c >= 1 << 15 {
-            x.par_chunks_mut(ld)
-                .enumerate()
-                .map(each)
-                .collect::<Vec<_>>()
-        } else {
-            x.chunks_mut(ld).enumerate().map(each).collect()
-        })
+        }))
     })?;
     // Added in row order, as `cross_entropy` adds them; 0 / 0 = NaN when all are ignored.
     store_f64(OP, a.loss, &[nll.iter().sum::<f64>() / count as f64])

@@ -67,12 +67,18 @@ fn row_stride(v: &View) -> Result<usize> {
 /// The kernel name: `{stem}_vec_{s}` for half-precision rows that are whole 16-byte vectors
 /// from aligned addresses (loss.cu's vector kernels), `{stem}_{s}` otherwise.
 fn ce_kernel(stem: &str, s: &str, ld: usize, addrs: &[u64]) -> String {
-    let half = s == "f16" || s == "bf16";
-    if half && ld.is_multiple_of(8) && addrs.iter().all(|a| a.is_multiple_of(16)) {
+    if vector_rows(s, ld, addrs) {
         format!("{stem}_vec_{s}")
     } else {
         format!("{stem}_{s}")
     }
+}
+
+/// Whether rows `ld` apart of dtype suffix `s` from `addrs` are whole 16-byte vectors of
+/// f16/bf16 from aligned addresses.
+fn vector_rows(s: &str, ld: usize, addrs: &[u64]) -> bool {
+    let half = s == "f16" || s == "bf16";
+    half && ld.is_multiple_of(8) && addrs.iter().all(|a| a.is_multiple_of(16))
 }
 
 /// The per-row losses the cross entropy sums (the planner counts the same block).
@@ -168,8 +174,8 @@ impl<'a> Rows<'a> {
 
     /// The one-pass kernel, when the rows are whole 16-byte vectors of f16/bf16.
     fn one_pass_kernel(&self) -> Option<String> {
-        let kernel = ce_kernel("cross_entropy_grad", self.s, self.ld, &[self.x]);
-        kernel.contains("_vec_").then_some(kernel)
+        vector_rows(self.s, self.ld, &[self.x])
+            .then(|| format!("cross_entropy_grad_vec_{}", self.s))
     }
 
     /// cross_entropy_grad_vec: nll as `forward` writes it, the logits overwritten by
