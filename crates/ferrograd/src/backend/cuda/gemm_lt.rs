@@ -36,6 +36,7 @@ use cudarc::cublaslt::sys::{
 };
 
 use super::CudaDevice;
+use super::gemm_tune as tune;
 use super::matmul::{Gemm, WORKSPACE_BYTES};
 use crate::base::Result;
 
@@ -276,66 +277,125 @@ pub(super) fn gemm_epilogue(
         .unwrap_or_else(|e| e.into_inner())
         .get(&key)
         .copied();
+    let (one, zero) = (1f32, 0f32);
+    let (desc, [la, lb, lc]) = (ds.desc, [ds.layouts[0], ds.layouts[1], ds.layouts[2]]);
+    let launch = |algo: &cublasLtMatmulAlgo_t| {
+        // SAFETY: the operand and output addresses and leading dims come from layouts of live
+        // device blocks validated by the matmul family (as for cuBLAS in matmul.rs); the
+        // epilogue's vector holds n (bias) or m (bias gradient) elements of the output's
+        // dtype; the workspace block holds WORKSPACE_BYTES and lives for the process; alpha
+        // and beta are f32 host scalars alive for the call.
+        unsafe {
+            lt::matmul(
+                handle,
+                desc,
+                &one as *const f32 as *const c_void,
+                &zero as *const f32 as *const c_void,
+                b as *const c_void,
+                la,
+                a as *const c_void,
+                lb,
+                g.out as *const c_void,
+                lc,
+                g.out as *mut c_void,
+                lc,
+                algo,
+                ws as *mut c_void,
+                WORKSPACE_BYTES,
+                d.stream().cu_stream() as *mut _,
+            )
+        }
+        .map_err(|e| d.err("cublasLtMatmul", e))
+    };
+    let label = || {
+        format!(
+            "{name} {}x{}x{} {:?}->{:?}",
+            g.m, g.n, g.k, g.ty.data, g.out_ty.data
+        )
+    };
     let algo = match cached {
         Some(algo) => algo,
-        None => match heuristic(d, handle, &mut ds, aligns)? {
-            Some(algo) => {
-                let mut algos = ALGOS.lock().unwrap_or_else(|e| e.into_inner());
-                *algos.entry(key).or_insert(algo)
-            }
-            None => return Ok(false),
-        },
+        None => {
+            let Some(algo) = choose(d, handle, &mut ds, aligns, kind, &launch, &label)? else {
+                return Ok(false);
+            };
+            let mut algos = ALGOS.lock().unwrap_or_else(|e| e.into_inner());
+            *algos.entry(key).or_insert(algo)
+        }
     };
-    let (one, zero) = (1f32, 0f32);
-    let [la, lb, lc] = [ds.layouts[0], ds.layouts[1], ds.layouts[2]];
-    super::timing::timed(
-        d,
-        || {
-            format!(
-                "{name} {}x{}x{} {:?}->{:?}",
-                g.m, g.n, g.k, g.ty.data, g.out_ty.data
-            )
-        },
-        || {
-            // SAFETY: the operand and output addresses and leading dims come from layouts
-            // of live device blocks validated by the matmul family (as for cuBLAS in
-            // matmul.rs); the epilogue's vector holds n (bias) or m (bias gradient)
-            // elements of the output's dtype; the workspace
-            // block holds WORKSPACE_BYTES and lives for the process; alpha and beta are f32
-            // host scalars alive for the call.
-            unsafe {
-                lt::matmul(
-                    handle,
-                    ds.desc,
-                    &one as *const f32 as *const c_void,
-                    &zero as *const f32 as *const c_void,
-                    b as *const c_void,
-                    la,
-                    a as *const c_void,
-                    lb,
-                    g.out as *const c_void,
-                    lc,
-                    g.out as *mut c_void,
-                    lc,
-                    &algo,
-                    ws as *mut c_void,
-                    WORKSPACE_BYTES,
-                    d.stream().cu_stream() as *mut _,
-                )
-            }
-            .map_err(|e| d.err("cublasLtMatmul", e))
-        },
-    )?;
+    super::timing::timed(d, label, || launch(&algo))?;
     Ok(true)
 }
 
-/// The heuristic's best algorithm for the described problem, or None when it has none.
+/// The algorithm for a problem met for the first time: the heuristic's first answer, or with
+/// tuning on (and the stream not capturing) the fastest of its answers on this call's
+/// operands. None when the heuristic has no answer.
+fn choose(
+    d: &CudaDevice,
+    handle: cublasLtHandle_t,
+    ds: &mut Descriptors,
+    aligns: [u32; 4],
+    epilogue: cublasLtEpilogue_t,
+    launch: &dyn Fn(&cublasLtMatmulAlgo_t) -> Result<()>,
+    label: &dyn Fn() -> String,
+) -> Result<Option<cublasLtMatmulAlgo_t>> {
+    let mode = tune::mode();
+    let timing = mode != tune::Mode::Off && !d.is_capturing();
+    let wanted = if timing { tune::MAX_CANDIDATES } else { 1 };
+    let found = heuristic(d, handle, ds, aligns, wanted)?;
+    if !timing || found.len() < 2 {
+        return Ok(found.first().copied());
+    }
+    let times = tune::time_each(d, &found, launch)?;
+    let chosen = tune::fastest(&times);
+    if mode == tune::Mode::Report {
+        let plain = fastest_without_epilogue(d, handle, ds, epilogue, launch)?;
+        eprintln!("{}", tune::report_line(&label(), &times, chosen, plain));
+    }
+    Ok(Some(found[chosen]))
+}
+
+/// For the report: the fastest time of the same product with no epilogue. Leaves the
+/// descriptor's epilogue as it found it.
+fn fastest_without_epilogue(
+    d: &CudaDevice,
+    handle: cublasLtHandle_t,
+    ds: &mut Descriptors,
+    epilogue: cublasLtEpilogue_t,
+    launch: &dyn Fn(&cublasLtMatmulAlgo_t) -> Result<()>,
+) -> Result<Option<f32>> {
+    let plain = cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT;
+    set_desc(d, ds, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &plain)?;
+    let layouts = [ds.layouts[0], ds.layouts[1], ds.layouts[2]];
+    let found = match ds.pref {
+        // SAFETY: every descriptor is live (owned by `ds`).
+        Some(pref) => unsafe {
+            tune::candidates(
+                handle,
+                ds.desc,
+                layouts,
+                pref,
+                tune::MAX_CANDIDATES,
+                WORKSPACE_BYTES,
+            )
+        },
+        None => Vec::new(),
+    };
+    let times = tune::time_each(d, &found, launch);
+    set_desc(d, ds, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
+    let times = times?;
+    Ok(times.get(tune::fastest(&times)).copied().flatten())
+}
+
+/// The heuristic's answers (up to `wanted`, best guess first) for the described problem; empty
+/// when it has none.
 fn heuristic(
     d: &CudaDevice,
     handle: cublasLtHandle_t,
     ds: &mut Descriptors,
     aligns: [u32; 4],
-) -> Result<Option<cublasLtMatmulAlgo_t>> {
+    wanted: usize,
+) -> Result<Vec<cublasLtMatmulAlgo_t>> {
     let pref = lt::create_matmul_pref().map_err(|e| d.err("cublasLtMatmulPreferenceCreate", e))?;
     ds.pref = Some(pref);
     let set = |attr: PrefAttr, ptr: *const c_void, size: usize| {
@@ -346,7 +406,7 @@ fn heuristic(
     let ws = WORKSPACE_BYTES as u64;
     set(
         PrefAttr::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-        &ws as *const u64 as *const c_void,
+        tune::ptr(&ws),
         8,
     )?;
     let attrs = [
@@ -356,12 +416,9 @@ fn heuristic(
         PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
     ];
     for (attr, align) in attrs.into_iter().zip(&aligns) {
-        set(attr, align as *const u32 as *const c_void, 4)?;
+        set(attr, tune::ptr(align), 4)?;
     }
-    let [la, lb, lc] = [ds.layouts[0], ds.layouts[1], ds.layouts[2]];
+    let layouts = [ds.layouts[0], ds.layouts[1], ds.layouts[2]];
     // SAFETY: every descriptor is live (owned by `ds`).
-    match unsafe { lt::get_matmul_algo_heuristic(handle, ds.desc, la, lb, lc, lc, pref) } {
-        Ok(h) => Ok(Some(h.algo)),
-        Err(_) => Ok(None),
-    }
+    Ok(unsafe { tune::candidates(handle, ds.desc, layouts, pref, wanted, WORKSPACE_BYTES) })
 }
