@@ -110,6 +110,33 @@ struct Key {
     aux_align: u32,
 }
 
+impl Key {
+    /// The problem as the stored choices name it: every field but the device, as numbers.
+    fn problem(&self) -> String {
+        let k = self;
+        let numbers: [i64; tune::PROBLEM_FIELDS] = [
+            i64::from(k.epilogue),
+            i64::from(k.data),
+            i64::from(k.out_data),
+            i64::from(k.compute),
+            k.dims[0] as i64,
+            k.dims[1] as i64,
+            k.dims[2] as i64,
+            i64::from(k.trans[0]),
+            i64::from(k.trans[1]),
+            i64::from(k.lds[0]),
+            i64::from(k.lds[1]),
+            i64::from(k.aligns[0]),
+            i64::from(k.aligns[1]),
+            i64::from(k.aligns[2]),
+            i64::from(k.aligns[3]),
+            i64::from(k.vector_align),
+            i64::from(k.aux_align),
+        ];
+        numbers.map(|n| n.to_string()).join(" ")
+    }
+}
+
 static ALGOS: LazyLock<Mutex<HashMap<Key, cublasLtMatmulAlgo_t>>> =
     LazyLock::new(|| Mutex::new(HashMap::new()));
 
@@ -316,7 +343,7 @@ pub(super) fn gemm_epilogue(
     let algo = match cached {
         Some(algo) => algo,
         None => {
-            let Some(algo) = choose(d, handle, &mut ds, aligns, kind, &launch, &label)? else {
+            let Some(algo) = choose(d, handle, &mut ds, &key, kind, &launch, &label)? else {
                 return Ok(false);
             };
             let mut algos = ALGOS.lock().unwrap_or_else(|e| e.into_inner());
@@ -327,27 +354,37 @@ pub(super) fn gemm_epilogue(
     Ok(true)
 }
 
-/// The algorithm for a problem met for the first time: the heuristic's first answer, or with
-/// tuning on (and the stream not capturing) the fastest of its answers on this call's
-/// operands. None when the heuristic has no answer.
+/// The algorithm for a problem met for the first time in this process: with tuning on, the
+/// choice stored by an earlier run (`report` always times), else (outside a capture) the timed choice among the
+/// heuristic's answers on this call's operands, stored for the next run; with tuning off, or a
+/// new problem met inside a capture, the heuristic's first answer. None when it has none.
+#[allow(clippy::too_many_arguments)]
 fn choose(
     d: &CudaDevice,
     handle: cublasLtHandle_t,
     ds: &mut Descriptors,
-    aligns: [u32; 4],
+    key: &Key,
     epilogue: cublasLtEpilogue_t,
     launch: &dyn Fn(&cublasLtMatmulAlgo_t) -> Result<()>,
     label: &dyn Fn() -> String,
 ) -> Result<Option<cublasLtMatmulAlgo_t>> {
     let mode = tune::mode();
+    let problem = key.problem();
+    if mode == tune::Mode::On
+        && let Some(i) = tune::stored(d, &problem)
+    {
+        let found = heuristic(d, handle, ds, key.aligns, tune::MAX_CANDIDATES)?;
+        return Ok(found.get(i).or(found.first()).copied());
+    }
     let timing = mode != tune::Mode::Off && !d.is_capturing();
     let wanted = if timing { tune::MAX_CANDIDATES } else { 1 };
-    let found = heuristic(d, handle, ds, aligns, wanted)?;
+    let found = heuristic(d, handle, ds, key.aligns, wanted)?;
     if !timing || found.len() < 2 {
         return Ok(found.first().copied());
     }
     let times = tune::time_each(d, &found, launch)?;
-    let chosen = tune::fastest(&times);
+    let chosen = tune::choice(&times);
+    tune::store(d, &problem, chosen);
     if mode == tune::Mode::Report {
         let plain = fastest_without_epilogue(d, handle, ds, epilogue, launch)?;
         eprintln!("{}", tune::report_line(&label(), &times, chosen, plain));
@@ -421,4 +458,36 @@ fn heuristic(
     let layouts = [ds.layouts[0], ds.layouts[1], ds.layouts[2]];
     // SAFETY: every descriptor is live (owned by `ds`).
     Ok(unsafe { tune::candidates(handle, ds.desc, layouts, pref, wanted, WORKSPACE_BYTES) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The stored choices' file names a problem by PROBLEM_FIELDS numbers; a key that wrote
+    /// another count would never be read back.
+    #[test]
+    fn a_problem_is_named_by_as_many_numbers_as_the_stored_choices_read() {
+        let key = Key {
+            device: 3,
+            epilogue: cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB as u32,
+            data: 14,
+            out_data: 0,
+            compute: 68,
+            dims: [3072, 768, 8192],
+            trans: [true, false],
+            lds: [3072, 768],
+            aligns: [256, 256, 16, 16],
+            vector_align: 256,
+            aux_align: 0,
+        };
+        let problem = key.problem();
+        assert_eq!(problem.split(' ').count(), tune::PROBLEM_FIELDS);
+        assert!(
+            problem.contains(" 3072 768 8192 1 0 3072 768 256 256 16 16 256 0"),
+            "{problem}"
+        );
+        // The device is not part of it: a choice holds for every GPU of the model.
+        assert!(!problem.starts_with("3 "));
+    }
 }
