@@ -355,9 +355,10 @@ pub(super) fn gemm_epilogue(
 }
 
 /// The algorithm for a problem met for the first time in this process: with tuning on, the
-/// choice stored by an earlier run (`report` always times), else (outside a capture) the timed choice among the
-/// heuristic's answers on this call's operands, stored for the next run; with tuning off, or a
-/// new problem met inside a capture, the heuristic's first answer. None when it has none.
+/// choice stored by an earlier run (`report` always times), else (outside a capture) the
+/// timed choice among the heuristic's answers on this call's operands, stored for the next
+/// run; with tuning off, or a new problem met inside a capture, the heuristic's first answer.
+/// None when it has none.
 #[allow(clippy::too_many_arguments)]
 fn choose(
     d: &CudaDevice,

@@ -4,9 +4,9 @@
 //!
 //! `FERROGRAD_GEMM_TUNE`: `1` (the default) times up to `MAX_CANDIDATES` of its answers and
 //! keeps the fastest, where it beats the first by `MARGIN`; `0` takes the heuristic's first
-//! answer; `report` tunes afresh (stored choices aside) and prints one line per problem to stderr: the heuristic's
-//! first time, the fastest, and the fastest without the epilogue (what a separate epilogue
-//! kernel would have to beat).
+//! answer; `report` tunes afresh (stored choices aside) and prints one line per problem to
+//! stderr: the heuristic's first time, the fastest, and the fastest without the epilogue (what
+//! a separate epilogue kernel would have to beat).
 //!
 //! Choices are kept for the next run (as TunableOp keeps its results file): one text file per
 //! GPU model and cuBLASLt version in the kernel cache's folder, a line per problem naming the
