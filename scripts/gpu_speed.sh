@@ -145,8 +145,9 @@ row_gpt2-max-batch() {
   p16=$(field "$o16" peak_bytes)
   p32=$(field "$o32" peak_bytes)
   # Its largest batch: the estimate from the B16/B32 peaks first (its large batches also hold
-  # whole-logits blocks, so the estimate runs high), then halving the gap between the largest
-  # batch seen to fit (lo, B32 at first) and the smallest seen to fail (hi), in multiples of 8.
+  # whole-logits blocks, so the estimate can run high), then halving the gap between the largest
+  # batch seen to fit (lo, B32 at first) and the smallest seen to fail (hi), in multiples of 8;
+  # while nothing has failed, the next try extrapolates from the largest fit's peak.
   local name="same, PyTorch torch.compile+SDPA+fused AdamW, largest batch found"
   if [ -z "$p32" ] || [ "$p32" = None ]; then
     TABLE+=("| $name | | B 32 out of memory | |")
@@ -162,8 +163,12 @@ row_gpt2-max-batch() {
     else
       hi=$bt
     fi
-    [ "$hi" = 0 ] && break
-    bt=$(( (lo + hi) / 16 * 8 ))
+    if [ "$hi" = 0 ]; then
+      # Nothing has failed yet: extrapolate from the peak of the largest fit, 8 at least.
+      bt=$("$PY" -c "per = $(field "$lo_out" peak_bytes) / $lo; print(max($lo + 8, int(0.97 * $free * 2**20 // per) // 8 * 8))")
+    else
+      bt=$(( (lo + hi) / 16 * 8 ))
+    fi
   done
   local above="no larger batch tried"
   [ "$hi" -gt 0 ] && above="B $hi out of memory"

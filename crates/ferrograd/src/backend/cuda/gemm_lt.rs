@@ -36,6 +36,7 @@ use cudarc::cublaslt::sys::{
 };
 
 use super::CudaDevice;
+use super::gemm_tune as tune;
 use super::matmul::{Gemm, WORKSPACE_BYTES};
 use crate::base::Result;
 
@@ -107,6 +108,33 @@ struct Key {
     /// reused for pointers aligned as the ones it was chosen for.
     vector_align: u32,
     aux_align: u32,
+}
+
+impl Key {
+    /// The problem as the stored choices name it: every field but the device, as numbers.
+    fn problem(&self) -> String {
+        let k = self;
+        let numbers: [i64; tune::PROBLEM_FIELDS] = [
+            i64::from(k.epilogue),
+            i64::from(k.data),
+            i64::from(k.out_data),
+            i64::from(k.compute),
+            k.dims[0] as i64,
+            k.dims[1] as i64,
+            k.dims[2] as i64,
+            i64::from(k.trans[0]),
+            i64::from(k.trans[1]),
+            i64::from(k.lds[0]),
+            i64::from(k.lds[1]),
+            i64::from(k.aligns[0]),
+            i64::from(k.aligns[1]),
+            i64::from(k.aligns[2]),
+            i64::from(k.aligns[3]),
+            i64::from(k.vector_align),
+            i64::from(k.aux_align),
+        ];
+        numbers.map(|n| n.to_string()).join(" ")
+    }
 }
 
 static ALGOS: LazyLock<Mutex<HashMap<Key, cublasLtMatmulAlgo_t>>> =
@@ -276,66 +304,136 @@ pub(super) fn gemm_epilogue(
         .unwrap_or_else(|e| e.into_inner())
         .get(&key)
         .copied();
+    let (one, zero) = (1f32, 0f32);
+    let (desc, [la, lb, lc]) = (ds.desc, [ds.layouts[0], ds.layouts[1], ds.layouts[2]]);
+    let launch = |algo: &cublasLtMatmulAlgo_t| {
+        // SAFETY: the operand and output addresses and leading dims come from layouts of live
+        // device blocks validated by the matmul family (as for cuBLAS in matmul.rs); the
+        // epilogue's vector holds n (bias) or m (bias gradient) elements of the output's
+        // dtype; the workspace block holds WORKSPACE_BYTES and lives for the process; alpha
+        // and beta are f32 host scalars alive for the call.
+        unsafe {
+            lt::matmul(
+                handle,
+                desc,
+                &one as *const f32 as *const c_void,
+                &zero as *const f32 as *const c_void,
+                b as *const c_void,
+                la,
+                a as *const c_void,
+                lb,
+                g.out as *const c_void,
+                lc,
+                g.out as *mut c_void,
+                lc,
+                algo,
+                ws as *mut c_void,
+                WORKSPACE_BYTES,
+                d.stream().cu_stream() as *mut _,
+            )
+        }
+        .map_err(|e| d.err("cublasLtMatmul", e))
+    };
+    let label = || {
+        format!(
+            "{name} {}x{}x{} {:?}->{:?}",
+            g.m, g.n, g.k, g.ty.data, g.out_ty.data
+        )
+    };
     let algo = match cached {
         Some(algo) => algo,
-        None => match heuristic(d, handle, &mut ds, aligns)? {
-            Some(algo) => {
-                let mut algos = ALGOS.lock().unwrap_or_else(|e| e.into_inner());
-                *algos.entry(key).or_insert(algo)
-            }
-            None => return Ok(false),
-        },
+        None => {
+            let Some(algo) = choose(d, handle, &mut ds, &key, kind, &launch, &label)? else {
+                return Ok(false);
+            };
+            let mut algos = ALGOS.lock().unwrap_or_else(|e| e.into_inner());
+            *algos.entry(key).or_insert(algo)
+        }
     };
-    let (one, zero) = (1f32, 0f32);
-    let [la, lb, lc] = [ds.layouts[0], ds.layouts[1], ds.layouts[2]];
-    super::timing::timed(
-        d,
-        || {
-            format!(
-                "{name} {}x{}x{} {:?}->{:?}",
-                g.m, g.n, g.k, g.ty.data, g.out_ty.data
-            )
-        },
-        || {
-            // SAFETY: the operand and output addresses and leading dims come from layouts
-            // of live device blocks validated by the matmul family (as for cuBLAS in
-            // matmul.rs); the epilogue's vector holds n (bias) or m (bias gradient)
-            // elements of the output's dtype; the workspace
-            // block holds WORKSPACE_BYTES and lives for the process; alpha and beta are f32
-            // host scalars alive for the call.
-            unsafe {
-                lt::matmul(
-                    handle,
-                    ds.desc,
-                    &one as *const f32 as *const c_void,
-                    &zero as *const f32 as *const c_void,
-                    b as *const c_void,
-                    la,
-                    a as *const c_void,
-                    lb,
-                    g.out as *const c_void,
-                    lc,
-                    g.out as *mut c_void,
-                    lc,
-                    &algo,
-                    ws as *mut c_void,
-                    WORKSPACE_BYTES,
-                    d.stream().cu_stream() as *mut _,
-                )
-            }
-            .map_err(|e| d.err("cublasLtMatmul", e))
-        },
-    )?;
+    super::timing::timed(d, label, || launch(&algo))?;
     Ok(true)
 }
 
-/// The heuristic's best algorithm for the described problem, or None when it has none.
+/// The algorithm for a problem met for the first time in this process: with tuning on, the
+/// choice stored by an earlier run (`report` always times), else (outside a capture) the
+/// timed choice among the heuristic's answers on this call's operands, stored for the next
+/// run; with tuning off, or a new problem met inside a capture, the heuristic's first answer.
+/// None when it has none.
+#[allow(clippy::too_many_arguments)]
+fn choose(
+    d: &CudaDevice,
+    handle: cublasLtHandle_t,
+    ds: &mut Descriptors,
+    key: &Key,
+    epilogue: cublasLtEpilogue_t,
+    launch: &dyn Fn(&cublasLtMatmulAlgo_t) -> Result<()>,
+    label: &dyn Fn() -> String,
+) -> Result<Option<cublasLtMatmulAlgo_t>> {
+    let mode = tune::mode();
+    let problem = key.problem();
+    if mode == tune::Mode::On
+        && let Some(i) = tune::stored(d, &problem)
+    {
+        let found = heuristic(d, handle, ds, key.aligns, tune::MAX_CANDIDATES)?;
+        return Ok(found.get(i).or(found.first()).copied());
+    }
+    let timing = mode != tune::Mode::Off && !d.is_capturing();
+    let wanted = if timing { tune::MAX_CANDIDATES } else { 1 };
+    let found = heuristic(d, handle, ds, key.aligns, wanted)?;
+    if !timing || found.len() < 2 {
+        return Ok(found.first().copied());
+    }
+    let times = tune::time_each(d, &found, launch)?;
+    let chosen = tune::choice(&times);
+    tune::store(d, &problem, chosen);
+    if mode == tune::Mode::Report {
+        let plain = fastest_without_epilogue(d, handle, ds, epilogue, launch)?;
+        eprintln!("{}", tune::report_line(&label(), &times, chosen, plain));
+    }
+    Ok(Some(found[chosen]))
+}
+
+/// For the report: the fastest time of the same product with no epilogue. Leaves the
+/// descriptor's epilogue as it found it.
+fn fastest_without_epilogue(
+    d: &CudaDevice,
+    handle: cublasLtHandle_t,
+    ds: &mut Descriptors,
+    epilogue: cublasLtEpilogue_t,
+    launch: &dyn Fn(&cublasLtMatmulAlgo_t) -> Result<()>,
+) -> Result<Option<f32>> {
+    let plain = cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT;
+    set_desc(d, ds, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &plain)?;
+    let layouts = [ds.layouts[0], ds.layouts[1], ds.layouts[2]];
+    let found = match ds.pref {
+        // SAFETY: every descriptor is live (owned by `ds`).
+        Some(pref) => unsafe {
+            tune::candidates(
+                handle,
+                ds.desc,
+                layouts,
+                pref,
+                tune::MAX_CANDIDATES,
+                WORKSPACE_BYTES,
+            )
+        },
+        None => Vec::new(),
+    };
+    let times = tune::time_each(d, &found, launch);
+    set_desc(d, ds, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
+    let times = times?;
+    Ok(times.get(tune::fastest(&times)).copied().flatten())
+}
+
+/// The heuristic's answers (up to `wanted`, best guess first) for the described problem; empty
+/// when it has none.
 fn heuristic(
     d: &CudaDevice,
     handle: cublasLtHandle_t,
     ds: &mut Descriptors,
     aligns: [u32; 4],
-) -> Result<Option<cublasLtMatmulAlgo_t>> {
+    wanted: usize,
+) -> Result<Vec<cublasLtMatmulAlgo_t>> {
     let pref = lt::create_matmul_pref().map_err(|e| d.err("cublasLtMatmulPreferenceCreate", e))?;
     ds.pref = Some(pref);
     let set = |attr: PrefAttr, ptr: *const c_void, size: usize| {
@@ -346,7 +444,7 @@ fn heuristic(
     let ws = WORKSPACE_BYTES as u64;
     set(
         PrefAttr::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-        &ws as *const u64 as *const c_void,
+        tune::ptr(&ws),
         8,
     )?;
     let attrs = [
@@ -356,12 +454,41 @@ fn heuristic(
         PrefAttr::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
     ];
     for (attr, align) in attrs.into_iter().zip(&aligns) {
-        set(attr, align as *const u32 as *const c_void, 4)?;
+        set(attr, tune::ptr(align), 4)?;
     }
-    let [la, lb, lc] = [ds.layouts[0], ds.layouts[1], ds.layouts[2]];
+    let layouts = [ds.layouts[0], ds.layouts[1], ds.layouts[2]];
     // SAFETY: every descriptor is live (owned by `ds`).
-    match unsafe { lt::get_matmul_algo_heuristic(handle, ds.desc, la, lb, lc, lc, pref) } {
-        Ok(h) => Ok(Some(h.algo)),
-        Err(_) => Ok(None),
+    Ok(unsafe { tune::candidates(handle, ds.desc, layouts, pref, wanted, WORKSPACE_BYTES) })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The stored choices' file names a problem by PROBLEM_FIELDS numbers; a key that wrote
+    /// another count would never be read back.
+    #[test]
+    fn a_problem_is_named_by_as_many_numbers_as_the_stored_choices_read() {
+        let key = Key {
+            device: 3,
+            epilogue: cublasLtEpilogue_t::CUBLASLT_EPILOGUE_BGRADB as u32,
+            data: 14,
+            out_data: 0,
+            compute: 68,
+            dims: [3072, 768, 8192],
+            trans: [true, false],
+            lds: [3072, 768],
+            aligns: [256, 256, 16, 16],
+            vector_align: 256,
+            aux_align: 0,
+        };
+        let problem = key.problem();
+        assert_eq!(problem.split(' ').count(), tune::PROBLEM_FIELDS);
+        assert!(
+            problem.contains(" 3072 768 8192 1 0 3072 768 256 256 16 16 256 0"),
+            "{problem}"
+        );
+        // The device is not part of it: a choice holds for every GPU of the model.
+        assert!(!problem.starts_with("3 "));
     }
 }

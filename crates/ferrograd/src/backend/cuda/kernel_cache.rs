@@ -128,8 +128,8 @@ fn read(file: &Path) -> Option<String> {
     whole.then_some(text)
 }
 
-/// Writes `ptx` to a temporary file beside `file`, then renames it into place.
-fn write(file: &Path, ptx: &str) -> std::io::Result<()> {
+/// Writes `text` to a temporary file beside `file`, then renames it into place.
+pub(crate) fn write(file: &Path, text: &str) -> std::io::Result<()> {
     let dir = file.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir)?;
     // Unique per process and call: two writers never share a temporary file.
@@ -142,7 +142,7 @@ fn write(file: &Path, ptx: &str) -> std::io::Result<()> {
         WRITES.fetch_add(1, Ordering::Relaxed)
     ));
     // A failed write (a full disk) or rename leaves no temporary file behind.
-    std::fs::write(&tmp, ptx)
+    std::fs::write(&tmp, text)
         .and_then(|()| std::fs::rename(&tmp, file))
         .inspect_err(|_| {
             let _ = std::fs::remove_file(&tmp);

@@ -11,6 +11,7 @@ mod codes;
 mod device;
 mod elementwise;
 mod gemm_lt;
+mod gemm_tune;
 mod index;
 mod info;
 mod kernel_cache;
