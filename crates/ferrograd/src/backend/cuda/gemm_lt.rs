@@ -343,7 +343,8 @@ pub(super) fn gemm_epilogue(
     let algo = match cached {
         Some(algo) => algo,
         None => {
-            let Some(algo) = choose(d, handle, &mut ds, &key, kind, &launch, &label)? else {
+            let Some(algo) = choose(d, handle, &mut ds, &key, (kind, vector), &launch, &label)?
+            else {
                 return Ok(false);
             };
             let mut algos = ALGOS.lock().unwrap_or_else(|e| e.into_inner());
@@ -365,7 +366,7 @@ fn choose(
     handle: cublasLtHandle_t,
     ds: &mut Descriptors,
     key: &Key,
-    epilogue: cublasLtEpilogue_t,
+    epilogue: (cublasLtEpilogue_t, Option<u64>),
     launch: &dyn Fn(&cublasLtMatmulAlgo_t) -> Result<()>,
     label: &dyn Fn() -> String,
 ) -> Result<Option<cublasLtMatmulAlgo_t>> {
@@ -393,36 +394,49 @@ fn choose(
     Ok(Some(found[chosen]))
 }
 
-/// For the report: the fastest time of the same product with no epilogue. Leaves the
-/// descriptor's epilogue as it found it.
+/// For the report: the fastest time of the same product with no epilogue (None where it
+/// could not be had). Leaves the descriptor's epilogue and vector as it found them.
 fn fastest_without_epilogue(
     d: &CudaDevice,
     handle: cublasLtHandle_t,
     ds: &mut Descriptors,
-    epilogue: cublasLtEpilogue_t,
+    (epilogue, vector): (cublasLtEpilogue_t, Option<u64>),
     launch: &dyn Fn(&cublasLtMatmulAlgo_t) -> Result<()>,
 ) -> Result<Option<f32>> {
-    let plain = cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT;
-    set_desc(d, ds, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &plain)?;
-    let layouts = [ds.layouts[0], ds.layouts[1], ds.layouts[2]];
-    let found = match ds.pref {
-        // SAFETY: every descriptor is live (owned by `ds`).
-        Some(pref) => unsafe {
-            tune::candidates(
-                handle,
-                ds.desc,
-                layouts,
-                pref,
-                tune::MAX_CANDIDATES,
-                WORKSPACE_BYTES,
-            )
-        },
-        None => Vec::new(),
+    let set_vector = |ds: &Descriptors, v: *const c_void| {
+        set_desc(d, ds, DescAttr::CUBLASLT_MATMUL_DESC_BIAS_POINTER, &v)
     };
-    let times = tune::time_each(d, &found, launch);
+    let plain = cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT;
+    // With a bias vector still set the heuristic offers nothing for the plain product.
+    let probe = (|| {
+        set_desc(d, ds, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &plain)?;
+        if vector.is_some() {
+            set_vector(ds, std::ptr::null())?;
+        }
+        let layouts = [ds.layouts[0], ds.layouts[1], ds.layouts[2]];
+        let found = match ds.pref {
+            // SAFETY: every descriptor is live (owned by `ds`).
+            Some(pref) => unsafe {
+                tune::candidates(
+                    handle,
+                    ds.desc,
+                    layouts,
+                    pref,
+                    tune::MAX_CANDIDATES,
+                    WORKSPACE_BYTES,
+                )
+            },
+            None => Vec::new(),
+        };
+        tune::time_each(d, &found, launch)
+    })();
     set_desc(d, ds, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
-    let times = times?;
-    Ok(times.get(tune::fastest(&times)).copied().flatten())
+    if let Some(v) = vector {
+        set_vector(ds, v as *const c_void)?;
+    }
+    Ok(probe
+        .ok()
+        .and_then(|times| times.get(tune::fastest(&times)).copied().flatten()))
 }
 
 /// The heuristic's answers (up to `wanted`, best guess first) for the described problem; empty
