@@ -124,10 +124,11 @@ fn run_info(a: InfoArgs) -> anyhow::Result<()> {
     }
     match &info.kernel_cache {
         Some(c) => println!(
-            "kernels  cached in {} ({} modules, {}; FERROGRAD_KERNEL_CACHE moves it, =off turns it off)",
+            "kernels  cached in {} ({} modules, {}, {} tuned GEMM problems; FERROGRAD_KERNEL_CACHE moves it, =off turns it off)",
             c.dir.display(),
             c.modules,
-            memory::format_size(c.bytes)
+            memory::format_size(c.bytes),
+            c.gemm_choices
         ),
         None => println!(
             "kernels  not cached (FERROGRAD_KERNEL_CACHE is off, or there is no home folder)"

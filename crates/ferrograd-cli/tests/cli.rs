@@ -938,6 +938,20 @@ fn info_says_where_kernels_are_cached() {
         .unwrap_or_else(|| panic!("no kernels line in:\n{placed}"));
     assert!(line.contains(&folder.display().to_string()), "{line}");
     assert!(line.contains("0 modules"), "{line}");
+    assert!(line.contains("0 tuned GEMM problems"), "{line}");
+    // Two GEMM choices an earlier run stored, and a line cut short that is not one.
+    std::fs::create_dir_all(&folder).unwrap();
+    let problem = "4 14 14 68 8192 2304 768 0 1 768 768 256 256 256 256 256 0";
+    std::fs::write(
+        folder.join("gemm-choices-NVIDIA_H100-cublaslt130100.txt"),
+        format!(
+            "{problem} 3\n{} 0\n4 14 14 68 81\n",
+            problem.replace("2304", "768")
+        ),
+    )
+    .unwrap();
+    let stored = run(folder.as_os_str());
+    assert!(stored.contains("2 tuned GEMM problems"), "{stored}");
     let off = run(std::ffi::OsStr::new("off"));
     assert!(off.contains("kernels  not cached"), "{off}");
 }

@@ -206,6 +206,22 @@ fn render(choices: &HashMap<String, usize>) -> String {
     lines.concat()
 }
 
+/// How many choices the files in `dir` hold, over every GPU model and library version.
+pub(super) fn stored_in(dir: &Path) -> usize {
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    entries
+        .flatten()
+        .filter(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            name.starts_with("gemm-choices-") && name.ends_with(".txt")
+        })
+        .filter_map(|e| std::fs::read_to_string(e.path()).ok())
+        .map(|text| parse(&text).len())
+        .sum()
+}
+
 /// The choice an earlier run stored for `problem` on this device, if any.
 pub(super) fn stored(d: &CudaDevice, problem: &str) -> Option<usize> {
     let file = this_file(d)?;

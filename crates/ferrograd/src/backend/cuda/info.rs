@@ -32,15 +32,19 @@ pub struct KernelCacheInfo {
     pub dir: std::path::PathBuf,
     pub modules: usize,
     pub bytes: u64,
+    /// GEMM problems whose cuBLASLt algorithm an earlier run chose by timing (any GPU).
+    pub gemm_choices: usize,
 }
 
 fn kernel_cache() -> Option<KernelCacheInfo> {
     let dir = super::kernel_cache::default_dir()?;
     let (modules, bytes) = super::kernel_cache::contents(&dir);
+    let gemm_choices = super::gemm_tune::stored_in(&dir);
     Some(KernelCacheInfo {
         dir,
         modules,
         bytes,
+        gemm_choices,
     })
 }
 
