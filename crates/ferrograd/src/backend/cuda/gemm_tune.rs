@@ -9,7 +9,8 @@
 //! a separate epilogue kernel would have to beat).
 //!
 //! Choices are kept for the next run (as TunableOp keeps its results file): one text file per
-//! GPU model and cuBLASLt version in the kernel cache's folder, a line per problem naming the
+//! GPU model and cuBLASLt version in the kernel cache's folder (with the cache off, each
+//! process times afresh), a line per problem naming the
 //! chosen candidate's place in the heuristic's list (the heuristic answers alike for the same
 //! problem, GPU and library). A run that finds its problems there times nothing, so runs after
 //! the first multiply with the same algorithms, and their results match bit for bit. The
@@ -224,36 +225,44 @@ pub(super) fn stored_in(dir: &Path) -> usize {
 
 /// The choice an earlier run stored for `problem` on this device, if any.
 pub(super) fn stored(d: &CudaDevice, problem: &str) -> Option<usize> {
-    let file = this_file(d)?;
+    stored_at(&this_file(d)?, problem)
+}
+
+/// Keeps `index` as the choice for `problem` on this device, for this process and the next.
+pub(super) fn store(d: &CudaDevice, problem: &str, index: usize) {
+    if let Some(file) = this_file(d) {
+        store_at(&file, problem, index);
+    }
+}
+
+/// The choice `file` holds for `problem`; the file is read once per process.
+fn stored_at(file: &Path, problem: &str) -> Option<usize> {
     let mut all = STORED.lock().unwrap_or_else(|e| e.into_inner());
     let choices = all
         .get_or_insert_with(HashMap::new)
-        .entry(file.clone())
+        .entry(file.to_path_buf())
         .or_insert_with(|| {
-            std::fs::read_to_string(&file).map_or_else(|_| HashMap::new(), |t| parse(&t))
+            std::fs::read_to_string(file).map_or_else(|_| HashMap::new(), |t| parse(&t))
         });
     choices.get(problem).copied()
 }
 
-/// Keeps `index` as the choice for `problem` on this device, for this process and the next.
-/// The file is read again first, so another process's choices since are kept too; a file that
-/// cannot be written only costs the next run its timing.
-pub(super) fn store(d: &CudaDevice, problem: &str, index: usize) {
-    let Some(file) = this_file(d) else {
-        return;
-    };
+/// Adds `problem`'s choice to `file`. The file is read again first, so the choices another
+/// process stored since are kept too; a file that cannot be written only costs the next run
+/// its timing.
+fn store_at(file: &Path, problem: &str, index: usize) {
     let mut all = STORED.lock().unwrap_or_else(|e| e.into_inner());
     let choices = all
         .get_or_insert_with(HashMap::new)
-        .entry(file.clone())
+        .entry(file.to_path_buf())
         .or_default();
-    if let Ok(text) = std::fs::read_to_string(&file) {
+    if let Ok(text) = std::fs::read_to_string(file) {
         for (p, i) in parse(&text) {
             choices.entry(p).or_insert(i);
         }
     }
     choices.insert(problem.to_string(), index);
-    let _ = super::kernel_cache::write(&file, &render(choices));
+    let _ = super::kernel_cache::write(file, &render(choices));
 }
 
 /// The report's line for one problem: times in microseconds.
@@ -334,6 +343,33 @@ mod tests {
         let mut torn = text.clone();
         torn.push_str("7 14 14 68 819\nnot a choice\n");
         assert_eq!(parse(&torn), choices);
+    }
+
+    /// Two processes storing choices in turn: the second keeps the first's, and a third
+    /// (a fresh process, nothing read yet) finds both.
+    #[test]
+    fn choices_stored_by_two_processes_are_both_read_by_the_next() {
+        let dir =
+            std::env::temp_dir().join(format!("ferrograd-gemm-choices-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let file = file_for(&dir, "GPU", 1);
+        let forget = || {
+            if let Some(all) = STORED.lock().unwrap_or_else(|e| e.into_inner()).as_mut() {
+                all.remove(&file);
+            }
+        };
+        let (a, b) = (
+            "1 14 14 68 8192 768 768 0 1 768 768 256 256 256 256 256 0",
+            "4 14 14 68 8192 2304 768 0 1 768 768 256 256 256 256 256 0",
+        );
+        assert_eq!(stored_at(&file, a), None);
+        store_at(&file, a, 3);
+        forget();
+        store_at(&file, b, 0);
+        forget();
+        assert_eq!(stored_at(&file, a), Some(3));
+        assert_eq!(stored_at(&file, b), Some(0));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
