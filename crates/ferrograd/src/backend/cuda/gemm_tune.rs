@@ -10,11 +10,11 @@
 //!
 //! Choices are kept for the next run (as TunableOp keeps its results file): one text file per
 //! GPU model and cuBLASLt version in the kernel cache's folder (with the cache off, each
-//! process times afresh), a line per problem naming the
-//! chosen candidate's place in the heuristic's list (the heuristic answers alike for the same
-//! problem, GPU and library). A run that finds its problems there times nothing, so runs after
-//! the first multiply with the same algorithms, and their results match bit for bit. The
-//! margin keeps near-ties on the first answer, so timing noise rarely decides a choice at all.
+//! process times afresh), a line per problem naming the chosen candidate's place in the
+//! heuristic's list (the heuristic answers alike for the same problem, GPU and library). A run
+//! that finds its problems there times nothing, so runs after the first multiply with the same
+//! algorithms, and their results match bit for bit. The margin keeps near-ties on the first
+//! answer, so timing noise rarely decides a choice at all.
 //!
 //! Candidates run on the call's own operands: the epilogue GEMMs write their outputs and never
 //! read them (beta 0), so the real call that follows overwrites everything a candidate wrote.
@@ -65,7 +65,6 @@ fn mode_from(setting: Option<&str>) -> Mode {
 ///
 /// # Safety
 /// Every descriptor must be live.
-#[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn candidates(
     handle: lt_sys::cublasLtHandle_t,
     desc: lt_sys::cublasLtMatmulDesc_t,
