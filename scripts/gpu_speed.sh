@@ -141,15 +141,19 @@ row_gpt2-max-batch() {
   # steady rate is taken from two runs: the tokens and seconds of steps 4 to 8. A first run
   # tunes the GEMMs and stores its choices, so the two timed runs start alike.
   local a3 a
-  run "$B/ferrograd" train --device cuda $GPT2_JOB $short --batch-size "$b" --sample-chars 0 --json >/dev/null
-  a3=$(run "$B/ferrograd" train --device cuda $GPT2_JOB $short --batch-size "$b" --sample-chars 0 --json)
-  a=$(run "$B/ferrograd" train --device cuda $GPT2_JOB ${short/--max-steps 3/--max-steps 8} --batch-size "$b" --sample-chars 0 --json)
+  train_b() { run "$B/ferrograd" train --device cuda $GPT2_JOB "$@" --batch-size "$b" --sample-chars 0 --json; }
+  train_b $short >/dev/null
+  a3=$(train_b $short)
+  a=$(train_b ${short/--max-steps 3/--max-steps 8})
   local steady
   steady=$("$PY" -c "print(f'{5 * $b * 1024 / ($(field "$a" seconds) - $(field "$a3" seconds)):.0f}')" 2>/dev/null || echo -)
   TABLE+=("| GPT-2 124M bf16, largest batch in the free $(mib $((free << 20))) (ours, planned), tokens/s of steps 4-8 (peak / reserved / planned reserved) | B $b: $steady ($(mib "$(field "$a" peak_bytes)") / $(mib "$(field "$a" peak_reserved_bytes)") / $(mib "$(field "$a" predicted_peak_reserved_bytes)")) | | |")
+  # PyTorch's step at a batch, and whether it fit (a peak was printed).
+  torch_b() { run "$PY" benches/pytorch/strategies.py --model gpt2 --strategy bf16 --device cuda --seq 1024 --steps 2 --warmup 1 --batch "$1" $COMPILED; }
+  fits() { local pk; pk=$(field "$1" peak_bytes); [ -n "$pk" ] && [ "$pk" != None ]; }
   local o16 o32
-  o16=$(run "$PY" benches/pytorch/strategies.py --model gpt2 --strategy bf16 --device cuda --seq 1024 --steps 2 --warmup 1 --batch 16 $COMPILED)
-  o32=$(run "$PY" benches/pytorch/strategies.py --model gpt2 --strategy bf16 --device cuda --seq 1024 --steps 2 --warmup 1 --batch 32 $COMPILED)
+  o16=$(torch_b 16)
+  o32=$(torch_b 32)
   p16=$(field "$o16" peak_bytes)
   p32=$(field "$o32" peak_bytes)
   # Its largest batch: the estimate from the B16/B32 peaks first (its large batches also hold
@@ -157,7 +161,7 @@ row_gpt2-max-batch() {
   # batch seen to fit (lo, B32 at first) and the smallest seen to fail (hi), in multiples of 8;
   # while nothing has failed, the next try extrapolates from the largest fit's peak.
   local name="same, PyTorch torch.compile+SDPA+fused AdamW, largest batch found"
-  if [ -z "$p32" ] || [ "$p32" = None ]; then
+  if ! fits "$o32"; then
     TABLE+=("| $name | | B 32 out of memory | |")
     return
   fi
@@ -165,8 +169,8 @@ row_gpt2-max-batch() {
   bt=$("$PY" -c "per = ($p32 - $p16) / 16; print(int((0.97 * $free * 2**20 - ($p16 - 16 * per)) // per) // 8 * 8)")
   while [ "$tries" -lt "${MAX_BATCH_TRIES:-4}" ] && [ "$bt" -gt "$lo" ]; do
     tries=$((tries + 1))
-    p=$(run "$PY" benches/pytorch/strategies.py --model gpt2 --strategy bf16 --device cuda --seq 1024 --steps 2 --warmup 1 --batch "$bt" $COMPILED)
-    if [ -n "$(field "$p" peak_bytes)" ] && [ "$(field "$p" peak_bytes)" != None ]; then
+    p=$(torch_b "$bt")
+    if fits "$p"; then
       lo=$bt lo_out=$p
     else
       hi=$bt

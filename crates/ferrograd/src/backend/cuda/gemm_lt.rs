@@ -172,6 +172,19 @@ impl Drop for Descriptors {
     }
 }
 
+impl Descriptors {
+    /// The heuristic's answers (up to `wanted`) under this problem's preference, once
+    /// `heuristic` has made it; empty before, or when it has none.
+    fn candidates(&self, handle: cublasLtHandle_t, wanted: usize) -> Vec<cublasLtMatmulAlgo_t> {
+        let Some(pref) = self.pref else {
+            return Vec::new();
+        };
+        let layouts = [self.layouts[0], self.layouts[1], self.layouts[2]];
+        // SAFETY: every descriptor is live (owned by `self`).
+        unsafe { tune::candidates(handle, self.desc, layouts, pref, wanted, WORKSPACE_BYTES) }
+    }
+}
+
 /// Sets one attribute of a descriptor from a plain value.
 fn set_desc<T>(d: &CudaDevice, desc: &Descriptors, attr: DescAttr, value: &T) -> Result<()> {
     // SAFETY: `desc.desc` is live; the value is read for its size during the call.
@@ -399,7 +412,7 @@ fn choose(
 fn fastest_without_epilogue(
     d: &CudaDevice,
     handle: cublasLtHandle_t,
-    ds: &mut Descriptors,
+    ds: &Descriptors,
     (epilogue, vector): (cublasLtEpilogue_t, Option<u64>),
     launch: &dyn Fn(&cublasLtMatmulAlgo_t) -> Result<()>,
 ) -> Result<Option<f32>> {
@@ -413,22 +426,7 @@ fn fastest_without_epilogue(
         if vector.is_some() {
             set_vector(ds, std::ptr::null())?;
         }
-        let layouts = [ds.layouts[0], ds.layouts[1], ds.layouts[2]];
-        let found = match ds.pref {
-            // SAFETY: every descriptor is live (owned by `ds`).
-            Some(pref) => unsafe {
-                tune::candidates(
-                    handle,
-                    ds.desc,
-                    layouts,
-                    pref,
-                    tune::MAX_CANDIDATES,
-                    WORKSPACE_BYTES,
-                )
-            },
-            None => Vec::new(),
-        };
-        tune::time_each(d, &found, launch)
+        tune::time_each(d, &ds.candidates(handle, tune::MAX_CANDIDATES), launch)
     })();
     set_desc(d, ds, DescAttr::CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue)?;
     if let Some(v) = vector {
@@ -470,9 +468,7 @@ fn heuristic(
     for (attr, align) in attrs.into_iter().zip(&aligns) {
         set(attr, tune::ptr(align), 4)?;
     }
-    let layouts = [ds.layouts[0], ds.layouts[1], ds.layouts[2]];
-    // SAFETY: every descriptor is live (owned by `ds`).
-    Ok(unsafe { tune::candidates(handle, ds.desc, layouts, pref, wanted, WORKSPACE_BYTES) })
+    Ok(ds.candidates(handle, wanted))
 }
 
 #[cfg(test)]
