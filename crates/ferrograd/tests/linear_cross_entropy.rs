@@ -276,3 +276,58 @@ fn the_padded_weight_gradient_is_scaled_in_place() {
         "{backward_allocs:?}"
     );
 }
+
+/// A weight used both as an embedding and as the head (GPT's tied weights): its gradient is
+/// the sum of both uses' gradients, as two untied copies of it get them.
+#[test]
+fn a_tied_weight_gets_both_uses_gradients() {
+    let _alone = lock();
+    let ids = Tensor::from_vec(
+        (0..N as i64).map(|i| i * 3 % V as i64).collect(),
+        &[3, 4],
+        CPU,
+    )
+    .unwrap();
+    let loss_of = |emb: &Tensor, head: &Tensor| {
+        let x = emb.embedding(&ids).unwrap().tanh().unwrap();
+        let loss = x.linear_cross_entropy(head, &targets(), -100).unwrap();
+        loss.backward().unwrap();
+    };
+    let tied = leaf(&[V, C], DType::F32, 2);
+    loss_of(&tied, &tied);
+    let (emb, head) = (leaf(&[V, C], DType::F32, 2), leaf(&[V, C], DType::F32, 2));
+    loss_of(&emb, &head);
+    let both: Vec<f64> = f64s(&emb.grad().unwrap())
+        .iter()
+        .zip(f64s(&head.grad().unwrap()))
+        .map(|(a, b)| a + b)
+        .collect();
+    assert_close(&f64s(&tied.grad().unwrap()), &both, 1e-6, "tied dw");
+}
+
+/// The lookup's backward adds its rows into the head's pending (V, C) gradient in place: the
+/// step allocates two blocks of the weight's size, the weight and its one gradient (no second
+/// gradient for the lookup, nor the sum of two).
+#[test]
+fn a_tied_embedding_adds_its_gradient_into_the_heads() {
+    use ferrograd::memory::recorder::Action;
+    use ferrograd::plan::{PlanOptions, Target, plan};
+    let _g = lock();
+    let (v, c) = (4096, 64);
+    let p = plan(Target::Cpu, PlanOptions { record: true }, |dev| {
+        let w = Tensor::zeros(&[v, c], DType::F32, dev)?.requires_grad_(true)?;
+        let ids = Tensor::zeros(&[2, 8], DType::I64, dev)?;
+        let loss = w.embedding(&ids)?.linear_cross_entropy(&w, &ids, -100)?;
+        loss.backward()
+    })
+    .unwrap();
+    let weight_sized: Vec<_> = p
+        .recording
+        .unwrap()
+        .events
+        .iter()
+        .filter(|e| e.action == Action::Alloc && e.requested == (v * c * 4) as u64)
+        .map(|e| e.origin.op)
+        .collect();
+    assert_eq!(weight_sized.len(), 2, "(V, C) blocks: {weight_sized:?}");
+}

@@ -1,9 +1,11 @@
 //! Embedding lookup: rows of a (V, D) weight gathered by integer ids. Backward adds each
 //! gradient row into its id's row of a zero (V, D) tensor, repeated ids in order
 //! (deterministic). The graph saves only the ids, never the weight: the gradient of a lookup
-//! does not depend on the looked-up values.
+//! does not depend on the looked-up values. A tied weight (GPT's embedding and classifier)
+//! already has the classifier's gradient pending when the lookup's backward runs: the rows are
+//! added into that buffer in place, so no second (V, D) gradient is zeroed, filled and added.
 
-use crate::autograd::{SavedTensor, record};
+use crate::autograd::{SavedTensor, record, take_pending_grad};
 use crate::backend::View;
 use crate::backend::index::{self, IndexAdd, IndexSelect};
 use crate::base::{Error, Result};
@@ -27,7 +29,16 @@ impl Tensor {
         .map_err(as_embedding_error)?;
         Ok(record("embedding", &[self], out, |_, _| {
             let ids = SavedTensor::new(ids);
-            move |g: &Tensor, _: &[bool]| Ok(vec![Some(embedding_backward(g, ids.get(), v, d)?)])
+            move |g: &Tensor, _: &[bool]| {
+                let prior = take_pending_grad(0, |p| {
+                    p.shape() == [v, d]
+                        && p.dtype() == g.dtype()
+                        && p.device() == g.device()
+                        && p.is_exclusive()
+                });
+                let gweight = embedding_backward(g, ids.get(), (v, d), prior)?;
+                Ok(vec![Some(gweight)])
+            }
         }))
     }
 }
@@ -63,10 +74,19 @@ fn as_embedding_error(e: Error) -> Error {
     }
 }
 
-/// gweight (V, D): row r = Σ of g's rows at the positions where ids == r, in order.
-/// g: (..., D) with ids: (...).
-fn embedding_backward(g: &Tensor, ids: &Tensor, v: usize, d: usize) -> Result<Tensor> {
-    let gweight = Tensor::output(&[v, d], g.dtype(), g.device(), "embedding_backward")?;
+/// gweight (V, D): row r = prior's row r (zero without a prior) + Σ of g's rows at the
+/// positions where ids == r, in order. g: (..., D) with ids: (...); prior: the weight's
+/// gradient from its other uses, (V, D) in g's dtype, exclusive (written in place).
+fn embedding_backward(
+    g: &Tensor,
+    ids: &Tensor,
+    (v, d): (usize, usize),
+    prior: Option<Tensor>,
+) -> Result<Tensor> {
+    let gweight = match prior {
+        Some(p) => p,
+        None => Tensor::output(&[v, d], g.dtype(), g.device(), "embedding_backward")?,
+    };
     let n = ids.numel();
     // A gradient expanded from a sum (all strides 0) collapses to (N, D) without a copy.
     let copy;
