@@ -1,5 +1,5 @@
 //! The GPU's fused causal attention (FlashAttention-2: on tensor cores in f16 and bf16, in
-//! f32 FMAs in f32) against an f64 reference of the same rounded inputs on the CPU, across every head dim it covers and
+//! three TF32 products per product in f32) against an f64 reference of the same rounded inputs on the CPU, across every head dim it covers and
 //! sequence lengths inside, at and past its 64-row tiles; against PyTorch's
 //! `scaled_dot_product_attention` fixture; against the composed attention inside the GPT
 //! model under autocast; dropout on the probabilities against the composed path's dropout

@@ -1,6 +1,7 @@
 //! CUDA launchers of the attention family (backend/attention.rs): FlashAttention-2 on tensor
-//! cores for f16 and bf16 heads (kernels/attention.cu) and in f32 FMAs for f32 heads
-//! (kernels/attention_f32.cu, the same kernels and arguments), head dims a multiple of 16 up
+//! cores for f16 and bf16 heads (kernels/attention.cu) and for f32 heads as three TF32
+//! products per product, f32-accurate (kernels/attention_f32.cu, the same kernels and
+//! arguments), head dims a multiple of 16 up
 //! to 128. Each (dtype, head dim) is its own NVRTC module, compiled on first use, so the
 //! kernels unroll over the head dim. Other dtypes and head dims are not covered (`supports`
 //! says so and the model composes matmul, softmax and matmul instead).

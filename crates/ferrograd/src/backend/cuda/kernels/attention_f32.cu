@@ -1,7 +1,12 @@
 // attention_f32.cu — fused scaled-dot-product attention for f32 heads: FlashAttention-2's
-// algorithm in f32 FMAs (no tensor cores, no TF32: exact f32 products, as the composed path
-// without TF32 computes them). The correct slower path beside attention.cu's f16/bf16 kernels,
-// with the same kernels, arguments and results: forward writes out and lse (natural log),
+// algorithm with f32 accuracy on tensor cores. Every product runs as three TF32 products
+// (`mma.sync` m16n8k8, f32 accumulation): each operand x is split into big = x rounded to
+// TF32's 10 mantissa bits and small = the rest (x - big, exact in f32) truncated to TF32, and
+// a·b = small_a·big_b + big_a·small_b + big_a·big_b, the small terms first. What is dropped
+// (small·small and the truncation of small) is about 2^-21 of each product, near f32's own
+// rounding (2^-24) and far below TF32's (2^-11): the products stay f32-accurate with TF32 off,
+// as PyTorch's f32 memory-efficient attention computes them. Beside attention.cu's f16/bf16
+// kernels, with the same kernels, arguments and results: forward writes out and lse (natural log),
 // attn_delta writes rowsum(gout ∘ out), and the backward is two kernels (dK/dV per key tile,
 // dQ per query tile), deterministic, causal tiles past the diagonal never visited. Each of
 // attn_fwd, attn_bwd_dkdv and attn_bwd_dq has a `_dropout` twin (the mask drawn as the
@@ -11,13 +16,14 @@
 // Operands are (B, H, T, D) views with unit stride along D (`Heads`); lse and delta are dense
 // (B, H, T) f32.
 //
-// Work split: 128 threads; thread (r, c) = (tid / 8, tid % 8) owns 4 rows (4r .. 4r + 3) of
-// the CTA's 64; of a streamed tile, the columns c, c + 8, ...; of the head dim, the pairs
-// 2c, 2c + 1 in every group of 16. Score tiles live in registers, row statistics are reduced
-// over the 8 lanes of a row group by shuffles, and probabilities go through shared memory for
-// the product with the next operand. Shared rows are padded by 4 floats: products read them
-// as float4 along the head dim and the probabilities as float4 along the tile, and the 8
-// lanes of a row group then fall in distinct banks (broadcast across lanes reading one row).
+// Work split: 4 warps of 32 lanes, lane = 4g + t. Warp w owns rows 16w .. 16w + 15 of the
+// CTA's 64 and a lane the two rows 16w + g and 16w + g + 8 of them (`Lane::row`); of a
+// streamed tile or of the head dim, the columns 2t and 2t + 1 of every 8 (`Lane::col`): the
+// accumulator layout of mma.m16n8k8, so no value moves between a product and the softmax.
+// Row statistics are reduced over the 4 lanes of a row (a quad) by shuffles, and
+// probabilities go through shared memory for the product with the next operand. Shared rows
+// are padded by 4 floats, so the 8 rows × 4 columns of an operand fragment fall in distinct
+// banks.
 //
 // Tiles arrive by 16-byte asynchronous copies (cp.async) where every row start is 16-byte
 // aligned (`Problem::vec`), by plain loads otherwise, and the next tile's copies fly while
@@ -34,9 +40,9 @@
 #define BN 32
 #define LDF (D + 4)
 #define LDP (BN + 4)
-#define RPT 4           // rows per thread
-#define CPT (BN / 8)    // tile columns per thread
-#define DPT (D / 8)     // head-dim columns per thread: pairs 2c + 16m', m' < D / 16
+#define RPT 2           // rows per lane
+#define CPT (BN / 4)    // tile columns per lane: 2 in each of the BN / 8 column groups
+#define DPT (D / 4)     // head-dim columns per lane, likewise
 
 // Dynamic shared memory per kernel, in bytes; mirrored by `smem_bytes_f32` in
 // cuda/attention.rs and checked on entry. Forward: Q (64 rows), two stages of K and V tiles,
@@ -90,93 +96,123 @@ __device__ __forceinline__ void load_stats(float* dst, int n, const float* row, 
     }
 }
 
-// The head-dim column of this thread's accumulator m: pairs 2c, 2c + 1 of each 16.
-__device__ __forceinline__ int dim_col(int c, int m) { return 16 * (m >> 1) + 2 * c + (m & 1); }
+// A lane's place in the CTA's tiles: warp w, row group g, column pair t.
+struct Lane {
+    int w, g, t;
+    __device__ __forceinline__ Lane()
+        : w(threadIdx.x >> 5), g((threadIdx.x >> 2) & 7), t(threadIdx.x & 3) {}
+    // The CTA tile's row of this lane's accumulator row i (of RPT).
+    __device__ __forceinline__ int row(int i) const { return 16 * w + g + 8 * i; }
+    // The tile's (or head dim's) column of this lane's accumulator column j.
+    __device__ __forceinline__ int col(int j) const { return 8 * (j >> 1) + 2 * t + (j & 1); }
+};
 
-// acc[i][j] = Σ_k a[(4r + i) · LDF + k] · bt[(c + 8j) · LDF + k]: rows of `a` against rows of
-// `bt` (this thread's 4 rows, its CPT columns), k in order, four at a time.
+// x = big + small, each a TF32 value in an f32 register: big is x rounded half away from zero
+// to 10 mantissa bits (half an ulp added, the low 13 bits dropped), small the exact remainder
+// truncated likewise.
+__device__ __forceinline__ void split_tf32(float x, u32& big, u32& small) {
+    big = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+    small = __float_as_uint(x - __uint_as_float(big)) & 0xffffe000u;
+}
+
+// (c0, c1; c2, c3) += a · b over one k8 step, a (16 × 8) and b (8 × 8) as TF32 fragments.
+__device__ __forceinline__ void mma_tf32(float& c0, float& c1, float& c2, float& c3,
+                                         const u32 a[4], u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+        : "+f"(c0), "+f"(c1), "+f"(c2), "+f"(c3)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// An operand fragment split: the four (A) or two (B) values as big and small halves.
+struct Frag4 {
+    u32 big[4], small[4];
+};
+
+// The A fragment of rows r0 and r0 + 8 of a row-major tile (stride ld) at columns k + t and
+// k + t + 4.
+__device__ __forceinline__ Frag4 a_frag(const float* rows, int ld, const Lane& L, int k) {
+    const float* at = rows + L.g * ld + k + L.t;
+    Frag4 f;
+    split_tf32(at[0], f.big[0], f.small[0]);
+    split_tf32(at[8 * ld], f.big[1], f.small[1]);
+    split_tf32(at[4], f.big[2], f.small[2]);
+    split_tf32(at[8 * ld + 4], f.big[3], f.small[3]);
+    return f;
+}
+
+// acc tile n (columns 8n .. 8n + 7 of both rows) += a · b in three TF32 products, b's column
+// g given as its elements k = t and k = t + 4.
+template <int N>
+__device__ __forceinline__ void mma_3xtf32(float acc[RPT][N], int n, const Frag4& a, float b0,
+                                           float b1) {
+    u32 bb0, bs0, bb1, bs1;
+    split_tf32(b0, bb0, bs0);
+    split_tf32(b1, bb1, bs1);
+    float& c0 = acc[0][2 * n];
+    float& c1 = acc[0][2 * n + 1];
+    float& c2 = acc[1][2 * n];
+    float& c3 = acc[1][2 * n + 1];
+    mma_tf32(c0, c1, c2, c3, a.small, bb0, bb1);
+    mma_tf32(c0, c1, c2, c3, a.big, bs0, bs1);
+    mma_tf32(c0, c1, c2, c3, a.big, bb0, bb1);
+}
+
+// acc = a_rows · bt_rowsᵀ: this warp's 16 rows of `a` (row stride LDF) against the BN rows of
+// `bt`, k over the head dim.
 __device__ __forceinline__ void rows_dot_rows(float acc[RPT][CPT], const float* a,
-                                              const float* bt, int r, int c) {
+                                              const float* bt, const Lane& L) {
 #pragma unroll
     for (int i = 0; i < RPT; ++i)
 #pragma unroll
         for (int j = 0; j < CPT; ++j) acc[i][j] = 0.f;
-#pragma unroll 4
-    for (int k = 0; k < D; k += 4) {
-        float4 av[RPT], bv[CPT];
+    const float* const rows = a + 16 * L.w * LDF;
+#pragma unroll 2
+    for (int k = 0; k < D; k += 8) {
+        const Frag4 af = a_frag(rows, LDF, L, k);
 #pragma unroll
-        for (int i = 0; i < RPT; ++i) av[i] = *(const float4*)&a[(4 * r + i) * LDF + k];
-#pragma unroll
-        for (int j = 0; j < CPT; ++j) bv[j] = *(const float4*)&bt[(c + 8 * j) * LDF + k];
-#pragma unroll
-        for (int i = 0; i < RPT; ++i)
-#pragma unroll
-            for (int j = 0; j < CPT; ++j) {
-                float s = fmaf(av[i].x, bv[j].x, acc[i][j]);
-                s = fmaf(av[i].y, bv[j].y, s);
-                s = fmaf(av[i].z, bv[j].z, s);
-                acc[i][j] = fmaf(av[i].w, bv[j].w, s);
-            }
+        for (int n = 0; n < BN / 8; ++n) {
+            const float* b = bt + (8 * n + L.g) * LDF + k + L.t;
+            mma_3xtf32<CPT>(acc, n, af, b[0], b[4]);
+        }
     }
 }
 
-// acc[i][m] += Σ_j w[(4r + i) · LDP + j] · rows[j · LDF + dim_col(c, m)] for j < n (a
-// multiple of 4), in order: this thread's 4 rows of a (64 × n) weight tile times an (n × D)
-// row tile, at its DPT head-dim columns.
+// acc += w · rows: this warp's 16 rows of a (64 × BN) weight tile (row stride LDP) times a
+// (BN × D) row tile (row stride LDF).
 __device__ __forceinline__ void weights_times_rows(float acc[RPT][DPT], const float* w,
-                                                   const float* rows, int n, int r, int c) {
-    for (int j = 0; j < n; j += 4) {
-        // The weights as scalars indexed by jj, not a `jj == 0 ? w4.x : ...` chain over a
-        // float4: NVVM spends seconds per kernel on those selects (same code after unrolling).
-        float wt[RPT][4];
+                                                   const float* rows, const Lane& L) {
+    const float* const wr = w + 16 * L.w * LDP;
+#pragma unroll 2
+    for (int k = 0; k < BN; k += 8) {
+        const Frag4 af = a_frag(wr, LDP, L, k);
+        const float* const b = rows + (k + L.t) * LDF + L.g;
 #pragma unroll
-        for (int i = 0; i < RPT; ++i) {
-            const float4 w4 = *(const float4*)&w[(4 * r + i) * LDP + j];
-            wt[i][0] = w4.x;
-            wt[i][1] = w4.y;
-            wt[i][2] = w4.z;
-            wt[i][3] = w4.w;
-        }
-#pragma unroll
-        for (int jj = 0; jj < 4; ++jj) {
-            const float* row = rows + (j + jj) * LDF + 2 * c;
-#pragma unroll
-            for (int mm = 0; mm < D / 16; ++mm) {
-                const float2 x = *(const float2*)&row[16 * mm];
-#pragma unroll
-                for (int i = 0; i < RPT; ++i) {
-                    const float wv = wt[i][jj];
-                    acc[i][2 * mm] = fmaf(wv, x.x, acc[i][2 * mm]);
-                    acc[i][2 * mm + 1] = fmaf(wv, x.y, acc[i][2 * mm + 1]);
-                }
-            }
-        }
+        for (int n = 0; n < D / 8; ++n) mma_3xtf32<DPT>(acc, n, af, b[8 * n], b[4 * LDF + 8 * n]);
     }
 }
 
-// Reductions over the 8 lanes of a row group (lanes 8q .. 8q + 7 of a warp).
-__device__ __forceinline__ float group_max(float v) {
-#pragma unroll
-    for (int s = 1; s < 8; s <<= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, s));
-    return v;
+// Reductions over the 4 lanes of a row (a quad: lanes 4g .. 4g + 3).
+__device__ __forceinline__ float quad_max(float v) {
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
-__device__ __forceinline__ float group_sum(float v) {
-#pragma unroll
-    for (int s = 1; s < 8; s <<= 1) v += __shfl_xor_sync(0xffffffffu, v, s);
-    return v;
+__device__ __forceinline__ float quad_sum(float v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-// This thread's 4 rows of a (64 × D) accumulator into a view, times `scale`, rows past T left.
+// This lane's rows of a (64 × D) accumulator into a view, times `scale`, rows past T left.
 __device__ __forceinline__ void store_rows(float* base, const Heads& v, int b, int h, int t0,
                                            const float acc[RPT][DPT], const float scale[RPT],
-                                           const Problem& p, int r, int c) {
+                                           const Problem& p, const Lane& L) {
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
-        const int t = t0 + 4 * r + i;
+        const int t = t0 + L.row(i);
         if (t >= p.t) continue;
         float* row = base + row_at(v, b, h, t);
 #pragma unroll
-        for (int m = 0; m < DPT; ++m) row[dim_col(c, m)] = acc[i][m] * scale[i];
+        for (int m = 0; m < DPT; ++m) row[L.col(m)] = acc[i][m] * scale[i];
     }
 }
 
@@ -208,7 +244,7 @@ __device__ __forceinline__ void attn_fwd_impl(const float* qkv, Heads qv, Heads 
     float* const sq = smem_f32;
     float* const stages = sq + BM * LDF;  // two stages of a K tile and its V tile
     float* const sp = stages + 2 * FWD_STAGE;
-    const int r = threadIdx.x >> 3, c = threadIdx.x & 7;
+    const Lane L;
     const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
     const int q0 = tile_index(p) * BM;
     const int keys = p.causal ? min(p.t, q0 + BM) : p.t;
@@ -229,20 +265,20 @@ __device__ __forceinline__ void attn_fwd_impl(const float* qkv, Heads qv, Heads 
         const float* const sk = kv_tile(stages, st, k0, keys, qkv, kv, vv, b, h, p);
         const float* const sv = sk + BN * LDF;
         float s[RPT][CPT];
-        rows_dot_rows(s, sq, sk, r, c);
+        rows_dot_rows(s, sq, sk, L);
 #pragma unroll
         for (int i = 0; i < RPT; ++i) {
-            const int row = q0 + 4 * r + i;
+            const int row = q0 + L.row(i);
             float mx = m[i];
 #pragma unroll
             for (int j = 0; j < CPT; ++j) {
-                const int col = k0 + c + 8 * j;
+                const int col = k0 + L.col(j);
                 float v = s[i][j] * p.scale_log2;
                 if (col >= p.t || (p.causal && col > row)) v = neg_inf();
                 s[i][j] = v;
                 mx = fmaxf(mx, v);
             }
-            mx = group_max(mx);
+            mx = quad_max(mx);
             // A row with every key so far masked keeps m = -inf (exp2 of -inf - -inf is NaN).
             const float base = mx == neg_inf() ? 0.f : mx;
             const float alpha = exp2f(m[i] - base);
@@ -255,23 +291,23 @@ __device__ __forceinline__ void attn_fwd_impl(const float* qkv, Heads qv, Heads 
                 float pr = exp2f(s[i][j] - base);
                 l[i] += pr;
                 // Dropout acts on what multiplies V, not on the normaliser l.
-                if (DROP && !kept(p, bh, row, k0 + c + 8 * j)) pr = 0.f;
-                sp[(4 * r + i) * LDP + c + 8 * j] = pr;
+                if (DROP && !kept(p, bh, row, k0 + L.col(j))) pr = 0.f;
+                sp[L.row(i) * LDP + L.col(j)] = pr;
             }
         }
         __syncthreads();
-        weights_times_rows(o, sp, sv, BN, r, c);
+        weights_times_rows(o, sp, sv, L);
     }
     float inv[RPT];
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
-        l[i] = group_sum(l[i]);
+        l[i] = quad_sum(l[i]);
         inv[i] = l[i] > 0.f ? (DROP ? p.inv_keep : 1.f) / l[i] : 0.f;
-        const int row = q0 + 4 * r + i;
-        if (c == 0 && row < p.t)
+        const int row = q0 + L.row(i);
+        if (L.t == 0 && row < p.t)
             lse[(i64)bh * p.t + row] = l[i] > 0.f ? (m[i] + log2f(l[i])) * LN2 : neg_inf();
     }
-    store_rows(out, ov, b, h, q0, o, inv, p, r, c);
+    store_rows(out, ov, b, h, q0, o, inv, p, L);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
@@ -326,7 +362,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_impl(const float* qkv, Heads qv, H
     float* const sd = sl + BN;
     float* const spt = sd + BN;        // (P ∘ M)ᵀ: 64 keys × BN queries
     float* const sdst = spt + BM * LDP;  // dSᵀ
-    const int r = threadIdx.x >> 3, c = threadIdx.x & 7;
+    const Lane L;
     const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
     const int k0 = blockIdx.x * BM;
     const int first = p.causal ? (k0 / BN) * BN : 0;
@@ -353,27 +389,27 @@ __device__ __forceinline__ void attn_bwd_dkdv_impl(const float* qkv, Heads qv, H
         float pt[RPT][CPT], dpt[RPT][CPT];
         cp_async_wait<1>();  // the tile's dO, lse and delta (and K, V the first time)
         __syncthreads();
-        rows_dot_rows(dpt, sv, sdo, r, c);
+        rows_dot_rows(dpt, sv, sdo, L);
         cp_async_wait<0>();  // its Q
         __syncthreads();
-        rows_dot_rows(pt, sk, sq, r, c);
+        rows_dot_rows(pt, sk, sq, L);
 #pragma unroll
         for (int i = 0; i < RPT; ++i) {
-            const int key = k0 + 4 * r + i;
+            const int key = k0 + L.row(i);
 #pragma unroll
             for (int j = 0; j < CPT; ++j) {
-                const int qi = c + 8 * j, q = q0 + qi;
+                const int qi = L.col(j), q = q0 + qi;
                 float pr = exp2f(pt[i][j] * p.scale_log2 - sl[qi] * LOG2E);
                 // Queries past T (zero rows) and, causally, before the key have none.
                 if (q >= p.t || (p.causal && q < key)) pr = 0.f;
                 float mk = 1.f;
                 if (DROP) mk = (q < p.t && key < p.t && kept(p, bh, q, key)) ? p.inv_keep : 0.f;
-                spt[(4 * r + i) * LDP + qi] = pr * mk;
-                sdst[(4 * r + i) * LDP + qi] = pr * (dpt[i][j] * mk - sd[qi]);
+                spt[L.row(i) * LDP + qi] = pr * mk;
+                sdst[L.row(i) * LDP + qi] = pr * (dpt[i][j] * mk - sd[qi]);
             }
         }
         __syncthreads();
-        weights_times_rows(dv, spt, sdo, BN, r, c);
+        weights_times_rows(dv, spt, sdo, L);
         __syncthreads();  // every warp is done with dO, lse and delta: the next ones fly
         if (next < p.t) {
             load_rows<BN>(sdo, gout, gov, b, h, next, p);
@@ -381,7 +417,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_impl(const float* qkv, Heads qv, H
             load_stats(sd, BN, delta_row, next, p);
         }
         cp_async_commit();
-        weights_times_rows(dk, sdst, sq, BN, r, c);
+        weights_times_rows(dk, sdst, sq, L);
         __syncthreads();  // ... and with Q, Pᵀ and dSᵀ
         if (next < p.t) load_rows<BN>(sq, qkv, qv, b, h, next, p);
         cp_async_commit();
@@ -392,8 +428,8 @@ __device__ __forceinline__ void attn_bwd_dkdv_impl(const float* qkv, Heads qv, H
         ones[i] = 1.f;
         scales[i] = p.scale;
     }
-    store_rows(grads, gkv, b, h, k0, dk, scales, p, r, c);
-    store_rows(grads, gvv, b, h, k0, dv, ones, p, r, c);
+    store_rows(grads, gkv, b, h, k0, dk, scales, p, L);
+    store_rows(grads, gvv, b, h, k0, dv, ones, p, L);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
@@ -423,7 +459,7 @@ __device__ __forceinline__ void attn_bwd_dq_impl(const float* qkv, Heads qv, Hea
     float* const sk = sdo + BM * LDF;
     float* const sv = sk + BN * LDF;
     float* const sds = sv + BN * LDF;
-    const int r = threadIdx.x >> 3, c = threadIdx.x & 7;
+    const Lane L;
     const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
     const int q0 = tile_index(p) * BM;
     const int keys = p.causal ? min(p.t, q0 + BM) : p.t;
@@ -437,7 +473,7 @@ __device__ __forceinline__ void attn_bwd_dq_impl(const float* qkv, Heads qv, Hea
     float l2[RPT], dl[RPT];
 #pragma unroll
     for (int i = 0; i < RPT; ++i) {
-        const int row = q0 + 4 * r + i;
+        const int row = q0 + L.row(i);
         // Rows past T: lse +inf, so their probabilities are 0.
         l2[i] = row < p.t ? lse[(i64)bh * p.t + row] * LOG2E : __int_as_float(0x7f800000);
         dl[i] = row < p.t ? delta[(i64)bh * p.t + row] : 0.f;
@@ -453,27 +489,27 @@ __device__ __forceinline__ void attn_bwd_dq_impl(const float* qkv, Heads qv, Hea
         float s[RPT][CPT], dp[RPT][CPT];
         cp_async_wait<1>();  // the tile's V (and Q, dO the first time)
         __syncthreads();
-        rows_dot_rows(dp, sdo, sv, r, c);
+        rows_dot_rows(dp, sdo, sv, L);
         cp_async_wait<0>();  // its K
         __syncthreads();
-        rows_dot_rows(s, sq, sk, r, c);
+        rows_dot_rows(s, sq, sk, L);
 #pragma unroll
         for (int i = 0; i < RPT; ++i) {
-            const int row = q0 + 4 * r + i;
+            const int row = q0 + L.row(i);
 #pragma unroll
             for (int j = 0; j < CPT; ++j) {
-                const int col = k0 + c + 8 * j;
+                const int col = k0 + L.col(j);
                 float pr = exp2f(s[i][j] * p.scale_log2 - l2[i]);
                 if (col >= p.t || (p.causal && col > row)) pr = 0.f;
                 float g = dp[i][j];
                 if (DROP) g = (row < p.t && col < p.t && kept(p, bh, row, col)) ? g * p.inv_keep : 0.f;
-                sds[(4 * r + i) * LDP + c + 8 * j] = pr * (g - dl[i]);
+                sds[L.row(i) * LDP + L.col(j)] = pr * (g - dl[i]);
             }
         }
         __syncthreads();  // dS is complete and every warp is done with V: the next V flies
         if (next < keys) load_rows<BN>(sv, qkv, vv, b, h, next, p);
         cp_async_commit();
-        weights_times_rows(dq, sds, sk, BN, r, c);
+        weights_times_rows(dq, sds, sk, L);
         __syncthreads();  // every warp is done with K and dS
         if (next < keys) load_rows<BN>(sk, qkv, kv, b, h, next, p);
         cp_async_commit();
@@ -481,7 +517,7 @@ __device__ __forceinline__ void attn_bwd_dq_impl(const float* qkv, Heads qv, Hea
     float scales[RPT];
 #pragma unroll
     for (int i = 0; i < RPT; ++i) scales[i] = p.scale;
-    store_rows(grads, gqv, b, h, q0, dq, scales, p, r, c);
+    store_rows(grads, gqv, b, h, q0, dq, scales, p, L);
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
