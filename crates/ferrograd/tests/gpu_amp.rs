@@ -238,8 +238,9 @@ fn half_gemms_write_f32_outputs_as_the_cpu() {
     }
 }
 
-/// A linear layer on f32 parameters in a bf16 region: on the GPU dW and db come from one
-/// cuBLASLt GEMM (BGRADB) in f32, with no cast's backward and no bf16 gradient of either
+/// A linear layer on f32 parameters in a bf16 region: on the GPU dW comes from a GEMM with an
+/// f32 output and db from a column sum of g into f32 (or both from one BGRADB GEMM, with
+/// `FERROGRAD_BIAS_GRAD_EPILOGUE=1`), with no cast's backward and no bf16 gradient of either
 /// allocated, and equal the CPU's f32 gradients to the order of the sums.
 #[test]
 fn linear_parameter_gradients_are_f32_gemm_outputs_as_the_cpu() {
@@ -288,7 +289,7 @@ fn linear_parameter_gradients_are_f32_gemm_outputs_as_the_cpu() {
 }
 
 /// The fused MLP on f32 parameters in a bf16 region on the GPU (GELU and DGELU epilogues,
-/// BGRADB into f32): every parameter gradient f32, no cast's backward, and the CPU's
+/// bias gradients summed into f32): every parameter gradient f32, no cast's backward, and the CPU's
 /// gradients within bf16 rounding of their largest: the GPU rounds the GELU's input gradient
 /// once (in the epilogue) where the CPU rounds the product and then the product times
 /// gelu'(pre), so the weight gradients (sums over rows) differ most where terms cancel. The

@@ -243,17 +243,18 @@ impl MatmulKernels for MetaBackend {
         };
         Ok(())
     }
-    /// A GPU fuses the bias gradient into the weight-gradient GEMM (cuBLASLt's epilogue):
-    /// a plan for one allocates what that GEMM does and no reduction scratch.
+    /// A GPU can fuse the bias gradient into the weight-gradient GEMM (cuBLASLt's epilogue):
+    /// a plan for one allocates what that GEMM does and no reduction scratch. Whether linear
+    /// layers ask for it is the GPU's setting (`bias_grad_epilogue`), mirrored here.
     fn matmul_row_sums(&self, m: &Matmul, _sums: &Storage) -> Result<bool> {
-        if !self.fuses_row_sums() {
+        if planning_target() != Some(MetaTarget::Cuda) {
             return Ok(false);
         }
         self.matmul(m)?;
         Ok(true)
     }
     fn fuses_row_sums(&self) -> bool {
-        planning_target() == Some(MetaTarget::Cuda)
+        planning_target() == Some(MetaTarget::Cuda) && crate::backend::matmul::bias_grad_epilogue()
     }
     /// The target's row alignment, so a plan for a GPU pads the same outputs.
     /// While a plan runs, the target's; else the GPU's (as the attention's coverage).

@@ -513,7 +513,7 @@ impl MatmulKernels for CudaDevice {
         single_lt(self, m, Epilogue::BiasGrad(ptr(sums)?))
     }
     fn fuses_row_sums(&self) -> bool {
-        bias_grad_epilogue()
+        crate::backend::matmul::bias_grad_epilogue()
     }
     fn matmul_bias_gelu(&self, m: &Matmul, bias: View, pre: &Storage) -> Result<()> {
         let aux = ptr(pre)?;
@@ -542,14 +542,6 @@ impl MatmulKernels for CudaDevice {
     fn fuses_gelu_epilogues(&self) -> bool {
         true
     }
-}
-
-/// Whether bias gradients come from the weight-gradient GEMM's BGRADB epilogue (the default)
-/// or from a plain GEMM and a separate column sum: `FERROGRAD_BIAS_GRAD_EPILOGUE=0`, to time
-/// one against the other (plans assume the epilogue).
-fn bias_grad_epilogue() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("FERROGRAD_BIAS_GRAD_EPILOGUE").map_or(true, |v| v != "0"))
 }
 
 /// A single (unbatched) product with a contiguous bias through cuBLASLt's BIAS epilogue;
