@@ -389,16 +389,6 @@ __device__ __forceinline__ void store_rows(u16* base, const Heads& v, int b, int
     }
 }
 
-__device__ __forceinline__ float quad_max(float v) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-
-__device__ __forceinline__ float quad_sum(float v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
-
 // ---- forward ----------------------------------------------------------------------------------
 
 template <bool DROP>

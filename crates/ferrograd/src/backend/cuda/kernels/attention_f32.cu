@@ -192,16 +192,6 @@ __device__ __forceinline__ void weights_times_rows(float acc[RPT][DPT], const fl
     }
 }
 
-// Reductions over the 4 lanes of a row (a quad: lanes 4g .. 4g + 3).
-__device__ __forceinline__ float quad_max(float v) {
-    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
-    return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
-}
-__device__ __forceinline__ float quad_sum(float v) {
-    v += __shfl_xor_sync(0xffffffffu, v, 1);
-    return v + __shfl_xor_sync(0xffffffffu, v, 2);
-}
-
 // This lane's rows of a (64 × D) accumulator into a view, times `scale`, rows past T left.
 __device__ __forceinline__ void store_rows(float* base, const Heads& v, int b, int h, int t0,
                                            const float acc[RPT][DPT], const float scale[RPT],
