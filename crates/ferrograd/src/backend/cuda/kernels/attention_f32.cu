@@ -22,8 +22,10 @@
 // accumulator layout of mma.m16n8k8, so no value moves between a product and the softmax.
 // Row statistics are reduced over the 4 lanes of a row (a quad) by shuffles, and
 // probabilities go through shared memory for the product with the next operand. Shared rows
-// are padded by 4 floats, so the 8 rows × 4 columns of an operand fragment fall in distinct
-// banks.
+// are padded by 4 floats, so a fragment read along rows (8 rows × 4 columns: every A operand,
+// and K's, dO's or Q's rows as B) falls in distinct banks; the (BN × D) tile multiplied by
+// probabilities is read across rows (4 rows × 8 columns) and meets two-way conflicts. Needs
+// compute capability 8.0 (TF32 `mma.sync`), as attention.cu does.
 //
 // Tiles arrive by 16-byte asynchronous copies (cp.async) where every row start is 16-byte
 // aligned (`Problem::vec`), by plain loads otherwise, and the next tile's copies fly while
