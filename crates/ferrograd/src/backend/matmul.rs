@@ -59,8 +59,9 @@ pub trait MatmulKernels {
     fn matmul_row_sums(&self, _m: &Matmul, _sums: &Storage) -> Result<bool> {
         Ok(false)
     }
-    /// Whether `matmul_row_sums` fuses here at all: callers that get false take the plain
-    /// path without allocating the fused call's outputs.
+    /// Whether linear layers take their bias gradient from `matmul_row_sums` here: callers
+    /// that get false take the plain path without allocating the fused call's outputs (on a
+    /// GPU the fused call works either way; `bias_grad_epilogue` decides).
     fn fuses_row_sums(&self) -> bool {
         false
     }
