@@ -44,6 +44,11 @@ row_attention() {
   a=$(run "$B/attention" --batch 8 --heads 12 --seq 1024 --head-dim 64 --dtype bf16 --dropout 0.1)
   p=$(run "$PY" benches/pytorch/attention.py --batch 8 --heads 12 --seq 1024 --head-dim 64 --dtype bf16 --dropout 0.1)
   attention_pair "attention, dropout 0.1 on the probabilities, fwd+bwd ms" fwd_bwd_ms
+  # f32 heads: ours three TF32 products per product, PyTorch's memory-efficient kernel.
+  a=$(run "$B/attention" --batch 8 --heads 12 --seq 1024 --head-dim 64 --dtype f32)
+  p=$(run "$PY" benches/pytorch/attention.py --batch 8 --heads 12 --seq 1024 --head-dim 64 --dtype f32)
+  attention_pair "attention f32, fwd+bwd ms" fwd_bwd_ms
+  attention_pair "attention f32 forward ms" fwd_ms
 }
 
 # The residual add + layer norm of a GPT-2 step alone (ours; no PyTorch twin): microseconds a
