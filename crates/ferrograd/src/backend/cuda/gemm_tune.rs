@@ -189,11 +189,9 @@ fn parse(text: &str) -> HashMap<String, usize> {
     text.lines()
         .filter_map(|line| {
             let (problem, index) = line.trim().rsplit_once(' ')?;
-            let numbers = problem
-                .split(' ')
-                .filter(|f| f.parse::<i64>().is_ok())
-                .count();
-            (numbers == PROBLEM_FIELDS).then_some(())?;
+            let fields: Vec<&str> = problem.split(' ').collect();
+            let numbers = fields.iter().all(|f| f.parse::<i64>().is_ok());
+            (numbers && fields.len() == PROBLEM_FIELDS).then_some(())?;
             Some((problem.to_string(), index.parse().ok()?))
         })
         .collect()
@@ -234,16 +232,22 @@ pub(super) fn store(d: &CudaDevice, problem: &str, index: usize) {
     }
 }
 
-/// The choice `file` holds for `problem`; the file is read once per process.
-fn stored_at(file: &Path, problem: &str) -> Option<usize> {
-    let mut all = STORED.lock().unwrap_or_else(|e| e.into_inner());
-    let choices = all
-        .get_or_insert_with(HashMap::new)
+/// `file`'s choices as this process knows them, read from the file the first time.
+fn known<'a>(
+    all: &'a mut Option<HashMap<PathBuf, HashMap<String, usize>>>,
+    file: &Path,
+) -> &'a mut HashMap<String, usize> {
+    all.get_or_insert_with(HashMap::new)
         .entry(file.to_path_buf())
         .or_insert_with(|| {
             std::fs::read_to_string(file).map_or_else(|_| HashMap::new(), |t| parse(&t))
-        });
-    choices.get(problem).copied()
+        })
+}
+
+/// The choice `file` holds for `problem`; the file is read once per process.
+fn stored_at(file: &Path, problem: &str) -> Option<usize> {
+    let mut all = STORED.lock().unwrap_or_else(|e| e.into_inner());
+    known(&mut all, file).get(problem).copied()
 }
 
 /// Adds `problem`'s choice to `file`. The file is read again first, so the choices another
@@ -251,10 +255,7 @@ fn stored_at(file: &Path, problem: &str) -> Option<usize> {
 /// its timing.
 fn store_at(file: &Path, problem: &str, index: usize) {
     let mut all = STORED.lock().unwrap_or_else(|e| e.into_inner());
-    let choices = all
-        .get_or_insert_with(HashMap::new)
-        .entry(file.to_path_buf())
-        .or_default();
+    let choices = known(&mut all, file);
     if let Ok(text) = std::fs::read_to_string(file) {
         for (p, i) in parse(&text) {
             choices.entry(p).or_insert(i);
