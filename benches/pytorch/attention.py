@@ -1,14 +1,16 @@
 """PyTorch twin of crates/ferrograd/benches/attention.rs: causal scaled_dot_product_attention
 alone (PyTorch picks the kernel: flash, cuDNN, memory-efficient or math; the JSON's `sdpa_backend`
-names its choice) from a (B, T, 3C) QKV tensor, the
-heads split as views exactly as GPT-2's attention does, forward and forward + backward, median
+names its choice; `--backend flash|cudnn|efficient|math` makes it use one) from a (B, T, 3C) QKV
+tensor, the heads split as views exactly as GPT-2's attention does, forward and forward + backward, median
 milliseconds per call and TFLOP/s counted the same way, and calls queued back to back
 (`*_queued_ms`: the device's own time per call, Python's overhead hidden). Prints one JSON line.
 
 Usage: python benches/pytorch/attention.py [--batch 8] [--heads 12] [--seq 1024] [--head-dim 64]
        [--dtype bf16|f16|f32] [--iters 50] [--device cuda|cpu] [--dropout 0]
+       [--backend auto|flash|cudnn|efficient|math]
 """
 import argparse
+import contextlib
 import json
 import time
 
@@ -57,6 +59,18 @@ def sdpa_backend(q, k, v, dropout):
         return None
 
 
+BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+            "efficient": "EFFICIENT_ATTENTION", "math": "MATH"}
+
+
+def only_backend(name):
+    """A context in which SDPA runs on backend `name` alone (PyTorch's choice for "auto")."""
+    if name == "auto":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    return sdpa_kernel(getattr(SDPBackend, BACKENDS[name]))
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--batch", type=int, default=8)
@@ -67,6 +81,7 @@ def main():
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--device", default="cuda")
     p.add_argument("--dropout", type=float, default=0.0)
+    p.add_argument("--backend", default="auto", choices=["auto", *BACKENDS])
     a = p.parse_args()
     b, h, t, d = a.batch, a.heads, a.seq, a.head_dim
     dtype = {"f16": torch.float16, "f32": torch.float32}.get(a.dtype, torch.bfloat16)
@@ -84,13 +99,15 @@ def main():
         attention().backward(gout)
         qkv.grad = None
 
-    with torch.no_grad():
-        q, k, v = (x.view(b, t, h, d).transpose(1, 2) for x in qkv.split(c, dim=2))
-        backend = sdpa_backend(q, k, v, a.dropout)
-        fwd = median_ms(attention, a.iters, a.device)
-        fwd_q = queued_ms(attention, a.iters, a.device)
-    fb = median_ms(both, a.iters, a.device)
-    fb_q = queued_ms(both, a.iters, a.device)
+    with only_backend(a.backend):
+        with torch.no_grad():
+            q, k, v = (x.view(b, t, h, d).transpose(1, 2) for x in qkv.split(c, dim=2))
+            backend = sdpa_backend(q, k, v, a.dropout) if a.backend == "auto" \
+                else BACKENDS[a.backend]
+            fwd = median_ms(attention, a.iters, a.device)
+            fwd_q = queued_ms(attention, a.iters, a.device)
+        fb = median_ms(both, a.iters, a.device)
+        fb_q = queued_ms(both, a.iters, a.device)
     flops = 4.0 * b * h * t * t * d / 2.0
     print(json.dumps({"impl": "pytorch", "batch": b, "heads": h, "seq": t, "head_dim": d,
                       "dtype": a.dtype, "dropout": a.dropout, "sdpa_backend": backend, "fwd_ms": round(fwd, 4), "fwd_bwd_ms": round(fb, 4),

@@ -206,8 +206,9 @@ impl Problem {
     }
 
     /// One CTA per 64 rows (queries or keys) of each (batch, head) pair, with the kernel's
-    /// shared memory for head dim `d` and element type `dtype`.
-    fn tiles(&self, kernel: Tiled, d: usize, dtype: DType) -> LaunchConfig {
+    /// shared memory for head dim `d` and element type `dtype` on a GPU of architecture
+    /// `arch`.
+    fn tiles(&self, kernel: Tiled, d: usize, dtype: DType, arch: &str) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (
                 (self.t as usize).div_ceil(TILE) as u32,
@@ -215,8 +216,9 @@ impl Problem {
                 1,
             ),
             block_dim: (THREADS, 1, 1),
-            shared_mem_bytes: match dtype {
-                DType::F32 => smem_bytes_f32(kernel, d),
+            shared_mem_bytes: match (dtype, kernel) {
+                (DType::F32, _) => smem_bytes_f32(kernel, d),
+                (_, Tiled::Forward) if forward_on_wgmma(arch, d) => FORWARD_WGMMA_SMEM,
                 _ => smem_bytes(kernel, d),
             },
         }
@@ -230,6 +232,16 @@ enum Tiled {
     DkDv,
     Dq,
 }
+
+/// Whether the f16/bf16 forward runs on warpgroup MMA (FWD_WGMMA in attention.cu): at head
+/// dim 64 on sm_90a.
+fn forward_on_wgmma(arch: &str, d: usize) -> bool {
+    arch == "sm_90a" && d == 64
+}
+
+/// Dynamic shared memory of that forward (FWD_WG_SMEM): Q and two stages of K and V, 64 rows
+/// of 64 two-byte elements each, and 1024 bytes to align the first.
+const FORWARD_WGMMA_SMEM: u32 = 5 * 64 * 64 * 2 + 1024;
 
 /// Dynamic shared memory of a tiled kernel at head dim `d`, in bytes: attention.cu's
 /// FWD_SMEM, DKDV_SMEM and DQ_SMEM from its tile sizes (the kernels check it on entry).
@@ -339,7 +351,7 @@ fn forward(d: &CudaDevice, a: &Attention) -> Result<()> {
         Arg::Ptr(ptr(a.lse)?),
         Arg::Struct(&p),
     ];
-    let cfg = p.tiles(Tiled::Forward, d_head, dtype);
+    let cfg = p.tiles(Tiled::Forward, d_head, dtype, d.arch());
     launch(d, m, kernel("attn_fwd", a.dropout), cfg, &args)
 }
 
@@ -403,7 +415,7 @@ fn backward(d: &CudaDevice, a: &AttentionBackward) -> Result<()> {
         Arg::Struct(&gv.1),
         Arg::Struct(&p),
     ];
-    let cfg = p.tiles(Tiled::DkDv, d_head, dtype);
+    let cfg = p.tiles(Tiled::DkDv, d_head, dtype, d.arch());
     launch(
         d,
         m,
@@ -413,7 +425,7 @@ fn backward(d: &CudaDevice, a: &AttentionBackward) -> Result<()> {
     )?;
 
     let grads = [Arg::Ptr(gq.0), Arg::Struct(&gq.1), Arg::Struct(&p)];
-    let cfg = p.tiles(Tiled::Dq, d_head, dtype);
+    let cfg = p.tiles(Tiled::Dq, d_head, dtype, d.arch());
     launch(
         d,
         m,
@@ -460,6 +472,29 @@ mod tests {
             for k in [Tiled::Forward, Tiled::DkDv, Tiled::Dq] {
                 assert!(smem_bytes_f32(k, d) <= 227 * 1024, "head dim {d}");
             }
+        }
+    }
+
+    /// The wgmma forward's shared memory as attention.cu sizes it, and where it runs.
+    #[test]
+    fn wgmma_forward_matches_the_kernel() {
+        let src = include_str!("kernels/attention.cu");
+        for line in [
+            "#if D == 64 && defined(__CUDA_ARCH_FEAT_SM90_ALL)",
+            "#define SW_TILE (64 * 64)",
+            "#define FWD_WG_SMEM (5 * SW_TILE * 2 + 1024)",
+        ] {
+            assert!(src.contains(line), "attention.cu lacks `{line}`");
+        }
+        assert_eq!(FORWARD_WGMMA_SMEM, 41_984);
+        assert!(forward_on_wgmma("sm_90a", 64));
+        for (arch, d) in [
+            ("sm_90a", 128),
+            ("sm_90a", 32),
+            ("sm_80", 64),
+            ("sm_100", 64),
+        ] {
+            assert!(!forward_on_wgmma(arch, d), "{arch} d{d}");
         }
     }
 

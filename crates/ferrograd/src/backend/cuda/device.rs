@@ -94,6 +94,12 @@ pub fn device(ordinal: usize) -> Result<&'static CudaDevice> {
 }
 
 fn arch_name(major: i32, minor: i32) -> &'static str {
+    // Compute capability 9.0 (H100, H200) compiles for sm_90a, the architecture-specific
+    // target that admits Hopper's warpgroup MMA (the attention forward uses it); its PTX
+    // runs on 9.0 devices only, which is what this context is.
+    if (major, minor) == (9, 0) {
+        return "sm_90a";
+    }
     // NVRTC wants a 'static name; leaking one short string per distinct GPU kind is fine.
     Box::leak(format!("sm_{major}{minor}").into_boxed_str())
 }

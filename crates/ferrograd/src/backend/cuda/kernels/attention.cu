@@ -391,6 +391,95 @@ __device__ __forceinline__ void store_rows(u16* base, const Heads& v, int b, int
 
 // ---- forward ----------------------------------------------------------------------------------
 
+// Scores of a warp's 16 queries (this thread's rows `row` and row + 8) against BN keys at k0
+// into probabilities, folding them into the running max m and sum l (base-2 units) and
+// rescaling the output accumulator o. Keys past T and, causally, keys after the query are
+// masked where the tile holds such keys (`edge`). The running max is of raw scores: the scale
+// is positive, so scaling after the max changes nothing, and each exponent is then one FFMA.
+__device__ __forceinline__ void online_softmax(float s[BN / 8][4], float o[D / 8][4], float m[2],
+                                               float l[2], int row, int k0, bool edge,
+                                               const Problem& p, int t4) {
+    if (edge) {
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int col = k0 + j * 8 + 2 * t4 + (e & 1);
+                if (col >= p.t || (p.causal && col > row + (e >> 1) * 8)) s[j][e] = neg_inf();
+            }
+        }
+    }
+    float mx[2] = {neg_inf(), neg_inf()};
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
+    float alpha[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        // m: the running max in base-2 units (scaled).
+        mx[i] = fmaxf(m[i], quad_max(mx[i]) * p.scale_log2);
+        // A row with every key so far masked keeps m = -inf; exp2 of (-inf) - (-inf) is
+        // NaN, so such rows subtract 0 instead.
+        float base = mx[i] == neg_inf() ? 0.f : mx[i];
+        alpha[i] = fast_exp2(m[i] - base);
+        m[i] = mx[i];
+        l[i] *= alpha[i];
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) {
+            float p0 = fast_exp2(fmaf(s[j][2 * i], p.scale_log2, -base));
+            float p1 = fast_exp2(fmaf(s[j][2 * i + 1], p.scale_log2, -base));
+            s[j][2 * i] = p0;
+            s[j][2 * i + 1] = p1;
+            l[i] += p0 + p1;
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+        o[j][0] *= alpha[0];
+        o[j][1] *= alpha[0];
+        o[j][2] *= alpha[1];
+        o[j][3] *= alpha[1];
+    }
+}
+
+// Dropout on a warp's probabilities (rows `row` and row + 8, keys from k0): on what
+// multiplies V, not on the normaliser l (scaled at the end).
+__device__ __forceinline__ void drop_probabilities(float s[BN / 8][4], int bh, int row, int k0,
+                                                   const Problem& p, int t4) {
+#pragma unroll
+    for (int j = 0; j < BN / 8; j += 2) {
+        bool k[2][2][2];
+        kept_in_rows2(p, bh, row, k0 + j * 8, t4, k);
+#pragma unroll
+        for (int u = 0; u < 2; ++u)
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+                if (!k[u][i][0]) s[j + u][2 * i] = 0.f;
+                if (!k[u][i][1]) s[j + u][2 * i + 1] = 0.f;
+            }
+    }
+}
+
+// out = o / l (and dropout's 1 / (1 - p)) for a warp's 16 queries from `first`, and their
+// lse = ln Σ exp(scaled scores).
+__device__ __forceinline__ void finish_rows(u16* out, const Heads& ov, float* lse,
+                                            float o[D / 8][4], const float m[2], float l[2],
+                                            int bh, int b, int h, int first, bool drop,
+                                            const Problem& p, int lane) {
+    const int g = lane >> 2, t4 = lane & 3;
+    float inv[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        l[i] = quad_sum(l[i]);
+        inv[i] = l[i] > 0.f ? (drop ? p.inv_keep : 1.f) / l[i] : 0.f;
+        int row = first + g + i * 8;
+        if (t4 == 0 && row < p.t)
+            lse[(i64)bh * p.t + row] = l[i] > 0.f ? (m[i] + log2f(l[i])) * LN2 : neg_inf();
+    }
+    store_rows(out, ov, b, h, first, o, inv[0], inv[1], p, lane);
+}
+
 template <bool DROP>
 __device__ __forceinline__ void attn_fwd_impl(const u16* qkv, Heads qv, Heads kv, Heads vv, u16* out, Heads ov, float* lse, Problem p) {
     check_smem(FWD_SMEM);
@@ -438,92 +527,221 @@ __device__ __forceinline__ void attn_fwd_impl(const u16* qkv, Heads qv, Heads kv
                 mma(s[2 * nn + 1], qf[kk], bf[2], bf[3]);
             }
         }
-
-        // Mask keys past T and, causally, keys after the query (only tiles that hold such
-        // keys test each element). The running max is of raw scores: the scale is positive,
-        // so scaling after the max changes nothing, and each exponent is then one FFMA.
         const bool edge = k0 + BN > p.t || (p.causal && k0 + BN > q0 + warp * 16);
-        if (edge) {
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    int col = k0 + j * 8 + 2 * t4 + (e & 1);
-                    int row = row0 + (e >> 1) * 8;
-                    if (col >= p.t || (p.causal && col > row)) s[j][e] = neg_inf();
-                }
-            }
-        }
-        float mx[2] = {neg_inf(), neg_inf()};
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) mx[e >> 1] = fmaxf(mx[e >> 1], s[j][e]);
-        float alpha[2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            // m: the running max in base-2 units (scaled).
-            mx[i] = fmaxf(m[i], quad_max(mx[i]) * p.scale_log2);
-            // A row with every key so far masked keeps m = -inf; exp2 of (-inf) - (-inf) is
-            // NaN, so such rows subtract 0 instead.
-            float base = mx[i] == neg_inf() ? 0.f : mx[i];
-            alpha[i] = fast_exp2(m[i] - base);
-            m[i] = mx[i];
-            l[i] *= alpha[i];
-#pragma unroll
-            for (int j = 0; j < BN / 8; ++j) {
-                float p0 = fast_exp2(fmaf(s[j][2 * i], p.scale_log2, -base));
-                float p1 = fast_exp2(fmaf(s[j][2 * i + 1], p.scale_log2, -base));
-                s[j][2 * i] = p0;
-                s[j][2 * i + 1] = p1;
-                l[i] += p0 + p1;
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < D / 8; ++j) {
-            o[j][0] *= alpha[0];
-            o[j][1] *= alpha[0];
-            o[j][2] *= alpha[1];
-            o[j][3] *= alpha[1];
-        }
-        // Dropout acts on what multiplies V, not on the normaliser l (scaled at the end).
-        if (DROP) {
-#pragma unroll
-            for (int j = 0; j < BN / 8; j += 2) {
-                bool k[2][2][2];
-                kept_in_rows2(p, bh, row0, k0 + j * 8, t4, k);
-#pragma unroll
-                for (int u = 0; u < 2; ++u)
-#pragma unroll
-                    for (int i = 0; i < 2; ++i) {
-                        if (!k[u][i][0]) s[j + u][2 * i] = 0.f;
-                        if (!k[u][i][1]) s[j + u][2 * i + 1] = 0.f;
-                    }
-            }
-        }
+        online_softmax(s, o, m, l, row0, k0, edge, p, t4);
+        if (DROP) drop_probabilities(s, bh, row0, k0, p, t4);
         acc_times_rows<BN>(o, s, sv, lane);
     }
-
-    float inv[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        l[i] = quad_sum(l[i]);
-        inv[i] = l[i] > 0.f ? (DROP ? p.inv_keep : 1.f) / l[i] : 0.f;
-        int row = row0 + i * 8;
-        if (t4 == 0 && row < p.t)
-            lse[(i64)bh * p.t + row] = l[i] > 0.f ? (m[i] + log2f(l[i])) * LN2 : neg_inf();
-    }
-    store_rows(out, ov, b, h, q0 + warp * 16, o, inv[0], inv[1], p, lane);
+    finish_rows(out, ov, lse, o, m, l, bh, b, h, q0 + warp * 16, DROP, p, lane);
 }
+
+// ---- Hopper: the forward on warpgroup MMA (wgmma) ---------------------------------------------
+
+// On sm_90a (H100, H200) at head dim 64 the forward's two products run as wgmma: the CTA's four
+// warps are one warpgroup, whose m64n64k16 products read K and V straight from shared memory
+// (no ldmatrix per warp) and Q's tile likewise; the probabilities stay in registers as the A
+// operand of P·V. Accumulator and A fragments are those of mma.sync per warp (warp w holds rows
+// 16w .. 16w + 15), so the softmax above serves both paths. Tiles are 64 rows of 64 elements
+// (128 bytes) in the 128-byte swizzle wgmma's descriptors name: 16-byte chunk c of row r sits
+// at chunk c ^ (r % 8), each tile starting on 1024 bytes.
+#if D == 64 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FWD_WGMMA 1
+#else
+#define FWD_WGMMA 0
+#endif
+
+#if FWD_WGMMA
+#define SW_TILE (64 * 64)
+// Q, then two stages of (K, V); 1024 bytes more to align the first tile.
+#define FWD_WG_SMEM (5 * SW_TILE * 2 + 1024)
+
+#ifdef ATTN_BF16
+#define WG_TYPES ".bf16.bf16"
+#else
+#define WG_TYPES ".f16.f16"
+#endif
+
+// Element (r, c) of a swizzled tile.
+__device__ __forceinline__ int sw_at(int r, int c) {
+    return r * 64 + (((c >> 3) ^ (r & 7)) << 3) + (c & 7);
+}
+
+// Rows [r0, r0 + 64) of a (T, 64) head into a swizzled tile, as load_rows_async does (copies
+// in flight with p.vec, else plain loads); rows at or past T are zero.
+__device__ __forceinline__ void load_tile_sw(u16* dst, const u16* base, const Heads& v, int b,
+                                             int h, int r0, const Problem& p) {
+    const u16* first = base + row_at(v, b, h, 0);
+    for (int i = threadIdx.x; i < 64 * 8; i += THREADS) {
+        int r = i >> 3, c = (i & 7) * 8;
+        int t = r0 + r;
+        bool in = t < p.t;
+        u16* d = dst + sw_at(r, c);
+        if (p.vec) {
+            cp_async16(d, (in ? base + row_at(v, b, h, t) : first) + c, in ? 16 : 0);
+        } else {
+            const u16* src = base + row_at(v, b, h, in ? t : 0) + c;
+#pragma unroll
+            for (int e = 0; e < 8; ++e) d[e] = in ? src[e] : (u16)0;
+        }
+    }
+}
+
+// A shared-memory matrix descriptor of a swizzled tile: start address, leading byte offset
+// (unused by K-major operands; between 64-column blocks for N-major ones, of which a 64-wide
+// tile has one), 1024 bytes between groups of 8 rows, 128-byte swizzle.
+__device__ __forceinline__ u64 sw_desc(const u16* tile) {
+    return (u64)((smem_addr(tile) & 0x3ffff) >> 4) | ((u64)(SW_TILE * 2 >> 4) << 16) |
+           ((u64)(1024 >> 4) << 32) | (1ull << 62);
+}
+// A descriptor's step to the next 16 columns of a K-major tile (32 bytes) and to the next 16
+// rows of an N-major one (2048 bytes), in its 16-byte units.
+#define SW_K_STEP 2
+#define SW_ROW_STEP 128
+
+// Copies that landed by cp.async or plain stores (the generic proxy) become visible to wgmma's
+// reads (the async proxy) after this and a barrier.
+__device__ __forceinline__ void fence_async_proxy() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wg_wait_all() {
+    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+}
+// The accumulators are written behind the compiler's back until the wait: this pins every
+// read and write of them to its side of the wait (and of the fence).
+__device__ __forceinline__ void wg_pin(float d[8][4]) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+}
+
+// d (64 × 64, f32; this thread's fragment) += A · B, A (64 × 16) and B (16 × 64) K-major tiles
+// in shared memory.
+__device__ __forceinline__ void wgmma_ss(float d[8][4], u64 a, u64 b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32" WG_TYPES " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, 1, 1, 1, 0, 0;\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "l"(a), "l"(b));
+}
+
+// d (64 × 64, f32) += A · B, A (64 × 16) from registers (mma.sync's A fragment per warp), B
+// (16 × 64) an N-major tile in shared memory (rows of 64 contiguous columns).
+__device__ __forceinline__ void wgmma_rs_nmajor(float d[8][4], const u32 a[4], u64 b) {
+    asm volatile(
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32" WG_TYPES " "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
+        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
+          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
+          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
+          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
+          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+}
+
+template <bool DROP>
+__device__ __forceinline__ void attn_fwd_wgmma_impl(const u16* qkv, Heads qv, Heads kv, Heads vv,
+                                                    u16* out, Heads ov, float* lse, Problem p) {
+    check_smem(FWD_WG_SMEM);
+    const u32 misalign = smem_addr(dyn_smem) & 1023;
+    u16* const sq = (u16*)((char*)dyn_smem + ((1024 - misalign) & 1023));
+    u16* const stages = sq + SW_TILE;  // 2 × (K tile, V tile)
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
+    const int q0 = tile_index(p) * BM;
+    const int keys = p.causal ? min(p.t, q0 + BM) : p.t;
+
+    load_tile_sw(sq, qkv, qv, b, h, q0, p);
+    load_tile_sw(stages, qkv, kv, b, h, 0, p);
+    load_tile_sw(stages + SW_TILE, qkv, vv, b, h, 0, p);
+    cp_async_commit();
+    const u64 qd = sw_desc(sq);
+
+    float o[D / 8][4];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+    float m[2] = {neg_inf(), neg_inf()}, l[2] = {0.f, 0.f};
+    const int row0 = q0 + warp * 16 + g;  // this thread's rows: row0 and row0 + 8
+
+    for (int k0 = 0, st = 0; k0 < keys; k0 += BN, st ^= 1) {
+        // Every warp is done with the other stage (its products waited for): the next key
+        // tile streams into it.
+        __syncthreads();
+        if (k0 + BN < keys) {
+            u16* next = stages + (st ^ 1) * 2 * SW_TILE;
+            load_tile_sw(next, qkv, kv, b, h, k0 + BN, p);
+            load_tile_sw(next + SW_TILE, qkv, vv, b, h, k0 + BN, p);
+        }
+        cp_async_commit();
+        cp_async_wait<1>();
+        fence_async_proxy();
+        __syncthreads();
+        const u16* sk = stages + st * 2 * SW_TILE;
+        const u64 kd = sw_desc(sk), vd = sw_desc(sk + SW_TILE);
+
+        // S = Q Kᵀ.
+        float s[BN / 8][4];
+#pragma unroll
+        for (int j = 0; j < BN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
+        wg_pin(s);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) wgmma_ss(s, qd + kk * SW_K_STEP, kd + kk * SW_K_STEP);
+        wg_commit();
+        wg_wait_all();
+        wg_pin(s);
+
+        const bool edge = k0 + BN > p.t || (p.causal && k0 + BN > q0 + warp * 16);
+        online_softmax(s, o, m, l, row0, k0, edge, p, t4);
+        if (DROP) drop_probabilities(s, bh, row0, k0, p, t4);
+
+        // O += P V.
+        u32 pa[BN / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) acc_to_a(pa[kk], s[2 * kk], s[2 * kk + 1]);
+        wg_pin(o);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs_nmajor(o, pa[kk], vd + kk * SW_ROW_STEP);
+        wg_commit();
+        wg_wait_all();
+        wg_pin(o);
+    }
+    finish_rows(out, ov, lse, o, m, l, bh, b, h, q0 + warp * 16, DROP, p, lane);
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(THREADS, FWD_CTAS)
     attn_fwd(const u16* qkv, Heads qv, Heads kv, Heads vv, u16* out, Heads ov, float* lse, Problem p) {
+#if FWD_WGMMA
+    attn_fwd_wgmma_impl<false>(qkv, qv, kv, vv, out, ov, lse, p);
+#else
     attn_fwd_impl<false>(qkv, qv, kv, vv, out, ov, lse, p);
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS, FWD_DROPOUT_CTAS)
     attn_fwd_dropout(const u16* qkv, Heads qv, Heads kv, Heads vv, u16* out, Heads ov, float* lse, Problem p) {
+#if FWD_WGMMA
+    attn_fwd_wgmma_impl<true>(qkv, qv, kv, vv, out, ov, lse, keyed(p));
+#else
     attn_fwd_impl<true>(qkv, qv, kv, vv, out, ov, lse, keyed(p));
+#endif
 }
 
 // ---- backward -------------------------------------------------------------------------------
