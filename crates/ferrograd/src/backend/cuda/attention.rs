@@ -218,7 +218,7 @@ impl Problem {
             block_dim: (THREADS, 1, 1),
             shared_mem_bytes: match (dtype, kernel) {
                 (DType::F32, _) => smem_bytes_f32(kernel, d),
-                (_, Tiled::Forward) if forward_on_wgmma(arch, d) => FORWARD_WGMMA_SMEM,
+                _ if on_wgmma(arch, d) => wgmma_smem_bytes(kernel),
                 _ => smem_bytes(kernel, d),
             },
         }
@@ -233,15 +233,25 @@ enum Tiled {
     Dq,
 }
 
-/// Whether the f16/bf16 forward runs on warpgroup MMA (FWD_WGMMA in attention.cu): at head
+/// Whether the f16/bf16 kernels run on warpgroup MMA (ATTN_WGMMA in attention.cu): at head
 /// dim 64 on sm_90a.
-fn forward_on_wgmma(arch: &str, d: usize) -> bool {
+fn on_wgmma(arch: &str, d: usize) -> bool {
     arch == "sm_90a" && d == 64
 }
 
-/// Dynamic shared memory of that forward (FWD_WG_SMEM): Q and two stages of K and V, 64 rows
-/// of 64 two-byte elements each, and 1024 bytes to align the first.
-const FORWARD_WGMMA_SMEM: u32 = 5 * 64 * 64 * 2 + 1024;
+/// Dynamic shared memory of those kernels (FWD_WG_SMEM, DKDV_WG_SMEM, DQ_WG_SMEM), in bytes:
+/// tiles of 64 rows of 64 two-byte elements (the forward's Q and two stages of K and V; dK/dV's
+/// K, V and two stages of Q and dO with their lse and delta rows; dQ's Q, dO and two stages of
+/// K and V), and 1024 bytes to align the first tile.
+fn wgmma_smem_bytes(kernel: Tiled) -> u32 {
+    const TILE_BYTES: u32 = 64 * 64 * 2;
+    let stats = 2 * 2 * 64 * 4;
+    1024 + match kernel {
+        Tiled::Forward => 5 * TILE_BYTES,
+        Tiled::DkDv => 6 * TILE_BYTES + stats,
+        Tiled::Dq => 6 * TILE_BYTES,
+    }
+}
 
 /// Dynamic shared memory of a tiled kernel at head dim `d`, in bytes: attention.cu's
 /// FWD_SMEM, DKDV_SMEM and DQ_SMEM from its tile sizes (the kernels check it on entry).
@@ -475,26 +485,31 @@ mod tests {
         }
     }
 
-    /// The wgmma forward's shared memory as attention.cu sizes it, and where it runs.
+    /// The wgmma kernels' shared memory as attention.cu sizes it, and where they run.
     #[test]
-    fn wgmma_forward_matches_the_kernel() {
+    fn wgmma_kernels_match_the_source() {
         let src = include_str!("kernels/attention.cu");
         for line in [
             "#if D == 64 && defined(__CUDA_ARCH_FEAT_SM90_ALL)",
             "#define SW_TILE (64 * 64)",
             "#define FWD_WG_SMEM (5 * SW_TILE * 2 + 1024)",
+            "#define DKDV_WG_SMEM (6 * SW_TILE * 2 + 2 * 2 * BQ * 4 + 1024)",
+            "#define DQ_WG_SMEM (6 * SW_TILE * 2 + 1024)",
+            "#define BQ (D <= 64 ? 64 : (D <= 96 ? 32 : 16))",
         ] {
             assert!(src.contains(line), "attention.cu lacks `{line}`");
         }
-        assert_eq!(FORWARD_WGMMA_SMEM, 41_984);
-        assert!(forward_on_wgmma("sm_90a", 64));
+        assert_eq!(wgmma_smem_bytes(Tiled::Forward), 41_984);
+        assert_eq!(wgmma_smem_bytes(Tiled::DkDv), 51_200);
+        assert_eq!(wgmma_smem_bytes(Tiled::Dq), 50_176);
+        assert!(on_wgmma("sm_90a", 64));
         for (arch, d) in [
             ("sm_90a", 128),
             ("sm_90a", 32),
             ("sm_80", 64),
             ("sm_100", 64),
         ] {
-            assert!(!forward_on_wgmma(arch, d), "{arch} d{d}");
+            assert!(!on_wgmma(arch, d), "{arch} d{d}");
         }
     }
 

@@ -28,6 +28,12 @@
 // holds rows g and g + 8, columns 2t and 2t + 1. Two neighbouring accumulator tiles are
 // exactly one A operand (16 × 16), so probabilities feed the next product without a trip
 // through shared memory.
+//
+// On Hopper (sm_90a) at head dim 64 the three kernels run their products as warpgroup MMA
+// instead (ATTN_WGMMA, below the mma.sync kernels): the same CTAs, tiles and per-warp rows,
+// with tiles in wgmma's 128-byte swizzle read through descriptors, and the same softmax,
+// masks and dropout draws (shared functions): the paths differ only in how the tensor cores
+// sum each product.
 
 #define D HEAD_DIM
 #define WARPS 4
@@ -545,12 +551,12 @@ __device__ __forceinline__ void attn_fwd_impl(const u16* qkv, Heads qv, Heads kv
 // (128 bytes) in the 128-byte swizzle wgmma's descriptors name: 16-byte chunk c of row r sits
 // at chunk c ^ (r % 8), each tile starting on 1024 bytes.
 #if D == 64 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define FWD_WGMMA 1
+#define ATTN_WGMMA 1
 #else
-#define FWD_WGMMA 0
+#define ATTN_WGMMA 0
 #endif
 
-#if FWD_WGMMA
+#if ATTN_WGMMA
 #define SW_TILE (64 * 64)
 // Q, then two stages of (K, V); 1024 bytes more to align the first tile.
 #define FWD_WG_SMEM (5 * SW_TILE * 2 + 1024)
@@ -586,6 +592,37 @@ __device__ __forceinline__ void load_tile_sw(u16* dst, const u16* base, const He
     }
 }
 
+// Copies that landed by cp.async or plain stores (the generic proxy) become visible to wgmma's
+// reads (the async proxy) after this and a barrier.
+__device__ __forceinline__ void fence_async_proxy() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// The first 1024-byte boundary in dynamic shared memory (the launch asks 1024 bytes more).
+__device__ __forceinline__ u16* aligned_1024(void* smem) {
+    const u32 misalign = smem_addr(smem) & 1023;
+    return (u16*)((char*)smem + ((1024 - misalign) & 1023));
+}
+
+// kv_tile for swizzled tiles: the K tile of keys [k0, k0 + 64) from stage `st` (its V tile
+// after it), once it has arrived and is visible to wgmma; the next key tile's copies start
+// into the other stage first.
+__device__ __forceinline__ const u16* kv_tile_sw(u16* stages, int st, int k0, int keys,
+                                                 const u16* qkv, const Heads& kv, const Heads& vv,
+                                                 int b, int h, const Problem& p) {
+    __syncthreads();
+    if (k0 + 64 < keys) {
+        u16* next = stages + (st ^ 1) * 2 * SW_TILE;
+        load_tile_sw(next, qkv, kv, b, h, k0 + 64, p);
+        load_tile_sw(next + SW_TILE, qkv, vv, b, h, k0 + 64, p);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    fence_async_proxy();
+    __syncthreads();
+    return stages + st * 2 * SW_TILE;
+}
+
 // A shared-memory matrix descriptor of a swizzled tile: start address, leading byte offset
 // (unused by K-major operands; between 64-column blocks for N-major ones, of which a 64-wide
 // tile has one), 1024 bytes between groups of 8 rows, 128-byte swizzle.
@@ -598,11 +635,6 @@ __device__ __forceinline__ u64 sw_desc(const u16* tile) {
 #define SW_K_STEP 2
 #define SW_ROW_STEP 128
 
-// Copies that landed by cp.async or plain stores (the generic proxy) become visible to wgmma's
-// reads (the async proxy) after this and a barrier.
-__device__ __forceinline__ void fence_async_proxy() {
-    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_commit() {
     asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
@@ -657,8 +689,7 @@ template <bool DROP>
 __device__ __forceinline__ void attn_fwd_wgmma_impl(const u16* qkv, Heads qv, Heads kv, Heads vv,
                                                     u16* out, Heads ov, float* lse, Problem p) {
     check_smem(FWD_WG_SMEM);
-    const u32 misalign = smem_addr(dyn_smem) & 1023;
-    u16* const sq = (u16*)((char*)dyn_smem + ((1024 - misalign) & 1023));
+    u16* const sq = aligned_1024(dyn_smem);
     u16* const stages = sq + SW_TILE;  // 2 × (K tile, V tile)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t4 = lane & 3;
@@ -679,19 +710,7 @@ __device__ __forceinline__ void attn_fwd_wgmma_impl(const u16* qkv, Heads qv, He
     const int row0 = q0 + warp * 16 + g;  // this thread's rows: row0 and row0 + 8
 
     for (int k0 = 0, st = 0; k0 < keys; k0 += BN, st ^= 1) {
-        // Every warp is done with the other stage (its products waited for): the next key
-        // tile streams into it.
-        __syncthreads();
-        if (k0 + BN < keys) {
-            u16* next = stages + (st ^ 1) * 2 * SW_TILE;
-            load_tile_sw(next, qkv, kv, b, h, k0 + BN, p);
-            load_tile_sw(next + SW_TILE, qkv, vv, b, h, k0 + BN, p);
-        }
-        cp_async_commit();
-        cp_async_wait<1>();
-        fence_async_proxy();
-        __syncthreads();
-        const u16* sk = stages + st * 2 * SW_TILE;
+        const u16* sk = kv_tile_sw(stages, st, k0, keys, qkv, kv, vv, b, h, p);
         const u64 kd = sw_desc(sk), vd = sw_desc(sk + SW_TILE);
 
         // S = Q Kᵀ.
@@ -728,7 +747,7 @@ __device__ __forceinline__ void attn_fwd_wgmma_impl(const u16* qkv, Heads qv, He
 
 extern "C" __global__ void __launch_bounds__(THREADS, FWD_CTAS)
     attn_fwd(const u16* qkv, Heads qv, Heads kv, Heads vv, u16* out, Heads ov, float* lse, Problem p) {
-#if FWD_WGMMA
+#if ATTN_WGMMA
     attn_fwd_wgmma_impl<false>(qkv, qv, kv, vv, out, ov, lse, p);
 #else
     attn_fwd_impl<false>(qkv, qv, kv, vv, out, ov, lse, p);
@@ -737,7 +756,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, FWD_CTAS)
 
 extern "C" __global__ void __launch_bounds__(THREADS, FWD_DROPOUT_CTAS)
     attn_fwd_dropout(const u16* qkv, Heads qv, Heads kv, Heads vv, u16* out, Heads ov, float* lse, Problem p) {
-#if FWD_WGMMA
+#if ATTN_WGMMA
     attn_fwd_wgmma_impl<true>(qkv, qv, kv, vv, out, ov, lse, keyed(p));
 #else
     attn_fwd_impl<true>(qkv, qv, kv, vv, out, ov, lse, keyed(p));
@@ -784,10 +803,6 @@ extern "C" __global__ void attn_delta(const u16* out, Heads ov, const u16* gout,
     }
 }
 
-// dK, dV of 64 keys: every query tile at or after them (causal) recomputes its probabilities.
-// Warp w owns keys k0 + 16w .. k0 + 16w + 15, so nothing is shared between warps but the
-// tiles. Works on transposed products (keys as rows): Sᵀ = K Qᵀ, dV += Pᵀ dO,
-// dPᵀ = V dOᵀ, dSᵀ = Pᵀ ∘ (dPᵀ − delta), dK += dSᵀ Q.
 // The (Q, dO) tile of queries [q0, q0 + BQ) and their (lse, delta) rows into one stage of
 // the dK/dV kernel, in flight; rows past T are zeros (the kernel masks them).
 __device__ __forceinline__ void load_query_stage(u16* sq, float* sl, const u16* qkv, const Heads& qv,
@@ -802,6 +817,74 @@ __device__ __forceinline__ void load_query_stage(u16* sq, float* sl, const u16* 
         i64 at = (i64)bh * p.t + (in ? t : 0);
         cp_async4(sl + i, lse + at, in ? 4 : 0);
         cp_async4(sl + BQ + i, delta + at, in ? 4 : 0);
+    }
+}
+
+// With dropout: the kept mask of a dK/dV tile (queries q0.., this warp's keys from kb) as
+// bits, not floats, so the registers go to the tiles: element e of tile j at bit
+// 16·(e >> 1) + 8·(j & 1) + (e & 1) of mb[j / 2], as kept_cols2 lays them out. Drawn before
+// the products, so the generator's temporaries are dead while the tiles are live.
+__device__ __forceinline__ void dkdv_mask(u32 mb[BQ / 16], const Problem& p, int bh, int q0,
+                                          int kb, int g, int t4) {
+    const bool shared = p.t % 8 == 0;
+#pragma unroll
+    for (int j = 0; j < BQ / 8; j += 2) {
+        u32 bits = 0;
+        if (shared) {
+            bits = kept_cols2(p, bh, q0 + j * 8, kb, g, t4);
+        } else {
+#pragma unroll
+            for (int u = 0; u < 2; ++u)
+#pragma unroll
+                for (int e = 0; e < 4; ++e)
+                    bits |= (u32)kept(p, bh, q0 + (j + u) * 8 + 2 * t4 + (e & 1),
+                                      kb + g + (e >> 1) * 8)
+                            << (16 * (e >> 1) + 8 * u + (e & 1));
+        }
+        mb[j / 2] = bits;
+    }
+}
+
+// Sᵀ scores (this warp's 16 keys from kb × BQ queries from q0) into probabilities Pᵀ from the
+// queries' lse (`sl`, natural log); zero where the key follows the query (causal, `edge`) and
+// for queries past T (zero rows, zero lse).
+__device__ __forceinline__ void dkdv_probabilities(float pt[BQ / 8][4], const float* sl, int q0,
+                                                   int kb, const Problem& p, int g, int t4) {
+    const bool edge = p.causal && q0 < kb + 16, tail = q0 + BQ > p.t;
+#pragma unroll
+    for (int j = 0; j < BQ / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int qi = j * 8 + 2 * t4 + (e & 1);
+            pt[j][e] = fast_exp2(fmaf(pt[j][e], p.scale_log2, -__fmul_rn(sl[qi], LOG2E)));
+        }
+    }
+    if (edge || tail) {
+#pragma unroll
+        for (int j = 0; j < BQ / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int qi = j * 8 + 2 * t4 + (e & 1);
+                int key = kb + g + (e >> 1) * 8;
+                if ((edge && q0 + qi < key) || (tail && q0 + qi >= p.t)) pt[j][e] = 0.f;
+            }
+        }
+    }
+}
+
+// dSᵀ = Pᵀ ∘ (dPᵀ ∘ M − delta) in place of dPᵀ (`sd`: the queries' delta).
+template <bool DROP>
+__device__ __forceinline__ void dkdv_score_grads(float ds[BQ / 8][4], const float pt[BQ / 8][4],
+                                                 const u32 mb[BQ / 16], const float* sd,
+                                                 const Problem& p, int t4) {
+#pragma unroll
+    for (int j = 0; j < BQ / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            int qi = j * 8 + 2 * t4 + (e & 1);
+            float dp = DROP ? ds[j][e] * mask_at(mb, j, e, p) : ds[j][e];
+            ds[j][e] = pt[j][e] * (dp - sd[qi]);
+        }
     }
 }
 
@@ -828,7 +911,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_impl(const u16* qkv, Heads qv, Hea
     cp_async_commit();
     const u16* wk = sk + warp * 16 * LDS;
     const u16* wv = sv + warp * 16 * LDS;
-    const int key0 = k0 + warp * 16 + g;  // this thread's keys: key0 and key0 + 8
+    const int kb = k0 + warp * 16;  // this warp's first key
 
     float dk[D / 8][4], dv[D / 8][4];
 #pragma unroll
@@ -849,60 +932,17 @@ __device__ __forceinline__ void attn_bwd_dkdv_impl(const u16* qkv, Heads qv, Hea
         const u16* sdo = sq + BQ * LDS;
         const float* sl = stats + st * 2 * BQ;  // lse (natural log) of the tile's queries
         const float* sd = sl + BQ;               // delta of the tile's queries
-        const bool tail = q0 + BQ > p.t;
 
-        // With dropout: M (the kept mask, as 0 or 1/(1 - p)), drawn before the products so the
-        // generator's temporaries are dead while the tiles are live. dV takes (P ∘ M)ᵀ dO and
-        // the probabilities' gradient is dP̃ ∘ M.
-        // The kept mask as bits (element e of tile j at bit 16·(e >> 1) + 8·(j & 1) + (e & 1)
-        // of mb[j / 2], as kept_cols2 lays them out), not as floats: the registers go to the
-        // tiles.
-        // Rows past T need no mask: their probabilities are 0 and their gradients unstored.
+        // With dropout, M (0 or 1/(1 - p)): dV takes (P ∘ M)ᵀ dO and the probabilities'
+        // gradient is dP̃ ∘ M. Rows past T need no mask: their probabilities are 0 and their
+        // gradients unstored.
         u32 mb[BQ / 16];
-        if (DROP) {
-            const bool shared = p.t % 8 == 0;
-#pragma unroll
-            for (int j = 0; j < BQ / 8; j += 2) {
-                u32 bits = 0;
-                if (shared) {
-                    bits = kept_cols2(p, bh, q0 + j * 8, k0 + warp * 16, g, t4);
-                } else {
-#pragma unroll
-                    for (int u = 0; u < 2; ++u)
-#pragma unroll
-                        for (int e = 0; e < 4; ++e)
-                            bits |= (u32)kept(p, bh, q0 + (j + u) * 8 + 2 * t4 + (e & 1),
-                                              key0 + (e >> 1) * 8)
-                                    << (16 * (e >> 1) + 8 * u + (e & 1));
-                }
-                mb[j / 2] = bits;
-            }
-        }
+        if (DROP) dkdv_mask(mb, p, bh, q0, kb, g, t4);
 
         // Pᵀ (16 keys × BQ queries).
         float pt[BQ / 8][4];
         rows_times_rows_t<BQ>(pt, wk, sq, lane);
-        const bool edge = p.causal && q0 < k0 + warp * 16 + 16;
-#pragma unroll
-        for (int j = 0; j < BQ / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                int qi = j * 8 + 2 * t4 + (e & 1);
-                pt[j][e] = fast_exp2(fmaf(pt[j][e], p.scale_log2, -__fmul_rn(sl[qi], LOG2E)));
-            }
-        }
-        if (edge || tail) {
-#pragma unroll
-            for (int j = 0; j < BQ / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    int qi = j * 8 + 2 * t4 + (e & 1);
-                    int key = key0 + (e >> 1) * 8;
-                    // Queries past T (zero rows, zero lse) have no probabilities.
-                    if ((edge && q0 + qi < key) || (tail && q0 + qi >= p.t)) pt[j][e] = 0.f;
-                }
-            }
-        }
+        dkdv_probabilities(pt, sl, q0, kb, p, g, t4);
         if (DROP) {
             // dV += (P ∘ M)ᵀ dO, one 16-query block of P ∘ M at a time (not a second copy of
             // the tile: at 3 CTAs per SM the registers would spill).
@@ -925,29 +965,213 @@ __device__ __forceinline__ void attn_bwd_dkdv_impl(const u16* qkv, Heads qv, Hea
         // dSᵀ = Pᵀ ∘ (dPᵀ − delta).
         float ds[BQ / 8][4];
         rows_times_rows_t<BQ>(ds, wv, sdo, lane);
-#pragma unroll
-        for (int j = 0; j < BQ / 8; ++j) {
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                int qi = j * 8 + 2 * t4 + (e & 1);
-                float dp = DROP ? ds[j][e] * mask_at(mb, j, e, p) : ds[j][e];
-                ds[j][e] = pt[j][e] * (dp - sd[qi]);
-            }
-        }
+        dkdv_score_grads<DROP>(ds, pt, mb, sd, p, t4);
         acc_times_rows<BQ>(dk, ds, sq, lane);
     }
-    store_rows(grads, gkv, b, h, k0 + warp * 16, dk, p.scale, p.scale, p, lane);
-    store_rows(grads, gvv, b, h, k0 + warp * 16, dv, 1.f, 1.f, p, lane);
+    store_rows(grads, gkv, b, h, kb, dk, p.scale, p.scale, p, lane);
+    store_rows(grads, gvv, b, h, kb, dv, 1.f, 1.f, p, lane);
 }
+
+#if ATTN_WGMMA
+// The dK/dV kernel on wgmma (head dim 64, sm_90a): the CTA's K and V tiles are the A operands
+// of Sᵀ = K Qᵀ and dPᵀ = V dOᵀ (K-major descriptors, Q and dO K-major B operands); Pᵀ ∘ M and
+// dSᵀ, in registers, are the A operands of dV += Pᵀ dO and dK += dSᵀ Q (dO and Q N-major).
+// Same tiles, stages and per-warp rows as the mma.sync kernel.
+#define DKDV_WG_SMEM (6 * SW_TILE * 2 + 2 * 2 * BQ * 4 + 1024)
+
+__device__ __forceinline__ void load_query_stage_sw(u16* sq, float* sl, const u16* qkv,
+                                                    const Heads& qv, const u16* gout,
+                                                    const Heads& gov, const float* lse,
+                                                    const float* delta, int bh, int q0,
+                                                    const Problem& p) {
+    const int b = bh / p.h, h = bh % p.h;
+    load_tile_sw(sq, qkv, qv, b, h, q0, p);
+    load_tile_sw(sq + SW_TILE, gout, gov, b, h, q0, p);
+    for (int i = threadIdx.x; i < BQ; i += THREADS) {
+        int t = q0 + i;
+        bool in = t < p.t;
+        i64 at = (i64)bh * p.t + (in ? t : 0);
+        cp_async4(sl + i, lse + at, in ? 4 : 0);
+        cp_async4(sl + BQ + i, delta + at, in ? 4 : 0);
+    }
+}
+
+template <bool DROP>
+__device__ __forceinline__ void attn_bwd_dkdv_wgmma_impl(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov, const float* lse, const float* delta, u16* grads, Heads gkv, Heads gvv, Problem p) {
+    check_smem(DKDV_WG_SMEM);
+    u16* const sk = aligned_1024(dyn_smem);
+    u16* const sv = sk + SW_TILE;
+    u16* const stages = sv + SW_TILE;                    // 2 × (Q tile, dO tile)
+    float* const stats = (float*)(stages + 4 * SW_TILE);  // 2 × (lse, delta)
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
+    const int k0 = blockIdx.x * BM;
+    const int first = p.causal ? (k0 / BQ) * BQ : 0;
+
+    load_tile_sw(sk, qkv, kv, b, h, k0, p);
+    load_tile_sw(sv, qkv, vv, b, h, k0, p);
+    load_query_stage_sw(stages, stats, qkv, qv, gout, gov, lse, delta, bh, first, p);
+    cp_async_commit();
+    const u64 kd = sw_desc(sk), vd = sw_desc(sv);
+    const int kb = k0 + warp * 16;  // this warp's first key
+
+    float dk[D / 8][4], dv[D / 8][4];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
+
+    for (int q0 = first, st = 0; q0 < p.t; q0 += BQ, st ^= 1) {
+        __syncthreads();
+        if (q0 + BQ < p.t)
+            load_query_stage_sw(stages + (st ^ 1) * 2 * SW_TILE, stats + (st ^ 1) * 2 * BQ, qkv,
+                                qv, gout, gov, lse, delta, bh, q0 + BQ, p);
+        cp_async_commit();
+        cp_async_wait<1>();
+        fence_async_proxy();
+        __syncthreads();
+        const u16* sq = stages + st * 2 * SW_TILE;
+        const u64 qd = sw_desc(sq), dod = sw_desc(sq + SW_TILE);
+        const float* sl = stats + st * 2 * BQ;
+        const float* sd = sl + BQ;
+
+        u32 mb[BQ / 16];
+        if (DROP) dkdv_mask(mb, p, bh, q0, kb, g, t4);
+
+        // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, both in flight at once.
+        float pt[BQ / 8][4], ds[BQ / 8][4];
+#pragma unroll
+        for (int j = 0; j < BQ / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) pt[j][e] = ds[j][e] = 0.f;
+        wg_pin(pt);
+        wg_pin(ds);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) wgmma_ss(pt, kd + kk * SW_K_STEP, qd + kk * SW_K_STEP);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) wgmma_ss(ds, vd + kk * SW_K_STEP, dod + kk * SW_K_STEP);
+        wg_commit();
+        wg_wait_all();
+        wg_pin(pt);
+        wg_pin(ds);
+
+        dkdv_probabilities(pt, sl, q0, kb, p, g, t4);
+        // dV += (P ∘ M)ᵀ dO, in flight while dSᵀ is computed.
+        u32 pa[BQ / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BQ / 16; ++kk) {
+            float lo[4], hi[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                lo[e] = DROP ? pt[2 * kk][e] * mask_at(mb, 2 * kk, e, p) : pt[2 * kk][e];
+                hi[e] = DROP ? pt[2 * kk + 1][e] * mask_at(mb, 2 * kk + 1, e, p) : pt[2 * kk + 1][e];
+            }
+            acc_to_a(pa[kk], lo, hi);
+        }
+        wg_pin(dv);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs_nmajor(dv, pa[kk], dod + kk * SW_ROW_STEP);
+        wg_commit();
+
+        dkdv_score_grads<DROP>(ds, pt, mb, sd, p, t4);
+        u32 sa[BQ / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BQ / 16; ++kk) acc_to_a(sa[kk], ds[2 * kk], ds[2 * kk + 1]);
+        wg_pin(dk);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs_nmajor(dk, sa[kk], qd + kk * SW_ROW_STEP);
+        wg_commit();
+        wg_wait_all();
+        wg_pin(dv);
+        wg_pin(dk);
+    }
+    store_rows(grads, gkv, b, h, kb, dk, p.scale, p.scale, p, lane);
+    store_rows(grads, gvv, b, h, kb, dv, 1.f, 1.f, p, lane);
+}
+#endif
 
 extern "C" __global__ void __launch_bounds__(THREADS, DKDV_CTAS)
     attn_bwd_dkdv(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov, const float* lse, const float* delta, u16* grads, Heads gkv, Heads gvv, Problem p) {
+#if ATTN_WGMMA
+    attn_bwd_dkdv_wgmma_impl<false>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gkv, gvv, p);
+#else
     attn_bwd_dkdv_impl<false>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gkv, gvv, p);
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
     attn_bwd_dkdv_dropout(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov, const float* lse, const float* delta, u16* grads, Heads gkv, Heads gvv, Problem p) {
+#if ATTN_WGMMA
+    attn_bwd_dkdv_wgmma_impl<true>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gkv, gvv, keyed(p));
+#else
     attn_bwd_dkdv_impl<true>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gkv, gvv, keyed(p));
+#endif
+}
+
+// P from the scores S of a warp's 16 queries (rows `row`, row + 8; their lse in base 2, l2)
+// against BNQ keys at k0; zero for keys past T and, causally, keys after the query, where the
+// tile holds such keys.
+__device__ __forceinline__ void dq_probabilities(float s[BNQ / 8][4], const float l2[2], int row,
+                                                 int k0, int first_row, const Problem& p,
+                                                 int t4) {
+    const bool edge = k0 + BNQ > p.t || (p.causal && k0 + BNQ > first_row);
+#pragma unroll
+    for (int j = 0; j < BNQ / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[j][e] = fast_exp2(fmaf(s[j][e], p.scale_log2, -l2[e >> 1]));
+    if (edge) {
+#pragma unroll
+        for (int j = 0; j < BNQ / 8; ++j) {
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+                int col = k0 + j * 8 + 2 * t4 + (e & 1);
+                if (col >= p.t || (p.causal && col > row + (e >> 1) * 8)) s[j][e] = 0.f;
+            }
+        }
+    }
+}
+
+// dS = P ∘ (dP ∘ M − delta) in place of dP (M: dropout's kept mask as 0 or 1/(1 − p)).
+template <bool DROP>
+__device__ __forceinline__ void dq_score_grads(float ds[BNQ / 8][4], const float s[BNQ / 8][4],
+                                               const float dl[2], int bh, int row, int k0,
+                                               const Problem& p, int t4) {
+    if (DROP) {
+#pragma unroll
+        for (int j = 0; j < BNQ / 8; j += 2) {
+            bool k[2][2][2];
+            kept_in_rows2(p, bh, row, k0 + j * 8, t4, k);
+#pragma unroll
+            for (int u = 0; u < 2; ++u)
+#pragma unroll
+                for (int i = 0; i < 2; ++i) {
+                    float* d = ds[j + u] + 2 * i;
+                    d[0] = k[u][i][0] ? d[0] * p.inv_keep : 0.f;
+                    d[1] = k[u][i][1] ? d[1] * p.inv_keep : 0.f;
+                }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < BNQ / 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ds[j][e] = s[j][e] * (ds[j][e] - dl[e >> 1]);
+}
+
+// A warp's lse (base 2) and delta for its rows `row` and row + 8; rows past T get +inf and 0,
+// so their probabilities and gradients are 0.
+__device__ __forceinline__ void dq_row_stats(float l2[2], float dl[2], const float* lse,
+                                             const float* delta, int bh, int row,
+                                             const Problem& p) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+        int r = row + i * 8;
+        l2[i] = r < p.t ? lse[(i64)bh * p.t + r] * LOG2E : __int_as_float(0x7f800000);
+        dl[i] = r < p.t ? delta[(i64)bh * p.t + r] : 0.f;
+    }
 }
 
 // dQ of 64 queries: every key tile they see. S = Q Kᵀ, P from lse, dP = dO Vᵀ,
@@ -971,12 +1195,7 @@ __device__ __forceinline__ void attn_bwd_dq_impl(const u16* qkv, Heads qv, Heads
     cp_async_commit();
     const int row0 = q0 + warp * 16 + g;
     float l2[2], dl[2];
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-        int row = row0 + i * 8;
-        l2[i] = row < p.t ? lse[(i64)bh * p.t + row] * LOG2E : __int_as_float(0x7f800000);
-        dl[i] = row < p.t ? delta[(i64)bh * p.t + row] : 0.f;
-    }
+    dq_row_stats(l2, dl, lse, delta, bh, row0, p);
     const u16* wq = sq + warp * 16 * LDS;
     const u16* wdo = sdo + warp * 16 * LDS;
 
@@ -990,54 +1209,100 @@ __device__ __forceinline__ void attn_bwd_dq_impl(const u16* qkv, Heads qv, Heads
 
         float s[BNQ / 8][4];
         rows_times_rows_t<BNQ>(s, wq, sk, lane);
-        const bool edge = k0 + BNQ > p.t || (p.causal && k0 + BNQ > q0 + warp * 16);
-#pragma unroll
-        for (int j = 0; j < BNQ / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[j][e] = fast_exp2(fmaf(s[j][e], p.scale_log2, -l2[e >> 1]));
-        if (edge) {
-#pragma unroll
-            for (int j = 0; j < BNQ / 8; ++j) {
-#pragma unroll
-                for (int e = 0; e < 4; ++e) {
-                    int col = k0 + j * 8 + 2 * t4 + (e & 1);
-                    if (col >= p.t || (p.causal && col > row0 + (e >> 1) * 8)) s[j][e] = 0.f;
-                }
-            }
-        }
+        dq_probabilities(s, l2, row0, k0, q0 + warp * 16, p, t4);
         float ds[BNQ / 8][4];
         rows_times_rows_t<BNQ>(ds, wdo, sv, lane);
-        if (DROP) {
-#pragma unroll
-            for (int j = 0; j < BNQ / 8; j += 2) {
-                bool k[2][2][2];
-                kept_in_rows2(p, bh, row0, k0 + j * 8, t4, k);
-#pragma unroll
-                for (int u = 0; u < 2; ++u)
-#pragma unroll
-                    for (int i = 0; i < 2; ++i) {
-                        float* d = ds[j + u] + 2 * i;
-                        d[0] = k[u][i][0] ? d[0] * p.inv_keep : 0.f;
-                        d[1] = k[u][i][1] ? d[1] * p.inv_keep : 0.f;
-                    }
-            }
-        }
-#pragma unroll
-        for (int j = 0; j < BNQ / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) ds[j][e] = s[j][e] * (ds[j][e] - dl[e >> 1]);
+        dq_score_grads<DROP>(ds, s, dl, bh, row0, k0, p, t4);
         acc_times_rows<BNQ>(dq, ds, sk, lane);
     }
     store_rows(grads, gqv, b, h, q0 + warp * 16, dq, p.scale, p.scale, p, lane);
 }
 
+#if ATTN_WGMMA
+// The dQ kernel on wgmma (head dim 64, sm_90a): S = Q Kᵀ and dP = dO Vᵀ with all four
+// operands K-major tiles in shared memory; dQ += dS K with dS from registers and K N-major.
+#define DQ_WG_SMEM (6 * SW_TILE * 2 + 1024)
+
+template <bool DROP>
+__device__ __forceinline__ void attn_bwd_dq_wgmma_impl(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov, const float* lse, const float* delta, u16* grads, Heads gqv, Problem p) {
+    check_smem(DQ_WG_SMEM);
+    u16* const sq = aligned_1024(dyn_smem);
+    u16* const sdo = sq + SW_TILE;
+    u16* const stages = sdo + SW_TILE;  // 2 × (K tile, V tile)
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t4 = lane & 3;
+    const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
+    const int q0 = tile_index(p) * BM;
+    const int keys = p.causal ? min(p.t, q0 + BM) : p.t;
+
+    load_tile_sw(sq, qkv, qv, b, h, q0, p);
+    load_tile_sw(sdo, gout, gov, b, h, q0, p);
+    load_tile_sw(stages, qkv, kv, b, h, 0, p);
+    load_tile_sw(stages + SW_TILE, qkv, vv, b, h, 0, p);
+    cp_async_commit();
+    const int row0 = q0 + warp * 16 + g;
+    float l2[2], dl[2];
+    dq_row_stats(l2, dl, lse, delta, bh, row0, p);
+    const u64 qd = sw_desc(sq), dod = sw_desc(sdo);
+
+    float dq[D / 8][4];
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
+
+    for (int k0 = 0, st = 0; k0 < keys; k0 += BNQ, st ^= 1) {
+        const u16* sk = kv_tile_sw(stages, st, k0, keys, qkv, kv, vv, b, h, p);
+        const u64 kd = sw_desc(sk), vd = sw_desc(sk + SW_TILE);
+
+        // S = Q Kᵀ and dP = dO Vᵀ, both in flight at once.
+        float s[BNQ / 8][4], ds[BNQ / 8][4];
+#pragma unroll
+        for (int j = 0; j < BNQ / 8; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[j][e] = ds[j][e] = 0.f;
+        wg_pin(s);
+        wg_pin(ds);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) wgmma_ss(s, qd + kk * SW_K_STEP, kd + kk * SW_K_STEP);
+#pragma unroll
+        for (int kk = 0; kk < D / 16; ++kk) wgmma_ss(ds, dod + kk * SW_K_STEP, vd + kk * SW_K_STEP);
+        wg_commit();
+        wg_wait_all();
+        wg_pin(s);
+        wg_pin(ds);
+
+        dq_probabilities(s, l2, row0, k0, q0 + warp * 16, p, t4);
+        dq_score_grads<DROP>(ds, s, dl, bh, row0, k0, p, t4);
+        u32 sa[BNQ / 16][4];
+#pragma unroll
+        for (int kk = 0; kk < BNQ / 16; ++kk) acc_to_a(sa[kk], ds[2 * kk], ds[2 * kk + 1]);
+        wg_pin(dq);
+        wg_fence();
+#pragma unroll
+        for (int kk = 0; kk < BNQ / 16; ++kk) wgmma_rs_nmajor(dq, sa[kk], kd + kk * SW_ROW_STEP);
+        wg_commit();
+        wg_wait_all();
+        wg_pin(dq);
+    }
+    store_rows(grads, gqv, b, h, q0 + warp * 16, dq, p.scale, p.scale, p, lane);
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS)
     attn_bwd_dq(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov, const float* lse, const float* delta, u16* grads, Heads gqv, Problem p) {
+#if ATTN_WGMMA
+    attn_bwd_dq_wgmma_impl<false>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gqv, p);
+#else
     attn_bwd_dq_impl<false>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gqv, p);
+#endif
 }
 
 extern "C" __global__ void __launch_bounds__(THREADS)
     attn_bwd_dq_dropout(const u16* qkv, Heads qv, Heads kv, Heads vv, const u16* gout, Heads gov, const float* lse, const float* delta, u16* grads, Heads gqv, Problem p) {
+#if ATTN_WGMMA
+    attn_bwd_dq_wgmma_impl<true>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gqv, keyed(p));
+#else
     attn_bwd_dq_impl<true>(qkv, qv, kv, vv, gout, gov, lse, delta, grads, gqv, keyed(p));
+#endif
 }
 
