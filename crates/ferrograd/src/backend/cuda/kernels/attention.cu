@@ -685,6 +685,31 @@ __device__ __forceinline__ void wgmma_rs_nmajor(float d[8][4], const u32 a[4], u
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
+// d = A Bᵀ (64 × 64, f32, over the head dim), A and B K-major tiles by descriptor: issued;
+// wg_commit, wg_wait_all and wg_pin(d) before d is read.
+__device__ __forceinline__ void wg_issue_rows_times_rows_t(float d[8][4], u64 a, u64 b) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) d[j][0] = d[j][1] = d[j][2] = d[j][3] = 0.f;
+    wg_pin(d);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) wgmma_ss(d, a + kk * SW_K_STEP, b + kk * SW_K_STEP);
+}
+
+// acc += P B: P the 64 × 64 accumulator tile p (this thread's fragment) packed to 16 bits as
+// four A blocks of 16 columns, B (64 rows) an N-major tile by descriptor: issued; wg_commit,
+// wg_wait_all and wg_pin(acc) before acc is read.
+__device__ __forceinline__ void wg_issue_acc_times_rows(float acc[8][4], const float p[8][4],
+                                                        u64 b) {
+    u32 a[4][4];
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) acc_to_a(a[kk], p[2 * kk], p[2 * kk + 1]);
+    wg_pin(acc);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) wgmma_rs_nmajor(acc, a[kk], b + kk * SW_ROW_STEP);
+}
+
 template <bool DROP>
 __device__ __forceinline__ void attn_fwd_wgmma_impl(const u16* qkv, Heads qv, Heads kv, Heads vv,
                                                     u16* out, Heads ov, float* lse, Problem p) {
@@ -715,12 +740,7 @@ __device__ __forceinline__ void attn_fwd_wgmma_impl(const u16* qkv, Heads qv, He
 
         // S = Q Kᵀ.
         float s[BN / 8][4];
-#pragma unroll
-        for (int j = 0; j < BN / 8; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-        wg_pin(s);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) wgmma_ss(s, qd + kk * SW_K_STEP, kd + kk * SW_K_STEP);
+        wg_issue_rows_times_rows_t(s, qd, kd);
         wg_commit();
         wg_wait_all();
         wg_pin(s);
@@ -730,13 +750,7 @@ __device__ __forceinline__ void attn_fwd_wgmma_impl(const u16* qkv, Heads qv, He
         if (DROP) drop_probabilities(s, bh, row0, k0, p, t4);
 
         // O += P V.
-        u32 pa[BN / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) acc_to_a(pa[kk], s[2 * kk], s[2 * kk + 1]);
-        wg_pin(o);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs_nmajor(o, pa[kk], vd + kk * SW_ROW_STEP);
+        wg_issue_acc_times_rows(o, s, vd);
         wg_commit();
         wg_wait_all();
         wg_pin(o);
@@ -1041,17 +1055,8 @@ __device__ __forceinline__ void attn_bwd_dkdv_wgmma_impl(const u16* qkv, Heads q
 
         // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, both in flight at once.
         float pt[BQ / 8][4], ds[BQ / 8][4];
-#pragma unroll
-        for (int j = 0; j < BQ / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) pt[j][e] = ds[j][e] = 0.f;
-        wg_pin(pt);
-        wg_pin(ds);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) wgmma_ss(pt, kd + kk * SW_K_STEP, qd + kk * SW_K_STEP);
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) wgmma_ss(ds, vd + kk * SW_K_STEP, dod + kk * SW_K_STEP);
+        wg_issue_rows_times_rows_t(pt, kd, qd);
+        wg_issue_rows_times_rows_t(ds, vd, dod);
         wg_commit();
         wg_wait_all();
         wg_pin(pt);
@@ -1059,31 +1064,20 @@ __device__ __forceinline__ void attn_bwd_dkdv_wgmma_impl(const u16* qkv, Heads q
 
         dkdv_probabilities(pt, sl, q0, kb, p, g, t4);
         // dV += (P ∘ M)ᵀ dO, in flight while dSᵀ is computed.
-        u32 pa[BQ / 16][4];
+        if (DROP) {
+            float pm[BQ / 8][4];
 #pragma unroll
-        for (int kk = 0; kk < BQ / 16; ++kk) {
-            float lo[4], hi[4];
+            for (int j = 0; j < BQ / 8; ++j)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) {
-                lo[e] = DROP ? pt[2 * kk][e] * mask_at(mb, 2 * kk, e, p) : pt[2 * kk][e];
-                hi[e] = DROP ? pt[2 * kk + 1][e] * mask_at(mb, 2 * kk + 1, e, p) : pt[2 * kk + 1][e];
-            }
-            acc_to_a(pa[kk], lo, hi);
+                for (int e = 0; e < 4; ++e) pm[j][e] = pt[j][e] * mask_at(mb, j, e, p);
+            wg_issue_acc_times_rows(dv, pm, dod);
+        } else {
+            wg_issue_acc_times_rows(dv, pt, dod);
         }
-        wg_pin(dv);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs_nmajor(dv, pa[kk], dod + kk * SW_ROW_STEP);
         wg_commit();
 
         dkdv_score_grads<DROP>(ds, pt, mb, sd, p, t4);
-        u32 sa[BQ / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BQ / 16; ++kk) acc_to_a(sa[kk], ds[2 * kk], ds[2 * kk + 1]);
-        wg_pin(dk);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < BQ / 16; ++kk) wgmma_rs_nmajor(dk, sa[kk], qd + kk * SW_ROW_STEP);
+        wg_issue_acc_times_rows(dk, ds, qd);
         wg_commit();
         wg_wait_all();
         wg_pin(dv);
@@ -1255,17 +1249,8 @@ __device__ __forceinline__ void attn_bwd_dq_wgmma_impl(const u16* qkv, Heads qv,
 
         // S = Q Kᵀ and dP = dO Vᵀ, both in flight at once.
         float s[BNQ / 8][4], ds[BNQ / 8][4];
-#pragma unroll
-        for (int j = 0; j < BNQ / 8; ++j)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[j][e] = ds[j][e] = 0.f;
-        wg_pin(s);
-        wg_pin(ds);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) wgmma_ss(s, qd + kk * SW_K_STEP, kd + kk * SW_K_STEP);
-#pragma unroll
-        for (int kk = 0; kk < D / 16; ++kk) wgmma_ss(ds, dod + kk * SW_K_STEP, vd + kk * SW_K_STEP);
+        wg_issue_rows_times_rows_t(s, qd, kd);
+        wg_issue_rows_times_rows_t(ds, dod, vd);
         wg_commit();
         wg_wait_all();
         wg_pin(s);
@@ -1273,13 +1258,7 @@ __device__ __forceinline__ void attn_bwd_dq_wgmma_impl(const u16* qkv, Heads qv,
 
         dq_probabilities(s, l2, row0, k0, q0 + warp * 16, p, t4);
         dq_score_grads<DROP>(ds, s, dl, bh, row0, k0, p, t4);
-        u32 sa[BNQ / 16][4];
-#pragma unroll
-        for (int kk = 0; kk < BNQ / 16; ++kk) acc_to_a(sa[kk], ds[2 * kk], ds[2 * kk + 1]);
-        wg_pin(dq);
-        wg_fence();
-#pragma unroll
-        for (int kk = 0; kk < BNQ / 16; ++kk) wgmma_rs_nmajor(dq, sa[kk], kd + kk * SW_ROW_STEP);
+        wg_issue_acc_times_rows(dq, ds, kd);
         wg_commit();
         wg_wait_all();
         wg_pin(dq);
