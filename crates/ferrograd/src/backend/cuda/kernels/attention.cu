@@ -651,20 +651,23 @@ __device__ __forceinline__ void wg_pin(float d[8][4]) {
         for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
 }
 
+// The 32 f32 accumulator registers of an m64n64 product (this thread's fragment d[8][4]): as
+// the instruction's operand list, and as the asm statement's read-write operands %0 to %31.
+#define WG_ACC_REGS                                                                            \
+    "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+    "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define WG_ACC_ROW(d, j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+#define WG_ACC(d)                                                                              \
+    WG_ACC_ROW(d, 0), WG_ACC_ROW(d, 1), WG_ACC_ROW(d, 2), WG_ACC_ROW(d, 3), WG_ACC_ROW(d, 4), \
+        WG_ACC_ROW(d, 5), WG_ACC_ROW(d, 6), WG_ACC_ROW(d, 7)
+
 // d (64 × 64, f32; this thread's fragment) += A · B, A (64 × 16) and B (16 × 64) K-major tiles
 // in shared memory.
 __device__ __forceinline__ void wgmma_ss(float d[8][4], u64 a, u64 b) {
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n64k16.f32" WG_TYPES " "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, 1, 1, 1, 0, 0;\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        WG_ACC_REGS ", %32, %33, 1, 1, 1, 0, 0;\n"
+        : WG_ACC(d)
         : "l"(a), "l"(b));
 }
 
@@ -673,15 +676,8 @@ __device__ __forceinline__ void wgmma_ss(float d[8][4], u64 a, u64 b) {
 __device__ __forceinline__ void wgmma_rs_nmajor(float d[8][4], const u32 a[4], u64 b) {
     asm volatile(
         "wgmma.mma_async.sync.aligned.m64n64k16.f32" WG_TYPES " "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
-        : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
-          "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
-          "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
-          "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]),
-          "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]),
-          "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),
-          "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]),
-          "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
+        WG_ACC_REGS ", {%32, %33, %34, %35}, %36, 1, 1, 1, 1;\n"
+        : WG_ACC(d)
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
 }
 
