@@ -41,6 +41,10 @@ row_attention() {
   # Calls queued back to back: the device's time per call, each side's host overhead hidden.
   attention_pair "attention fwd+bwd ms, calls queued" fwd_bwd_queued_ms
   attention_pair "attention forward ms, calls queued" fwd_queued_ms
+  # The target names SDPA's flash kernel (FlashAttention-2); SDPA picks cuDNN on Hopper.
+  p=$(run "$PY" benches/pytorch/attention.py --batch 8 --heads 12 --seq 1024 --head-dim 64 --dtype bf16 --backend flash)
+  attention_pair "attention fwd+bwd ms, calls queued, against flash" fwd_bwd_queued_ms
+  attention_pair "attention fwd+bwd ms, per call, against flash" fwd_bwd_ms
   a=$(run "$B/attention" --batch 8 --heads 12 --seq 1024 --head-dim 64 --dtype bf16 --dropout 0.1)
   p=$(run "$PY" benches/pytorch/attention.py --batch 8 --heads 12 --seq 1024 --head-dim 64 --dtype bf16 --dropout 0.1)
   attention_pair "attention, dropout 0.1 on the probabilities, fwd+bwd ms" fwd_bwd_ms
