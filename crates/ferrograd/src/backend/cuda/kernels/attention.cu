@@ -449,21 +449,29 @@ __device__ __forceinline__ void online_softmax(float s[BN / 8][4], float o[D / 8
     }
 }
 
-// Dropout on a warp's probabilities (rows `row` and row + 8, keys from k0): on what
-// multiplies V, not on the normaliser l (scaled at the end).
-__device__ __forceinline__ void drop_probabilities(float s[BN / 8][4], int bh, int row, int k0,
-                                                   const Problem& p, int t4) {
+// Dropout on a warp's probabilities or their gradients (rows `row` and row + 8, N keys from
+// k0): dropped elements become 0, kept ones are scaled by 1 / (1 - p) where SCALE (the
+// forward drops what multiplies V and scales its output at the end instead).
+template <int N, bool SCALE>
+__device__ __forceinline__ void drop_in_rows(float s[N / 8][4], int bh, int row, int k0,
+                                             const Problem& p, int t4) {
 #pragma unroll
-    for (int j = 0; j < BN / 8; j += 2) {
+    for (int j = 0; j < N / 8; j += 2) {
         bool k[2][2][2];
         kept_in_rows2(p, bh, row, k0 + j * 8, t4, k);
 #pragma unroll
         for (int u = 0; u < 2; ++u)
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                if (!k[u][i][0]) s[j + u][2 * i] = 0.f;
-                if (!k[u][i][1]) s[j + u][2 * i + 1] = 0.f;
-            }
+            for (int i = 0; i < 2; ++i)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                    float& v = s[j + u][2 * i + e];
+                    if (SCALE) {
+                        v = k[u][i][e] ? v * p.inv_keep : 0.f;
+                    } else if (!k[u][i][e]) {
+                        v = 0.f;
+                    }
+                }
     }
 }
 
@@ -535,7 +543,7 @@ __device__ __forceinline__ void attn_fwd_impl(const u16* qkv, Heads qv, Heads kv
         }
         const bool edge = k0 + BN > p.t || (p.causal && k0 + BN > q0 + warp * 16);
         online_softmax(s, o, m, l, row0, k0, edge, p, t4);
-        if (DROP) drop_probabilities(s, bh, row0, k0, p, t4);
+        if (DROP) drop_in_rows<BN, false>(s, bh, row0, k0, p, t4);
         acc_times_rows<BN>(o, s, sv, lane);
     }
     finish_rows(out, ov, lse, o, m, l, bh, b, h, q0 + warp * 16, DROP, p, lane);
@@ -743,7 +751,7 @@ __device__ __forceinline__ void attn_fwd_wgmma_impl(const u16* qkv, Heads qv, He
 
         const bool edge = k0 + BN > p.t || (p.causal && k0 + BN > q0 + warp * 16);
         online_softmax(s, o, m, l, row0, k0, edge, p, t4);
-        if (DROP) drop_probabilities(s, bh, row0, k0, p, t4);
+        if (DROP) drop_in_rows<BN, false>(s, bh, row0, k0, p, t4);
 
         // O += P V.
         wg_issue_acc_times_rows(o, s, vd);
@@ -1130,21 +1138,7 @@ template <bool DROP>
 __device__ __forceinline__ void dq_score_grads(float ds[BNQ / 8][4], const float s[BNQ / 8][4],
                                                const float dl[2], int bh, int row, int k0,
                                                const Problem& p, int t4) {
-    if (DROP) {
-#pragma unroll
-        for (int j = 0; j < BNQ / 8; j += 2) {
-            bool k[2][2][2];
-            kept_in_rows2(p, bh, row, k0 + j * 8, t4, k);
-#pragma unroll
-            for (int u = 0; u < 2; ++u)
-#pragma unroll
-                for (int i = 0; i < 2; ++i) {
-                    float* d = ds[j + u] + 2 * i;
-                    d[0] = k[u][i][0] ? d[0] * p.inv_keep : 0.f;
-                    d[1] = k[u][i][1] ? d[1] * p.inv_keep : 0.f;
-                }
-        }
-    }
+    if (DROP) drop_in_rows<BNQ, true>(ds, bh, row, k0, p, t4);
 #pragma unroll
     for (int j = 0; j < BNQ / 8; ++j)
 #pragma unroll
