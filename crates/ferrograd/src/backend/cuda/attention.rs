@@ -513,6 +513,54 @@ mod tests {
         }
     }
 
+    /// Launch shapes per path: every kernel one CTA of 128 threads per 64 rows; shared memory
+    /// from the wgmma formulas only for f16/bf16 at head dim 64 on sm_90a.
+    #[test]
+    fn launch_shapes_follow_the_kernel_path() {
+        let p = Problem {
+            b: 2,
+            h: 3,
+            t: 130,
+            causal: 1,
+            scale: 0.125,
+            scale_log2: 0.125 * std::f32::consts::LOG2_E,
+            vec: 1,
+            threshold: 0,
+            key: 0,
+            inv_keep: 1.0,
+            pad: 0,
+            seed: 0,
+        };
+        for kernel in [Tiled::Forward, Tiled::DkDv, Tiled::Dq] {
+            for (dtype, d, arch) in [
+                (DType::BF16, 64, "sm_90a"),
+                (DType::F16, 64, "sm_90a"),
+                (DType::BF16, 64, "sm_80"),
+                (DType::BF16, 128, "sm_90a"),
+                (DType::F32, 64, "sm_90a"),
+            ] {
+                let cfg = p.tiles(kernel, d, dtype, arch);
+                assert_eq!(
+                    cfg.grid_dim,
+                    (3, 6, 1),
+                    "130 rows in tiles of 64, 6 (b, h) pairs"
+                );
+                assert_eq!(cfg.block_dim, (THREADS, 1, 1));
+                let want = match dtype {
+                    DType::F32 => smem_bytes_f32(kernel, d),
+                    _ if arch == "sm_90a" && d == 64 => wgmma_smem_bytes(kernel),
+                    _ => smem_bytes(kernel, d),
+                };
+                assert_eq!(cfg.shared_mem_bytes, want, "{dtype} d{d} {arch}");
+            }
+        }
+        // The CTAs per SM that the wgmma kernels' registers allow (forward and dQ 4, dK/dV 3:
+        // FWD_CTAS and DKDV_CTAS) fit in an H100's 227 KiB of shared memory per SM too.
+        for (kernel, ctas) in [(Tiled::Forward, 4), (Tiled::DkDv, 3), (Tiled::Dq, 4)] {
+            assert!(ctas * wgmma_smem_bytes(kernel) <= 227 * 1024);
+        }
+    }
+
     /// The delta kernel's lanes per row, as attention.cu defines them: at every head dim the
     /// kernels take, the least power of two (at least 2) whose lanes of 8 elements cover D.
     #[test]
