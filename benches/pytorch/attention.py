@@ -1,9 +1,9 @@
 """PyTorch twin of crates/ferrograd/benches/attention.rs: causal scaled_dot_product_attention
 alone (PyTorch picks the kernel: flash, cuDNN, memory-efficient or math; the JSON's `sdpa_backend`
 names its choice; `--backend flash|cudnn|efficient|math` makes it use one) from a (B, T, 3C) QKV
-tensor, the heads split as views exactly as GPT-2's attention does, forward and forward + backward, median
-milliseconds per call and TFLOP/s counted the same way, and calls queued back to back
-(`*_queued_ms`: the device's own time per call, Python's overhead hidden). Prints one JSON line.
+tensor, the heads split as views exactly as GPT-2's attention does, forward and forward +
+backward, median milliseconds per call and TFLOP/s counted the same way, and calls queued back
+to back (`*_queued_ms`: the device's own time per call, Python's overhead hidden). Prints one JSON line.
 
 Usage: python benches/pytorch/attention.py [--batch 8] [--heads 12] [--seq 1024] [--head-dim 64]
        [--dtype bf16|f16|f32] [--iters 50] [--device cuda|cpu] [--dropout 0]
