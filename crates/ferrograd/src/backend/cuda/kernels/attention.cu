@@ -659,6 +659,22 @@ __device__ __forceinline__ void wg_pin(float d[8][4]) {
         for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
 }
 
+// At the head of a loop whose accumulators carry over from the last iteration's products: a
+// wait (nothing is in flight there, so it costs nothing) that shows ptxas the carried registers
+// settled. Without it ptxas may place its own wait for them inside a branch that differs
+// between the warps (a causal edge, a bounds check), and then serialises every wgmma of the
+// kernel, each product waited for before the next issues (its note C7518): the dK/dV kernel
+// compiled so, at about three times the instructions.
+__device__ __forceinline__ void wg_settled(float d[8][4]) {
+    wg_wait_all();
+    wg_pin(d);
+}
+__device__ __forceinline__ void wg_settled(float a[8][4], float b[8][4]) {
+    wg_wait_all();
+    wg_pin(a);
+    wg_pin(b);
+}
+
 // The 32 f32 accumulator registers of an m64n64 product (this thread's fragment d[8][4]): as
 // the instruction's operand list, and as the asm statement's read-write operands %0 to %31.
 #define WG_ACC_REGS                                                                            \
@@ -739,6 +755,7 @@ __device__ __forceinline__ void attn_fwd_wgmma_impl(const u16* qkv, Heads qv, He
     const int row0 = q0 + warp * 16 + g;  // this thread's rows: row0 and row0 + 8
 
     for (int k0 = 0, st = 0; k0 < keys; k0 += BN, st ^= 1) {
+        wg_settled(o);
         const u16* sk = kv_tile_sw(stages, st, k0, keys, qkv, kv, vv, b, h, p);
         const u64 kd = sw_desc(sk), vd = sw_desc(sk + SW_TILE);
 
@@ -1041,6 +1058,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_wgmma_impl(const u16* qkv, Heads q
         for (int e = 0; e < 4; ++e) dk[j][e] = dv[j][e] = 0.f;
 
     for (int q0 = first, st = 0; q0 < p.t; q0 += BQ, st ^= 1) {
+        wg_settled(dk, dv);
         __syncthreads();
         if (q0 + BQ < p.t)
             load_query_stage_sw(stages + (st ^ 1) * 2 * SW_TILE, stats + (st ^ 1) * 2 * BQ, qkv,
@@ -1234,6 +1252,7 @@ __device__ __forceinline__ void attn_bwd_dq_wgmma_impl(const u16* qkv, Heads qv,
     for (int j = 0; j < D / 8; ++j) dq[j][0] = dq[j][1] = dq[j][2] = dq[j][3] = 0.f;
 
     for (int k0 = 0, st = 0; k0 < keys; k0 += BNQ, st ^= 1) {
+        wg_settled(dq);
         const u16* sk = kv_tile_sw(stages, st, k0, keys, qkv, kv, vv, b, h, p);
         const u64 kd = sw_desc(sk), vd = sw_desc(sk + SW_TILE);
 
