@@ -581,22 +581,31 @@ __device__ __forceinline__ int sw_at(int r, int c) {
 }
 
 // Rows [r0, r0 + 64) of a (T, 64) head into a swizzled tile, as load_rows_async does (copies
-// in flight with p.vec, else plain loads); rows at or past T are zero.
+// in flight with p.vec, else plain loads); rows at or past T are zero. A thread moves the same
+// 16-byte column chunk c of rows r, r + RP, r + 2 RP, ...: RP is a multiple of 8, so the
+// chunk's swizzled place only moves by whole rows, and a tile's copies take one address
+// computation and a few additions (they were a third of the forward loop's instructions).
 __device__ __forceinline__ void load_tile_sw(u16* dst, const u16* base, const Heads& v, int b,
                                              int h, int r0, const Problem& p) {
-    const u16* first = base + row_at(v, b, h, 0);
-    for (int i = threadIdx.x; i < 64 * 8; i += THREADS) {
-        int r = i >> 3, c = (i & 7) * 8;
-        int t = r0 + r;
-        bool in = t < p.t;
-        u16* d = dst + sw_at(r, c);
-        if (p.vec) {
-            cp_async16(d, (in ? base + row_at(v, b, h, t) : first) + c, in ? 16 : 0);
-        } else {
-            const u16* src = base + row_at(v, b, h, in ? t : 0) + c;
+    constexpr int RP = THREADS / 8;  // rows per pass: 8 chunks of 16 bytes a row
+    static_assert(RP % 8 == 0 && 64 % RP == 0, "whole passes of 8-row swizzle groups");
+    const int r = threadIdx.x >> 3, c = (threadIdx.x & 7) * 8;
+    const u16* head = base + row_at(v, b, h, 0);  // also the aligned address of the zero rows
+    const u16* src = head + (i64)(r0 + r) * v.st + c;
+    const i64 step = (i64)RP * v.st;
+    u16* const d = dst + sw_at(r, c);
+    if (p.vec) {
 #pragma unroll
-            for (int e = 0; e < 8; ++e) d[e] = in ? src[e] : (u16)0;
+        for (int k = 0; k < 64 / RP; ++k) {
+            const bool in = r0 + r + k * RP < p.t;
+            cp_async16(d + k * RP * 64, in ? src + k * step : head + c, in ? 16 : 0);
         }
+        return;
+    }
+    for (int k = 0; k < 64 / RP; ++k) {
+        const bool in = r0 + r + k * RP < p.t;
+#pragma unroll
+        for (int e = 0; e < 8; ++e) d[k * RP * 64 + e] = in ? src[k * step + e] : (u16)0;
     }
 }
 
@@ -1017,17 +1026,18 @@ __device__ __forceinline__ void attn_bwd_dkdv_impl(const u16* qkv, Heads qv, Hea
 __device__ __forceinline__ void load_query_stage_sw(u16* sq, float* sl, const u16* qkv,
                                                     const Heads& qv, const u16* gout,
                                                     const Heads& gov, const float* lse,
-                                                    const float* delta, int bh, int q0,
+                                                    const float* delta, int b, int h, int q0,
                                                     const Problem& p) {
-    const int b = bh / p.h, h = bh % p.h;
     load_tile_sw(sq, qkv, qv, b, h, q0, p);
     load_tile_sw(sq + SW_TILE, gout, gov, b, h, q0, p);
-    for (int i = threadIdx.x; i < BQ; i += THREADS) {
-        int t = q0 + i;
-        bool in = t < p.t;
-        i64 at = (i64)bh * p.t + (in ? t : 0);
-        cp_async4(sl + i, lse + at, in ? 4 : 0);
-        cp_async4(sl + BQ + i, delta + at, in ? 4 : 0);
+    // The queries' lse into sl[0, BQ) and their delta into sl[BQ, 2 BQ): a value a thread.
+    static_assert(2 * BQ <= THREADS, "one statistic per thread");
+    const int i = threadIdx.x;
+    if (i < 2 * BQ) {
+        const int t = q0 + i % BQ;
+        const bool in = t < p.t;
+        const i64 at = (i64)(b * p.h + h) * p.t + (in ? t : 0);
+        cp_async4(sl + i, (i < BQ ? lse : delta) + at, in ? 4 : 0);
     }
 }
 
@@ -1046,7 +1056,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_wgmma_impl(const u16* qkv, Heads q
 
     load_tile_sw(sk, qkv, kv, b, h, k0, p);
     load_tile_sw(sv, qkv, vv, b, h, k0, p);
-    load_query_stage_sw(stages, stats, qkv, qv, gout, gov, lse, delta, bh, first, p);
+    load_query_stage_sw(stages, stats, qkv, qv, gout, gov, lse, delta, b, h, first, p);
     cp_async_commit();
     const u64 kd = sw_desc(sk), vd = sw_desc(sv);
     const int kb = k0 + warp * 16;  // this warp's first key
@@ -1062,7 +1072,7 @@ __device__ __forceinline__ void attn_bwd_dkdv_wgmma_impl(const u16* qkv, Heads q
         __syncthreads();
         if (q0 + BQ < p.t)
             load_query_stage_sw(stages + (st ^ 1) * 2 * SW_TILE, stats + (st ^ 1) * 2 * BQ, qkv,
-                                qv, gout, gov, lse, delta, bh, q0 + BQ, p);
+                                qv, gout, gov, lse, delta, b, h, q0 + BQ, p);
         cp_async_commit();
         cp_async_wait<1>();
         fence_async_proxy();
