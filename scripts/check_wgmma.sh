@@ -18,15 +18,24 @@ CACHE=${FERROGRAD_KERNEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ferrograd/kernel
 # The newest file of each module (files are named <module>-<hash>.ptx; older hashes are
 # earlier builds' sources, which the cache keeps).
 mapfile -t files < <(ls -t "$CACHE"/*.ptx | awk '{ k = $0; sub(/-[^-]*\.ptx$/, "", k); if (!(k in seen)) { seen[k] = 1; print } }')
-bad=0
+# One ptxas a file, all at once (the attention modules take seconds each).
+notes=$(mktemp -d)
 for ptx in "${files[@]}"; do
-  target=$(awk '$1 == ".target" { sub(/,.*/, "", $2); print $2; exit }' "$ptx")
-  notes=$("$PTXAS" -arch="$target" -v "$ptx" -o /dev/null 2>&1 | grep -E 'C7518|serialized' || true)
-  if [ -n "$notes" ]; then
+  (
+    target=$(awk '$1 == ".target" { sub(/,.*/, "", $2); print $2; exit }' "$ptx")
+    "$PTXAS" -arch="$target" -v "$ptx" -o /dev/null 2>&1 | grep -E 'C7518|serialized' \
+      > "$notes/$(basename "$ptx").$target" || true
+  ) &
+done
+wait
+bad=0
+for n in "$notes"/*; do
+  if [ -s "$n" ]; then
     bad=$((bad + 1))
-    echo "$(basename "$ptx") ($target):"
-    echo "$notes"
+    echo "$(basename "$n"):"
+    cat "$n"
   fi
 done
+rm -rf "$notes"
 echo "wgmma check: ${#files[@]} modules assembled, $bad with serialised products"
 [ "$bad" -eq 0 ]
