@@ -199,18 +199,6 @@ __device__ __forceinline__ void reduce_cols_run(int op, const typename T::S* x, 
     }
 }
 
-// Rows a thread of reduce_cols_vec reads at once, and the type it sums them in before adding
-// them to its f64 sums: f32 for half-precision inputs, f64 for the others.
-#define RUN 4
-template <bool HALF>
-struct RunSum {
-    typedef double type;
-};
-template <>
-struct RunSum<true> {
-    typedef float type;
-};
-
 // Sums of the rows of x (n_in rows of n_out elements, rows `ld` elements apart; n_out and ld
 // multiples of the vector width V, x 16-byte aligned). Work item w = (tile t of COLS_X
 // vectors, split s); blockDim must be (COLS_X, COLS_Y). Each thread sums its vector's V
@@ -237,26 +225,10 @@ __device__ __forceinline__ void reduce_cols_vec_run(const typename T::S* x, i64 
         if (vcol < nv) {
             const i64 lo = s * chunk;
             const i64 hi = lo + chunk < n_in ? lo + chunk : n_in;
-            for (i64 j0 = lo + ty; j0 < hi; j0 += COLS_Y * RUN) {
-                // RUN rows' loads in flight at once, then their sum added to the f64 sums. Half
-                // inputs are summed in f32 first (RunSum): exact unless the run's values lie
-                // some 2^11 apart, and a quarter of the f64 conversions and additions.
-                Pack16<S> p[RUN];
+            for (i64 j = lo + ty; j < hi; j += COLS_Y) {
+                const Pack16<S> p = *(const Pack16<S>*)(x + j * ld + vcol * V);
 #pragma unroll
-                for (int u = 0; u < RUN; ++u) {
-                    const i64 j = j0 + (i64)u * COLS_Y;
-                    if (j < hi) p[u] = *(const Pack16<S>*)(x + j * ld + vcol * V);
-                }
-                typename RunSum<T::HALF>::type run[V];
-#pragma unroll
-                for (int k = 0; k < V; ++k) run[k] = 0;
-#pragma unroll
-                for (int u = 0; u < RUN; ++u)
-                    if (j0 + (i64)u * COLS_Y < hi)
-#pragma unroll
-                        for (int k = 0; k < V; ++k) run[k] += T::ld(p[u].v[k]);
-#pragma unroll
-                for (int k = 0; k < V; ++k) acc[k] += (double)run[k];
+                for (int k = 0; k < V; ++k) acc[k] += (double)T::ld(p.v[k]);
             }
         }
 #pragma unroll
