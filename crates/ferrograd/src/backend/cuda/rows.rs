@@ -209,10 +209,10 @@ fn warp_slots(dtype: DType, n: usize) -> Option<usize> {
 const PARAM_SMS: usize = 132;
 
 /// Blocks per SM the warp-per-row backward runs (its launch bounds in rows.cu, BWD24 of
-/// LN_WARP_SIZES, where one is set): four for f32 rows with bf16 gradients at PER 24 unless
-/// it also writes gx in half precision (`half_too`: LN_HALF_TOO_MIN), else three.
-fn ln_bwd_blocks_per_sm(rows: DType, grads: DType, per: usize, half_too: bool) -> usize {
-    if (rows, grads, per, half_too) == (DType::F32, DType::BF16, 24, false) {
+/// LN_WARP_SIZES, where one is set; LN_HALF_TOO_MIN holds the variant that also writes gx
+/// in half precision to the same): four for f32 rows with bf16 gradients at PER 24, else three.
+fn ln_bwd_blocks_per_sm(rows: DType, grads: DType, per: usize) -> usize {
+    if (rows, grads, per) == (DType::F32, DType::BF16, 24) {
         4
     } else {
         3
@@ -224,9 +224,7 @@ fn ln_bwd_blocks_per_sm(rows: DType, grads: DType, per: usize, half_too: bool) -
 fn bwd_blocks_per_sm(a: &LayerNormBackward) -> usize {
     let (dtype, g) = (a.x.storage.dtype(), a.gy.storage.dtype());
     let n = rows_cols(a.x.layout).1;
-    warp_slots(dtype, n).map_or(3, |per| {
-        ln_bwd_blocks_per_sm(dtype, g, per, a.gx_half.is_some())
-    })
+    warp_slots(dtype, n).map_or(3, |per| ln_bwd_blocks_per_sm(dtype, g, per))
 }
 
 /// Blocks of the warp-per-row backward that also sums the parameter gradients: one per four
@@ -468,16 +466,13 @@ mod tests {
     }
 
     /// The grid of the backward that sums the parameter gradients assumes the blocks per SM
-    /// its launch bounds give: four only for f32 rows with bf16 gradients at PER 24, and one
-    /// fewer (three) for its kernel that also writes gx in bf16.
+    /// its launch bounds give: four only for f32 rows with bf16 gradients at PER 24, its kernel
+    /// that also writes gx in bf16 too.
     #[test]
     fn the_backwards_grid_matches_its_launch_bounds() {
         assert!(SOURCE.contains("LN_WARP_SIZES(f32_bf16, float, bf16_t, 4)\n"));
         assert!(SOURCE.contains("LN_WARP_SIZES(bf16, bf16_t, bf16_t, 3)\n"));
-        assert!(
-            SOURCE
-                .contains("#define LN_HALF_TOO_MIN(BWD_MIN) ((BWD_MIN) > 1 ? (BWD_MIN) - 1 : 1)\n")
-        );
+        assert!(SOURCE.contains("#define LN_HALF_TOO_MIN(BWD_MIN) (BWD_MIN)\n"));
         assert!(SOURCE.contains("__launch_bounds__(LN_WARP_BLOCK, LN_HALF_TOO_MIN(BWD_MIN))"));
         for s in [
             "f32, float, float",
@@ -486,11 +481,10 @@ mod tests {
         ] {
             assert!(SOURCE.contains(&format!("LN_WARP_SIZES({s}, 1)\n")), "{s}");
         }
-        assert_eq!(ln_bwd_blocks_per_sm(DType::F32, DType::BF16, 24, false), 4);
-        assert_eq!(ln_bwd_blocks_per_sm(DType::F32, DType::BF16, 24, true), 3);
-        assert_eq!(ln_bwd_blocks_per_sm(DType::F32, DType::BF16, 32, false), 3);
-        assert_eq!(ln_bwd_blocks_per_sm(DType::F32, DType::F16, 24, false), 3);
-        assert_eq!(ln_bwd_blocks_per_sm(DType::BF16, DType::BF16, 24, false), 3);
+        assert_eq!(ln_bwd_blocks_per_sm(DType::F32, DType::BF16, 24), 4);
+        assert_eq!(ln_bwd_blocks_per_sm(DType::F32, DType::BF16, 32), 3);
+        assert_eq!(ln_bwd_blocks_per_sm(DType::F32, DType::F16, 24), 3);
+        assert_eq!(ln_bwd_blocks_per_sm(DType::BF16, DType::BF16, 24), 3);
     }
 
     /// Groups of four move as vectors only where n and every address allow it.

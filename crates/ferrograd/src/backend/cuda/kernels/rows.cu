@@ -328,28 +328,34 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
     }
     for (i64 r = warp_row(); r < rows; r += warp_rows()) {
         const float mu = (float)load_f64(mean, sk, r), rs = (float)load_f64(rstd, sk, r);
-        T xe[G][4], we[G][4], pe[G][4];
+        T xe[G][4], pe[G][4];
         Y ge[G][4];
 #pragma unroll
         for (int i = 0; i < G; ++i) {
             const i64 at = group_at(lane, i);
             load_group(x + r * n, at, n, vec, xe[i]);
             load_group(gy + r * n, at, n, vec, ge[i]);
-            if (w) load_group(w, at, n, vec, we[i]);
-            if (prior) load_group(prior + r * n, at, n, vec, pe[i]);
         }
         // ĝ = gy · w and x̂ per element; both zero past n (x̂ is kept only where it is in).
+        // w is read where it is used (a cache hit), not held: registers for more warps.
         float sg = 0.f, sgx = 0.f;
 #pragma unroll
-        for (int i = 0; i < G; ++i)
+        for (int i = 0; i < G; ++i) {
+            T wg[4];
+            if (w) load_group(w, group_at(lane, i), n, vec, wg);
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 const bool in = group_at(lane, i) + k < n;
-                const float g = to_f(ge[i][k]) * (w ? to_f(we[i][k]) : 1.f);
+                const float g = to_f(ge[i][k]) * (w ? to_f(wg[k]) : 1.f);
                 const float xn = in ? (to_f(xe[i][k]) - mu) * rs : 0.f;
                 sg += g;
                 sgx += g * xn;
             }
+        }
+        // The later gradient of these rows, in flight while the row sums reduce.
+        if (prior)
+#pragma unroll
+            for (int i = 0; i < G; ++i) load_group(prior + r * n, group_at(lane, i), n, vec, pe[i]);
         const float mean_g = warp_sum_f(sg) / (float)n;
         const float mean_gx = warp_sum_f(sgx) / (float)n;
 #pragma unroll
@@ -398,18 +404,19 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
 }
 
 // Threads per block of the warp-per-row kernels (cuda/rows.rs launches them so): four rows
-// to a block. The backward takes about 160 registers a lane at rows of 768; in blocks of
-// four warps that is twelve warps per SM, in blocks of eight only eight, and bounding the
-// registers to fit two blocks of eight made the compiler spill.
+// to a block. The backward takes about 128 registers a lane at rows of 768 (f32 rows, bf16
+// gradients); in blocks of four warps that is sixteen warps per SM, and bounding blocks of
+// eight to fit made the compiler spill (at 160 registers, two blocks of eight).
 #define LN_WARP_BLOCK 128
 // Blocks per SM the forward is held to at rows up to 768: 80 registers instead of 88 to 96,
 // no spills. The forward waits on its loads, so more warps in flight hide more of them (5%
 // faster on an H100 at GPT-2's rows; 8 blocks spilled and ran slower).
 #define LN_FWD_MIN_BLOCKS(PER) ((PER) <= 24 ? 6 : 1)
 
-// The backward that also writes gx rounded to Y (`_half_too`) keeps one block per SM fewer
-// than the plain one where that is bounded: at four it spills (about 110 B at rows of 768).
-#define LN_HALF_TOO_MIN(BWD_MIN) ((BWD_MIN) > 1 ? (BWD_MIN) - 1 : 1)
+// The backward that also writes gx rounded to Y (`_half_too`) is held to as many blocks per
+// SM as the plain one: with w read where it is used and the later gradient loaded after the
+// row sums, it fits four at rows of 768 without spilling (three when it held both).
+#define LN_HALF_TOO_MIN(BWD_MIN) (BWD_MIN)
 
 // S names the kernels: the rows' dtype, then the output's when it differs (f32_bf16: f32
 // rows, a bf16 output and output gradient).
