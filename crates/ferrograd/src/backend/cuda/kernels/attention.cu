@@ -673,7 +673,7 @@ __device__ __forceinline__ void wg_pin(float d[8][4]) {
 // settled. Without it ptxas may place its own wait for them inside a branch that differs
 // between the warps (a causal edge, a bounds check), and then serialises every wgmma of the
 // kernel, each product waited for before the next issues (its note C7518): the dK/dV kernel
-// compiled so, at about three times the instructions.
+// compiled so (scripts/check_wgmma.sh looks for the note).
 __device__ __forceinline__ void wg_settled(float d[8][4]) {
     wg_wait_all();
     wg_pin(d);

@@ -405,8 +405,8 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
 
 // Threads per block of the warp-per-row kernels (cuda/rows.rs launches them so): four rows
 // to a block. The backward takes about 128 registers a lane at rows of 768 (f32 rows, bf16
-// gradients); in blocks of four warps that is sixteen warps per SM, and bounding blocks of
-// eight to fit made the compiler spill (at 160 registers, two blocks of eight).
+// gradients): four blocks of four warps to an SM. Blocks of eight warps would fit two, and
+// bounding the registers to fit more of those made the compiler spill.
 #define LN_WARP_BLOCK 128
 // Blocks per SM the forward is held to at rows up to 768: 80 registers instead of 88 to 96,
 // no spills. The forward waits on its loads, so more warps in flight hide more of them (5%
