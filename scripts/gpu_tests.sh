@@ -9,6 +9,8 @@
 # it are reported as skipped), THREADS (test threads per binary, default 1). Before the tests,
 # `ferrograd info --compile-kernels` fills the kernel cache on every host thread (a cold one
 # otherwise costs the first tests minutes of compiling, one module at a time); WARM=0 skips it.
+# With every binary run (no ONLY), it ends with scripts/check_wgmma.sh, which needs CUDA's
+# ptxas (PTXAS, on PATH or /usr/local/cuda/bin; reported as skipped without it).
 # The GPU test targets (tests/gpu_*.rs and the CUDA variants of the golden tests) exist only
 # with the `gpu-tests` feature and fail, not skip, when no GPU is present.
 set -euo pipefail
@@ -62,6 +64,14 @@ run() {
     [ -n "${OUT:-}" ] && cp "$log" "$OUT/$name.log"
   done
   echo "gpu test binaries: $pass passed, $fail failed, $skipped skipped"
+  # With every binary run: whether ptxas serialises any kernel's wgmma (check_wgmma.sh).
+  if [ -z "${ONLY:-}" ]; then
+    if command -v "${PTXAS:-ptxas}" >/dev/null || [ -x /usr/local/cuda/bin/ptxas ]; then
+      BIN="$BIN" scripts/check_wgmma.sh | grep -v "kernel modules" || fail=$((fail + 1))
+    else
+      echo "wgmma check: SKIPPED (no ptxas; set PTXAS)"
+    fi
+  fi
   [ "$fail" -eq 0 ]
 }
 

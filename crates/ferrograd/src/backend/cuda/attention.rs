@@ -499,6 +499,26 @@ mod tests {
         ] {
             assert!(src.contains(line), "attention.cu lacks `{line}`");
         }
+        // Each wgmma loop starts by settling its carried accumulators, or ptxas may serialise
+        // the kernel's products (scripts/check_wgmma.sh checks the compiled kernels).
+        for (kernel, head, settle) in [
+            ("attn_fwd_wgmma_impl", "for (int k0 = 0,", "wg_settled(o);"),
+            (
+                "attn_bwd_dkdv_wgmma_impl",
+                "for (int q0 = first,",
+                "wg_settled(dk, dv);",
+            ),
+            (
+                "attn_bwd_dq_wgmma_impl",
+                "for (int k0 = 0,",
+                "wg_settled(dq);",
+            ),
+        ] {
+            let body = &src[src.find(kernel).expect(kernel)..];
+            let at = body.find(head).expect("the kernel's loop");
+            let next_line = body[at..].lines().nth(1).unwrap_or("");
+            assert_eq!(next_line.trim(), settle, "{kernel}'s loop");
+        }
         assert_eq!(wgmma_smem_bytes(Tiled::Forward), 41_984);
         assert_eq!(wgmma_smem_bytes(Tiled::DkDv), 51_200);
         assert_eq!(wgmma_smem_bytes(Tiled::Dq), 50_176);
