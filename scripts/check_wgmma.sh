@@ -6,18 +6,25 @@
 # dK/dV attention kernel once ran so.
 # On a GPU machine with CUDA's ptxas: fills the kernel cache (`ferrograd info
 # --compile-kernels`), then assembles each module's newest PTX for the target it names.
+# Without a GPU: PTX_DIR=<folder> assembles the PTX that `ferrograd info --emit-ptx <folder>
+# [--arch sm_90a]` wrote there (NVRTC and ptxas needed, no GPU).
 # Environment: BIN (the folder holding `ferrograd`, default .bin), PTXAS (default: on PATH,
 # else /usr/local/cuda/bin/ptxas), FERROGRAD_KERNEL_CACHE (the cache folder, as ferrograd
-# reads it).
+# reads it), PTX_DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.bin}
 PTXAS=${PTXAS:-$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)}
 CACHE=${FERROGRAD_KERNEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ferrograd/kernels}
-"$BIN/ferrograd" info --compile-kernels | grep 'kernel modules'
-# The newest file of each module (files are named <module>-<hash>.ptx; older hashes are
-# earlier builds' sources, which the cache keeps).
-mapfile -t files < <(ls -t "$CACHE"/*.ptx | awk '{ k = $0; sub(/-[^-]*\.ptx$/, "", k); if (!(k in seen)) { seen[k] = 1; print } }')
+if [ -n "${PTX_DIR:-}" ]; then
+  # PTX written by `ferrograd info --emit-ptx DIR --arch ARCH`, which needs no GPU.
+  mapfile -t files < <(ls "$PTX_DIR"/*.ptx)
+else
+  "$BIN/ferrograd" info --compile-kernels | grep 'kernel modules'
+  # The newest file of each module (files are named <module>-<hash>.ptx; older hashes are
+  # earlier builds' sources, which the cache keeps).
+  mapfile -t files < <(ls -t "$CACHE"/*.ptx | awk '{ k = $0; sub(/-[^-]*\.ptx$/, "", k); if (!(k in seen)) { seen[k] = 1; print } }')
+fi
 # One ptxas a file, all at once (the attention modules take seconds each).
 notes=$(mktemp -d)
 for ptx in "${files[@]}"; do

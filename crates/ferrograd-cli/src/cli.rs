@@ -1,7 +1,7 @@
 //! Command-line definitions and dispatch. Configuration is explicit: every knob is a flag.
 
 use clap::{Args, Parser, Subcommand};
-use ferrograd::backend::cuda::{compile_all_kernels, cuda_info};
+use ferrograd::backend::cuda::{compile_all_kernels, cuda_info, emit_all_ptx};
 use ferrograd::demo::{self, DemoConfig};
 use ferrograd::{Device, memory};
 
@@ -39,6 +39,14 @@ struct InfoArgs {
     /// spends minutes of first use on it, one module at a time).
     #[arg(long)]
     compile_kernels: bool,
+    /// Write every kernel module's PTX, as NVRTC compiles it for --arch, into this folder
+    /// (`<module>.ptx`), to read what the kernels compile to without a GPU: `ptxas -v`,
+    /// `cuobjdump -sass`, scripts/check_wgmma.sh. Needs NVRTC only.
+    #[arg(long, value_name = "DIR")]
+    emit_ptx: Option<std::path::PathBuf>,
+    /// The GPU architecture --emit-ptx compiles for (an H100 or H200 is sm_90a).
+    #[arg(long, default_value = "sm_90a", requires = "emit_ptx")]
+    arch: String,
 }
 
 #[derive(Args, Debug)]
@@ -136,6 +144,15 @@ fn run_info(a: InfoArgs) -> anyhow::Result<()> {
     }
     if let Some(note) = &info.note {
         println!("note     {note}");
+    }
+    if let Some(dir) = &a.emit_ptx {
+        let files = emit_all_ptx(dir, &a.arch)?;
+        println!(
+            "ptx      {} kernel modules for {} in {}",
+            files.len(),
+            a.arch,
+            dir.display()
+        );
     }
     if a.compile_kernels {
         if info.devices.is_empty() {

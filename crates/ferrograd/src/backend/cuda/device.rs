@@ -45,6 +45,25 @@ fn ptx_text(ptx: &Ptx) -> Option<String> {
     String::from_utf8(bytes[..end].to_vec()).ok()
 }
 
+/// Module `key`'s source compiled by NVRTC for `arch` ("sm_90a"), as PTX text; the error
+/// names the module and says what NVRTC said.
+pub(crate) fn compile_ptx(
+    key: &str,
+    src: &str,
+    arch: &'static str,
+) -> std::result::Result<String, String> {
+    let opts = CompileOptions {
+        arch: Some(arch),
+        options: vec![NVRTC_FLAGS.into()],
+        ..Default::default()
+    };
+    let ptx = compile_ptx_with_opts(src, opts).map_err(|e| format!("'{key}' for {arch}: {e:?}"))?;
+    ptx_text(&ptx).ok_or_else(|| format!("'{key}' for {arch}: NVRTC's PTX is not text"))
+}
+
+/// The options every module is compiled with besides its architecture.
+const NVRTC_FLAGS: &str = "--std=c++17";
+
 /// NVRTC's version ("13.0"), part of every cached module's name.
 fn nvrtc_version() -> &'static str {
     static VERSION: OnceLock<String> = OnceLock::new();
@@ -260,19 +279,16 @@ impl CudaDevice {
     /// by an earlier process) or from NVRTC. A cached file the driver refuses is forgotten and
     /// the module compiled afresh.
     fn load_module(&self, key: &'static str, src: &'static str) -> Result<Arc<CudaModule>> {
-        const FLAGS: &str = "--std=c++17";
         // What the cached file's name hashes: every option NVRTC is given.
-        let options = [format!("--gpu-architecture={}", self.arch), FLAGS.into()];
-        let compile = || -> Result<String> {
-            let opts = CompileOptions {
-                arch: Some(self.arch),
-                options: vec![FLAGS.into()],
-                ..Default::default()
-            };
-            let ptx = compile_ptx_with_opts(src, opts)
-                .map_err(|e| self.err(&format!("compiling kernels '{key}'"), e))?;
-            ptx_text(&ptx)
-                .ok_or_else(|| self.err(&format!("reading the PTX of '{key}'"), "not text"))
+        let options = [
+            format!("--gpu-architecture={}", self.arch),
+            NVRTC_FLAGS.into(),
+        ];
+        let compile = || {
+            compile_ptx(key, src, self.arch).map_err(|e| Error::DeviceUnavailable {
+                device: Device::Cuda(self.ordinal),
+                reason: format!("compiling kernels {e} failed"),
+            })
         };
         let file = kernel_cache::default_dir()
             .map(|dir| kernel_cache::file_for(&dir, key, src, &options, nvrtc_version()));

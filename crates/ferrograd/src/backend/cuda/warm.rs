@@ -4,11 +4,15 @@
 //! touches many of them; here they all go through the kernel cache on every host thread at
 //! once, and later processes read the cache (`ferrograd info --compile-kernels`).
 
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+use rayon::prelude::*;
+
+use super::device::compile_ptx;
 use super::launch::Module;
 use super::{attention, elementwise, index, loss, optim, reduce, rows};
-use crate::base::Result;
+use crate::base::{Error, Result};
 
 /// Every kernel module of the backend.
 pub(crate) fn all_modules() -> Vec<&'static Module> {
@@ -64,9 +68,85 @@ pub fn compile_all_kernels(ordinal: usize) -> Result<Warmed> {
     })
 }
 
+/// Every kernel module's PTX as NVRTC compiles it for `arch` (as "sm_90a" or "sm_80"), written
+/// into `dir` as `<module>.ptx`: what the GPU would load, for reading without one (`ptxas -v`
+/// for registers and notes, `cuobjdump -sass`, scripts/check_wgmma.sh). Needs NVRTC, not a
+/// GPU or its driver. Compiles on every host thread; returns the files in module order.
+pub fn emit_all_ptx(dir: &Path, arch: &str) -> Result<Vec<PathBuf>> {
+    emit_ptx(&all_modules(), dir, arch)
+}
+
+fn emit_ptx(modules: &[&'static Module], dir: &Path, arch: &str) -> Result<Vec<PathBuf>> {
+    const OP: &str = "emit_ptx";
+    let valid = arch.strip_prefix("sm_").is_some_and(|v| {
+        let digits = v.strip_suffix('a').unwrap_or(v);
+        !digits.is_empty() && digits.chars().all(|c| c.is_ascii_digit())
+    });
+    if !valid {
+        return Err(Error::invalid(
+            OP,
+            format!("'{arch}' is not a GPU architecture: name one as sm_90a, sm_90 or sm_80"),
+        ));
+    }
+    if super::info::nvrtc_version().is_none() {
+        return Err(Error::invalid(
+            OP,
+            "NVRTC (libnvrtc) was not found: install CUDA's NVRTC or put its folder on LD_LIBRARY_PATH",
+        ));
+    }
+    std::fs::create_dir_all(dir)
+        .map_err(|e| Error::invalid(OP, format!("cannot make {}: {e}", dir.display())))?;
+    // NVRTC takes a 'static architecture name; one short string a call.
+    let arch: &'static str = Box::leak(arch.to_string().into_boxed_str());
+    modules
+        .par_iter()
+        .map(|m| {
+            let ptx = compile_ptx(m.key(), m.source(), arch)
+                .map_err(|e| Error::invalid(OP, format!("NVRTC could not compile {e}")))?;
+            let file = dir.join(format!("{}.ptx", m.key()));
+            std::fs::write(&file, ptx)
+                .map_err(|e| Error::invalid(OP, format!("cannot write {}: {e}", file.display())))?;
+            Ok(file)
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// With NVRTC, a module's PTX lands in the folder, compiled for the architecture named;
+    /// without it (CI), the error says what to install.
+    #[test]
+    fn ptx_is_written_for_the_architecture_or_nvrtc_is_asked_for() {
+        let dir = std::env::temp_dir().join(format!("ferrograd-emit-ptx-{}", std::process::id()));
+        let written = emit_ptx(&[&index::KERNELS], &dir, "sm_80");
+        match super::super::info::nvrtc_version() {
+            Some(_) => {
+                let files = written.expect("NVRTC is present");
+                assert_eq!(files, vec![dir.join("index.ptx")]);
+                let ptx = std::fs::read_to_string(&files[0]).expect("written");
+                assert!(
+                    ptx.lines().any(|l| l.trim() == ".target sm_80"),
+                    "{ptx:.300}"
+                );
+            }
+            None => {
+                let e = written.expect_err("no NVRTC here").to_string();
+                assert!(e.contains("NVRTC (libnvrtc) was not found"), "{e}");
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn an_architecture_is_named_as_sm_and_digits() {
+        let dir = std::env::temp_dir();
+        for bad in ["90a", "sm_", "sm_a", "sm_9x", "compute_90"] {
+            let e = emit_ptx(&[], &dir, bad).expect_err(bad).to_string();
+            assert!(e.contains("is not a GPU architecture"), "{bad}: {e}");
+        }
+    }
 
     #[test]
     fn every_kernel_file_is_compiled_by_a_listed_module() {
