@@ -287,7 +287,7 @@ impl CudaDevice {
         let compile = || {
             compile_ptx(key, src, self.arch).map_err(|e| Error::DeviceUnavailable {
                 device: Device::Cuda(self.ordinal),
-                reason: format!("compiling kernels {e} failed"),
+                reason: format!("compiling kernels failed: {e}"),
             })
         };
         let file = kernel_cache::default_dir()
