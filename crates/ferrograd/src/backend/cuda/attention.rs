@@ -22,8 +22,8 @@ use crate::base::{DType, Error, Layout, Result};
 /// Threads per CTA (WARPS · 32 in attention.cu) and rows per CTA tile (BM).
 const THREADS: u32 = 128;
 const TILE: usize = 64;
-/// The most (batch · head) pairs one launch covers (the grid's y limit).
-const MAX_PAIRS: usize = 65_535;
+/// The most tiles of TILE rows one launch covers (the grid's y limit): the longest T.
+const MAX_TILES: usize = 65_535;
 
 macro_rules! module {
     ($elem:literal, $d:literal) => {
@@ -175,16 +175,19 @@ impl Problem {
         let int = |n: usize| {
             i32::try_from(n).map_err(|_| Error::shape(op, format!("{n} is too large a dim")))
         };
-        if s[0] * s[1] > MAX_PAIRS {
+        if s[2].div_ceil(TILE) > MAX_TILES {
             return Err(Error::shape(
                 op,
                 format!(
-                    "B · H = {} exceeds the {MAX_PAIRS} (batch, head) pairs the GPU kernel \
-                     launches at once; split the batch",
-                    s[0] * s[1]
+                    "T = {} exceeds the {} rows ({MAX_TILES} tiles of {TILE}) the GPU kernel \
+                     launches at once; use a shorter sequence or the unfused attention",
+                    s[2],
+                    MAX_TILES * TILE
                 ),
             ));
         }
+        // The (batch, head) pairs are the grid's x, indexed by an int in the kernels.
+        int(s[0] * s[1])?;
         Ok(Problem {
             b: int(s[0])?,
             h: int(s[1])?,
@@ -207,12 +210,13 @@ impl Problem {
 
     /// One CTA per 64 rows (queries or keys) of each (batch, head) pair, with the kernel's
     /// shared memory for head dim `d` and element type `dtype` on a GPU of architecture
-    /// `arch`.
+    /// `arch`. The pairs are the grid's x and the tiles its y, so CTAs are dealt tile by tile
+    /// across all pairs, the heaviest causal tiles first (attention_common.cuh).
     fn tiles(&self, kernel: Tiled, d: usize, dtype: DType, arch: &str) -> LaunchConfig {
         LaunchConfig {
             grid_dim: (
-                (self.t as usize).div_ceil(TILE) as u32,
                 (self.b * self.h) as u32,
+                (self.t as usize).div_ceil(TILE) as u32,
                 1,
             ),
             block_dim: (THREADS, 1, 1),
@@ -562,8 +566,8 @@ mod tests {
                 let cfg = p.tiles(kernel, d, dtype, arch);
                 assert_eq!(
                     cfg.grid_dim,
-                    (3, 6, 1),
-                    "130 rows in tiles of 64, 6 (b, h) pairs"
+                    (6, 3, 1),
+                    "6 (b, h) pairs, 130 rows in tiles of 64"
                 );
                 assert_eq!(cfg.block_dim, (THREADS, 1, 1));
                 let want = match dtype {
@@ -579,6 +583,42 @@ mod tests {
         for (kernel, ctas) in [(Tiled::Forward, 4), (Tiled::DkDv, 3), (Tiled::Dq, 4)] {
             assert!(ctas * wgmma_smem_bytes(kernel) <= 227 * 1024);
         }
+    }
+
+    /// Every tiled kernel takes its (batch, head) pair from the grid's x and its tile from
+    /// y (`tiles` launches them so), and a T of more tiles than y holds is refused, not
+    /// launched short.
+    #[test]
+    fn tiled_kernels_read_the_pair_from_x_and_the_tile_from_y() {
+        for (name, src, kernels) in [
+            ("attention.cu", include_str!("kernels/attention.cu"), 6),
+            (
+                "attention_f32.cu",
+                include_str!("kernels/attention_f32.cu"),
+                3,
+            ),
+        ] {
+            let pairs = "const int bh = pair_index(), b = bh / p.h, h = bh % p.h;";
+            assert_eq!(src.matches(pairs).count(), kernels, "{name}");
+            assert!(
+                !src.contains("blockIdx.y"),
+                "{name} reads the grid's y directly"
+            );
+        }
+        let common = include_str!("kernels/attention_common.cuh");
+        for def in [
+            "int pair_index() { return (int)blockIdx.x; }",
+            "return p.causal ? (int)(gridDim.y - 1 - blockIdx.y) : (int)blockIdx.y;",
+            "int key_tile_index() { return (int)blockIdx.y; }",
+        ] {
+            assert!(common.contains(def), "attention_common.cuh lacks `{def}`");
+        }
+        let q = |t: usize| Layout::contiguous(&[1, 2, t, 64]);
+        let problem = |t: usize| Problem::new("attention", &q(t), (0.125, true, None), &[]);
+        assert!(problem(MAX_TILES * TILE).is_ok());
+        let err = problem(MAX_TILES * TILE + 1).err().map(|e| e.to_string());
+        let err = err.expect("one row past the grid's tiles");
+        assert!(err.contains("exceeds") && err.contains("unfused"), "{err}");
     }
 
     /// The delta kernel's lanes per row, as attention.cu defines them: at every head dim the

@@ -6,7 +6,9 @@
 //! - `BiasGelu`: forward of a GPT MLP's first layer, gelu_tanh(x @ wᵀ + b) with the
 //!   pre-activation written beside it for backward (cuBLASLt's GELU_AUX_BIAS);
 //! - `Dgelu`: backward, the product that is the GELU's output gradient multiplied by
-//!   gelu'(pre) before it is stored (DGELU).
+//!   gelu'(pre) before it is stored (DGELU);
+//! - `Plain`: no epilogue, for single products that would otherwise go to cuBLAS's
+//!   `cublasGemmEx` with its default algorithm: here they get the timed choice below.
 //!
 //! The operand readings (transposes, leading dims) are cuda/matmul.rs's: the row-major (m, n)
 //! output is computed as its column-major transpose (n, m) = bᵀ aᵀ. So the forward's bias (n)
@@ -69,6 +71,8 @@ pub(super) enum Epilogue {
     BiasGelu(u64, u64),
     /// The product times gelu'(pre), pre (m, n) at the address.
     Dgelu(u64),
+    /// The product alone.
+    Plain,
 }
 
 impl Epilogue {
@@ -86,6 +90,7 @@ impl Epilogue {
                 "gemm+bias+gelu",
             ),
             Epilogue::Dgelu(aux) => (CUBLASLT_EPILOGUE_DGELU, None, Some(aux), "gemm+dgelu"),
+            Epilogue::Plain => (CUBLASLT_EPILOGUE_DEFAULT, None, None, "gemm (lt)"),
         }
     }
 }
@@ -197,6 +202,18 @@ fn set_desc<T>(d: &CudaDevice, desc: &Descriptors, attr: DescAttr, value: &T) ->
         )
     }
     .map_err(|e| d.err("cublasLtMatmulDescSetAttribute", e))
+}
+
+/// Whether single products with beta 0 go through cuBLASLt (`Epilogue::Plain`, the timed
+/// choice of algorithm) rather than cuBLAS's default one: on unless `FERROGRAD_GEMM_LT=0`
+/// (read once), which gives the cuBLAS path back for comparison.
+pub(super) fn plain_products() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| plain_products_from(std::env::var("FERROGRAD_GEMM_LT").ok().as_deref()))
+}
+
+fn plain_products_from(setting: Option<&str>) -> bool {
+    !matches!(setting, Some("0" | "off" | "false"))
 }
 
 /// cuBLASLt's names for the product's operand, output and compute types (the f32-scaled
@@ -401,7 +418,11 @@ fn choose(
     let chosen = tune::choice(&times);
     tune::store(d, &problem, chosen);
     if mode == tune::Mode::Report {
-        let plain = fastest_without_epilogue(d, handle, ds, epilogue, launch)?;
+        let plain = if epilogue.0 == cublasLtEpilogue_t::CUBLASLT_EPILOGUE_DEFAULT {
+            None
+        } else {
+            fastest_without_epilogue(d, handle, ds, epilogue, launch)?
+        };
         eprintln!("{}", tune::report_line(&label(), &times, chosen, plain));
     }
     Ok(Some(found[chosen]))
@@ -474,6 +495,15 @@ fn heuristic(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn plain_products_take_cublaslt_unless_turned_off() {
+        assert!(plain_products_from(None));
+        assert!(plain_products_from(Some("1")));
+        for off in ["0", "off", "false"] {
+            assert!(!plain_products_from(Some(off)), "{off}");
+        }
+    }
 
     /// The stored choices' file names a problem by PROBLEM_FIELDS numbers; a key that wrote
     /// another count would never be read back.

@@ -7,7 +7,9 @@
 //! gapped view) is first copied into a contiguous temporary.
 //!
 //! `matmul_acc` passes a beta to cuBLAS, so the product is added into the output in the
-//! same pass (out = a·b + beta·out).
+//! same pass (out = a·b + beta·out). A single product with beta 0 goes to cuBLASLt instead
+//! (cuda/gemm_lt.rs), whose algorithm is the fastest of its heuristic's candidates, timed once
+//! per problem, where cuBLAS takes its default one.
 //!
 //! f32 accumulates in f32 (TF32 tensor cores only when `allow_tf32()`), f64 in f64, f16 and
 //! bf16 in f32, stored in their dtype or, for an f32 output, as the f32 sums (cuBLAS's
@@ -65,6 +67,18 @@ pub(crate) fn matmul_acc(
             ));
         }
         return d.memset_zero(ptr(out)?, out.len() * out.dtype().size_in_bytes());
+    }
+    if beta == 0.0 && super::gemm_lt::plain_products() {
+        let m = Matmul {
+            spec: *spec,
+            a,
+            b,
+            out,
+            beta,
+        };
+        if single_lt(d, &m, Epilogue::Plain)? {
+            return Ok(());
+        }
     }
     ensure_workspace(d)?;
     let pa = Prepared::new(d, a)?;

@@ -501,7 +501,7 @@ __device__ __forceinline__ void attn_fwd_impl(const u16* qkv, Heads qv, Heads kv
     u16* const sq = smem + FWD_STAGE;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t4 = lane & 3;
-    const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
+    const int bh = pair_index(), b = bh / p.h, h = bh % p.h;
     const int q0 = tile_index(p) * BM;
     const int keys = p.causal ? min(p.t, q0 + BM) : p.t;
 
@@ -747,7 +747,7 @@ __device__ __forceinline__ void attn_fwd_wgmma_impl(const u16* qkv, Heads qv, He
     u16* const stages = sq + SW_TILE;  // 2 × (K tile, V tile)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t4 = lane & 3;
-    const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
+    const int bh = pair_index(), b = bh / p.h, h = bh % p.h;
     const int q0 = tile_index(p) * BM;
     const int keys = p.causal ? min(p.t, q0 + BM) : p.t;
 
@@ -945,8 +945,8 @@ __device__ __forceinline__ void attn_bwd_dkdv_impl(const u16* qkv, Heads qv, Hea
     float* const stats = (float*)(stages + 2 * DKDV_STAGE);  // 2 × (lse, delta)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t4 = lane & 3;
-    const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
-    const int k0 = blockIdx.x * BM;
+    const int bh = pair_index(), b = bh / p.h, h = bh % p.h;
+    const int k0 = key_tile_index() * BM;
     const int first = p.causal ? (k0 / BQ) * BQ : 0;
 
     load_rows_async<BM>(sk, qkv, kv, b, h, k0, p);
@@ -1050,8 +1050,8 @@ __device__ __forceinline__ void attn_bwd_dkdv_wgmma_impl(const u16* qkv, Heads q
     float* const stats = (float*)(stages + 4 * SW_TILE);  // 2 × (lse, delta)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t4 = lane & 3;
-    const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
-    const int k0 = blockIdx.x * BM;
+    const int bh = pair_index(), b = bh / p.h, h = bh % p.h;
+    const int k0 = key_tile_index() * BM;
     const int first = p.causal ? (k0 / BQ) * BQ : 0;
 
     load_tile_sw(sk, qkv, kv, b, h, k0, p);
@@ -1196,7 +1196,7 @@ __device__ __forceinline__ void attn_bwd_dq_impl(const u16* qkv, Heads qv, Heads
     u16* const stages = sdo + BM * LDS;  // 2 × (K tile, V tile)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t4 = lane & 3;
-    const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
+    const int bh = pair_index(), b = bh / p.h, h = bh % p.h;
     const int q0 = tile_index(p) * BM;
     const int keys = p.causal ? min(p.t, q0 + BM) : p.t;
 
@@ -1243,7 +1243,7 @@ __device__ __forceinline__ void attn_bwd_dq_wgmma_impl(const u16* qkv, Heads qv,
     u16* const stages = sdo + SW_TILE;  // 2 × (K tile, V tile)
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int g = lane >> 2, t4 = lane & 3;
-    const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
+    const int bh = pair_index(), b = bh / p.h, h = bh % p.h;
     const int q0 = tile_index(p) * BM;
     const int keys = p.causal ? min(p.t, q0 + BM) : p.t;
 

@@ -56,10 +56,20 @@ __device__ __forceinline__ i64 row_at(const Heads& v, int b, int h, i64 t) {
 
 __device__ __forceinline__ float neg_inf() { return __int_as_float(0xff800000); }
 
-// The query tile of this CTA: the heaviest (causal) tiles are scheduled first.
+// The grid is (B · H pairs, tiles of 64 rows). The block scheduler hands out CTAs in order
+// of their linear index, x fastest, so every pair's tile y is dealt before any pair's tile
+// y + 1. Causal tiles differ in work (a query tile's keys, a key tile's queries), and y runs
+// from the heaviest to the lightest: longest first, so the grid ends on short CTAs instead
+// of on a pair's heaviest one, which left most SMs idle while it finished.
+__device__ __forceinline__ int pair_index() { return (int)blockIdx.x; }
+
+// The query tile of this CTA: the last (most keys) first when causal.
 __device__ __forceinline__ int tile_index(const Problem& p) {
-    return p.causal ? (int)(gridDim.x - 1 - blockIdx.x) : (int)blockIdx.x;
+    return p.causal ? (int)(gridDim.y - 1 - blockIdx.y) : (int)blockIdx.y;
 }
+
+// The key tile of a dK/dV CTA: the first (most queries) first.
+__device__ __forceinline__ int key_tile_index() { return (int)blockIdx.y; }
 
 // The launch's dynamic shared memory, in bytes.
 __device__ __forceinline__ u32 dyn_smem_bytes() {

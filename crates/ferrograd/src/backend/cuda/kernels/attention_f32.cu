@@ -237,7 +237,7 @@ __device__ __forceinline__ void attn_fwd_impl(const float* qkv, Heads qv, Heads 
     float* const stages = sq + BM * LDF;  // two stages of a K tile and its V tile
     float* const sp = stages + 2 * FWD_STAGE;
     const Lane L;
-    const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
+    const int bh = pair_index(), b = bh / p.h, h = bh % p.h;
     const int q0 = tile_index(p) * BM;
     const int keys = p.causal ? min(p.t, q0 + BM) : p.t;
     load_rows<BM>(sq, qkv, qv, b, h, q0, p);
@@ -355,8 +355,8 @@ __device__ __forceinline__ void attn_bwd_dkdv_impl(const float* qkv, Heads qv, H
     float* const spt = sd + BN;        // (P ∘ M)ᵀ: 64 keys × BN queries
     float* const sdst = spt + BM * LDP;  // dSᵀ
     const Lane L;
-    const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
-    const int k0 = blockIdx.x * BM;
+    const int bh = pair_index(), b = bh / p.h, h = bh % p.h;
+    const int k0 = key_tile_index() * BM;
     const int first = p.causal ? (k0 / BN) * BN : 0;
     const float* const lse_row = lse + (i64)bh * p.t;
     const float* const delta_row = delta + (i64)bh * p.t;
@@ -452,7 +452,7 @@ __device__ __forceinline__ void attn_bwd_dq_impl(const float* qkv, Heads qv, Hea
     float* const sv = sk + BN * LDF;
     float* const sds = sv + BN * LDF;
     const Lane L;
-    const int bh = blockIdx.y, b = bh / p.h, h = bh % p.h;
+    const int bh = pair_index(), b = bh / p.h, h = bh % p.h;
     const int q0 = tile_index(p) * BM;
     const int keys = p.causal ? min(p.t, q0 + BM) : p.t;
     load_rows<BM>(sq, qkv, qv, b, h, q0, p);
