@@ -274,6 +274,7 @@ fn half_beside_f32_is_the_only_mix_allowed_on_every_device() {
                 gweight: None,
                 gbias: None,
                 gx_half: half.map(|h| &**h.storage()),
+                gx_half_sums: None,
             })
         };
         let backward = |x: &Tensor, gy: &Tensor, gx: &Tensor| with_half(x, gy, gx, None);

@@ -256,6 +256,33 @@ fn residual_add_and_layer_norm_in_one_kernel() {
     }
 }
 
+/// Under autocast, a residual branch that ends in a Linear (f32 parameters, bf16 output) gets
+/// its bias gradient from the norm's backward kernel, which sums the half gradient's columns
+/// as it writes them (a third row of partials beside the weight's and bias's); every gradient
+/// against the CPU, which reduces that gradient instead. 67 rows: partials of 17 blocks.
+#[test]
+fn a_linear_branch_takes_its_bias_gradient_from_the_norm_kernel() {
+    use ferrograd::amp::{AmpDType, autocast};
+    let n = 768;
+    let x = randn(&[67, n], 70);
+    let z = randn(&[67, 64], 71);
+    let wl = randn(&[n, 64], 72).mul_scalar(0.125).unwrap();
+    let bl = randn(&[n], 73);
+    let [w, b] = [randn(&[n], 74), randn(&[n], 75)];
+    compare(
+        "add + layer_norm of a Linear's bf16 output",
+        &[x, z, wl, bl, w, b],
+        (2e-2, 2e-2),
+        |t| {
+            let _amp = autocast(AmpDType::BF16);
+            let h = t[1].linear(&t[2], Some(&t[3]))?;
+            let (s, y) =
+                t[0].add_layer_norm_to(&h, &[n], Some(&t[4]), Some(&t[5]), 1e-5, DType::BF16)?;
+            s.add(&y.to_dtype(DType::F32)?)
+        },
+    );
+}
+
 /// Rows up to 1024 wide are held in a warp's registers (8, 16, 24 or 32 per lane); wider
 /// ones take a block per row. Each width at a slot boundary matches the CPU, as do rows that
 /// start one element past a vector's bytes: the warp kernels move groups of four elements as

@@ -355,3 +355,55 @@ fn a_frozen_half_branch_gets_no_half_gradient_written() {
     );
     assert_eq!(x.grad().unwrap().shape(), &[4, 3, N]);
 }
+
+/// Under autocast, a branch that ends in a Linear (f32 parameters, a bf16 output) gets its
+/// bias gradient from the norm's backward: the column sums of the half gradient the norm
+/// writes, handed to the Linear, which then sums nothing itself. Every gradient is the
+/// composition's, bit for bit.
+#[test]
+fn a_linear_branch_takes_its_bias_gradient_from_the_norm() {
+    use ferrograd::amp::{AmpDType, autocast};
+    let _one_at_a_time = lock();
+    const K: usize = 6;
+    let run = |step: Step| {
+        let mut g = Generator::new(41);
+        let mut leaf = |shape: &[usize]| {
+            randn(shape, DType::F32, &mut g)
+                .requires_grad_(true)
+                .unwrap()
+        };
+        let (x, z) = (leaf(&[4, 3, N]), leaf(&[4, 3, K]));
+        let (wl, bl) = (leaf(&[N, K]), leaf(&[N]));
+        let (w, b) = (leaf(&[N]), leaf(&[N]));
+        let c = randn(&[4, 3, N], DType::F32, &mut g);
+        let loss = {
+            let _amp = autocast(AmpDType::BF16);
+            let h = z.linear(&wl, Some(&bl)).unwrap();
+            assert_eq!(h.dtype(), DType::BF16);
+            let (s, y) = step(&x, &h, &w, &b, DType::BF16).unwrap();
+            let y = y.to_dtype(DType::F32).unwrap().sum_all().unwrap();
+            y.add(&s.mul(&c).unwrap().sum_all().unwrap()).unwrap()
+        };
+        let events = ops_allocating(|| loss.backward().unwrap());
+        let grads = [&x, &z, &wl, &bl, &w, &b].map(|t| bits(&t.grad().expect("a gradient")));
+        (grads, events)
+    };
+    let (want, composed_events) = run(composed);
+    let (got, fused_events) = run(fused);
+    for (i, name) in ["x", "z", "wl", "bl", "w", "b"].iter().enumerate() {
+        assert_eq!(want[i], got[i], "{name}.grad");
+    }
+    let bias_grad = ("linear_backward", (N * 4) as u64);
+    assert!(
+        composed_events.contains(&bias_grad),
+        "the composition's Linear sums its bias gradient: {composed_events:?}"
+    );
+    assert!(
+        !fused_events.contains(&bias_grad),
+        "the Linear took the norm's sums: {fused_events:?}"
+    );
+    assert!(
+        fused_events.contains(&("layer_norm_backward", (N * 4) as u64)),
+        "the norm's column sums: {fused_events:?}"
+    );
+}

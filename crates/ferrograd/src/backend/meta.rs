@@ -289,6 +289,11 @@ impl RowKernels for MetaBackend {
             .transpose()?;
         Ok(())
     }
+    /// A GPU's warp kernels sum the half gradient's columns in their pass (no reduction and
+    /// its scratch afterwards); mirrored while a plan for one runs.
+    fn layer_norm_backward_sums_half(&self, a: &LayerNormBackward) -> bool {
+        planning_target() == Some(MetaTarget::Cuda) && super::cuda::layer_norm_sums_half(a)
+    }
 }
 
 impl AttentionKernels for MetaBackend {

@@ -62,6 +62,9 @@ pub struct Residual<'a> {
 /// half dtype beside f32 rows, gx is also written there rounded as a cast rounds it (the
 /// gradient of the half branch whose f32 sum these rows are), in the same pass where the
 /// device can (`RowKernels::layer_norm_backward_writes_half`), else converted after it.
+/// With `gx_half_sums` (N) of x's dtype beside `gx_half`, the column sums Σ_R gx_half are
+/// written there (the half branch's Linear's bias gradient): in the same pass where the device
+/// can (`RowKernels::layer_norm_backward_sums_half`), else by a reduction of gx_half after it.
 pub struct LayerNormBackward<'a> {
     pub x: View<'a>,
     pub weight: Option<View<'a>>,
@@ -73,6 +76,7 @@ pub struct LayerNormBackward<'a> {
     pub gweight: Option<&'a Storage>,
     pub gbias: Option<&'a Storage>,
     pub gx_half: Option<&'a Storage>,
+    pub gx_half_sums: Option<&'a Storage>,
 }
 
 /// The row kernels of one device. Arguments arrive validated (entry functions below).
@@ -84,6 +88,11 @@ pub trait RowKernels {
     /// Whether `layer_norm_backward` writes `gx_half` itself for these arguments; where it
     /// does not, the entry function converts gx into it afterwards.
     fn layer_norm_backward_writes_half(&self, _a: &LayerNormBackward) -> bool {
+        false
+    }
+    /// Whether `layer_norm_backward` writes `gx_half_sums` itself for these arguments; where
+    /// it does not, the entry function reduces gx_half into it afterwards.
+    fn layer_norm_backward_sums_half(&self, _a: &LayerNormBackward) -> bool {
         false
     }
 }
@@ -195,16 +204,37 @@ pub fn layer_norm_backward(a: &LayerNormBackward) -> Result<()> {
         check::on_device(OP, device, [h])?;
         check::out(OP, h, rows * n, gy_dtype)?;
     }
+    if let Some(sums) = a.gx_half_sums {
+        if a.gx_half.is_none() {
+            return Err(Error::invalid(
+                OP,
+                "gx_half_sums are the sums of gx_half: pass both",
+            ));
+        }
+        check::on_device(OP, device, [sums])?;
+        check::out(OP, sums, n, dtype)?;
+    }
     let kernels = backend(device)?;
     kernels.layer_norm_backward(a)?;
-    match a.gx_half {
-        Some(h) if !kernels.layer_norm_backward_writes_half(a) => {
-            let all = Layout::contiguous(&[rows * n]);
-            let view = |storage| View {
-                storage,
-                layout: &all,
+    let Some(h) = a.gx_half else {
+        return Ok(());
+    };
+    if !kernels.layer_norm_backward_writes_half(a) {
+        let all = Layout::contiguous(&[rows * n]);
+        let view = |storage| View {
+            storage,
+            layout: &all,
+        };
+        super::elementwise::copy(view(a.gx), view(h))?;
+    }
+    match a.gx_half_sums {
+        Some(sums) if !kernels.layer_norm_backward_sums_half(a) => {
+            let matrix = Layout::contiguous(&[rows, n]);
+            let half = View {
+                storage: h,
+                layout: &matrix,
             };
-            super::elementwise::copy(view(a.gx), view(h))
+            super::reduce::reduce(super::ReduceOp::Sum, half, &[0], sums)
         }
         _ => Ok(()),
     }

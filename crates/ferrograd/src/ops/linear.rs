@@ -155,7 +155,8 @@ impl GradDTypes {
 /// A linear layer's gradients outside create_graph, in its inputs' order [dx, dw, db (when
 /// `n` has a third entry)], each only where `n` asks: dx (rows, in) = g2 @ w from g2 (rows,
 /// out) and w (out, in); dw = g2ᵀ·x2 from x2 (rows, in), offered first to `leaf`'s gradient
-/// sink; db = Σ_rows g2, from dw's GEMM where the backend fuses it. dw and db in `dtypes`.
+/// sink; db = Σ_rows g2, as the op that wrote g2 summed it (`column_sums`), else from dw's
+/// GEMM where the backend fuses it, else a reduction. dw and db in `dtypes`.
 /// dx is computed before dw.
 pub(super) fn kernel_grads(
     g2: &Tensor,
@@ -170,6 +171,15 @@ pub(super) fn kernel_grads(
         _ => None,
     };
     let wants_bias = n.len() == 3 && n[2];
+    // Summed already by the op that wrote g2 (a layer norm's backward), or dropped here.
+    let offered = super::column_sums::take(g2, dtypes.bias).filter(|_| wants_bias);
+    if offered.is_some() {
+        let gw = match (x2, n[1]) {
+            (Some(x2), true) => weight_and_bias_grads(leaf, g2, x2, false, dtypes)?.0,
+            _ => None,
+        };
+        return Ok(vec![gx, gw, offered]);
+    }
     let (gw, gb) = match (x2, n[1]) {
         (Some(x2), true) => weight_and_bias_grads(leaf, g2, x2, wants_bias, dtypes)?,
         _ => (None, None),

@@ -6,6 +6,7 @@ mod aligned_gemm;
 mod attention;
 pub(crate) mod autocast;
 mod binary;
+mod column_sums;
 mod cross_entropy;
 mod dropout;
 mod embedding;

@@ -150,9 +150,13 @@ impl Tensor {
                 } else {
                     record_add_sub(self, branch, s, false, "add")
                 };
-                // The norm's backward writes the branch's half gradient only if it has one.
+                // The norm's backward writes the branch's half gradient only if it has one,
+                // and its column sums where a Linear's bias gradient will want them.
                 let half =
-                    (mixed && crate::autograd::should_record(&[branch])).then(|| branch.dtype());
+                    (mixed && crate::autograd::should_record(&[branch])).then(|| HalfBranch {
+                        dtype: branch.dtype(),
+                        sums: ends_in_linear(branch),
+                    });
                 (input, sum, half)
             }
             None => (self.clone(), x, None),
@@ -185,9 +189,26 @@ struct Saved {
     bias: bool,
     x_shape: Vec<usize>,
     param_shape: Vec<usize>,
-    /// The dtype of the half branch whose f32 sum x is (`add_layer_norm_to`'s fused add):
-    /// gx is also written in it, for that add's backward (`half_grad`).
-    half_branch: Option<DType>,
+    /// The half branch whose f32 sum x is (`add_layer_norm_to`'s fused add): gx is also
+    /// written in its dtype, for that add's backward (`half_grad`).
+    half_branch: Option<HalfBranch>,
+}
+
+#[derive(Clone, Copy)]
+struct HalfBranch {
+    dtype: DType,
+    /// The branch ends in a Linear (or the MLP op), whose bias gradient is the column sums
+    /// of the branch's gradient: the backward sums them as it writes that gradient
+    /// (`column_sums`).
+    sums: bool,
+}
+
+/// Whether `branch` is the output of a linear layer (attention's projection, the MLP), whose
+/// backward may take its bias gradient from `column_sums`.
+fn ends_in_linear(branch: &Tensor) -> bool {
+    branch
+        .grad_fn()
+        .is_some_and(|node| matches!(node.name(), "linear" | "mlp_gelu"))
 }
 
 impl Saved {
@@ -225,9 +246,13 @@ impl Saved {
         let gb = self.bias.then(|| grad(&[n])).transpose()?;
         // Under create_graph the add's backward casts a recorded gradient instead.
         let half = match self.half_branch {
-            Some(dt) if needs[0] && !crate::autograd::is_grad_enabled() => Some(
-                Tensor::output_uninit(x.shape(), dt, x.device(), "layer_norm_backward")?,
+            Some(b) if needs[0] && !crate::autograd::is_grad_enabled() => Some(
+                Tensor::output_uninit(x.shape(), b.dtype, x.device(), "layer_norm_backward")?,
             ),
+            _ => None,
+        };
+        let half_sums = match self.half_branch {
+            Some(b) if b.sums && half.is_some() => Some(grad(&[n])?),
             _ => None,
         };
         rows::layer_norm_backward(&LayerNormBackward {
@@ -241,10 +266,11 @@ impl Saved {
             gweight: gw.as_ref().map(|t| &**t.storage()),
             gbias: gb.as_ref().map(|t| &**t.storage()),
             gx_half: half.as_ref().map(|t| &**t.storage()),
+            gx_half_sums: half_sums.as_ref().map(|t| &**t.storage()),
         })?;
         let gx = gx.reshape(&self.x_shape)?;
         if let Some(half) = half {
-            half_grad::offer(&gx, half.reshape(&self.x_shape)?);
+            half_grad::offer(&gx, half.reshape(&self.x_shape)?, half_sums);
         }
         let params = [gw, gb]
             .into_iter()
@@ -318,24 +344,28 @@ mod half_grad {
         of: Weak<Storage>,
         version: u64,
         half: Tensor,
+        /// The half gradient's column sums, where the norm summed them.
+        sums: Option<Tensor>,
     }
 
     thread_local! {
         static OFFER: RefCell<Option<Offer>> = const { RefCell::new(None) };
     }
 
-    /// Offers `half`, gx rounded, for the add whose output's gradient is gx.
-    pub(super) fn offer(gx: &Tensor, half: Tensor) {
+    /// Offers `half`, gx rounded, for the add whose output's gradient is gx, with its column
+    /// sums where they were summed (passed on to the branch's Linear by `column_sums`).
+    pub(super) fn offer(gx: &Tensor, half: Tensor, sums: Option<Tensor>) {
         let offer = Offer {
             of: Arc::downgrade(gx.storage()),
             version: gx.storage().version(),
             half,
+            sums,
         };
         OFFER.with(|o| *o.borrow_mut() = Some(offer));
     }
 
     /// The offer (dropping it either way) when it is g's rounding to `dtype`.
-    fn take(g: &Tensor, dtype: crate::tensor::DType) -> Option<Tensor> {
+    fn take(g: &Tensor, dtype: crate::tensor::DType) -> Option<Offer> {
         let offer = OFFER.with(|o| o.borrow_mut().take())?;
         let same = offer
             .of
@@ -346,7 +376,7 @@ mod half_grad {
             && g.layout().offset() == 0
             && offer.half.shape() == g.shape()
             && offer.half.dtype() == dtype;
-        same.then_some(offer.half)
+        same.then_some(offer)
     }
 
     /// s = x + h recorded as `add` (s already computed): backward (g, g rounded to h's dtype).
@@ -357,7 +387,12 @@ mod half_grad {
                 let offered = take(g, h_dtype);
                 let gh = match (n[1], offered) {
                     (false, _) => None,
-                    (true, Some(half)) => Some(half),
+                    (true, Some(Offer { half, sums, .. })) => {
+                        if let Some(sums) = sums {
+                            super::super::column_sums::offer(&half, sums);
+                        }
+                        Some(half)
+                    }
                     (true, None) => Some(g.to_dtype(h_dtype)?),
                 };
                 let gx = n[0].then(|| g.to_dtype(x_dtype)).transpose()?;

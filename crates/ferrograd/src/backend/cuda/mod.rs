@@ -41,6 +41,7 @@ pub(crate) use matmul::{
 };
 pub(crate) use reduce::scratch_bytes as reduce_scratch_bytes;
 pub(crate) use rows::param_scratch_bytes as layer_norm_param_scratch_bytes;
+pub(crate) use rows::sums_half as layer_norm_sums_half;
 
 use super::{Backend, BackendData, HostValues, Storage, View};
 use crate::base::{DType, Device};

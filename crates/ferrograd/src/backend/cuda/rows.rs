@@ -56,6 +56,9 @@ impl RowKernels for CudaDevice {
     fn layer_norm_backward_writes_half(&self, a: &LayerNormBackward) -> bool {
         warp_slots(a.x.storage.dtype(), rows_cols(a.x.layout).1).is_some()
     }
+    fn layer_norm_backward_sums_half(&self, a: &LayerNormBackward) -> bool {
+        sums_half(a)
+    }
 }
 
 /// The address of an optional operand; 0 (a null pointer) when absent.
@@ -249,6 +252,10 @@ fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
         gy,
         gw: a.gweight.map(ptr).transpose()?.unwrap_or(0),
         gb: a.gbias.map(ptr).transpose()?.unwrap_or(0),
+        gh: match a.gx_half_sums {
+            Some(h) if sums_half(a) => ptr(h)?,
+            _ => 0,
+        },
         kind: float_code(OP, dtype)?,
     };
     if rows == 0 {
@@ -289,10 +296,11 @@ fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
     let g = a.gy.storage.dtype();
     let per_sm = bwd_blocks_per_sm(a);
     let blocks = fused_param_blocks(rows, per_sm);
+    let sum_rows = 2 + u32::from(grads.gh != 0);
     if part.is_some() {
         cfg.grid_dim.0 = blocks as u32;
-        // Two f32 rows of n per warp: at most 32 KiB, for rows of 1024.
-        cfg.shared_mem_bytes = (LN_WARP_BLOCK / 32) * 2 * n as u32 * 4;
+        // Two or three f32 rows of n per warp: at most 48 KiB, for rows of 1024.
+        cfg.shared_mem_bytes = (LN_WARP_BLOCK / 32) * sum_rows * n as u32 * 4;
     }
     let kernel = match half {
         Some(h) => {
@@ -308,6 +316,9 @@ fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
         (g, &[gy, half.unwrap_or(0)][..]),
     ];
     args.push(groups_move_as_vectors(n, &aligned));
+    if half.is_some() {
+        args.push(Arg::I32(i32::from(grads.gh != 0)));
+    }
     launch(d, module, &kernel, cfg, &args)?;
     match part {
         Some(part) => params_finish(d, module, part.addr(), blocks, n, &grads),
@@ -315,12 +326,14 @@ fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
     }
 }
 
-/// Inputs and outputs of the weight/bias gradient reduction (addresses; 0 = absent output).
+/// Inputs and outputs of the weight/bias gradient reduction (addresses; 0 = absent output),
+/// and the half gradient's column sums where the warp kernel adds them up too.
 struct ParamGrads {
     x: u64,
     gy: u64,
     gw: u64,
     gb: u64,
+    gh: u64,
     kind: i32,
 }
 
@@ -337,12 +350,29 @@ fn param_chunks(rows: usize, n: usize) -> (usize, usize) {
 /// the warp kernels, else one per chunk of the separate column sums.
 pub(crate) fn param_scratch_bytes(a: &LayerNormBackward) -> Option<usize> {
     let (rows, n) = rows_cols(a.x.layout);
-    let wanted = (a.gweight.is_some() || a.gbias.is_some()) && rows > 0 && n > 0;
+    let wanted = params_wanted(a) && rows > 0 && n > 0;
     let partials = match warp_slots(a.x.storage.dtype(), n) {
         Some(_) => fused_param_blocks(rows, bwd_blocks_per_sm(a)),
         None => param_chunks(rows, n).1,
     };
-    wanted.then(|| 2 * partials * n * 8)
+    let vectors = 2 + usize::from(sums_half(a));
+    wanted.then(|| vectors * partials * n * 8)
+}
+
+fn params_wanted(a: &LayerNormBackward) -> bool {
+    a.gweight.is_some() || a.gbias.is_some()
+}
+
+/// Whether the warp kernel sums the half gradient's columns (`gx_half_sums`) beside the
+/// parameter gradients' (a third row of partials): where it writes that gradient and sums
+/// the parameters'. Elsewhere the entry function reduces the half gradient afterwards.
+pub(crate) fn sums_half(a: &LayerNormBackward) -> bool {
+    let (rows, n) = rows_cols(a.x.layout);
+    a.gx_half.is_some()
+        && a.gx_half_sums.is_some()
+        && params_wanted(a)
+        && rows > 0
+        && warp_slots(a.x.storage.dtype(), n).is_some()
 }
 
 /// gweight = Σ_r gy x̂ and gbias = Σ_r gy per column, in two deterministic stages: each chunk
@@ -394,6 +424,7 @@ fn params_finish(
         i64_of(n),
         Arg::Ptr(p.gw),
         Arg::Ptr(p.gb),
+        Arg::Ptr(p.gh),
         Arg::I32(p.kind),
     ];
     // 32 columns per block, 32 lanes of chunks per column (kernels/rows.cu).

@@ -312,18 +312,23 @@ __device__ void layer_norm_fwd_warp(const T* x, const Y* res, T* sum, const T* w
 // layer_norm_params_finish adds up, one chunk per block. The grid depends on the shape alone,
 // so the partition, and the sums, are reproducible.
 // With `gxh` (else null) gx is also written rounded to Y, as a cast kernel rounds it: the
-// gradient of a half residual branch whose f32 sum these rows are, with no cast launch.
+// gradient of a half residual branch whose f32 sum these rows are, with no cast launch. With
+// `half_sums` too (and `part`), a third row of partials sums gxh's columns as written (the
+// branch's Linear's bias gradient, Σ_rows gxh), at part[2 · blocks + block][j].
 template <typename T, typename Y, int PER, bool HALF_TOO>
 __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, const void* rstd,
                                     int sk, const Y* gy, const T* prior, T* gx, Y* gxh, i64 rows,
-                                    i64 n, double* part, int vec) {
+                                    i64 n, double* part, int vec, int half_sums) {
     constexpr int G = PER / 4;
     const int lane = threadIdx.x & 31;
+    const bool sum_half = HALF_TOO && part && half_sums;
+    // Rows of n floats per warp: Σ gy x̂, Σ gy, and Σ gxh when summed.
+    const int sum_rows = sum_half ? 3 : 2;
     // 16-byte aligned: add_group moves a lane's four sums as one vector.
     extern __shared__ __align__(16) float ln_sums[];
-    float* const sums = ln_sums + (threadIdx.x >> 5) * 2 * n;  // this warp's Σ gy x̂, Σ gy
+    float* const sums = ln_sums + (threadIdx.x >> 5) * sum_rows * n;  // this warp's rows
     if (part) {
-        for (i64 j = lane; j < 2 * n; j += 32) sums[j] = 0.f;
+        for (i64 j = lane; j < sum_rows * n; j += 32) sums[j] = 0.f;
         __syncwarp();
     }
     for (i64 r = warp_row(); r < rows; r += warp_rows()) {
@@ -381,6 +386,12 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
 #pragma unroll
                 for (int k = 0; k < 4; ++k) half[k] = f32_as<Y>(to_f(out[k]));
                 store_group(gxh + r * n, at, n, vec, half);
+                if (sum_half) {
+                    float hk[4];
+#pragma unroll
+                    for (int k = 0; k < 4; ++k) hk[k] = to_f(half[k]);
+                    add_group(sums + 2 * n, at, n, vec, hk);
+                }
             }
             if (part) {
                 add_group(sums, at, n, vec, gxn);
@@ -392,13 +403,16 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
         __syncthreads();
         const int warps = blockDim.x >> 5;
         for (i64 j = threadIdx.x; j < n; j += blockDim.x) {
-            double a = 0.0, b = 0.0;
+            double a = 0.0, b = 0.0, c = 0.0;
             for (int v = 0; v < warps; ++v) {
-                a += (double)ln_sums[v * 2 * n + j];
-                b += (double)ln_sums[v * 2 * n + n + j];
+                const float* rows_v = ln_sums + v * sum_rows * n;
+                a += (double)rows_v[j];
+                b += (double)rows_v[n + j];
+                if (sum_half) c += (double)rows_v[2 * n + j];
             }
             part[(i64)blockIdx.x * n + j] = a;
             part[((i64)gridDim.x + blockIdx.x) * n + j] = b;
+            if (sum_half) part[(2 * (i64)gridDim.x + blockIdx.x) * n + j] = c;
         }
     }
 }
@@ -432,14 +446,15 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
                                        const void* rstd, int sk, const Y* gy, const T* prior,      \
                                        T* gx, i64 rows, i64 n, double* part, int vec) {            \
         layer_norm_bwd_warp<T, Y, PER, false>(x, w, mean, rstd, sk, gy, prior, gx, nullptr, rows,  \
-                                              n, part, vec);                                       \
+                                              n, part, vec, 0);                                    \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(LN_WARP_BLOCK, LN_HALF_TOO_MIN(BWD_MIN))                   \
         layer_norm_bwd_warp##PER##_##S##_half_too(const T* x, const T* w, const void* mean,        \
                                        const void* rstd, int sk, const Y* gy, const T* prior,      \
-                                       T* gx, Y* gxh, i64 rows, i64 n, double* part, int vec) {    \
+                                       T* gx, Y* gxh, i64 rows, i64 n, double* part, int vec,      \
+                                       int half_sums) {                                            \
         layer_norm_bwd_warp<T, Y, PER, true>(x, w, mean, rstd, sk, gy, prior, gx, gxh, rows, n,    \
-                                             part, vec);                                           \
+                                             part, vec, half_sums);                                \
     }
 // BWD24: blocks per SM the backward at rows of 513 to 768 is held to (cuda/rows.rs sizes its
 // grid from it: ln_bwd_blocks_per_sm).
@@ -470,35 +485,42 @@ __device__ void layer_norm_params(const T* x, const Y* gy, const void* mean, con
     part[(chunks + c) * n + j] = gb;
 }
 
-// Stage 2: column j adds its chunk partials; gw / gb (kind ok) may be null. A block of
+// Stage 2: column j adds its chunk partials; gw / gb / gh (kind ok) may be null (gh, the
+// sums of the half gradient, has a third row of partials only when given). A block of
 // 32 x 32 threads takes 32 columns: lane ty sums chunks ty, ty + 32, ... of column tx (the
 // reads of a warp are 32 adjacent columns), then lane 0 adds the 32 lane sums in lane
 // order. A fixed partition, so the sums are reproducible; and 32 times the parallelism of
 // one thread per column, which left the GPU waiting on one long chain of loads per column.
 extern "C" __global__ void __launch_bounds__(1024)
-    layer_norm_params_finish(const double* part, i64 chunks, i64 n, void* gw, void* gb, int ok) {
+    layer_norm_params_finish(const double* part, i64 chunks, i64 n, void* gw, void* gb, void* gh,
+                             int ok) {
     __shared__ double sa[32][33];
     __shared__ double sb[32][33];
+    __shared__ double sc[32][33];
     const int tx = threadIdx.x, ty = threadIdx.y;
     const i64 j = (i64)blockIdx.x * 32 + tx;
-    double a = 0.0, b = 0.0;
+    double a = 0.0, b = 0.0, h = 0.0;
     if (j < n) {
         for (i64 c = ty; c < chunks; c += 32) {
             a += part[c * n + j];
             b += part[(chunks + c) * n + j];
+            if (gh) h += part[(2 * chunks + c) * n + j];
         }
     }
     sa[ty][tx] = a;
     sb[ty][tx] = b;
+    sc[ty][tx] = h;
     __syncthreads();
     if (ty == 0 && j < n) {
-        double ta = 0.0, tb = 0.0;
+        double ta = 0.0, tb = 0.0, th = 0.0;
         for (int l = 0; l < 32; ++l) {
             ta += sa[l][tx];
             tb += sb[l][tx];
+            th += sc[l][tx];
         }
         if (gw) store_f64(gw, ok, j, ta);
         if (gb) store_f64(gb, ok, j, tb);
+        if (gh) store_f64(gh, ok, j, th);
     }
 }
 

@@ -1,0 +1,103 @@
+//! Column sums of a gradient, handed from the op that wrote the gradient to the op that
+//! needs them. A pre-norm block's residual branch ends in a biased Linear (attention's and the
+//! MLP's projections); that Linear's bias gradient is Σ_rows of the gradient its output gets,
+//! which the next layer norm's backward writes (f32 rows, half branch). The norm's kernel sums
+//! the columns of that gradient as it writes it and offers the sums here; the Linear's
+//! backward takes them instead of reading the (rows, out) gradient again in a reduction.
+//!
+//! An offer is taken only for the very buffer it was made for, unchanged (the same storage at
+//! the same version, read whole from its start) and in the dtype asked for; anything else
+//! sums afresh. One offer is held at a time, on the thread that runs the backward; the next
+//! offer or take drops it, so it never outlives the backward that made it by more than one
+//! op's time.
+
+use std::cell::RefCell;
+use std::sync::{Arc, Weak};
+
+use crate::backend::Storage;
+use crate::tensor::{DType, Tensor};
+
+struct Offer {
+    /// The gradient's storage (not kept alive by the offer), its version and element count.
+    of: Weak<Storage>,
+    version: u64,
+    numel: usize,
+    /// Σ_rows of the gradient: one value per column.
+    sums: Tensor,
+}
+
+thread_local! {
+    static OFFER: RefCell<Option<Offer>> = const { RefCell::new(None) };
+}
+
+/// Offers `sums`, the column sums of `grad` (contiguous (rows, n) from its storage's start).
+pub(super) fn offer(grad: &Tensor, sums: Tensor) {
+    let offer = Offer {
+        of: Arc::downgrade(grad.storage()),
+        version: grad.storage().version(),
+        numel: grad.numel(),
+        sums,
+    };
+    OFFER.with(|o| *o.borrow_mut() = Some(offer));
+}
+
+/// The offer (dropped either way) when it holds the column sums of g2 (rows, n) in `dtype`.
+pub(super) fn take(g2: &Tensor, dtype: DType) -> Option<Tensor> {
+    let offer = OFFER.with(|o| o.borrow_mut().take())?;
+    let n = *g2.shape().last()?;
+    let same = offer
+        .of
+        .upgrade()
+        .is_some_and(|s| Arc::ptr_eq(&s, g2.storage()))
+        && g2.storage().version() == offer.version
+        && g2.layout().is_contiguous()
+        && g2.layout().offset() == 0
+        && g2.numel() == offer.numel
+        && offer.sums.shape() == [n]
+        && offer.sums.dtype() == dtype;
+    same.then_some(offer.sums)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::base::Device;
+
+    fn grad() -> Tensor {
+        Tensor::from_vec(vec![1f32, 2., 3., 4., 5., 6.], &[2, 3], Device::Cpu).unwrap()
+    }
+
+    fn sums() -> Tensor {
+        Tensor::from_vec(vec![5f32, 7., 9.], &[3], Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn an_offer_is_taken_once_for_its_own_buffer() {
+        let g = grad();
+        offer(&g, sums());
+        let got = take(&g.reshape(&[2, 3]).unwrap(), DType::F32).expect("the same buffer");
+        assert_eq!(got.to_vec::<f32>().unwrap(), [5., 7., 9.]);
+        assert!(take(&g, DType::F32).is_none(), "taken once");
+    }
+
+    #[test]
+    fn another_buffer_a_changed_one_a_part_or_another_dtype_takes_nothing() {
+        let g = grad();
+        offer(&g, sums());
+        assert!(take(&grad(), DType::F32).is_none(), "another buffer");
+        offer(&g, sums());
+        assert!(take(&g, DType::F64).is_none(), "another dtype");
+        offer(&g, sums());
+        g.mul_scalar_(2.0).unwrap();
+        assert!(take(&g, DType::F32).is_none(), "changed in place");
+        let g = grad();
+        offer(&g, sums());
+        let first_row = g.narrow(0, 0, 1).unwrap();
+        assert!(take(&first_row, DType::F32).is_none(), "a part of it");
+        offer(&g, sums());
+        assert!(
+            take(&g.reshape(&[3, 2]).unwrap(), DType::F32).is_none(),
+            "other columns"
+        );
+    }
+}
