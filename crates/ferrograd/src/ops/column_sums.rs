@@ -17,11 +17,37 @@ use std::sync::{Arc, Weak};
 use crate::backend::Storage;
 use crate::tensor::{DType, Tensor};
 
-struct Offer {
-    /// The gradient's storage (not kept alive by the offer), its version and element count.
+/// A gradient buffer as it was when something was computed from it: its storage (not kept
+/// alive), that storage's version and the element count read from its start. A tensor is
+/// that buffer while it is the same storage, unchanged, read whole and contiguously.
+pub(super) struct BufferId {
     of: Weak<Storage>,
     version: u64,
     numel: usize,
+}
+
+impl BufferId {
+    pub(super) fn of(t: &Tensor) -> BufferId {
+        BufferId {
+            of: Arc::downgrade(t.storage()),
+            version: t.storage().version(),
+            numel: t.numel(),
+        }
+    }
+
+    pub(super) fn is(&self, t: &Tensor) -> bool {
+        self.of
+            .upgrade()
+            .is_some_and(|s| Arc::ptr_eq(&s, t.storage()))
+            && t.storage().version() == self.version
+            && t.layout().is_contiguous()
+            && t.layout().offset() == 0
+            && t.numel() == self.numel
+    }
+}
+
+struct Offer {
+    of: BufferId,
     /// Σ_rows of the gradient: one value per column.
     sums: Tensor,
 }
@@ -33,9 +59,7 @@ thread_local! {
 /// Offers `sums`, the column sums of `grad` (contiguous (rows, n) from its storage's start).
 pub(super) fn offer(grad: &Tensor, sums: Tensor) {
     let offer = Offer {
-        of: Arc::downgrade(grad.storage()),
-        version: grad.storage().version(),
-        numel: grad.numel(),
+        of: BufferId::of(grad),
         sums,
     };
     OFFER.with(|o| *o.borrow_mut() = Some(offer));
@@ -45,16 +69,7 @@ pub(super) fn offer(grad: &Tensor, sums: Tensor) {
 pub(super) fn take(g2: &Tensor, dtype: DType) -> Option<Tensor> {
     let offer = OFFER.with(|o| o.borrow_mut().take())?;
     let n = *g2.shape().last()?;
-    let same = offer
-        .of
-        .upgrade()
-        .is_some_and(|s| Arc::ptr_eq(&s, g2.storage()))
-        && g2.storage().version() == offer.version
-        && g2.layout().is_contiguous()
-        && g2.layout().offset() == 0
-        && g2.numel() == offer.numel
-        && offer.sums.shape() == [n]
-        && offer.sums.dtype() == dtype;
+    let same = offer.of.is(g2) && offer.sums.shape() == [n] && offer.sums.dtype() == dtype;
     same.then_some(offer.sums)
 }
 

@@ -331,18 +331,15 @@ fn check_args(
 /// time, on the thread that runs the backward; one that no add takes (a backward stopped by
 /// an error between the two) is dropped by the next offer or take.
 mod half_grad {
-    use std::cell::RefCell;
-    use std::sync::{Arc, Weak};
-
+    use super::super::column_sums::{self, BufferId};
     use crate::autograd::record;
-    use crate::backend::Storage;
     use crate::base::Result;
     use crate::tensor::Tensor;
+    use std::cell::RefCell;
 
     struct Offer {
-        /// gx's storage (not kept alive by the offer) and its version when offered.
-        of: Weak<Storage>,
-        version: u64,
+        /// gx when offered.
+        of: BufferId,
         half: Tensor,
         /// The half gradient's column sums, where the norm summed them.
         sums: Option<Tensor>,
@@ -356,8 +353,7 @@ mod half_grad {
     /// sums where they were summed (passed on to the branch's Linear by `column_sums`).
     pub(super) fn offer(gx: &Tensor, half: Tensor, sums: Option<Tensor>) {
         let offer = Offer {
-            of: Arc::downgrade(gx.storage()),
-            version: gx.storage().version(),
+            of: BufferId::of(gx),
             half,
             sums,
         };
@@ -367,15 +363,7 @@ mod half_grad {
     /// The offer (dropping it either way) when it is g's rounding to `dtype`.
     fn take(g: &Tensor, dtype: crate::tensor::DType) -> Option<Offer> {
         let offer = OFFER.with(|o| o.borrow_mut().take())?;
-        let same = offer
-            .of
-            .upgrade()
-            .is_some_and(|s| Arc::ptr_eq(&s, g.storage()))
-            && g.storage().version() == offer.version
-            && g.layout().is_contiguous()
-            && g.layout().offset() == 0
-            && offer.half.shape() == g.shape()
-            && offer.half.dtype() == dtype;
+        let same = offer.of.is(g) && offer.half.shape() == g.shape() && offer.half.dtype() == dtype;
         same.then_some(offer)
     }
 
@@ -389,7 +377,7 @@ mod half_grad {
                     (false, _) => None,
                     (true, Some(Offer { half, sums, .. })) => {
                         if let Some(sums) = sums {
-                            super::super::column_sums::offer(&half, sums);
+                            column_sums::offer(&half, sums);
                         }
                         Some(half)
                     }
