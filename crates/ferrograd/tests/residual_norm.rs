@@ -359,13 +359,13 @@ fn a_frozen_half_branch_gets_no_half_gradient_written() {
 /// Under autocast, a branch that ends in a Linear (f32 parameters, a bf16 output) gets its
 /// bias gradient from the norm's backward: the column sums of the half gradient the norm
 /// writes, handed to the Linear, which then sums nothing itself. Every gradient is the
-/// composition's, bit for bit.
+/// composition's, bit for bit. A Linear without a bias gets no sums.
 #[test]
 fn a_linear_branch_takes_its_bias_gradient_from_the_norm() {
     use ferrograd::amp::{AmpDType, autocast};
     let _one_at_a_time = lock();
     const K: usize = 6;
-    let run = |step: Step| {
+    let run = |step: Step, biased: bool| {
         let mut g = Generator::new(41);
         let mut leaf = |shape: &[usize]| {
             randn(shape, DType::F32, &mut g)
@@ -378,32 +378,43 @@ fn a_linear_branch_takes_its_bias_gradient_from_the_norm() {
         let c = randn(&[4, 3, N], DType::F32, &mut g);
         let loss = {
             let _amp = autocast(AmpDType::BF16);
-            let h = z.linear(&wl, Some(&bl)).unwrap();
+            let h = z.linear(&wl, biased.then_some(&bl)).unwrap();
             assert_eq!(h.dtype(), DType::BF16);
             let (s, y) = step(&x, &h, &w, &b, DType::BF16).unwrap();
             let y = y.to_dtype(DType::F32).unwrap().sum_all().unwrap();
             y.add(&s.mul(&c).unwrap().sum_all().unwrap()).unwrap()
         };
         let events = ops_allocating(|| loss.backward().unwrap());
-        let grads = [&x, &z, &wl, &bl, &w, &b].map(|t| bits(&t.grad().expect("a gradient")));
-        (grads, events)
+        let mut grads = vec![];
+        for t in [&x, &z, &wl, &w, &b]
+            .into_iter()
+            .chain(biased.then_some(&bl))
+        {
+            grads.push(bits(&t.grad().expect("a gradient")));
+        }
+        // Vectors of N f32: the norm's weight and bias gradients, its column sums, the
+        // Linear's own bias sum.
+        let vector = (N * 4) as u64;
+        let count = |op| events.iter().filter(|&&e| e == (op, vector)).count();
+        (
+            grads,
+            count("layer_norm_backward"),
+            count("linear_backward"),
+        )
     };
-    let (want, composed_events) = run(composed);
-    let (got, fused_events) = run(fused);
-    for (i, name) in ["x", "z", "wl", "bl", "w", "b"].iter().enumerate() {
+    let (want, composed_norm, composed_linear) = run(composed, true);
+    let (got, fused_norm, fused_linear) = run(fused, true);
+    for (i, name) in ["x", "z", "wl", "w", "b", "bl"].iter().enumerate() {
         assert_eq!(want[i], got[i], "{name}.grad");
     }
-    let bias_grad = ("linear_backward", (N * 4) as u64);
-    assert!(
-        composed_events.contains(&bias_grad),
-        "the composition's Linear sums its bias gradient: {composed_events:?}"
+    assert_eq!((composed_norm, composed_linear), (2, 1), "the composition");
+    assert_eq!(
+        (fused_norm, fused_linear),
+        (3, 0),
+        "the norm sums, the Linear takes them"
     );
-    assert!(
-        !fused_events.contains(&bias_grad),
-        "the Linear took the norm's sums: {fused_events:?}"
-    );
-    assert!(
-        fused_events.contains(&("layer_norm_backward", (N * 4) as u64)),
-        "the norm's column sums: {fused_events:?}"
-    );
+    let (want, _, _) = run(composed, false);
+    let (got, unbiased_norm, _) = run(fused, false);
+    assert_eq!(want, got, "without a bias");
+    assert_eq!(unbiased_norm, 2, "no sums for a Linear without a bias");
 }

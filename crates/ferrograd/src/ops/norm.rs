@@ -155,7 +155,7 @@ impl Tensor {
                 let half =
                     (mixed && crate::autograd::should_record(&[branch])).then(|| HalfBranch {
                         dtype: branch.dtype(),
-                        sums: ends_in_linear(branch),
+                        sums: ends_in_biased_linear(branch),
                     });
                 (input, sum, half)
             }
@@ -197,18 +197,21 @@ struct Saved {
 #[derive(Clone, Copy)]
 struct HalfBranch {
     dtype: DType,
-    /// The branch ends in a Linear (or the MLP op), whose bias gradient is the column sums
-    /// of the branch's gradient: the backward sums them as it writes that gradient
+    /// The branch ends in a biased Linear (or the MLP op), whose bias gradient is the column
+    /// sums of the branch's gradient: the backward sums them as it writes that gradient
     /// (`column_sums`).
     sums: bool,
 }
 
-/// Whether `branch` is the output of a linear layer (attention's projection, the MLP), whose
-/// backward may take its bias gradient from `column_sums`.
-fn ends_in_linear(branch: &Tensor) -> bool {
-    branch
-        .grad_fn()
-        .is_some_and(|node| matches!(node.name(), "linear" | "mlp_gelu"))
+/// Whether `branch` is the output of a biased linear layer (attention's projection: x, w, b;
+/// the MLP op, whose projection always has one), whose backward may take its bias gradient
+/// from `column_sums`.
+fn ends_in_biased_linear(branch: &Tensor) -> bool {
+    branch.grad_fn().is_some_and(|node| match node.name() {
+        "linear" => node.input_count() == 3,
+        "mlp_gelu" => true,
+        _ => false,
+    })
 }
 
 impl Saved {

@@ -176,6 +176,11 @@ impl Node {
         self.name
     }
 
+    /// How many inputs the op was recorded with (those without a gradient included).
+    pub(crate) fn input_count(&self) -> usize {
+        self.edges.len()
+    }
+
     /// Whether the saved state was already released by a backward without retain_graph.
     pub fn is_released(&self) -> bool {
         self.backward.lock().map(|b| b.is_none()).unwrap_or(true)
