@@ -173,18 +173,12 @@ pub(super) fn kernel_grads(
     let wants_bias = n.len() == 3 && n[2];
     // Summed already by the op that wrote g2 (a layer norm's backward), or dropped here.
     let offered = super::column_sums::take(g2, dtypes.bias).filter(|_| wants_bias);
-    if offered.is_some() {
-        let gw = match (x2, n[1]) {
-            (Some(x2), true) => weight_and_bias_grads(leaf, g2, x2, false, dtypes)?.0,
-            _ => None,
-        };
-        return Ok(vec![gx, gw, offered]);
-    }
+    let sum_here = wants_bias && offered.is_none();
     let (gw, gb) = match (x2, n[1]) {
-        (Some(x2), true) => weight_and_bias_grads(leaf, g2, x2, wants_bias, dtypes)?,
+        (Some(x2), true) => weight_and_bias_grads(leaf, g2, x2, sum_here, dtypes)?,
         _ => (None, None),
     };
-    let gb = match (gb, wants_bias) {
+    let gb = match (offered.or(gb), sum_here) {
         (Some(gb), _) => Some(gb),
         (None, true) => {
             // Summed straight into the bias gradient's dtype (the kernels accumulate wide).

@@ -252,10 +252,12 @@ fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
         gy,
         gw: a.gweight.map(ptr).transpose()?.unwrap_or(0),
         gb: a.gbias.map(ptr).transpose()?.unwrap_or(0),
-        gh: match a.gx_half_sums {
-            Some(h) if sums_half(a) => ptr(h)?,
-            _ => 0,
-        },
+        gh: a
+            .gx_half_sums
+            .filter(|_| sums_half(a))
+            .map(ptr)
+            .transpose()?
+            .unwrap_or(0),
         kind: float_code(OP, dtype)?,
     };
     if rows == 0 {
