@@ -1,7 +1,9 @@
 //! `gelu_linear`: GELU then a Linear as one op that saves the GELU's input only. Its output
 //! and every gradient are the two ops' bit for bit (with and without a bias, a frozen weight,
 //! both GELU forms, under bf16 autocast), it holds exactly the GELU output's bytes less
-//! between forward and backward, and create_graph through it is a clear error.
+//! between forward and backward, and create_graph through it is a clear error. The fused MLP
+//! op that recomputes its GELU output (`mlp_gelu_recomputed`) is likewise the saving op's bit
+//! for bit on the CPU, holding exactly that output's bytes less.
 
 use std::sync::{Mutex, MutexGuard};
 
@@ -143,4 +145,74 @@ fn create_graph_through_it_is_an_error_naming_it() {
         .unwrap_err()
         .to_string();
     assert!(err.contains("gelu_linear"), "{err}");
+}
+
+/// The fused MLP's hidden width.
+const HIDDEN: usize = 32;
+
+/// The MLP op's output, then the gradients of x, w_fc, b_fc, w_proj and b_proj.
+fn mlp_run(recompute: bool, dtype: DType) -> Vec<Vec<u64>> {
+    let x = leaf(&[3, 5, IN], dtype, 1, true);
+    let p = [
+        leaf(&[HIDDEN, IN], dtype, 2, true),
+        leaf(&[HIDDEN], dtype, 3, true),
+        leaf(&[OUT, HIDDEN], dtype, 4, true),
+        leaf(&[OUT], dtype, 5, true),
+    ];
+    let y = if recompute {
+        x.mlp_gelu_recomputed(&p[0], &p[1], &p[2], &p[3])
+    } else {
+        x.mlp_gelu(&p[0], &p[1], &p[2], &p[3])
+    }
+    .unwrap();
+    let gy = leaf(&[3, 5, OUT], y.dtype(), 6, false);
+    y.backward_with(BackwardOptions {
+        gradient: Some(gy),
+        ..Default::default()
+    })
+    .unwrap();
+    let mut out = vec![bits(&y)];
+    for t in std::iter::once(&x).chain(&p) {
+        out.push(bits(&t.grad().expect("every input has a gradient")));
+    }
+    out
+}
+
+#[test]
+fn the_mlp_op_recomputing_its_gelu_output_matches_the_saving_one_bit_for_bit() {
+    let _alone = lock();
+    for dtype in [DType::F32, DType::BF16, DType::F64] {
+        let (got, want) = (mlp_run(true, dtype), mlp_run(false, dtype));
+        assert_eq!(got, want, "{dtype:?}");
+    }
+    // f32 parameters cast by the region, as a GPT's under autocast.
+    let region = |recompute| {
+        let _region = autocast(AmpDType::BF16);
+        mlp_run(recompute, DType::F32)
+    };
+    assert_eq!(region(true), region(false));
+}
+
+#[test]
+fn the_recomputing_mlp_op_holds_the_gelu_outputs_bytes_less_until_backward() {
+    let _alone = lock();
+    let held = |recompute: bool| {
+        let x = leaf(&[3, 5, IN], DType::F32, 1, true);
+        let w_fc = leaf(&[HIDDEN, IN], DType::F32, 2, true);
+        let b_fc = leaf(&[HIDDEN], DType::F32, 3, true);
+        let w_proj = leaf(&[OUT, HIDDEN], DType::F32, 4, true);
+        let b_proj = leaf(&[OUT], DType::F32, 5, true);
+        let base = memory_allocated(CPU).unwrap();
+        let y = if recompute {
+            x.mlp_gelu_recomputed(&w_fc, &b_fc, &w_proj, &b_proj)
+        } else {
+            x.mlp_gelu(&w_fc, &b_fc, &w_proj, &b_proj)
+        }
+        .unwrap();
+        let bytes = memory_allocated(CPU).unwrap() - base;
+        drop(y);
+        bytes
+    };
+    let gelu_out = (3 * 5 * HIDDEN * 4) as u64;
+    assert_eq!(held(false) - held(true), gelu_out);
 }

@@ -8,18 +8,25 @@
 //!   by gelu'(pre) before storing it; the weight-gradient GEMMs sum the bias gradients.
 //!
 //! Shapes: x (..., C), w_fc (H, C), b_fc (H), w_proj (O, H), b_proj (O) → (..., O).
+//! `mlp_gelu_recomputed` is the same op saving the pre-activation only: the (N, H) GELU output
+//! — a GPT block's largest activation — lives through the forward alone, and backward rebuilds
+//! it with one elementwise GELU pass for w_proj's gradient (the trade torch.compile's
+//! partitioner makes for pointwise ops). Where the first GEMM's epilogue computes GELU before
+//! rounding the pre-activation (cuBLASLt), the rebuilt output can differ from the forward's by
+//! one rounding in a few elements; on the CPU both come from the same kernel, bit for bit.
 //! Under create_graph the backward is the composed ops' (recorded, on the saved values with
 //! their history), so higher-order gradients see the same graph as the unfused layers.
 //! Under autocast, f32 parameters read through the weight-cast cache get the node (see
 //! `autocast::ParamIn`), and their gradients are written in f32 by the GEMMs.
 
 use super::autocast::ParamIn;
+use super::binary::unary_forward;
 use super::linear::{GradDTypes, kernel_grads};
 use super::matmul::{linear_bias_forward, matmul_forward};
 use super::unary::GeluApprox;
 use crate::autograd::{SavedTensor, is_grad_enabled, record};
-use crate::backend::View;
 use crate::backend::matmul::{self, MatmulSpec};
+use crate::backend::{UnaryOp, View};
 use crate::base::{Error, Result};
 use crate::tensor::Tensor;
 
@@ -34,20 +41,45 @@ impl Tensor {
         b_proj: &Tensor,
     ) -> Result<Tensor> {
         let _site = crate::memory::recorder::CallSite::enter();
+        self.mlp_gelu_saving(w_fc, b_fc, w_proj, b_proj, GeluOutput::Saved)
+    }
+
+    /// `mlp_gelu` saving x and the pre-activation only: backward recomputes the GELU's
+    /// (..., H) output (one elementwise pass) instead of keeping it from the forward.
+    #[track_caller]
+    pub fn mlp_gelu_recomputed(
+        &self,
+        w_fc: &Tensor,
+        b_fc: &Tensor,
+        w_proj: &Tensor,
+        b_proj: &Tensor,
+    ) -> Result<Tensor> {
+        let _site = crate::memory::recorder::CallSite::enter();
+        self.mlp_gelu_saving(w_fc, b_fc, w_proj, b_proj, GeluOutput::Recomputed)
+    }
+
+    fn mlp_gelu_saving(
+        &self,
+        w_fc: &Tensor,
+        b_fc: &Tensor,
+        w_proj: &Tensor,
+        b_proj: &Tensor,
+        keep: GeluOutput,
+    ) -> Result<Tensor> {
         let params = [w_fc, b_fc, w_proj, b_proj];
         if let Some([x, wf, bf, wp, bp]) =
             super::autocast::cast_lower([self, w_fc, b_fc, w_proj, b_proj])?
         {
             let values = [&wf, &bf, &wp, &bp];
             let p: [ParamIn; 4] = std::array::from_fn(|i| ParamIn::cast(values[i], params[i]));
-            return x.mlp_gelu_params(p);
+            return x.mlp_gelu_params(p, keep);
         }
-        self.mlp_gelu_params(params.map(ParamIn::plain))
+        self.mlp_gelu_params(params.map(ParamIn::plain), keep)
     }
 
     /// `mlp_gelu` on [w_fc, b_fc, w_proj, b_proj] whose graph nodes may be other tensors
     /// than the values the GEMMs read (see `ParamIn`), past the autocast policy.
-    fn mlp_gelu_params(&self, p: [ParamIn; 4]) -> Result<Tensor> {
+    fn mlp_gelu_params(&self, p: [ParamIn; 4], keep: GeluOutput) -> Result<Tensor> {
         let [w_fc, b_fc, w_proj, b_proj] = p.map(|p| p.value);
         let (c, hidden, c_out) = check_shapes(self, w_fc, b_fc, w_proj, b_proj)?;
         for t in [w_fc, b_fc, w_proj, b_proj] {
@@ -71,7 +103,7 @@ impl Tensor {
                 b_fc: SavedTensor::new(b_fc),
                 w_proj: SavedTensor::new(w_proj),
                 pre: SavedTensor::new(&pre),
-                h: SavedTensor::new(&h),
+                h: (keep == GeluOutput::Saved).then(|| SavedTensor::new(&h)),
                 // The parameters themselves, for their gradient sinks (no values read).
                 leaf_fc: (needs[1] && p[0].node.is_leaf()).then(|| p[0].node.clone()),
                 leaf_proj: (needs[3] && p[2].node.is_leaf()).then(|| p[2].node.clone()),
@@ -83,6 +115,15 @@ impl Tensor {
             move |g: &Tensor, n: &[bool]| saved.backward(g, n)
         }))
     }
+}
+
+/// What the MLP op keeps of its GELU's output for backward.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum GeluOutput {
+    /// Saved from the forward.
+    Saved,
+    /// Dropped after the forward; backward recomputes it from the pre-activation.
+    Recomputed,
 }
 
 /// Whether `mlp_gelu` pays on `device`: where its GEMMs carry the GELU in their epilogues
@@ -179,7 +220,8 @@ struct Saved {
     b_fc: SavedTensor,
     w_proj: SavedTensor,
     pre: SavedTensor,
-    h: SavedTensor,
+    /// The GELU's output, unless backward recomputes it.
+    h: Option<SavedTensor>,
     leaf_fc: Option<Tensor>,
     leaf_proj: Option<Tensor>,
     /// The layers' parameter gradient dtypes (their nodes').
@@ -198,9 +240,11 @@ impl Saved {
         if is_grad_enabled() {
             return self.recorded(&g2, n);
         }
-        let h = n[3].then(|| self.h.get());
+        let h = n[3].then(|| self.gelu_output()).transpose()?;
         let leaf_proj = self.leaf_proj.as_ref();
-        let (gw_proj, gb_proj) = param_grads(leaf_proj, &g2, h, n[4], self.dtypes_proj)?;
+        let (gw_proj, gb_proj) = param_grads(leaf_proj, &g2, h.as_ref(), n[4], self.dtypes_proj)?;
+        // A recomputed output goes before the next (N, H) block is made.
+        drop(h);
         let (mut gx, mut gw_fc, mut gb_fc) = (None, None, None);
         if n[0] || n[1] || n[2] {
             // dpre = (g @ w_proj) ∘ gelu'(pre): (N, O) @ (O, H) → (N, H).
@@ -230,6 +274,14 @@ impl Saved {
             (gw_fc, gb_fc) = param_grads(leaf_fc, &gpre, x.as_ref(), n[2], self.dtypes_fc)?;
         }
         Ok(vec![gx, gw_fc, gb_fc, gw_proj, gb_proj])
+    }
+
+    /// The GELU's (N, H) output: the saved one, or gelu_tanh(pre) again.
+    fn gelu_output(&self) -> Result<Tensor> {
+        match &self.h {
+            Some(h) => Ok(h.get().clone()),
+            None => unary_forward(UnaryOp::GeluTanh, &self.pre.get(), "gelu_recompute"),
+        }
     }
 
     /// The composed layers' gradients as recorded ops (create_graph): the pre-activation
