@@ -280,7 +280,7 @@ impl Saved {
     fn gelu_output(&self) -> Result<Tensor> {
         match &self.h {
             Some(h) => Ok(h.get().clone()),
-            None => unary_forward(UnaryOp::GeluTanh, &self.pre.get(), "gelu_recompute"),
+            None => unary_forward(UnaryOp::GeluTanh, self.pre.get(), "gelu_recompute"),
         }
     }
 
