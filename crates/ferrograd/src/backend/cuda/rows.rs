@@ -410,8 +410,13 @@ fn layer_norm_param_grads(
     params_finish(d, module, part.addr(), chunks, n, p)
 }
 
-/// The second stage: each column adds its `chunks` partials (at `part`) in chunk order into
-/// gweight and gbias.
+/// Columns and chunk lanes of one block of the second stage (LN_FIN_COLS and LN_FIN_LANES in
+/// kernels/rows.cu).
+const FINISH_COLS: usize = 16;
+const FINISH_LANES: u32 = 64;
+
+/// The second stage: each column adds its `chunks` partials (at `part`) in a fixed order into
+/// gweight, gbias and the half gradient's sums (each where asked for).
 fn params_finish(
     d: &CudaDevice,
     module: &'static Module,
@@ -429,10 +434,12 @@ fn params_finish(
         Arg::Ptr(p.gh),
         Arg::I32(p.kind),
     ];
-    // 32 columns per block, 32 lanes of chunks per column (kernels/rows.cu).
+    // One block per (16 columns, sum): 64 lanes of chunks per column; a sum whose output is
+    // null returns at once (kernels/rows.cu).
+    let sums = if p.gh != 0 { 3 } else { 2 };
     let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(32) as u32, 1, 1),
-        block_dim: (32, 32, 1),
+        grid_dim: (n.div_ceil(FINISH_COLS) as u32, sums, 1),
+        block_dim: (FINISH_COLS as u32, FINISH_LANES, 1),
         shared_mem_bytes: 0,
     };
     launch(d, module, "layer_norm_params_finish", cfg, &args)

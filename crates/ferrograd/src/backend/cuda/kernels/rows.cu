@@ -486,41 +486,36 @@ __device__ void layer_norm_params(const T* x, const Y* gy, const void* mean, con
 }
 
 // Stage 2: column j adds its chunk partials; gw / gb / gh (kind ok) may be null (gh, the
-// sums of the half gradient, has a third row of partials only when given). A block of
-// 32 x 32 threads takes 32 columns: lane ty sums chunks ty, ty + 32, ... of column tx (the
-// reads of a warp are 32 adjacent columns), then lane 0 adds the 32 lane sums in lane
-// order. A fixed partition, so the sums are reproducible; and 32 times the parallelism of
-// one thread per column, which left the GPU waiting on one long chain of loads per column.
-extern "C" __global__ void __launch_bounds__(1024)
+// sums of the half gradient, has a third row of partials only when given). blockIdx.y picks
+// the sum (weight, bias, half) and a block of LN_FIN_COLS x LN_FIN_LANES threads takes
+// LN_FIN_COLS columns of it: lane ty sums chunks ty, ty + LN_FIN_LANES, ... of column tx (a
+// warp reads two 128-byte runs of adjacent columns), lanes fold in four in lane order, and
+// lane 0 adds the rest in order. A fixed partition, so the sums are reproducible; one block
+// per (sum, 16 columns) fills the GPU at GPT-2's widths (144 blocks at 768 with three sums),
+// where one block per 32 columns of all three sums left most SMs idle.
+#define LN_FIN_COLS 16
+#define LN_FIN_LANES 64
+extern "C" __global__ void __launch_bounds__(LN_FIN_COLS * LN_FIN_LANES)
     layer_norm_params_finish(const double* part, i64 chunks, i64 n, void* gw, void* gb, void* gh,
                              int ok) {
-    __shared__ double sa[32][33];
-    __shared__ double sb[32][33];
-    __shared__ double sc[32][33];
+    __shared__ double sh[LN_FIN_LANES][LN_FIN_COLS + 1];
+    void* const out = blockIdx.y == 0 ? gw : blockIdx.y == 1 ? gb : gh;
+    if (!out) return;  // the whole block: this sum is not asked for
     const int tx = threadIdx.x, ty = threadIdx.y;
-    const i64 j = (i64)blockIdx.x * 32 + tx;
-    double a = 0.0, b = 0.0, h = 0.0;
-    if (j < n) {
-        for (i64 c = ty; c < chunks; c += 32) {
-            a += part[c * n + j];
-            b += part[(chunks + c) * n + j];
-            if (gh) h += part[(2 * chunks + c) * n + j];
-        }
-    }
-    sa[ty][tx] = a;
-    sb[ty][tx] = b;
-    sc[ty][tx] = h;
+    const i64 j = (i64)blockIdx.x * LN_FIN_COLS + tx;
+    const double* rows = part + (i64)blockIdx.y * chunks * n;
+    double a = 0.0;
+    if (j < n)
+        for (i64 c = ty; c < chunks; c += LN_FIN_LANES) a += rows[c * n + j];
+    sh[ty][tx] = a;
+    __syncthreads();
+    constexpr int Q = LN_FIN_LANES / 4;
+    if (ty < Q) sh[ty][tx] = ((sh[ty][tx] + sh[ty + Q][tx]) + sh[ty + 2 * Q][tx]) + sh[ty + 3 * Q][tx];
     __syncthreads();
     if (ty == 0 && j < n) {
-        double ta = 0.0, tb = 0.0, th = 0.0;
-        for (int l = 0; l < 32; ++l) {
-            ta += sa[l][tx];
-            tb += sb[l][tx];
-            th += sc[l][tx];
-        }
-        if (gw) store_f64(gw, ok, j, ta);
-        if (gb) store_f64(gb, ok, j, tb);
-        if (gh) store_f64(gh, ok, j, th);
+        double t = 0.0;
+        for (int l = 0; l < Q; ++l) t += sh[l][tx];
+        store_f64(out, ok, j, t);
     }
 }
 
