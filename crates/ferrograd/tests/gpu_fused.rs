@@ -478,6 +478,25 @@ fn linear_cross_entropy_in_chunks_matches_the_cpu() {
     }
 }
 
+/// The one-pass bf16 loss-and-gradient kernel stages a row in shared memory on Hopper when its
+/// vectors fit two blocks per SM (GPT-2's 50257 logits: 100.5 KB) and reads it twice beyond
+/// that (60000: 117 KB): both against the CPU.
+#[test]
+fn linear_cross_entropy_on_rows_staged_and_too_wide_to_stage_matches_the_cpu() {
+    let rows = 6;
+    for v in [50257usize, 60000] {
+        let t: Vec<i64> = [0, v as i64 - 1, -100, 7, 40000, 3].to_vec();
+        let x = randn(&[rows, 16], 42).to_dtype(DType::BF16).unwrap();
+        let w = randn(&[v, 16], 43).mul_scalar(0.3).unwrap();
+        compare(
+            &format!("linear_cross_entropy bf16 V {v}"),
+            &[x, w.to_dtype(DType::BF16).unwrap(), ids(&t, &[rows])],
+            (1e-3, 3e-2),
+            |a| a[0].linear_cross_entropy(&a[1], &a[2], -100),
+        );
+    }
+}
+
 /// A training step's ids and targets come from the host: their range checks use the host
 /// copy the upload kept, so neither the forward nor the backward waits for the GPU.
 #[test]

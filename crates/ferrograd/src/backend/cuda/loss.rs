@@ -172,18 +172,31 @@ impl<'a> Rows<'a> {
         launch(d, &KERNELS, &kernel, rows_cfg(self.rows), &args)
     }
 
-    /// The one-pass kernel, when the rows are whole 16-byte vectors of f16/bf16.
-    fn one_pass_kernel(&self) -> Option<String> {
-        vector_rows(self.s, self.ld, &[self.x])
-            .then(|| format!("cross_entropy_grad_vec_{}", self.s))
+    /// The one-pass kernel and its dynamic shared memory, when the rows are whole 16-byte
+    /// vectors of f16/bf16: on Hopper, the row staged in shared memory where its vectors fit
+    /// two blocks per SM (GPT-2's 50257 logits, 100.5 KB), else read twice (the second time
+    /// from L2).
+    fn one_pass_kernel(&self, d: &CudaDevice) -> Option<(String, u32)> {
+        if !vector_rows(self.s, self.ld, &[self.x]) {
+            return None;
+        }
+        let staged = (self.c / 8) * 16;
+        Some(if staged <= CE_STAGE_MAX && d.arch() == "sm_90a" {
+            (
+                format!("cross_entropy_grad_staged_{}", self.s),
+                staged as u32,
+            )
+        } else {
+            (format!("cross_entropy_grad_vec_{}", self.s), 0)
+        })
     }
 
-    /// cross_entropy_grad_vec: nll as `forward` writes it, the logits overwritten by
+    /// cross_entropy_grad_vec or _staged: nll as `forward` writes it, the logits overwritten by
     /// `backward`'s gradient.
     fn forward_and_grad(
         &self,
         d: &CudaDevice,
-        kernel: &str,
+        (kernel, stage_bytes): &(String, u32),
         gloss: (u64, i32),
         nll: u64,
     ) -> Result<()> {
@@ -197,6 +210,7 @@ impl<'a> Rows<'a> {
         // One block of CE_GRAD_BLOCK (loss.cu) threads per row.
         let cfg = LaunchConfig {
             block_dim: (1024, 1, 1),
+            shared_mem_bytes: *stage_bytes,
             ..rows_cfg(self.rows)
         };
         launch(d, &KERNELS, kernel, cfg, &args)
@@ -208,6 +222,10 @@ impl<'a> Rows<'a> {
         sum_to_scalar(d, nll, self.rows, self.count as f64, loss, lk)
     }
 }
+
+/// The most bytes of a row the one-pass kernel stages in shared memory: two blocks per SM
+/// (their 2 × 1 KiB reserved and the reductions' 128 bytes included) within Hopper's 228 KiB.
+const CE_STAGE_MAX: usize = 112 << 10;
 
 fn cross_entropy(d: &CudaDevice, a: &CrossEntropy) -> Result<()> {
     const OP: &str = "cross_entropy";
@@ -262,7 +280,7 @@ fn cross_entropy_with_grad(d: &CudaDevice, a: &CrossEntropyWithGrad) -> Result<(
     let scratch = temp(d, nll_lse_scratch_bytes(r.rows), OP)?;
     let nll = scratch.addr();
     if r.rows * r.c > 0 {
-        match r.one_pass_kernel() {
+        match r.one_pass_kernel(d) {
             Some(kernel) => r.forward_and_grad(d, &kernel, gloss, nll)?,
             None => {
                 // The log-sum-exp at the forward's statistics dtype (f32 below f64), as the

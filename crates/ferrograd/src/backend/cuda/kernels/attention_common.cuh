@@ -84,36 +84,7 @@ __device__ __forceinline__ void check_smem(u32 need) {
     if (dyn_smem_bytes() < need) __trap();
 }
 
-// ---- asynchronous copies (cp.async): global → shared without a trip through registers -----
-
-__device__ __forceinline__ u32 smem_addr(const void* p) {
-    // The compiler's own conversion, so a constant offset from one base folds into the
-    // instruction's immediate instead of costing integer instructions per access.
-    return (u32)__cvta_generic_to_shared(p);
-}
-
-// 16 bytes from `src`, or zeros when `bytes` is 0 (nothing is read then).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void cp_async4(void* dst, const void* src, int bytes) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
-                 "r"(bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-// Waits until at most N of this thread's committed groups are still in flight.
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
+// The asynchronous copies (cp_async16, ...) are prelude.cuh's.
 
 // Reductions over the 4 lanes that hold one row of an mma accumulator (a quad: lanes 4g to
 // 4g + 3).

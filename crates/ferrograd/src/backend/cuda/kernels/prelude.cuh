@@ -367,6 +367,37 @@ __device__ double block_max(double v, double* sh) {
     return r;
 }
 
+// ---- asynchronous copies (cp.async): global → shared without a trip through registers -----
+
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    // The compiler's own conversion, so a constant offset from one base folds into the
+    // instruction's immediate instead of costing integer instructions per access.
+    return (u32)__cvta_generic_to_shared(p);
+}
+
+// 16 bytes from `src`, or zeros when `bytes` is 0 (nothing is read then).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async4(void* dst, const void* src, int bytes) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr(dst)), "l"(src),
+                 "r"(bytes)
+                 : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() {
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // ---- counter-based random numbers -----------------------------------------------------
 
 // Philox 4x32-10, as backend/philox.rs: the four words for `counter` under `key`.
