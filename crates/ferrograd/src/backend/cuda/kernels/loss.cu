@@ -211,67 +211,35 @@ __device__ __forceinline__ T ce_grad(float v, float l, bool hot, bool ignored, f
     return from_f<T>(ignored ? 0.0f : g);
 }
 
-template <typename T>
+// STAGED: the row's whole vectors go to shared memory first (nv · 16 bytes of it, which the
+// launcher gives): each thread starts all its copies at once (cp.async needs no registers,
+// where the 32 a thread has at two blocks per SM leave room for one 16-byte load in flight),
+// and both passes read shared memory. Each thread stages and reads only its own vectors, in
+// the same order either way: the same values bit for bit.
+template <typename T, bool STAGED>
 __device__ void cross_entropy_grad_vec(T* x, i64 ld, const i64* t, i64 rows, i64 c, i64 ignore,
                                        const void* gloss, int gk, double count, double* nll) {
-    __shared__ float red[32];
-    const float scale = (float)(load_f64(gloss, gk, 0) / count);
-    const i64 nv = c / 8;
-    for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
-        T* xr = x + r * ld;
-        Pack16<T>* xv = (Pack16<T>*)xr;
-        const i64 tr = t[r];
-        const bool ignored = tr == ignore, valid = !ignored && tr >= 0 && tr < c;
-        // Read before any thread overwrites the row (the reductions below synchronise).
-        const float target = threadIdx.x == 0 && valid ? to_f(xr[tr]) : 0.0f;
-        float m = NEG_INF_F, s = 0.0f;
-        online_row<T, CE_GRAD_BLOCK>(xr, c, m, s);
-        const float big = ce_block_max(m, red);
-        const float part = m == NEG_INF_F ? 0.0f : s * __expf(m - big);
-        const float l = big + logf(ce_block_sum(part, red));
-        if (threadIdx.x == 0) nll[r] = valid ? (double)l - (double)target : 0.0;
-        for (i64 v = threadIdx.x; v < nv; v += CE_GRAD_BLOCK) {
-            const Pack16<T> p = xv[v];
-            Pack16<T> o;
-#pragma unroll
-            for (int k = 0; k < 8; ++k)
-                o.v[k] = ce_grad<T>(to_f(p.v[k]), l, v * 8 + k == tr, ignored, scale);
-            xv[v] = o;
-        }
-        for (i64 j = nv * 8 + threadIdx.x; j < c; j += CE_GRAD_BLOCK)
-            xr[j] = ce_grad<T>(to_f(xr[j]), l, j == tr, ignored, scale);
-        // The next row's target read must not pass this row's last writes of another thread.
-        __syncthreads();
-    }
-}
-
-// cross_entropy_grad_vec with the row's whole vectors staged in shared memory (nv · 16 bytes
-// of it, which the launcher gives): each thread starts all its copies at once (cp.async needs
-// no registers, where the 32 a thread has at two blocks per SM leave room for one 16-byte
-// load in flight), and both passes then read shared memory. Each thread stages and reads
-// only its own vectors, in cross_entropy_grad_vec's order: the same values bit for bit.
-template <typename T>
-__device__ void cross_entropy_grad_staged(T* x, i64 ld, const i64* t, i64 rows, i64 c,
-                                          i64 ignore, const void* gloss, int gk, double count,
-                                          double* nll) {
     extern __shared__ __align__(16) unsigned char ce_stage[];
-    Pack16<T>* const sv = (Pack16<T>*)ce_stage;
     __shared__ float red[32];
     const float scale = (float)(load_f64(gloss, gk, 0) / count);
     const i64 nv = c / 8;
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         T* xr = x + r * ld;
         Pack16<T>* xv = (Pack16<T>*)xr;
-        for (i64 v = threadIdx.x; v < nv; v += CE_GRAD_BLOCK) cp_async16(sv + v, xv + v, 16);
-        cp_async_commit();
+        const Pack16<T>* src = STAGED ? (const Pack16<T>*)ce_stage : xv;
+        if (STAGED) {
+            for (i64 v = threadIdx.x; v < nv; v += CE_GRAD_BLOCK)
+                cp_async16((Pack16<T>*)ce_stage + v, xv + v, 16);
+            cp_async_commit();
+        }
         const i64 tr = t[r];
         const bool ignored = tr == ignore, valid = !ignored && tr >= 0 && tr < c;
         // Read before any thread overwrites the row (the reductions below synchronise).
         const float target = threadIdx.x == 0 && valid ? to_f(xr[tr]) : 0.0f;
         float m = NEG_INF_F, s = 0.0f;
-        cp_async_wait<0>();
+        if (STAGED) cp_async_wait<0>();
         for (i64 v = threadIdx.x; v < nv; v += CE_GRAD_BLOCK) {
-            const Pack16<T> p = sv[v];
+            const Pack16<T> p = src[v];
 #pragma unroll
             for (int k = 0; k < 8; ++k) online_add(to_f(p.v[k]), m, s);
         }
@@ -281,7 +249,7 @@ __device__ void cross_entropy_grad_staged(T* x, i64 ld, const i64* t, i64 rows, 
         const float l = big + logf(ce_block_sum(part, red));
         if (threadIdx.x == 0) nll[r] = valid ? (double)l - (double)target : 0.0;
         for (i64 v = threadIdx.x; v < nv; v += CE_GRAD_BLOCK) {
-            const Pack16<T> p = sv[v];
+            const Pack16<T> p = src[v];
             Pack16<T> o;
 #pragma unroll
             for (int k = 0; k < 8; ++k)
@@ -299,12 +267,12 @@ __device__ void cross_entropy_grad_staged(T* x, i64 ld, const i64* t, i64 rows, 
     extern "C" __global__ void __launch_bounds__(CE_GRAD_BLOCK, 2) cross_entropy_grad_vec_##S(    \
         T* x, i64 ld, const i64* t, i64 rows, i64 c, i64 ignore, const void* gloss, int gk,        \
         double count, double* nll) {                                                               \
-        cross_entropy_grad_vec<T>(x, ld, t, rows, c, ignore, gloss, gk, count, nll);               \
+        cross_entropy_grad_vec<T, false>(x, ld, t, rows, c, ignore, gloss, gk, count, nll);        \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(CE_GRAD_BLOCK, 2) cross_entropy_grad_staged_##S( \
         T* x, i64 ld, const i64* t, i64 rows, i64 c, i64 ignore, const void* gloss, int gk,        \
         double count, double* nll) {                                                               \
-        cross_entropy_grad_staged<T>(x, ld, t, rows, c, ignore, gloss, gk, count, nll);            \
+        cross_entropy_grad_vec<T, true>(x, ld, t, rows, c, ignore, gloss, gk, count, nll);         \
     }
 
 CROSS_ENTROPY_GRAD_KERNEL(f16, f16_t)
