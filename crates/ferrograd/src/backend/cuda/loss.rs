@@ -350,3 +350,21 @@ fn mse_backward(d: &CudaDevice, a: &MseLossBackward) -> Result<()> {
         &args,
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The staged loss kernel holds at most CE_STAGE_MAX bytes of a row, so two of its
+    /// 1024-thread blocks fit one Hopper SM (228 KiB, 1 KiB reserved per block, and the
+    /// reductions' 32 floats), which its launch bounds promise.
+    #[test]
+    fn two_staged_rows_fit_one_hopper_sm() {
+        let src = KERNELS.body();
+        assert!(src.contains("#define CE_GRAD_BLOCK 1024\n"));
+        assert!(src.contains("__launch_bounds__(CE_GRAD_BLOCK, 2) cross_entropy_grad_staged_"));
+        assert!(2 * (CE_STAGE_MAX + 1024 + 32 * 4) <= 228 << 10);
+        // GPT-2's padded head (50304 columns, 50257 logits) is staged.
+        assert!((50257 / 8) * 16 <= CE_STAGE_MAX);
+    }
+}

@@ -505,6 +505,15 @@ mod tests {
         assert_eq!(warp_slots(DType::BF16, 1025), None);
     }
 
+    /// The finish's launch gives each block the columns and chunk lanes its kernel indexes by,
+    /// and one grid row per sum, in the order the kernel picks them (weight, bias, half).
+    #[test]
+    fn the_finishs_block_matches_its_kernel() {
+        assert!(SOURCE.contains(&format!("#define LN_FIN_COLS {FINISH_COLS}\n")));
+        assert!(SOURCE.contains(&format!("#define LN_FIN_LANES {FINISH_LANES}\n")));
+        assert!(SOURCE.contains("blockIdx.y == 0 ? gw : blockIdx.y == 1 ? gb : gh"));
+    }
+
     /// The grid of the backward that sums the parameter gradients assumes the blocks per SM
     /// its launch bounds give: four only for f32 rows with bf16 gradients at PER 24, its kernel
     /// that also writes gx in bf16 too.
