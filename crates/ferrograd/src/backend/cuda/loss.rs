@@ -226,6 +226,8 @@ impl<'a> Rows<'a> {
 /// The most bytes of a row the one-pass kernel stages in shared memory: two blocks per SM
 /// (their 2 × 1 KiB reserved and the reductions' 128 bytes included) within Hopper's 228 KiB.
 const CE_STAGE_MAX: usize = 112 << 10;
+// Two blocks' rows, their reserved 1 KiB each and their 32 reduction floats, in 228 KiB.
+const _: () = assert!(2 * (CE_STAGE_MAX + 1024 + 32 * 4) <= 228 << 10);
 
 fn cross_entropy(d: &CudaDevice, a: &CrossEntropy) -> Result<()> {
     const OP: &str = "cross_entropy";
@@ -355,16 +357,15 @@ fn mse_backward(d: &CudaDevice, a: &MseLossBackward) -> Result<()> {
 mod tests {
     use super::*;
 
-    /// The staged loss kernel holds at most CE_STAGE_MAX bytes of a row, so two of its
-    /// 1024-thread blocks fit one Hopper SM (228 KiB, 1 KiB reserved per block, and the
-    /// reductions' 32 floats), which its launch bounds promise.
+    /// The staged loss kernel holds at most CE_STAGE_MAX bytes of a row (checked against
+    /// Hopper's 228 KiB beside the constant), so two of its 1024-thread blocks fit one SM,
+    /// which its launch bounds promise; GPT-2's 50257 logits are staged.
     #[test]
     fn two_staged_rows_fit_one_hopper_sm() {
         let src = KERNELS.body();
         assert!(src.contains("#define CE_GRAD_BLOCK 1024\n"));
         assert!(src.contains("__launch_bounds__(CE_GRAD_BLOCK, 2) cross_entropy_grad_staged_"));
-        assert!(2 * (CE_STAGE_MAX + 1024 + 32 * 4) <= 228 << 10);
-        // GPT-2's padded head (50304 columns, 50257 logits) is staged.
-        assert!((50257 / 8) * 16 <= CE_STAGE_MAX);
+        let gpt2_row = (50257 / 8) * 16;
+        assert!(gpt2_row <= CE_STAGE_MAX, "{gpt2_row}");
     }
 }
