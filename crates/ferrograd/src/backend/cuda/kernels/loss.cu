@@ -180,7 +180,8 @@ CROSS_ENTROPY_VEC_KERNELS(bf16, bf16_t)
 // give (the log-sum-exp stays in f32, the value the backward rounds it to). One block of
 // CE_GRAD_BLOCK threads per row and two blocks per SM: the row is read, reduced, then read
 // again while at most two rows per SM (26 MB on 132 SMs for GPT-2's 100 KB rows) are live, so
-// the second read comes from L2 and the logits cross HBM once each way.
+// the second read comes from L2 and the logits cross HBM once each way; on Hopper, rows that
+// fit are staged in shared memory instead (the STAGED form below).
 
 #define CE_GRAD_BLOCK 1024
 
