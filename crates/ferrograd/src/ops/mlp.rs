@@ -41,7 +41,7 @@ impl Tensor {
         b_proj: &Tensor,
     ) -> Result<Tensor> {
         let _site = crate::memory::recorder::CallSite::enter();
-        self.mlp_gelu_saving(w_fc, b_fc, w_proj, b_proj, GeluOutput::Saved)
+        self.mlp_gelu_saving([w_fc, b_fc, w_proj, b_proj], GeluOutput::Saved)
     }
 
     /// `mlp_gelu` saving x and the pre-activation only: backward recomputes the GELU's
@@ -55,18 +55,12 @@ impl Tensor {
         b_proj: &Tensor,
     ) -> Result<Tensor> {
         let _site = crate::memory::recorder::CallSite::enter();
-        self.mlp_gelu_saving(w_fc, b_fc, w_proj, b_proj, GeluOutput::Recomputed)
+        self.mlp_gelu_saving([w_fc, b_fc, w_proj, b_proj], GeluOutput::Recomputed)
     }
 
-    fn mlp_gelu_saving(
-        &self,
-        w_fc: &Tensor,
-        b_fc: &Tensor,
-        w_proj: &Tensor,
-        b_proj: &Tensor,
-        keep: GeluOutput,
-    ) -> Result<Tensor> {
-        let params = [w_fc, b_fc, w_proj, b_proj];
+    /// Either op on params [w_fc, b_fc, w_proj, b_proj], through the autocast policy.
+    fn mlp_gelu_saving(&self, params: [&Tensor; 4], keep: GeluOutput) -> Result<Tensor> {
+        let [w_fc, b_fc, w_proj, b_proj] = params;
         if let Some([x, wf, bf, wp, bp]) =
             super::autocast::cast_lower([self, w_fc, b_fc, w_proj, b_proj])?
         {

@@ -298,11 +298,10 @@ fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
     let g = a.gy.storage.dtype();
     let per_sm = bwd_blocks_per_sm(a);
     let blocks = fused_param_blocks(rows, per_sm);
-    let sum_rows = 2 + u32::from(grads.gh != 0);
     if part.is_some() {
         cfg.grid_dim.0 = blocks as u32;
         // Two or three f32 rows of n per warp: at most 48 KiB, for rows of 1024.
-        cfg.shared_mem_bytes = (LN_WARP_BLOCK / 32) * sum_rows * n as u32 * 4;
+        cfg.shared_mem_bytes = (LN_WARP_BLOCK / 32) * grads.sum_rows() * n as u32 * 4;
     }
     let kernel = match half {
         Some(h) => {
@@ -337,6 +336,14 @@ struct ParamGrads {
     gb: u64,
     gh: u64,
     kind: i32,
+}
+
+impl ParamGrads {
+    /// The sums each chunk writes a row of partials for: weight, bias, and the half
+    /// gradient's where asked for.
+    fn sum_rows(&self) -> u32 {
+        2 + u32::from(self.gh != 0)
+    }
 }
 
 /// (rows per chunk, chunks) of the column sums: enough (chunk, column) threads to fill the
@@ -436,9 +443,8 @@ fn params_finish(
     ];
     // One block per (16 columns, sum): 64 lanes of chunks per column; a sum whose output is
     // null returns at once (kernels/rows.cu).
-    let sums = if p.gh != 0 { 3 } else { 2 };
     let cfg = LaunchConfig {
-        grid_dim: (n.div_ceil(FINISH_COLS) as u32, sums, 1),
+        grid_dim: (n.div_ceil(FINISH_COLS) as u32, p.sum_rows(), 1),
         block_dim: (FINISH_COLS as u32, FINISH_LANES, 1),
         shared_mem_bytes: 0,
     };

@@ -92,11 +92,12 @@ __device__ __forceinline__ void online_add(float v, float& m, float& s) {
 }
 
 // Adds this thread's share of a row to its running (max m, sum s): the 16-byte vectors
-// threadIdx.x, + STRIDE, ..., then the elements past the last whole vector.
+// threadIdx.x, + STRIDE, ... of the row's whole vectors at xv (the row itself, or its copy in
+// shared memory), then the elements of xr past the last whole vector.
 template <typename T, int STRIDE>
-__device__ __forceinline__ void online_row(const T* xr, i64 c, float& m, float& s) {
+__device__ __forceinline__ void online_row(const Pack16<T>* xv, const T* xr, i64 c, float& m,
+                                           float& s) {
     const i64 nv = c / 8;
-    const Pack16<T>* xv = (const Pack16<T>*)xr;
     for (i64 v = threadIdx.x; v < nv; v += STRIDE) {
         const Pack16<T> p = xv[v];
 #pragma unroll
@@ -112,7 +113,7 @@ __device__ void cross_entropy_fwd_vec(const T* x, i64 ld, const i64* t, i64 rows
     for (i64 r = blockIdx.x; r < rows; r += gridDim.x) {
         const T* xr = x + r * ld;
         float m = NEG_INF_F, s = 0.0f;
-        online_row<T, BLOCK>(xr, c, m, s);
+        online_row<T, BLOCK>((const Pack16<T>*)xr, xr, c, m, s);
         const double big = block_max((double)m, sh);
         const double part = m == NEG_INF_F ? 0.0 : (double)s * exp((double)m - big);
         const double sum = block_sum(part, sh);
@@ -239,12 +240,7 @@ __device__ void cross_entropy_grad_vec(T* x, i64 ld, const i64* t, i64 rows, i64
         const float target = threadIdx.x == 0 && valid ? to_f(xr[tr]) : 0.0f;
         float m = NEG_INF_F, s = 0.0f;
         if (STAGED) cp_async_wait<0>();
-        for (i64 v = threadIdx.x; v < nv; v += CE_GRAD_BLOCK) {
-            const Pack16<T> p = src[v];
-#pragma unroll
-            for (int k = 0; k < 8; ++k) online_add(to_f(p.v[k]), m, s);
-        }
-        for (i64 j = nv * 8 + threadIdx.x; j < c; j += CE_GRAD_BLOCK) online_add(to_f(xr[j]), m, s);
+        online_row<T, CE_GRAD_BLOCK>(src, xr, c, m, s);
         const float big = ce_block_max(m, red);
         const float part = m == NEG_INF_F ? 0.0f : s * __expf(m - big);
         const float l = big + logf(ce_block_sum(part, red));
