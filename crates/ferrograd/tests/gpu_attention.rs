@@ -524,3 +524,14 @@ fn selective_recomputation_with_dropout_changes_no_bit() {
     let every = loss_and_grad_bits(Recompute::Every(1));
     assert_eq!(loss_and_grad_bits(Recompute::Selective(1)), every);
 }
+
+/// Recomputing every block (whose recomputed forward skips the MLP's output product and the
+/// last residual add: values nothing reads) gives the loss and gradients of the plain step
+/// bit for bit, dropout included.
+#[test]
+fn every_block_recomputed_changes_no_bit() {
+    use ferrograd::nn::Recompute;
+    let _l = lock();
+    let off = loss_and_grad_bits(Recompute::Off);
+    assert_eq!(loss_and_grad_bits(Recompute::Every(1)), off);
+}

@@ -267,6 +267,43 @@ mod gpt_policy {
         assert_eq!(forwards_in_backward(Recompute::Selective(2)), 0);
     }
 
+    /// The recomputed forward is run for its graph alone: each block's MLP output product
+    /// and last residual add record their nodes on one-element stand-ins instead of
+    /// computing (B, T, C) values nothing reads; the gradients are unchanged (the tests
+    /// above compare them bit for bit).
+    #[test]
+    fn the_recomputed_forward_skips_each_blocks_unread_product_and_add() {
+        use ferrograd::memory::recorder::{self, Action, RecorderConfig};
+        let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let cfg = config(0.0);
+        let stream_bytes = (2 * 32 * cfg.n_embd * 4) as u64;
+        let mut gpt = Gpt::new(cfg.clone(), CPU).unwrap();
+        gpt.set_recompute(Recompute::Every(1));
+        let (ids, tg) = batch(2, 32);
+        let (_, loss) = gpt.forward_loss(&ids, Some(&tg)).unwrap();
+        recorder::start(RecorderConfig { capacity: 1 << 16 }).unwrap();
+        loss.unwrap().backward().unwrap();
+        let rec = recorder::stop().unwrap();
+        let allocs = |op: &str, module: Option<&str>, bytes: Option<u64>| {
+            rec.events
+                .iter()
+                .filter(|e| e.action == Action::Alloc && e.origin.op == op)
+                .filter(|e| module.is_none_or(|m| rec.module_name(e.origin.module) == m))
+                .filter(|e| bytes.is_none_or(|b| e.requested == b))
+                .count()
+        };
+        // Each recomputed block: its attention's projection runs, its MLP's does not.
+        assert_eq!(
+            allocs("linear", Some("attn"), Some(stream_bytes)),
+            cfg.n_layer
+        );
+        assert_eq!(allocs("linear", Some("mlp"), Some(stream_bytes)), 0);
+        // The only add left is the one the second norm reads.
+        assert_eq!(allocs("add", None, None), cfg.n_layer);
+        assert_eq!(allocs("add", Some("ln_2"), Some(stream_bytes)), cfg.n_layer);
+        assert_eq!(allocs("skipped", None, Some(4)), 2 * cfg.n_layer);
+    }
+
     #[test]
     fn gelu_recomputation_frees_each_mlps_gelu_output_and_changes_no_bit() {
         let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());

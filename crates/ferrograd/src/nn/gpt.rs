@@ -25,7 +25,7 @@ use super::state::prefixed;
 use super::{Dropout, Embedding, LayerNorm, Linear, Module};
 use crate::base::{Error, Result};
 use crate::memory::{Category, recorder};
-use crate::ops::cast_parameters_ahead;
+use crate::ops::{OutputValue, cast_parameters_ahead};
 use crate::tensor::{DType, Device, Generator, Tensor};
 
 /// The cross-entropy targets equal to this are ignored (PyTorch's default).
@@ -230,19 +230,30 @@ impl Block {
 
     /// x: (B, T, C) → (B, T, C) with a causal mask of at least (T, T).
     pub fn forward_masked(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
-        let (x, m) = self.forward_open(x, None, mask)?;
+        let (x, m) = self.forward_open(x, None, mask, OutputValue::Computed)?;
         x.add(&m)
+    }
+
+    /// `forward_masked` for a pass run only to backpropagate through the block (a
+    /// recomputation): its output's value is never read, so the MLP's second product and the
+    /// last residual add record their graph nodes without computing (one (B·T, 4C)·(4C, C)
+    /// GEMM and one (B, T, C) pass less); every value backward reads is computed as before.
+    pub(crate) fn forward_graph_only(&self, x: &Tensor, mask: &Tensor) -> Result<Tensor> {
+        let (x, m) = self.forward_open(x, None, mask, OutputValue::Skipped)?;
+        x.add_graph_only(&m)
     }
 
     /// The block on the stream `x + pending` (just `x` without a pending branch), its own
     /// last residual add left open: returns (the stream after attention, the MLP's output),
     /// whose sum is the block's output. Each residual add is done by the norm that reads
-    /// its sum, in the same kernel (`add_forward_for_linear`).
-    pub fn forward_open(
+    /// its sum, in the same kernel (`add_forward_for_linear`). `mlp` says whether the MLP's
+    /// output value is computed or only its graph recorded.
+    pub(crate) fn forward_open(
         &self,
         x: &Tensor,
         pending: Option<&Tensor>,
         mask: &Tensor,
+        mlp: OutputValue,
     ) -> Result<(Tensor, Tensor)> {
         // attn and mlp each start with a Linear.
         let (x, h) = scoped("ln_1", || match pending {
@@ -251,7 +262,7 @@ impl Block {
         })?;
         let a = scoped("attn", || self.attn.forward_masked(&h, mask))?;
         let (x, h) = scoped("ln_2", || self.ln_2.add_forward_for_linear(&x, &a))?;
-        Ok((x, scoped("mlp", || self.mlp.forward(&h))?))
+        Ok((x, scoped("mlp", || self.mlp.forward_value(&h, mlp))?))
     }
 }
 
@@ -424,7 +435,8 @@ impl Gpt {
                 }
                 x = block.forward_recomputed(&x, &self.mask, self.recompute.keeps_attention())?;
             } else {
-                let (stream, m) = block.forward_open(&x, pending.as_ref(), &self.mask)?;
+                let (stream, m) =
+                    block.forward_open(&x, pending.as_ref(), &self.mask, OutputValue::Computed)?;
                 (x, pending) = (stream, Some(m));
             }
         }

@@ -9,7 +9,7 @@
 use super::state::prefixed;
 use super::{Dropout, Linear, Module};
 use crate::base::Result;
-use crate::ops::{GeluApprox, mlp_gelu_fused};
+use crate::ops::{GeluApprox, OutputValue, mlp_gelu_fused};
 use crate::tensor::Tensor;
 
 #[derive(Clone)]
@@ -23,28 +23,36 @@ pub struct Mlp {
     pub recompute_gelu: bool,
 }
 
-impl Module for Mlp {
-    /// x: (B, T, C) → (B, T, C)
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+impl Mlp {
+    /// x: (B, T, C) → (B, T, C); with `OutputValue::Skipped` only the graph of the second
+    /// Linear is recorded, its product not computed (for a recomputation that backpropagates
+    /// through the block without reading its output). The CPU's GELU-recompute op computes
+    /// its value either way.
+    pub(crate) fn forward_value(&self, x: &Tensor, value: OutputValue) -> Result<Tensor> {
         let (w_fc, w_proj) = (&self.c_fc.weight, &self.c_proj.weight);
-        let out = match (&self.c_fc.bias, &self.c_proj.bias) {
+        let b_proj = self.c_proj.bias.as_ref();
+        let out = match (&self.c_fc.bias, b_proj) {
             // One op whose GEMMs carry the biases and the GELU in their epilogues.
             (Some(b_fc), Some(b_proj)) if mlp_gelu_fused(x.device()) => {
-                if self.recompute_gelu {
-                    x.mlp_gelu_recomputed(w_fc, b_fc, w_proj, b_proj)?
-                } else {
-                    x.mlp_gelu(w_fc, b_fc, w_proj, b_proj)?
-                }
+                x.mlp_gelu_value([w_fc, b_fc, w_proj, b_proj], self.recompute_gelu, value)?
             }
             _ if self.recompute_gelu => {
                 let pre = self.c_fc.forward(x)?;
-                pre.gelu_linear(GeluApprox::Tanh, w_proj, self.c_proj.bias.as_ref())?
+                pre.gelu_linear(GeluApprox::Tanh, w_proj, b_proj)?
             }
-            _ => self
-                .c_proj
-                .forward(&self.c_fc.forward(x)?.gelu(GeluApprox::Tanh)?)?,
+            _ => {
+                let h = self.c_fc.forward(x)?.gelu(GeluApprox::Tanh)?;
+                h.linear_value(w_proj, b_proj, value)?
+            }
         };
         self.dropout.forward(&out)
+    }
+}
+
+impl Module for Mlp {
+    /// x: (B, T, C) → (B, T, C)
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_value(x, OutputValue::Computed)
     }
 
     fn named_parameters(&self) -> Vec<(String, Tensor)> {

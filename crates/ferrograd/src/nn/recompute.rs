@@ -126,7 +126,8 @@ impl Block {
             }
             let after = block.dropout_states();
             block.set_dropout_states(start.clone());
-            let out = block.forward_masked(x, &mask);
+            // Only the graph is backpropagated: the output's value is not needed.
+            let out = block.forward_graph_only(x, &mask);
             block.set_dropout_states(after);
             out
         });

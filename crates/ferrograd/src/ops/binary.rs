@@ -4,10 +4,10 @@
 //! add or subtract of an f32 tensor and an f16/bf16 one (autocast's residual stream plus a
 //! half-precision branch) reads the half operand directly (`widened`), with no cast kernel.
 
-use super::check_pair;
+use super::{check_pair, check_same_device, skipped_output};
 use crate::autograd::{SavedTensor, record};
 use crate::backend::{BinaryOp, UnaryOp, View, elementwise};
-use crate::base::Result;
+use crate::base::{Error, Result};
 use crate::tensor::{DType, Tensor, broadcast_shape};
 
 /// `out = op(a, b)` with broadcasting, no autograd.
@@ -167,6 +167,25 @@ impl Tensor {
                 ])
             }
         }))
+    }
+
+    /// `self + other` (same shapes) recorded for autograd without computing its value: the
+    /// output is a stand-in (`OutputValue::Skipped`), the backward that of `add`.
+    pub(crate) fn add_graph_only(&self, other: &Tensor) -> Result<Tensor> {
+        check_same_device("add", self, other)?;
+        if self.shape() != other.shape() {
+            return Err(Error::shape(
+                "add",
+                format!(
+                    "an add whose value is skipped takes operands of one shape, not {:?} and {:?}",
+                    self.shape(),
+                    other.shape()
+                ),
+            ));
+        }
+        let dtype = promoted_dtype(self, other).unwrap_or(self.dtype());
+        let out = skipped_output(self.shape(), dtype, self.device())?;
+        Ok(record_add_sub(self, other, out, false, "add"))
     }
 
     /// a - b. Backward: (g, -g).

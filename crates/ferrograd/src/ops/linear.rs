@@ -12,6 +12,7 @@
 use super::aligned_gemm;
 use super::autocast::ParamIn;
 use super::matmul::{linear_bias_forward, matmul_forward, matmul_forward_as};
+use super::{OutputValue, skipped_output};
 use crate::autograd::{GradProduct, ProductForm, SavedTensor, is_grad_enabled, record};
 use crate::backend::ReduceOp;
 use crate::backend::matmul::{self, MatmulSpec};
@@ -23,18 +24,35 @@ impl Tensor {
     #[track_caller]
     pub fn linear(&self, weight: &Tensor, bias: Option<&Tensor>) -> Result<Tensor> {
         let _site = crate::memory::recorder::CallSite::enter();
+        self.linear_value(weight, bias, OutputValue::Computed)
+    }
+
+    /// `linear`, or with `OutputValue::Skipped` its graph node alone (no product is computed;
+    /// backward is the same).
+    pub(crate) fn linear_value(
+        &self,
+        weight: &Tensor,
+        bias: Option<&Tensor>,
+        value: OutputValue,
+    ) -> Result<Tensor> {
         if let Some([Some(x), Some(w), b]) =
             super::autocast::cast_lower_opt([Some(self), Some(weight), bias])?
         {
             let b = b.as_ref().zip(bias).map(|(v, orig)| ParamIn::cast(v, orig));
-            return x.linear_params(ParamIn::cast(&w, weight), b);
+            return x.linear_params(ParamIn::cast(&w, weight), b, value);
         }
-        self.linear_params(ParamIn::plain(weight), bias.map(ParamIn::plain))
+        self.linear_params(ParamIn::plain(weight), bias.map(ParamIn::plain), value)
     }
 
-    /// `linear` on parameters whose graph node may be another tensor than the value the
-    /// GEMMs read (see `ParamIn`); x, the values and the nodes are past the autocast policy.
-    pub(crate) fn linear_params(&self, w_in: ParamIn, b_in: Option<ParamIn>) -> Result<Tensor> {
+    /// `linear_value` on parameters whose graph node may be another tensor than the value
+    /// the GEMMs read (see `ParamIn`); x, the values and the nodes are past the autocast
+    /// policy.
+    fn linear_params(
+        &self,
+        w_in: ParamIn,
+        b_in: Option<ParamIn>,
+        value: OutputValue,
+    ) -> Result<Tensor> {
         let (weight, bias) = (w_in.value, b_in.map(|b| b.value));
         let (rank, inner) = (self.dims(), weight.dims());
         if rank < 1 || inner != 2 || self.shape()[rank - 1] != weight.shape()[1] {
@@ -64,28 +82,15 @@ impl Tensor {
         // A copy only when strided; recorded then, so the saved input keeps its history.
         let x_in = self.contiguous()?;
         let x2 = x_in.detach().reshape(&[rows, k])?;
-        // A bias is added by the GEMM's epilogue where the backend can (one pass over the
-        // output); without one a wide unaligned output is computed at an aligned width
-        // (ops/aligned_gemm.rs).
-        let out = match bias {
-            Some(b) => {
-                super::check_pair("linear", self, b)?;
-                linear_bias_forward(&x2, weight, b)?
-            }
-            None => match aligned_gemm::forward(&x2, weight)? {
-                Some(out) => out,
-                None => matmul_forward(&x2, &weight.t_view()?)?,
-            },
-        };
+        if let Some(b) = bias {
+            super::check_pair("linear", self, b)?;
+        }
         let mut shape = self.shape().to_vec();
         shape[rank - 1] = weight.shape()[0];
-        let layout = out.layout().reshape_view(&shape).ok_or_else(|| {
-            Error::shape(
-                "linear",
-                "the (rows, out) product does not view as (..., out)",
-            )
-        })?;
-        let out = out.with_layout(layout);
+        let out = match value {
+            OutputValue::Computed => product(&x2, weight, bias, &shape)?,
+            OutputValue::Skipped => skipped_output(&shape, x2.dtype(), x2.device())?,
+        };
         let inputs: Vec<&Tensor> = match b_in {
             Some(b) => vec![self, w_in.node, b.node],
             None => vec![self, w_in.node],
@@ -150,6 +155,26 @@ impl GradDTypes {
             bias: b.map_or(weight, |b| b.node.dtype()),
         }
     }
+}
+
+/// x2 (N, in) @ weightᵀ (+ bias), viewed as `shape` (..., out). A bias is added by the GEMM's
+/// epilogue where the backend can (one pass over the output); without one a wide unaligned
+/// output is computed at an aligned width (ops/aligned_gemm.rs).
+fn product(x2: &Tensor, weight: &Tensor, bias: Option<&Tensor>, shape: &[usize]) -> Result<Tensor> {
+    let out = match bias {
+        Some(b) => linear_bias_forward(x2, weight, b)?,
+        None => match aligned_gemm::forward(x2, weight)? {
+            Some(out) => out,
+            None => matmul_forward(x2, &weight.t_view()?)?,
+        },
+    };
+    let layout = out.layout().reshape_view(shape).ok_or_else(|| {
+        Error::shape(
+            "linear",
+            "the (rows, out) product does not view as (..., out)",
+        )
+    })?;
+    Ok(out.with_layout(layout))
 }
 
 /// A linear layer's gradients outside create_graph, in its inputs' order [dx, dw, db (when

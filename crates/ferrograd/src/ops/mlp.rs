@@ -24,6 +24,7 @@ use super::binary::unary_forward;
 use super::linear::{GradDTypes, kernel_grads};
 use super::matmul::{linear_bias_forward, matmul_forward};
 use super::unary::GeluApprox;
+use super::{OutputValue, skipped_output};
 use crate::autograd::{SavedTensor, is_grad_enabled, record};
 use crate::backend::matmul::{self, MatmulSpec};
 use crate::backend::{UnaryOp, View};
@@ -41,7 +42,7 @@ impl Tensor {
         b_proj: &Tensor,
     ) -> Result<Tensor> {
         let _site = crate::memory::recorder::CallSite::enter();
-        self.mlp_gelu_saving([w_fc, b_fc, w_proj, b_proj], GeluOutput::Saved)
+        self.mlp_gelu_value([w_fc, b_fc, w_proj, b_proj], false, OutputValue::Computed)
     }
 
     /// `mlp_gelu` saving x and the pre-activation only: backward recomputes the GELU's
@@ -55,25 +56,42 @@ impl Tensor {
         b_proj: &Tensor,
     ) -> Result<Tensor> {
         let _site = crate::memory::recorder::CallSite::enter();
-        self.mlp_gelu_saving([w_fc, b_fc, w_proj, b_proj], GeluOutput::Recomputed)
+        self.mlp_gelu_value([w_fc, b_fc, w_proj, b_proj], true, OutputValue::Computed)
     }
 
-    /// Either op on params [w_fc, b_fc, w_proj, b_proj], through the autocast policy.
-    fn mlp_gelu_saving(&self, params: [&Tensor; 4], keep: GeluOutput) -> Result<Tensor> {
+    /// Either op on params [w_fc, b_fc, w_proj, b_proj] (`mlp_gelu_recomputed` when
+    /// `recompute_gelu`), through the autocast policy. With `OutputValue::Skipped` the second
+    /// product is not computed (the output is a stand-in; backward is the same).
+    pub(crate) fn mlp_gelu_value(
+        &self,
+        params: [&Tensor; 4],
+        recompute_gelu: bool,
+        value: OutputValue,
+    ) -> Result<Tensor> {
+        let keep = if recompute_gelu {
+            GeluOutput::Recomputed
+        } else {
+            GeluOutput::Saved
+        };
         let [w_fc, b_fc, w_proj, b_proj] = params;
         if let Some([x, wf, bf, wp, bp]) =
             super::autocast::cast_lower([self, w_fc, b_fc, w_proj, b_proj])?
         {
             let values = [&wf, &bf, &wp, &bp];
             let p: [ParamIn; 4] = std::array::from_fn(|i| ParamIn::cast(values[i], params[i]));
-            return x.mlp_gelu_params(p, keep);
+            return x.mlp_gelu_params(p, keep, value);
         }
-        self.mlp_gelu_params(params.map(ParamIn::plain), keep)
+        self.mlp_gelu_params(params.map(ParamIn::plain), keep, value)
     }
 
     /// `mlp_gelu` on [w_fc, b_fc, w_proj, b_proj] whose graph nodes may be other tensors
     /// than the values the GEMMs read (see `ParamIn`), past the autocast policy.
-    fn mlp_gelu_params(&self, p: [ParamIn; 4], keep: GeluOutput) -> Result<Tensor> {
+    fn mlp_gelu_params(
+        &self,
+        p: [ParamIn; 4],
+        keep: GeluOutput,
+        value: OutputValue,
+    ) -> Result<Tensor> {
         let [w_fc, b_fc, w_proj, b_proj] = p.map(|p| p.value);
         let (c, hidden, c_out) = check_shapes(self, w_fc, b_fc, w_proj, b_proj)?;
         for t in [w_fc, b_fc, w_proj, b_proj] {
@@ -83,11 +101,13 @@ impl Tensor {
         let x_in = self.contiguous()?;
         let x2 = x_in.detach().reshape(&[rows, c])?;
         let (pre, h) = first_layer(&x2, w_fc, b_fc)?;
-        let y = linear_bias_forward(&h, w_proj, b_proj)?;
         let mut shape = self.shape().to_vec();
         let last = shape.len() - 1;
         shape[last] = c_out;
-        let y = y.reshape(&shape)?;
+        let y = match value {
+            OutputValue::Computed => linear_bias_forward(&h, w_proj, b_proj)?.reshape(&shape)?,
+            OutputValue::Skipped => skipped_output(&shape, h.dtype(), h.device())?,
+        };
         let x_shape = self.shape().to_vec();
         let inputs = [self, p[0].node, p[1].node, p[2].node, p[3].node];
         Ok(record("mlp_gelu", &inputs, y, |_, needs| {

@@ -48,6 +48,29 @@ pub(crate) fn unpack(s: &SavedTensor) -> Tensor {
 
 pub(crate) use crate::tensor::{check_float, check_pair, check_same_device};
 
+/// Whether an op computes its output's value or only records its graph node. A recomputed
+/// forward is run for its graph alone (backward walks it from a gradient it is handed), so
+/// the ops whose values nothing in that graph reads — a block's last product and residual
+/// add — can skip their kernels (see `nn::Block::forward_graph_only`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum OutputValue {
+    #[default]
+    Computed,
+    /// The output is a stand-in of the right shape, dtype and device: one zero broadcast
+    /// (`skipped_output`).
+    Skipped,
+}
+
+/// The stand-in output of an op whose value is skipped: a single zero viewed as `shape`
+/// (stride 0), so it costs no pass over the data and one element of memory.
+pub(crate) fn skipped_output(
+    shape: &[usize],
+    dtype: DType,
+    device: crate::base::Device,
+) -> Result<Tensor> {
+    Tensor::output(&[], dtype, device, "skipped")?.expand(shape)
+}
+
 /// The dtype of per-row statistics a fused op keeps for its backward (mean, rstd,
 /// log-sum-exp): F64 for F64 tensors, else F32, as half-precision statistics would cost
 /// gradient accuracy (PyTorch keeps them in the accumulate type too).
