@@ -304,6 +304,42 @@ mod gpt_policy {
         assert_eq!(allocs("skipped", None, Some(4)), 2 * cfg.n_layer);
     }
 
+    /// Under autocast a recomputed block casts its eight weights and biases together as each
+    /// pass starts (one launch on the GPU), in the block's scope, not one by one inside its
+    /// attention and MLP as their ops reach them.
+    #[test]
+    fn a_recomputed_block_casts_its_weights_ahead_in_each_pass() {
+        use ferrograd::amp::{AmpDType, autocast};
+        use ferrograd::memory::recorder::{self, Action, RecorderConfig, Recording};
+        let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+        let cfg = config(0.0);
+        let mut gpt = Gpt::new(cfg.clone(), CPU).unwrap();
+        gpt.set_recompute(Recompute::Every(1));
+        let (ids, tg) = batch(2, 32);
+        let casts_in = |rec: &Recording, module: &str| {
+            rec.events
+                .iter()
+                .filter(|e| e.action == Action::Alloc && e.origin.op == "to_dtype")
+                .filter(|e| rec.module_name(e.origin.module) == module)
+                .count()
+        };
+        recorder::start(RecorderConfig { capacity: 1 << 16 }).unwrap();
+        let loss = {
+            let _a = autocast(AmpDType::BF16);
+            gpt.forward_loss(&ids, Some(&tg)).unwrap().1.unwrap()
+        };
+        let forward = recorder::stop().unwrap();
+        recorder::start(RecorderConfig { capacity: 1 << 16 }).unwrap();
+        loss.backward().unwrap();
+        let backward = recorder::stop().unwrap();
+        for i in 0..cfg.n_layer {
+            assert_eq!(casts_in(&forward, &format!("transformer.h.{i}")), 8);
+        }
+        for rec in [&forward, &backward] {
+            assert_eq!(casts_in(rec, "attn") + casts_in(rec, "mlp"), 0);
+        }
+    }
+
     #[test]
     fn gelu_recomputation_frees_each_mlps_gelu_output_and_changes_no_bit() {
         let _l = LOCK.lock().unwrap_or_else(|e| e.into_inner());

@@ -418,7 +418,8 @@ impl Gpt {
         // Without a graph there is nothing to save, so recomputation would only cost time.
         let recording = crate::autograd::is_grad_enabled();
         // Under autocast, the weights the matmuls read are cast here in one launch instead of
-        // one each as the blocks reach them (a recomputed block casts its own, in backward).
+        // one each as the blocks reach them (a recomputed block casts its own in each pass,
+        // so their casts are not held from the forward to backward).
         let mut weights = vec![&self.wte.weight];
         for (i, block) in self.blocks.iter().enumerate() {
             if !(recording && self.recompute.applies_to(i)) {

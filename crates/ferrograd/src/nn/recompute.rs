@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use super::gpt::Block;
 use crate::autograd::{Segment, checkpoint_activations, checkpoint_activations_keeping};
 use crate::base::{Error, Result};
+use crate::ops::cast_parameters_ahead;
 use crate::tensor::{Generator, Tensor};
 
 /// Which blocks recompute their activations in backward instead of saving them.
@@ -121,6 +122,10 @@ impl Block {
             let [x] = inputs else {
                 return Err(Error::autograd("a recomputed block takes one input"));
             };
+            // Under autocast the block's weights are cast in one launch per pass, not one per
+            // op: the first pass runs without grad (its casts are cached apart from those of
+            // the recorded forward) and the recomputation in an autocast region of its own.
+            cast_parameters_ahead(&block.matmul_parameters())?;
             if first_pass.swap(false, Ordering::SeqCst) {
                 return block.forward_masked(x, &mask);
             }
