@@ -156,9 +156,8 @@ fn layer_norm(d: &CudaDevice, a: &LayerNorm) -> Result<()> {
         i64_of(n),
         Arg::F64(eps),
     ];
-    let (kernel, mut cfg, warp_rows) = layer_norm_kernel("layer_norm_fwd", &s, dt, rows, n);
-    if let Some(per) = warp_slots(dt, n).filter(|_| warp_rows) {
-        cfg.grid_dim.0 = fwd_blocks(rows, per) as u32;
+    let (kernel, cfg, warp_rows) = layer_norm_kernel("layer_norm_fwd", &s, dt, rows, n);
+    if warp_rows {
         let aligned = [(dt, &[x, sum, w, b][..]), (a.y.dtype(), &[res, y][..])];
         args.push(groups_move_as_vectors(n, &aligned));
     }
@@ -205,22 +204,6 @@ fn layer_norm_kernel(
 fn warp_slots(dtype: DType, n: usize) -> Option<usize> {
     let per = WARP_ROW_SLOTS.iter().find(|&&p| 32 * p >= n).copied();
     per.filter(|_| dtype != DType::F64)
-}
-
-/// Blocks per SM of the warp-per-row forward at rows up to PER 24 (LN_FWD_MIN_BLOCKS in
-/// rows.cu, whose register bound lets six stay resident).
-const LN_FWD_BLOCKS_PER_SM: usize = 6;
-
-/// Blocks of the warp-per-row forward: one per four rows, but at rows up to PER 24 no more
-/// than the SMs hold at once, so a warp takes several rows and asks for the next one's bytes
-/// before working on this one (kernels/rows.cu). Any grid gives the same values.
-fn fwd_blocks(rows: usize, per: usize) -> usize {
-    let blocks = rows.div_ceil((LN_WARP_BLOCK / 32) as usize).max(1);
-    if per <= 24 {
-        blocks.min(PARAM_SMS * LN_FWD_BLOCKS_PER_SM)
-    } else {
-        blocks
-    }
 }
 
 /// SMs of an H100 or H200: the warp-per-row backward that also sums the parameter gradients
@@ -518,18 +501,6 @@ mod tests {
     /// The fused parameter sums take one partial per block, at most as many as the SMs run at
     /// once, where the warp kernels run (param_scratch_bytes sizes the partials by the same
     /// test).
-    /// The forward's grid holds the blocks its launch bounds keep resident, at most.
-    #[test]
-    fn the_forwards_grid_matches_its_launch_bounds() {
-        assert!(SOURCE.contains(&format!(
-            "#define LN_FWD_MIN_BLOCKS(PER) ((PER) <= 24 ? {LN_FWD_BLOCKS_PER_SM} : 1)\n"
-        )));
-        assert_eq!(fwd_blocks(8192, 24), PARAM_SMS * LN_FWD_BLOCKS_PER_SM);
-        assert_eq!(fwd_blocks(100, 24), 25);
-        assert_eq!(fwd_blocks(8192, 32), 2048);
-        assert_eq!(fwd_blocks(0, 8), 1);
-    }
-
     #[test]
     fn fused_parameter_sums_take_a_partial_per_block() {
         assert_eq!(fused_param_blocks(5, 3), 2);

@@ -225,9 +225,6 @@ __device__ __forceinline__ void reduce_cols_vec_run(const typename T::S* x, i64 
         if (vcol < nv) {
             const i64 lo = s * chunk;
             const i64 hi = lo + chunk < n_in ? lo + chunk : n_in;
-            // Unrolled so that four rows' loads are in flight at once (the kernel waits on
-            // memory); the additions stay in row order.
-#pragma unroll 4
             for (i64 j = lo + ty; j < hi; j += COLS_Y) {
                 const Pack16<S> p = *(const Pack16<S>*)(x + j * ld + vcol * V);
 #pragma unroll

@@ -191,15 +191,6 @@ __device__ __forceinline__ float f32_as<float>(float v) {
 __device__ __forceinline__ i64 warp_row() { return (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); }
 __device__ __forceinline__ i64 warp_rows() { return (i64)gridDim.x * (blockDim.x >> 5); }
 
-// Asks L2 for the `bytes` bytes at p, one 128-byte line per lane at a time: a warp names the
-// row it takes next before working on this one, so those loads are on their way without
-// holding registers (the kernels below wait on their loads, not on arithmetic).
-__device__ __forceinline__ void prefetch_l2(const void* p, i64 bytes, int lane) {
-    const char* c = (const char*)p;
-    for (i64 o = (i64)lane * 128; o < bytes; o += 32 * 128)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(c + o));
-}
-
 // Elements e to e + 3 of a row of n: zero past n.
 template <typename T>
 __device__ __forceinline__ void load_group(const T* row, i64 e, i64 n, int vec, T out[4]) {
@@ -256,11 +247,6 @@ __device__ void layer_norm_fwd_warp(const T* x, const Y* res, T* sum, const T* w
     constexpr int G = PER / 4;
     const int lane = threadIdx.x & 31;
     for (i64 r = warp_row(); r < rows; r += warp_rows()) {
-        const i64 next = r + warp_rows();
-        if (next < rows) {
-            prefetch_l2(x + next * n, n * (i64)sizeof(T), lane);
-            if (res) prefetch_l2(res + next * n, n * (i64)sizeof(Y), lane);
-        }
         T e[G][4];
 #pragma unroll
         for (int i = 0; i < G; ++i) load_group(x + r * n, group_at(lane, i), n, vec, e[i]);
@@ -346,12 +332,6 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
         __syncwarp();
     }
     for (i64 r = warp_row(); r < rows; r += warp_rows()) {
-        const i64 next = r + warp_rows();
-        if (next < rows) {
-            prefetch_l2(x + next * n, n * (i64)sizeof(T), lane);
-            prefetch_l2(gy + next * n, n * (i64)sizeof(Y), lane);
-            if (prior) prefetch_l2(prior + next * n, n * (i64)sizeof(T), lane);
-        }
         const float mu = (float)load_f64(mean, sk, r), rs = (float)load_f64(rstd, sk, r);
         T xe[G][4], pe[G][4];
         Y ge[G][4];
