@@ -5,6 +5,9 @@
 //! `Recompute::Selective` it also keeps its fused attention's output (B, T, C) and
 //! log-sum-exp (B, H, T), so backward runs the attention's backward kernels but not its
 //! forward again (PyTorch's selective activation checkpointing with the attention saved).
+//! The recomputation runs the block for its graph alone (`Block::forward_graph_only`): the
+//! values of its MLP's second product and last residual add are not computed, as backward
+//! reads neither. Under autocast each pass casts the block's weights in one launch.
 //!
 //! Dropout: each block's dropouts own generators, so the segment snapshots them before the
 //! forward and replays from that snapshot when recomputing (then puts the streams back), which
