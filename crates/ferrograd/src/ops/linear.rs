@@ -9,10 +9,10 @@
 //! Under autocast, an f32 parameter read through the weight-cast cache gets its node here
 //! (`autocast::ParamIn`): dw and db are written in f32 by GEMMs on the half operands.
 
+use super::OutputValue;
 use super::aligned_gemm;
 use super::autocast::ParamIn;
 use super::matmul::{linear_bias_forward, matmul_forward, matmul_forward_as};
-use super::{OutputValue, skipped_output};
 use crate::autograd::{GradProduct, ProductForm, SavedTensor, is_grad_enabled, record};
 use crate::backend::ReduceOp;
 use crate::backend::matmul::{self, MatmulSpec};
@@ -87,10 +87,9 @@ impl Tensor {
         }
         let mut shape = self.shape().to_vec();
         shape[rank - 1] = weight.shape()[0];
-        let out = match value {
-            OutputValue::Computed => product(&x2, weight, bias, &shape)?,
-            OutputValue::Skipped => skipped_output(&shape, x2.dtype(), x2.device())?,
-        };
+        let out = value.output((&shape, x2.dtype(), x2.device()), || {
+            product(&x2, weight, bias, &shape)
+        })?;
         let inputs: Vec<&Tensor> = match b_in {
             Some(b) => vec![self, w_in.node, b.node],
             None => vec![self, w_in.node],

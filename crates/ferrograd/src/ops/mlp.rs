@@ -19,12 +19,12 @@
 //! Under autocast, f32 parameters read through the weight-cast cache get the node (see
 //! `autocast::ParamIn`), and their gradients are written in f32 by the GEMMs.
 
+use super::OutputValue;
 use super::autocast::ParamIn;
 use super::binary::unary_forward;
 use super::linear::{GradDTypes, kernel_grads};
 use super::matmul::{linear_bias_forward, matmul_forward};
 use super::unary::GeluApprox;
-use super::{OutputValue, skipped_output};
 use crate::autograd::{SavedTensor, is_grad_enabled, record};
 use crate::backend::matmul::{self, MatmulSpec};
 use crate::backend::{UnaryOp, View};
@@ -104,10 +104,9 @@ impl Tensor {
         let mut shape = self.shape().to_vec();
         let last = shape.len() - 1;
         shape[last] = c_out;
-        let y = match value {
-            OutputValue::Computed => linear_bias_forward(&h, w_proj, b_proj)?.reshape(&shape)?,
-            OutputValue::Skipped => skipped_output(&shape, h.dtype(), h.device())?,
-        };
+        let y = value.output((&shape, h.dtype(), h.device()), || {
+            linear_bias_forward(&h, w_proj, b_proj)?.reshape(&shape)
+        })?;
         let x_shape = self.shape().to_vec();
         let inputs = [self, p[0].node, p[1].node, p[2].node, p[3].node];
         Ok(record("mlp_gelu", &inputs, y, |_, needs| {

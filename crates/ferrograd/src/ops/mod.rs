@@ -52,13 +52,26 @@ pub(crate) use crate::tensor::{check_float, check_pair, check_same_device};
 /// forward is run for its graph alone (backward walks it from a gradient it is handed), so
 /// the ops whose values nothing in that graph reads — a block's last product and residual
 /// add — can skip their kernels (see `nn::Block::forward_graph_only`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum OutputValue {
-    #[default]
     Computed,
-    /// The output is a stand-in of the right shape, dtype and device: one zero broadcast
-    /// (`skipped_output`).
+    /// The output is a stand-in of the right shape, dtype and device (`skipped_output`).
     Skipped,
+}
+
+impl OutputValue {
+    /// `compute()` when the value is computed, else the stand-in of its `shape`, `dtype`
+    /// and `device`.
+    pub(crate) fn output(
+        self,
+        (shape, dtype, device): (&[usize], DType, crate::base::Device),
+        compute: impl FnOnce() -> Result<Tensor>,
+    ) -> Result<Tensor> {
+        match self {
+            OutputValue::Computed => compute(),
+            OutputValue::Skipped => skipped_output(shape, dtype, device),
+        }
+    }
 }
 
 /// The stand-in output of an op whose value is skipped: a single zero viewed as `shape`
