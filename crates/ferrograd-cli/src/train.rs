@@ -77,9 +77,12 @@ pub struct TrainArgs {
     /// bf16), nor with --zero 1.
     #[arg(long, default_value = "f32", value_parser = parse_weights)]
     weights: Weights,
-    /// Activation recomputation: off, gelu (each MLP's GELU output, one elementwise pass per block) every:K (every K-th transformer block) or selective:K (as every:K, each recomputed block keeping its attention's output and log-sum-exp, so backward skips the attention's forward).
-    #[arg(long, default_value = "off")]
-    recompute: Recompute,
+    /// Activation recomputation: auto (gelu on a GPU, off on the CPU), off, gelu (each MLP's
+    /// GELU output, one elementwise pass per block), every:K (every K-th transformer block) or
+    /// selective:K (as every:K, each recomputed block keeping its attention's output and
+    /// log-sum-exp, so backward skips the attention's forward).
+    #[arg(long, default_value = "auto", value_parser = parse_recompute)]
+    recompute: RecomputeArg,
     /// Attention: fused (one kernel that keeps a log-sum-exp per query, where the device has
     /// it) or composed (matmul, softmax, matmul; keeps the (B, H, T, T) probabilities).
     #[arg(long, default_value = "fused")]
@@ -170,6 +173,11 @@ pub struct TrainArgs {
 #[derive(Clone, Copy, Debug)]
 struct Amp(Option<DType>);
 
+/// The policy chosen by --recompute; `auto` (None) takes the device's
+/// (`Recompute::default_for`).
+#[derive(Clone, Copy, Debug)]
+struct RecomputeArg(Option<Recompute>);
+
 /// The dtype of the model's parameters chosen by --weights.
 #[derive(Clone, Copy, Debug)]
 struct Weights(DType);
@@ -199,6 +207,16 @@ fn parse_amp(s: &str) -> Result<Amp, String> {
     }
 }
 
+fn parse_recompute(s: &str) -> Result<RecomputeArg, String> {
+    match s {
+        "auto" => Ok(RecomputeArg(None)),
+        _ => s
+            .parse::<Recompute>()
+            .map(|r| RecomputeArg(Some(r)))
+            .map_err(|e| format!("{e} (or 'auto': gelu on a GPU, off on the CPU)")),
+    }
+}
+
 /// f16 is parsed so that the run can say why it is not offered (see `job::TrainJob::weights`).
 fn parse_weights(s: &str) -> Result<Weights, String> {
     match s {
@@ -217,6 +235,7 @@ impl TrainArgs {
 
     pub(crate) fn to_job(&self) -> anyhow::Result<TrainJob> {
         let base = TrainJob::default();
+        let device = self.device.parse::<Device>()?;
         if let Some(path) = &self.save {
             ferrograd::io::check_output_path(path)?;
         }
@@ -259,11 +278,14 @@ impl TrainArgs {
                 step_in_backward: self.step_in_backward,
                 set_to_none: !self.zero_grad_in_place,
                 schedule: None,
-                recompute: self.recompute,
+                recompute: self
+                    .recompute
+                    .0
+                    .unwrap_or_else(|| Recompute::default_for(device)),
                 freeze: self.freeze.clone(),
             },
             weights: self.weights.0,
-            device: self.device.parse::<Device>()?,
+            device,
             eval_every: self.eval_every,
             eval_batches: self.eval_batches,
             sample_chars: self.sample_chars,
@@ -423,6 +445,7 @@ fn report(
                 format_size(*predicted_peak)
             ));
             log.push(weights_line(job.weights));
+            log.push(recompute_line(args, job));
             if let Some(path) = in_backward {
                 log.push(format!("step in backward: {path}"));
             }
@@ -497,6 +520,22 @@ fn weights_line(weights: DType) -> String {
         return "weights: f32".into();
     }
     format!("weights: {weights}, with f32 master copies and f32 moments in AdamW")
+}
+
+/// The recomputation policy in words, for the report: what --recompute auto chose, and why.
+fn recompute_line(args: &TrainArgs, job: &TrainJob) -> String {
+    let policy = job.trainer.recompute;
+    if args.fit_budget.is_some() {
+        return format!("recompute: {policy} (chosen by --fit-budget)");
+    }
+    match (args.recompute.0, policy) {
+        (Some(_), _) => format!("recompute: {policy}"),
+        (None, Recompute::Gelu) => format!(
+            "recompute: gelu (auto on {}: each MLP's GELU output rebuilt in backward, one elementwise pass per block; --recompute off keeps it)",
+            job.device
+        ),
+        (None, _) => format!("recompute: {policy} (auto on {})", job.device),
+    }
 }
 
 /// Steps between two updates of the progress bar's loss (each read waits for the device).

@@ -81,6 +81,7 @@ fn train_json_reports_the_promised_fields() {
         (&v["weights"], &v["master_weights"]),
         (&"f32".into(), &false.into())
     );
+    assert_eq!(v["recompute"], "every:1");
     let by_cat = v["by_category_at_peak"].as_object().unwrap();
     let total: u64 = by_cat.values().map(|b| b.as_u64().unwrap()).sum();
     assert_eq!(total, v["peak_bytes"].as_u64().unwrap());
@@ -694,6 +695,66 @@ fn plan_for_a_gpu_needs_no_gpu_when_given_its_memory() {
     assert!(err.contains("--device cuda"), "{err}");
     let err = stderr_of(&plan_args(&["--device", "cuda", "--device-memory", "lots"]));
     assert!(err.contains("80GiB"), "{err}");
+}
+
+/// `--recompute auto` (the default) rebuilds each MLP's GELU output on a GPU and recomputes
+/// nothing on the CPU; the plan says which it took and offers the other, whose peak is higher.
+#[test]
+fn the_default_recomputation_is_the_gelu_on_a_gpu_and_nothing_on_the_cpu() {
+    let gpu = |extra: &[&'static str]| {
+        let mut args = vec!["--device", "cuda", "--device-memory", "80GiB", "--json"];
+        args.extend_from_slice(extra);
+        let out = ferrograd(&plan_args(&args));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+    };
+    let (auto, gelu, off) = (
+        gpu(&[]),
+        gpu(&["--recompute", "gelu"]),
+        gpu(&["--recompute", "off"]),
+    );
+    let peak = |p: &serde_json::Value| p["plan"]["peak_allocated"].as_u64().unwrap();
+    assert_eq!(peak(&auto), peak(&gelu), "auto is gelu on a GPU");
+    assert!(
+        peak(&auto) < peak(&off),
+        "{} vs {}",
+        peak(&auto),
+        peak(&off)
+    );
+    let offered = |p: &serde_json::Value, flags: &str| {
+        p["alternatives"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|a| a["flags"] == flags)
+            .map(|a| a["peak_allocated"].as_u64().unwrap())
+    };
+    assert_eq!(offered(&auto, "--recompute off"), Some(peak(&off)));
+    assert_eq!(offered(&auto, "--recompute gelu"), None);
+    assert_eq!(offered(&off, "--recompute gelu"), Some(peak(&gelu)));
+    let text = output_of(&plan_args(&[
+        "--device",
+        "cuda",
+        "--device-memory",
+        "80GiB",
+    ]));
+    assert!(text.contains("recompute gelu"), "{text}");
+    let text = output_of(&plan_args(&[]));
+    assert!(
+        text.contains("plan for cpu") && text.contains("recompute off"),
+        "{text}"
+    );
+    let err = stderr_of(&plan_args(&["--recompute", "sometimes"]));
+    assert!(err.contains("'auto'"), "{err}");
+    // The run's log says what was chosen, and whether it was asked for.
+    let text = output_of(SMALL);
+    assert!(text.contains("recompute: off (auto on cpu)"), "{text}");
+    let text = output_of(&[SMALL, &["--recompute", "gelu"]].concat());
+    assert!(text.contains("recompute: gelu\n"), "{text}");
 }
 
 #[test]

@@ -74,7 +74,13 @@ fn single_changes(job: &TrainJob) -> Vec<Change> {
     if f32_weights && t.amp.is_none() && job.optimizer == OptimizerChoice::AdamW && !job.zero {
         out.push(change("--weights bf16", |j| j.weights = DType::BF16));
     }
-    if t.recompute == Recompute::Off {
+    // Whichever of the two the run does not take (a GPU run recomputes the GELU by default).
+    if t.recompute != Recompute::Off {
+        out.push(change("--recompute off", |j| {
+            j.trainer.recompute = Recompute::Off
+        }));
+    }
+    if t.recompute != Recompute::Gelu {
         out.push(change("--recompute gelu", |j| {
             j.trainer.recompute = Recompute::Gelu
         }));

@@ -208,6 +208,8 @@ pub struct JobSummary {
     pub weights: String,
     /// Whether AdamW keeps f32 master copies of the parameters (with bf16 weights).
     pub master_weights: bool,
+    /// The recomputation policy the run took ("off", "gelu", "every:2", ...).
+    pub recompute: String,
     /// How the step in backward ran, in words (absent without it).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub step_in_backward: Option<String>,
@@ -515,6 +517,7 @@ fn run_replica(
         optimizer: trainer.with_optimizer(|o| o.name())?.to_string(),
         weights: job.weights.to_string(),
         master_weights: trainer.with_optimizer(|o| o.master_weights())?,
+        recompute: job.trainer.recompute.to_string(),
         step_in_backward: in_backward.map(|p| p.to_string()),
         peak_bytes,
         predicted_peak_bytes: plan.peak_allocated,
@@ -587,6 +590,7 @@ fn follower_summary(eval: EvalReport) -> JobSummary {
         optimizer: String::new(),
         weights: String::new(),
         master_weights: false,
+        recompute: String::new(),
         step_in_backward: None,
         peak_bytes: 0,
         predicted_peak_bytes: 0,
