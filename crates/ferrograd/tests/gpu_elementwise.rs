@@ -268,6 +268,47 @@ fn inplace_ops_match_cpu() {
     }
 }
 
+/// In-place products and sums by a 0-dim tensor on the device, which the kernel reads as
+/// one broadcast value: a product by exactly one is skipped on the device (the fused loss
+/// scales its saved gradients by a loss gradient of one every step), so it must leave every
+/// bit as it was, while any other value, and a sum with one, still runs; in every float dtype,
+/// on 16-byte-aligned storage and on a misaligned view.
+#[test]
+fn inplace_ops_by_a_device_scalar_of_one_match_cpu() {
+    for dt in FLOATS {
+        let run = |dev: Device| -> Vec<Tensor> {
+            let to = |t: &Tensor| if dev == GPU { gpu(t) } else { t.clone() };
+            let scalar = |v: f64| to(&Tensor::full(&[], v, dt, Device::Cpu).unwrap());
+            let x = to(&randn(&[9, 8], dt, 40)).contiguous_owned().unwrap();
+            let before = x.to_vec::<f64>().unwrap();
+            x.mul_(&scalar(1.0)).unwrap();
+            assert_eq!(
+                x.to_vec::<f64>().unwrap(),
+                before,
+                "{dt}: a product by one changed values on {dev}"
+            );
+            let y = to(&randn(&[9, 8], dt, 41)).contiguous_owned().unwrap();
+            y.mul_(&scalar(-2.5)).unwrap();
+            let z = to(&randn(&[9, 8], dt, 42)).contiguous_owned().unwrap();
+            z.add_(&scalar(1.0)).unwrap();
+            // Elements 1.. of a run: a contiguous view whose start is not 16-byte aligned.
+            let v = to(&randn(&[73], dt, 43)).contiguous_owned().unwrap();
+            let tail = v.narrow(0, 1, 72).unwrap();
+            tail.mul_(&scalar(1.0)).unwrap();
+            tail.mul_(&scalar(3.0)).unwrap();
+            vec![x, y, z, v]
+        };
+        let (cpu, cuda) = (run(Device::Cpu), run(GPU));
+        for (i, (g, c)) in cuda.iter().zip(&cpu).enumerate() {
+            check(
+                &format!("{dt}: in-place by a device scalar, result {i}"),
+                g,
+                c,
+            );
+        }
+    }
+}
+
 #[test]
 fn inplace_reading_its_own_storage_matches_cpu() {
     // src is dst itself (exact alias), a broadcast of dst's first row, and dst transposed:

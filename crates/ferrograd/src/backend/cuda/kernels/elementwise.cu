@@ -269,9 +269,15 @@ __device__ __forceinline__ void inplace_run(int op, double p, typename T::S* dst
         binary_vec<T>(op, p, dst, src + ss.offset, dst, n);
         return;
     }
-    if (scalar_view(ss) && aligned16(dst)) {
-        binary_vec_value<T, false>(op, p, dst, T::ld(src[ss.offset]), dst, n);
-        return;
+    if (scalar_view(ss)) {
+        // dst *= 1 changes nothing (a loss gradient of one scaling the gradients a fused
+        // loss saved, every step): each thread reads the one value and leaves, no pass.
+        const typename T::C v = T::ld(src[ss.offset]);
+        if (op == B_MUL && v == (typename T::C)1) return;
+        if (aligned16(dst)) {
+            binary_vec_value<T, false>(op, p, dst, v, dst, n);
+            return;
+        }
     }
     for (i64 i = grid_start(); i < n; i += grid_step()) {
         typename T::C vs = T::ld(src[strided_offset(ss, i)]);
