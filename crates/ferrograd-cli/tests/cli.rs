@@ -757,6 +757,35 @@ fn the_default_recomputation_is_the_gelu_on_a_gpu_and_nothing_on_the_cpu() {
     assert!(text.contains("recompute: gelu\n"), "{text}");
 }
 
+/// A GPU budget search whose trials run out of memory inside backward, between a layer norm's
+/// backward and the Linear that takes its column sums (the main job's model with the GELU
+/// recomputed, --recompute auto on a GPU): each failed trial must leave nothing alive for the
+/// next one to find.
+#[test]
+fn a_gpu_budget_search_survives_trials_that_run_out_in_backward() {
+    let text = output_of(&[
+        "plan",
+        "--device",
+        "cuda",
+        "--device-memory",
+        "512MiB",
+        "--budget",
+        "512MiB",
+        "--amp",
+        "bf16",
+        "--batch-steps",
+        "any",
+    ]);
+    assert!(text.contains("recompute gelu"), "{text}");
+    let largest = text
+        .lines()
+        .skip_while(|l| !l.starts_with("largest micro-batch"))
+        .find(|l| l.trim_start().starts_with("(as given)"))
+        .unwrap_or_else(|| panic!("no largest batch in\n{text}"));
+    let batch: usize = largest.split_whitespace().nth(2).unwrap().parse().unwrap();
+    assert!(batch > 16, "{largest}");
+}
+
 #[test]
 fn plan_lists_what_fits_a_budget_and_says_what_a_tiny_one_needs() {
     let out = ferrograd(&plan_args(&["--budget", "2MiB", "--json"]));

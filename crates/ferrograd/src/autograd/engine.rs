@@ -109,6 +109,8 @@ impl BackwardId {
 
 impl Drop for BackwardId {
     fn drop(&mut self) {
+        // What this pass left for its later functions goes with it, finished or failed.
+        super::handoff::end_of_pass(backward_id());
         CURRENT.with(|c| c.set(self.0));
     }
 }

@@ -15,6 +15,7 @@ mod engine;
 mod function;
 mod functional;
 mod grad_mode;
+pub(crate) mod handoff;
 mod leak_check;
 mod recompute;
 

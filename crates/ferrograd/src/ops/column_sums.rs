@@ -7,13 +7,13 @@
 //!
 //! An offer is taken only for the very buffer it was made for, unchanged (the same storage at
 //! the same version, read whole from its start) and in the dtype asked for; anything else
-//! sums afresh. One offer is held at a time, on the thread that runs the backward; the next
-//! offer or take drops it, so it never outlives the backward that made it by more than one
-//! op's time.
+//! sums afresh. One offer is held at a time, in the backward pass's hand-off slot
+//! (`autograd::handoff`): the next offer or take drops it, and so does the end of the pass,
+//! also when the pass stops on an error before the Linear takes it.
 
-use std::cell::RefCell;
 use std::sync::{Arc, Weak};
 
+use crate::autograd::handoff;
 use crate::backend::Storage;
 use crate::tensor::{DType, Tensor};
 
@@ -52,22 +52,18 @@ struct Offer {
     sums: Tensor,
 }
 
-thread_local! {
-    static OFFER: RefCell<Option<Offer>> = const { RefCell::new(None) };
-}
-
 /// Offers `sums`, the column sums of `grad` (contiguous (rows, n) from its storage's start).
 pub(super) fn offer(grad: &Tensor, sums: Tensor) {
     let offer = Offer {
         of: BufferId::of(grad),
         sums,
     };
-    OFFER.with(|o| *o.borrow_mut() = Some(offer));
+    handoff::leave(offer);
 }
 
 /// The offer (dropped either way) when it holds the column sums of g2 (rows, n) in `dtype`.
 pub(super) fn take(g2: &Tensor, dtype: DType) -> Option<Tensor> {
-    let offer = OFFER.with(|o| o.borrow_mut().take())?;
+    let offer = handoff::take::<Offer>()?;
     let n = *g2.shape().last()?;
     let same = offer.of.is(g2) && offer.sums.shape() == [n] && offer.sums.dtype() == dtype;
     same.then_some(offer.sums)
@@ -93,6 +89,45 @@ mod tests {
         let got = take(&g.reshape(&[2, 3]).unwrap(), DType::F32).expect("the same buffer");
         assert_eq!(got.to_vec::<f32>().unwrap(), [5., 7., 9.]);
         assert!(take(&g, DType::F32).is_none(), "taken once");
+    }
+
+    /// A backward whose function offers sums and then fails, as a pass that runs out of
+    /// memory between a layer norm's backward and the Linear's does.
+    struct OffersThenFails(std::sync::Arc<std::sync::Mutex<Option<Weak<Storage>>>>);
+
+    impl crate::autograd::CustomFunction for OffersThenFails {
+        fn forward(
+            &mut self,
+            _: &mut crate::autograd::FunctionCtx,
+            inputs: &[Tensor],
+        ) -> crate::Result<Tensor> {
+            inputs[0].mul_scalar(2.0)
+        }
+
+        fn backward(
+            &mut self,
+            _: &crate::autograd::FunctionCtx,
+            g: &Tensor,
+        ) -> crate::Result<Vec<Option<Tensor>>> {
+            let s = sums();
+            *self.0.lock().unwrap() = Some(Arc::downgrade(s.storage()));
+            offer(g, s);
+            Err(crate::base::Error::invalid("test", "fails after its offer"))
+        }
+    }
+
+    #[test]
+    fn an_offer_goes_with_a_backward_that_fails_before_it_is_taken() {
+        let held = std::sync::Arc::new(std::sync::Mutex::new(None));
+        let x = grad().requires_grad_(true).unwrap();
+        let y = crate::autograd::apply_custom(OffersThenFails(held.clone()), &[x]).unwrap();
+        assert!(y.sum_all().unwrap().backward().is_err());
+        let sums = held.lock().unwrap().clone().expect("the backward ran");
+        assert!(
+            sums.upgrade().is_none(),
+            "the offered sums outlived the failed backward"
+        );
+        assert!(crate::autograd::handoff::is_empty());
     }
 
     #[test]
