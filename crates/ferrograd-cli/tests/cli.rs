@@ -786,6 +786,65 @@ fn a_gpu_budget_search_survives_trials_that_run_out_in_backward() {
     assert!(batch > 16, "{largest}");
 }
 
+/// The reserved peaks GPT-2 124M runs (bf16 autocast, T 1024, three steps, CUDA graphs) made
+/// on an NVIDIA H200 (driver 580, CUDA 13), read from `ferrograd train --json`
+/// (`peak_reserved_bytes`): the plan must give the same bytes. With the GELU recomputed, a
+/// plan whose simulated driver handed out increasing addresses reserved one (B·T, 4C)
+/// segment less at B 64 than the run (the real driver's segments go downwards, and the
+/// allocator breaks ties between free blocks by address).
+#[test]
+fn gpt2_plans_reserve_what_the_h200_runs_reserved() {
+    for (batch, recompute, measured) in [
+        ("8", "gelu", 4_452_253_696u64),
+        ("64", "gelu", 20_480_786_432),
+        ("64", "off", 25_111_298_048),
+    ] {
+        let out = ferrograd(&[
+            "plan",
+            "--device",
+            "cuda",
+            "--device-memory",
+            "143771MiB",
+            "--n-layer",
+            "12",
+            "--n-head",
+            "12",
+            "--n-embd",
+            "768",
+            "--block-size",
+            "1024",
+            "--vocab-size",
+            "50257",
+            "--amp",
+            "bf16",
+            "--max-steps",
+            "3",
+            "--warmup",
+            "1",
+            "--eval-every",
+            "0",
+            "--eval-batches",
+            "1",
+            "--json",
+            "--batch-size",
+            batch,
+            "--recompute",
+            recompute,
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let plan: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(
+            plan["plan"]["peak_reserved"].as_u64(),
+            Some(measured),
+            "B {batch}, --recompute {recompute}"
+        );
+    }
+}
+
 #[test]
 fn plan_lists_what_fits_a_budget_and_says_what_a_tiny_one_needs() {
     let out = ferrograd(&plan_args(&["--budget", "2MiB", "--json"]));

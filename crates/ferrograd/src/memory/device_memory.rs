@@ -38,12 +38,20 @@ impl Policy for Unopened {
     }
 }
 
-/// Addresses start here so that no segment sits at 0, the address of zero-size blocks.
-const BASE_ADDR: u64 = 1 << 40;
-/// Addresses advance in steps of this, like a driver's allocation granularity.
+/// Addresses are handed out downwards from here (far above 0, the address of zero-size
+/// blocks, and above any capacity's worth of segments).
+const TOP_ADDR: u64 = 1 << 52;
+/// Addresses move in steps of this, like a driver's allocation granularity.
 const ADDR_ALIGN: u64 = 2 << 20;
 
-/// A device of `capacity` bytes that hands out increasing addresses and counts calls.
+/// A device of `capacity` bytes that hands out decreasing addresses and counts calls.
+///
+/// Decreasing, because the CUDA driver does (seen on an H200, driver 580: each new segment
+/// of a training run lies below the one before), and the caching policy breaks ties between
+/// equally good free blocks by the lower address, so a plan picks the blocks the real run
+/// picks only when its segments are ordered as the driver orders them. With increasing
+/// addresses a GPT-2 plan with the GELU recomputed reserved one (B·T, 4C) segment less
+/// than the run (384 MiB at B 64).
 ///
 /// Clones share one device: a test keeps a clone to read the counters after the policy took
 /// ownership, or allocates from it directly to play another process using the same GPU.
@@ -57,7 +65,8 @@ pub struct SimulatedDevice {
 struct SimState {
     capacity: u64,
     used: u64,
-    next_addr: u64,
+    /// The lowest address handed out so far: the next segment ends here.
+    low_addr: u64,
     live: HashMap<u64, usize>,
     allocs: u64,
     frees: u64,
@@ -70,7 +79,7 @@ impl SimulatedDevice {
             state: Arc::new(Mutex::new(SimState {
                 capacity,
                 used: 0,
-                next_addr: BASE_ADDR,
+                low_addr: TOP_ADDR,
                 live: HashMap::new(),
                 allocs: 0,
                 frees: 0,
@@ -119,9 +128,9 @@ impl DeviceMemory for SimulatedDevice {
             st.failed_allocs += 1;
             return None;
         }
-        let addr = st.next_addr;
         let step = (bytes as u64).div_ceil(ADDR_ALIGN).max(1) * ADDR_ALIGN;
-        st.next_addr = addr.checked_add(step)?;
+        let addr = st.low_addr.checked_sub(step)?;
+        st.low_addr = addr;
         st.used += bytes as u64;
         st.allocs += 1;
         st.live.insert(addr, bytes);
@@ -154,11 +163,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn hands_out_increasing_addresses_within_capacity() {
+    fn hands_out_decreasing_addresses_within_capacity() {
         let mut d = SimulatedDevice::new(5 << 20);
         let a = d.alloc(2 << 20).unwrap();
         let b = d.alloc(3 << 20).unwrap();
-        assert!(b >= a + (2 << 20));
+        assert!(b + (3 << 20) <= a, "each segment below the one before");
         assert_eq!(d.alloc(1), None);
         assert_eq!(d.failed_allocs(), 1);
         assert_eq!(
@@ -171,7 +180,7 @@ mod tests {
         d.free(a, 2 << 20);
         assert_eq!(d.mem_info().free, 2 << 20);
         let c = d.alloc(2 << 20).unwrap();
-        assert!(c > b, "addresses are never reused");
+        assert!(c < b, "addresses are never reused");
         assert_eq!((d.allocs(), d.frees(), d.live_allocations()), (3, 1, 2));
     }
 

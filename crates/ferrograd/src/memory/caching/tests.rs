@@ -215,9 +215,10 @@ fn ten_mib_and_above_get_segments_rounded_to_2_mib() {
     assert_eq!(f.cur_reserved(), 10 * MIB as i64);
     f.malloc(10 * MIB + 1);
     assert_eq!(f.cur_reserved(), (10 + 12) as i64 * MIB as i64);
-    // The 12 MiB segment has 2 MiB - 512 left: more than 1 MiB, so it was split.
+    // The 12 MiB segment has 2 MiB - 512 left: more than 1 MiB, so it was split. It is the
+    // second segment, below the first (the device hands out decreasing addresses).
     assert_eq!(
-        f.layout()[1],
+        f.layout()[0],
         vec![(10 * MIB + 512, true), (2 * MIB - 512, false)]
     );
     f.malloc(10 * MIB - 512);
