@@ -622,6 +622,9 @@ fn the_attention_path_is_chosen_by_flag_and_reported() {
 
 /// SMALL as `plan` flags (the same flags as `train`), with two layers: with one, the peak
 /// is the head's backward, which recomputing the only block cannot lower.
+/// A plan for an 80 GiB GPU on a machine that has none.
+const GPU_80GIB: [&str; 4] = ["--device", "cuda", "--device-memory", "80GiB"];
+
 fn plan_args(extra: &[&'static str]) -> Vec<&'static str> {
     let mut args = small_with(&[("--n-layer", "2")]);
     args[0] = "plan";
@@ -680,12 +683,7 @@ fn plan_prints_the_breakdown_the_phases_and_the_alternatives() {
 
 #[test]
 fn plan_for_a_gpu_needs_no_gpu_when_given_its_memory() {
-    let text = output_of(&plan_args(&[
-        "--device",
-        "cuda",
-        "--device-memory",
-        "80GiB",
-    ]));
+    let text = output_of(&plan_args(&GPU_80GIB));
     assert!(text.contains("plan for cuda (80.00 GiB)"), "{text}");
     assert!(
         text.contains("workspace"),
@@ -702,7 +700,7 @@ fn plan_for_a_gpu_needs_no_gpu_when_given_its_memory() {
 #[test]
 fn the_default_recomputation_is_the_gelu_on_a_gpu_and_nothing_on_the_cpu() {
     let gpu = |extra: &[&'static str]| {
-        let mut args = vec!["--device", "cuda", "--device-memory", "80GiB", "--json"];
+        let mut args = [GPU_80GIB.as_slice(), &["--json"]].concat();
         args.extend_from_slice(extra);
         let out = ferrograd(&plan_args(&args));
         assert!(
@@ -736,12 +734,7 @@ fn the_default_recomputation_is_the_gelu_on_a_gpu_and_nothing_on_the_cpu() {
     assert_eq!(offered(&auto, "--recompute off"), Some(peak(&off)));
     assert_eq!(offered(&auto, "--recompute gelu"), None);
     assert_eq!(offered(&off, "--recompute gelu"), Some(peak(&gelu)));
-    let text = output_of(&plan_args(&[
-        "--device",
-        "cuda",
-        "--device-memory",
-        "80GiB",
-    ]));
+    let text = output_of(&plan_args(&GPU_80GIB));
     assert!(text.contains("recompute gelu"), "{text}");
     let text = output_of(&plan_args(&[]));
     assert!(
