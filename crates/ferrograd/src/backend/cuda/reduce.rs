@@ -178,9 +178,13 @@ fn split_dims(x: View, dims: &[usize]) -> Result<(Strided, Strided, usize, usize
     Ok((outer, inner, n_out, n_in))
 }
 
-/// f64 values then i64 indices, one per (output, split).
-fn partials_bytes(parts: usize) -> usize {
-    parts * 16
+/// f64 values then i64 indices, one per (output, split); sums of whole-vector rows need no
+/// indices.
+fn partials_bytes(kernel: Kernel, parts: usize) -> usize {
+    match kernel {
+        Kernel::ColsVec { .. } => parts * 8,
+        _ => parts * 16,
+    }
 }
 
 /// The bytes of the partial results a reduction of `x` over `dims` takes, if it splits its
@@ -191,7 +195,7 @@ pub(crate) fn scratch_bytes(op: ReduceOp, x: View, dims: &[usize]) -> Result<Opt
         return Ok(None);
     }
     let p = plan_of(op, x, (&outer, &inner), n_out, n_in);
-    Ok((p.splits > 1).then(|| partials_bytes(n_out * p.splits)))
+    Ok((p.splits > 1).then(|| partials_bytes(p.kernel, n_out * p.splits)))
 }
 
 pub(crate) fn reduce(
@@ -226,8 +230,13 @@ pub(crate) fn reduce(
         return launch_main(d, suffix, p, &args, None);
     }
     let parts = n_out * p.splits;
-    let scratch = temp(d, partials_bytes(parts), "cuda temp")?;
-    let (pv, pi) = (scratch.addr(), scratch.addr() + (parts * 8) as u64);
+    let scratch = temp(d, partials_bytes(p.kernel, parts), "cuda temp")?;
+    let pv = scratch.addr();
+    if let Kernel::ColsVec { .. } = p.kernel {
+        launch_main(d, suffix, p, &args, Some((pv, 0)))?;
+        return launch_cols_finish(d, p.splits, &args, pv);
+    }
+    let pi = pv + (parts * 8) as u64;
     launch_main(d, suffix, p, &args, Some((pv, pi)))?;
     launch_finish(d, p.splits, &args, pv, pi)
     // `scratch` is freed here; later users of the block queue behind these kernels.
@@ -346,6 +355,21 @@ fn launch_finish(d: &CudaDevice, splits: usize, a: &Args, pv: u64, pi: u64) -> R
     ];
     let cfg = config(a.n_out as usize, (block_threads(splits), 1));
     launch(d, &KERNELS, "reduce_finish", cfg, &args)
+}
+
+/// reduce_cols_finish: the split-major partials of reduce_cols_vec_*, added in split order.
+fn launch_cols_finish(d: &CudaDevice, splits: usize, a: &Args, pv: u64) -> Result<()> {
+    // reduce_cols_finish(const double*, i64, i64, void*, int)
+    let args = [
+        Arg::Ptr(pv),
+        Arg::I64(a.n_out),
+        Arg::I64(splits as i64),
+        Arg::Ptr(a.out),
+        Arg::I32(a.odt),
+    ];
+    let n = a.n_out as usize;
+    let cfg = config(n.div_ceil(COLS_X), (COLS_X as u32, COLS_Y as u32));
+    launch(d, &KERNELS, "reduce_cols_finish", cfg, &args)
 }
 
 impl ReduceKernels for CudaDevice {

@@ -15,8 +15,8 @@
 //   (the bias gradient of every linear layer): as reduce_cols_*, but each thread takes one
 //   vector of outputs, so a warp reads 512 contiguous bytes of a row per load.
 // With one split a kernel writes the output; with several it writes f64 partials at
-// o * splits + s that reduce_finish combines in a fixed order, so sums are the same bits on
-// every run.
+// o * splits + s that reduce_finish combines in a fixed order (reduce_cols_vec_*: at
+// s * n_out + o, for reduce_cols_finish), so sums are the same bits on every run.
 
 // Op codes (R_*) come from the generated header (backend/cuda/codes.rs).
 
@@ -203,8 +203,8 @@ __device__ __forceinline__ void reduce_cols_run(int op, const typename T::S* x, 
 // multiples of the vector width V, x 16-byte aligned). Work item w = (tile t of COLS_X
 // vectors, split s); blockDim must be (COLS_X, COLS_Y). Each thread sums its vector's V
 // columns over every COLS_Y-th row of the split, then thread i of the block adds the COLS_Y
-// partial sums of the tile's column i in a fixed order. Partials (if any) are sums, so only
-// their values are written: reduce_finish ignores the indices of a sum.
+// partial sums of the tile's column i in a fixed order. Partials (if any) are the splits'
+// sums, split-major (s * n_out + o), for reduce_cols_finish.
 template <typename T>
 __device__ __forceinline__ void reduce_cols_vec_run(const typename T::S* x, i64 ld, i64 n_out,
                                                     i64 n_in, i64 splits, i64 chunk, void* out,
@@ -239,7 +239,7 @@ __device__ __forceinline__ void reduce_cols_vec_run(const typename T::S* x, i64 
         if (i < COLS_X * V && o < n_out) {
             double a = 0.0;
             for (int k = 0; k < COLS_Y; ++k) a += cv[k][i];
-            if (partial) part_v[o * splits + s] = a;
+            if (partial) part_v[s * n_out + o] = a;
             else store_f64(out, odt, o, a);
         }
         __syncthreads();
@@ -288,5 +288,28 @@ extern "C" __global__ void reduce_finish(int op, const double* part_v, const i64
         a = block_reduce(op, a);
         if (threadIdx.x == 0) store_result(out, odt, o, op, a);
         __syncthreads();
+    }
+}
+
+// Combines reduce_cols_vec_*'s split-major partials: COLS_X outputs per block, blockDim
+// (COLS_X, COLS_Y). Row y of threads adds splits y, y + COLS_Y, ... (a warp reads COLS_X
+// neighbouring outputs' partials of one split at once), then thread x of row 0 adds its
+// output's COLS_Y sums in a fixed order: the same bits on every run.
+extern "C" __global__ void reduce_cols_finish(const double* part_v, i64 n_out, i64 splits,
+                                              void* out, int odt) {
+    __shared__ double acc[COLS_Y][COLS_X];
+    const int tx = threadIdx.x, ty = threadIdx.y;
+    const i64 o = (i64)blockIdx.x * COLS_X + tx;
+    double a = 0.0;
+    if (o < n_out) {
+#pragma unroll 4
+        for (i64 s = ty; s < splits; s += COLS_Y) a += part_v[s * n_out + o];
+    }
+    acc[ty][tx] = a;
+    __syncthreads();
+    if (ty == 0 && o < n_out) {
+        double t = 0.0;
+        for (int k = 0; k < COLS_Y; ++k) t += acc[k][tx];
+        store_f64(out, odt, o, t);
     }
 }
