@@ -204,8 +204,8 @@ fn set_desc<T>(d: &CudaDevice, desc: &Descriptors, attr: DescAttr, value: &T) ->
     .map_err(|e| d.err("cublasLtMatmulDescSetAttribute", e))
 }
 
-/// Whether single products with beta 0 go through cuBLASLt (`Epilogue::Plain`, the timed
-/// choice of algorithm) rather than cuBLAS's default one: on unless `FERROGRAD_GEMM_LT=0`
+/// Whether single products go through cuBLASLt (`Epilogue::Plain`, the timed choice of
+/// algorithm; beta != 0 too, accumulating in place) rather than cuBLAS's default one: on unless `FERROGRAD_GEMM_LT=0`
 /// (read once), which gives the cuBLAS path back for comparison.
 pub(super) fn plain_products() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -234,9 +234,10 @@ fn lt_types(g: &Gemm) -> Option<(cudaDataType, cudaDataType, cublasComputeType_t
     Some((lt_data(g.ty.data)?, lt_data(g.out_ty.data)?, compute))
 }
 
-/// `out (m, n) = a @ b` for one product (no batch, beta 0) with f32 scaling (f32, f16 and
-/// bf16 data; an f32 output for half operands) and the epilogue; its vector holds contiguous
-/// elements of the output's dtype.
+/// `out (m, n) = a @ b + beta·out` for one product (no batch; beta != 0 only without an
+/// epilogue: C is the output, read in place) with f32 scaling (f32, f16 and bf16 data; an f32
+/// output for half operands) and the epilogue; its vector holds contiguous elements of the
+/// output's dtype.
 /// `ws` is the device's workspace block. Ok(false): not for cuBLASLt (f64), or it has no
 /// algorithm for it; nothing was queued.
 pub(super) fn gemm_epilogue(
@@ -334,7 +335,7 @@ pub(super) fn gemm_epilogue(
         .unwrap_or_else(|e| e.into_inner())
         .get(&key)
         .copied();
-    let (one, zero) = (1f32, 0f32);
+    let (one, beta) = (1f32, g.beta as f32);
     let (desc, [la, lb, lc]) = (ds.desc, [ds.layouts[0], ds.layouts[1], ds.layouts[2]]);
     let launch = |algo: &cublasLtMatmulAlgo_t| {
         // SAFETY: the operand and output addresses and leading dims come from layouts of live
@@ -347,7 +348,7 @@ pub(super) fn gemm_epilogue(
                 handle,
                 desc,
                 &one as *const f32 as *const c_void,
-                &zero as *const f32 as *const c_void,
+                &beta as *const f32 as *const c_void,
                 b as *const c_void,
                 la,
                 a as *const c_void,
@@ -370,15 +371,33 @@ pub(super) fn gemm_epilogue(
             g.m, g.n, g.k, g.ty.data, g.out_ty.data
         )
     };
+    // An accumulating call reads its output, so its candidates are never timed on it: it
+    // takes the choice of the same product with beta 0 (the algorithm does not depend on
+    // beta), stored or met earlier in this process, else the heuristic's first answer, which
+    // it does not keep for a later beta-0 call that may time them.
+    let accumulates = g.beta != 0.0;
     let algo = match cached {
         Some(algo) => algo,
         None => {
-            let Some(algo) = choose(d, handle, &mut ds, &key, (kind, vector), &launch, &label)?
-            else {
+            let found = choose(
+                d,
+                handle,
+                &mut ds,
+                &key,
+                (kind, vector),
+                accumulates,
+                &launch,
+                &label,
+            )?;
+            let Some(algo) = found else {
                 return Ok(false);
             };
-            let mut algos = ALGOS.lock().unwrap_or_else(|e| e.into_inner());
-            *algos.entry(key).or_insert(algo)
+            if accumulates {
+                algo
+            } else {
+                let mut algos = ALGOS.lock().unwrap_or_else(|e| e.into_inner());
+                *algos.entry(key).or_insert(algo)
+            }
         }
     };
     super::timing::timed(d, label, || launch(&algo))?;
@@ -386,10 +405,11 @@ pub(super) fn gemm_epilogue(
 }
 
 /// The algorithm for a problem met for the first time in this process: with tuning on, the
-/// choice stored by an earlier run (`report` always times), else (outside a capture) the
-/// timed choice among the heuristic's answers on this call's operands, stored for the next
-/// run; with tuning off, or a new problem met inside a capture, the heuristic's first answer.
-/// None when it has none.
+/// choice stored by an earlier run (`report` always times), else (outside a capture, for a
+/// call that does not accumulate into its output) the timed choice among the heuristic's
+/// answers on this call's operands, stored for the next run; with tuning off, or a new
+/// problem met inside a capture or accumulating, the heuristic's first answer. None when it
+/// has none.
 #[allow(clippy::too_many_arguments)]
 fn choose(
     d: &CudaDevice,
@@ -397,6 +417,7 @@ fn choose(
     ds: &mut Descriptors,
     key: &Key,
     epilogue: (cublasLtEpilogue_t, Option<u64>),
+    accumulates: bool,
     launch: &dyn Fn(&cublasLtMatmulAlgo_t) -> Result<()>,
     label: &dyn Fn() -> String,
 ) -> Result<Option<cublasLtMatmulAlgo_t>> {
@@ -408,7 +429,7 @@ fn choose(
         let found = heuristic(d, handle, ds, key.aligns, tune::MAX_CANDIDATES)?;
         return Ok(found.get(i).or(found.first()).copied());
     }
-    let timing = mode != tune::Mode::Off && !d.is_capturing();
+    let timing = mode != tune::Mode::Off && !d.is_capturing() && !accumulates;
     let wanted = if timing { tune::MAX_CANDIDATES } else { 1 };
     let found = heuristic(d, handle, ds, key.aligns, wanted)?;
     if !timing || found.len() < 2 {

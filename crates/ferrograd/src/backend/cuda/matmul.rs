@@ -68,7 +68,7 @@ pub(crate) fn matmul_acc(
         }
         return d.memset_zero(ptr(out)?, out.len() * out.dtype().size_in_bytes());
     }
-    if beta == 0.0 && super::gemm_lt::plain_products() {
+    if super::gemm_lt::plain_products() {
         let m = Matmul {
             spec: *spec,
             a,
@@ -585,7 +585,9 @@ fn single_lt(d: &CudaDevice, m: &Matmul, epilogue: Epilogue) -> Result<bool> {
         n,
         k,
     } = m.spec;
-    if batch != 1 || rows * n * k == 0 || m.beta != 0.0 {
+    // Only a plain product accumulates into its output (beta != 0, read as C in place).
+    let accumulates = m.beta != 0.0;
+    if batch != 1 || rows * n * k == 0 || (accumulates && !matches!(epilogue, Epilogue::Plain)) {
         return Ok(false);
     }
     let ty = GemmType::of(m.a.storage.dtype())?;
@@ -611,7 +613,7 @@ fn single_lt(d: &CudaDevice, m: &Matmul, epilogue: Epilogue) -> Result<bool> {
         a: pa.matrix()?,
         b: pb.matrix()?,
         out: ptr(m.out)?,
-        beta: 0.0,
+        beta: m.beta,
     };
     super::gemm_lt::gemm_epilogue(d, &call, (at(&va)?, at(&vb)?), ws, epilogue)
 }
