@@ -205,8 +205,8 @@ fn set_desc<T>(d: &CudaDevice, desc: &Descriptors, attr: DescAttr, value: &T) ->
 }
 
 /// Whether single products go through cuBLASLt (`Epilogue::Plain`, the timed choice of
-/// algorithm; beta != 0 too, accumulating in place) rather than cuBLAS's default one: on unless `FERROGRAD_GEMM_LT=0`
-/// (read once), which gives the cuBLAS path back for comparison.
+/// algorithm; beta != 0 too, accumulating in place) rather than cuBLAS's default one: on
+/// unless `FERROGRAD_GEMM_LT=0` (read once), which gives the cuBLAS path back for comparison.
 pub(super) fn plain_products() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| plain_products_from(std::env::var("FERROGRAD_GEMM_LT").ok().as_deref()))

@@ -18,6 +18,8 @@
 //!
 //! Candidates run on the call's own operands: the epilogue GEMMs write their outputs and never
 //! read them (beta 0), so the real call that follows overwrites everything a candidate wrote.
+//! A product that accumulates into its output (beta != 0) is never timed: it takes the choice
+//! of the same product with beta 0.
 //! Nothing is timed while the stream is being captured into a CUDA graph (a capture records
 //! launches without running them): a problem first met there takes the heuristic's answer.
 

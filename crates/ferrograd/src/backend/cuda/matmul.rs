@@ -7,9 +7,10 @@
 //! gapped view) is first copied into a contiguous temporary.
 //!
 //! `matmul_acc` passes a beta to cuBLAS, so the product is added into the output in the
-//! same pass (out = a·b + beta·out). A single product with beta 0 goes to cuBLASLt instead
+//! same pass (out = a·b + beta·out). A single product goes to cuBLASLt instead
 //! (cuda/gemm_lt.rs), whose algorithm is the fastest of its heuristic's candidates, timed once
-//! per problem, where cuBLAS takes its default one.
+//! per problem with beta 0 (an accumulating one takes that choice), where cuBLAS takes its
+//! default one.
 //!
 //! f32 accumulates in f32 (TF32 tensor cores only when `allow_tf32()`), f64 in f64, f16 and
 //! bf16 in f32, stored in their dtype or, for an f32 output, as the f32 sums (cuBLAS's
