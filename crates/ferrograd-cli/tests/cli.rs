@@ -620,11 +620,11 @@ fn the_attention_path_is_chosen_by_flag_and_reported() {
     assert!(err.contains("fused") && err.contains("composed"), "{err}");
 }
 
-/// SMALL as `plan` flags (the same flags as `train`), with two layers: with one, the peak
-/// is the head's backward, which recomputing the only block cannot lower.
 /// A plan for an 80 GiB GPU on a machine that has none.
 const GPU_80GIB: [&str; 4] = ["--device", "cuda", "--device-memory", "80GiB"];
 
+/// SMALL as `plan` flags (the same flags as `train`), with two layers: with one, the peak
+/// is the head's backward, which recomputing the only block cannot lower.
 fn plan_args(extra: &[&'static str]) -> Vec<&'static str> {
     let mut args = small_with(&[("--n-layer", "2")]);
     args[0] = "plan";
