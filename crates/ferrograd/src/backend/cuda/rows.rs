@@ -322,7 +322,7 @@ fn layer_norm_backward(d: &CudaDevice, a: &LayerNormBackward) -> Result<()> {
     }
     launch(d, module, &kernel, cfg, &args)?;
     match part {
-        Some(part) => params_finish(d, module, part.addr(), blocks, n, &grads),
+        Some(part) => params_finish(d, (module, WARP_FINISH), part.addr(), blocks, n, &grads),
         None => Ok(()),
     }
 }
@@ -354,18 +354,29 @@ fn param_chunks(rows: usize, n: usize) -> (usize, usize) {
     (per, rows.div_ceil(per).max(1))
 }
 
+/// Bytes of one partial sum: the warp kernels' blocks write f32 (`float* part`), the chunk
+/// sums double (`double* part`), and each finish reads its own (kernels/rows.cu).
+const WARP_PARTIAL_BYTES: usize = 4;
+const CHUNK_PARTIAL_BYTES: usize = 8;
+/// The finish kernels that add up those partials.
+const WARP_FINISH: &str = "layer_norm_params_finish_f32";
+const CHUNK_FINISH: &str = "layer_norm_params_finish";
+
 /// The bytes of the column-sum partials a layer norm backward takes for its parameter
-/// gradients, if it makes any (the planner counts the same block): one row of n per block of
-/// the warp kernels, else one per chunk of the separate column sums.
+/// gradients, if it makes any (the planner counts the same block): one row of n f32 per block
+/// of the warp kernels, else one of n doubles per chunk of the separate column sums.
 pub(crate) fn param_scratch_bytes(a: &LayerNormBackward) -> Option<usize> {
     let (rows, n) = rows_cols(a.x.layout);
     let wanted = params_wanted(a) && rows > 0 && n > 0;
-    let partials = match warp_slots(a.x.storage.dtype(), n) {
-        Some(_) => fused_param_blocks(rows, bwd_blocks_per_sm(a)),
-        None => param_chunks(rows, n).1,
+    let (partials, bytes) = match warp_slots(a.x.storage.dtype(), n) {
+        Some(_) => (
+            fused_param_blocks(rows, bwd_blocks_per_sm(a)),
+            WARP_PARTIAL_BYTES,
+        ),
+        None => (param_chunks(rows, n).1, CHUNK_PARTIAL_BYTES),
     };
     let vectors = 2 + usize::from(sums_half(a));
-    wanted.then(|| vectors * partials * n * 8)
+    wanted.then(|| vectors * partials * n * bytes)
 }
 
 fn params_wanted(a: &LayerNormBackward) -> bool {
@@ -395,7 +406,11 @@ fn layer_norm_param_grads(
     n: usize,
 ) -> Result<()> {
     let (per, chunks) = param_chunks(rows, n);
-    let part = temp(d, 2 * chunks * n * 8, "layer_norm_backward")?;
+    let part = temp(
+        d,
+        2 * chunks * n * CHUNK_PARTIAL_BYTES,
+        "layer_norm_backward",
+    )?;
     let cfg = LaunchConfig {
         grid_dim: (n.div_ceil(BLOCK as usize) as u32, chunks as u32, 1),
         block_dim: (BLOCK, 1, 1),
@@ -414,7 +429,7 @@ fn layer_norm_param_grads(
     ]
     .concat();
     launch(d, module, &format!("layer_norm_params_{s}"), cfg, &args)?;
-    params_finish(d, module, part.addr(), chunks, n, p)
+    params_finish(d, (module, CHUNK_FINISH), part.addr(), chunks, n, p)
 }
 
 /// Columns and chunk lanes of one block of the second stage (LN_FIN_COLS and LN_FIN_LANES in
@@ -422,11 +437,12 @@ fn layer_norm_param_grads(
 const FINISH_COLS: usize = 16;
 const FINISH_LANES: u32 = 64;
 
-/// The second stage: each column adds its `chunks` partials (at `part`) in a fixed order into
-/// gweight, gbias and the half gradient's sums (each where asked for).
+/// The second stage: each column adds its `chunks` partials (at `part`, of the type `kernel`
+/// reads) in a fixed order into gweight, gbias and the half gradient's sums (each where asked
+/// for).
 fn params_finish(
     d: &CudaDevice,
-    module: &'static Module,
+    (module, kernel): (&'static Module, &str),
     part: u64,
     chunks: usize,
     n: usize,
@@ -448,7 +464,7 @@ fn params_finish(
         block_dim: (FINISH_COLS as u32, FINISH_LANES, 1),
         shared_mem_bytes: 0,
     };
-    launch(d, module, "layer_norm_params_finish", cfg, &args)
+    launch(d, module, kernel, cfg, &args)
 }
 
 #[cfg(test)]
@@ -509,6 +525,18 @@ mod tests {
         assert_eq!(warp_slots(DType::F32, 768), Some(24));
         assert_eq!(warp_slots(DType::F64, 768), None);
         assert_eq!(warp_slots(DType::BF16, 1025), None);
+    }
+
+    /// The partials' bytes are those of the type each kernel writes them in and its finish
+    /// reads: f32 from the warp kernels' blocks, double from the chunk sums.
+    #[test]
+    fn partial_sums_take_the_bytes_of_their_kernels_dtype() {
+        assert!(SOURCE.contains("i64 n, float* part, int vec, int half_sums) {"));
+        assert!(SOURCE.contains("int sk, double* part, i64 rows, i64 n, i64 rows_per_chunk,"));
+        assert!(SOURCE.contains(&format!("{WARP_FINISH}(const float* part,")));
+        assert!(SOURCE.contains(&format!("{CHUNK_FINISH}(const double* part,")));
+        assert_eq!(WARP_PARTIAL_BYTES, std::mem::size_of::<f32>());
+        assert_eq!(CHUNK_PARTIAL_BYTES, std::mem::size_of::<f64>());
     }
 
     /// The finish's launch gives each block the columns and chunk lanes its kernel indexes by,

@@ -307,9 +307,10 @@ __device__ void layer_norm_fwd_warp(const T* x, const Y* res, T* sum, const T* w
 // With `part` (else null) the backward also sums the weight and bias gradients' partials of
 // its block, so no second pass reads x and gy again: each warp adds Σ gy x̂ and Σ gy of its
 // rows, in row order, to its own two rows of n floats of dynamic shared memory (a lane touches
-// only its own columns), then the block adds its warps in order, in double, into
-// part[block][j] (Σ gy x̂) and part[blocks + block][j] (Σ gy) — the layout that
-// layer_norm_params_finish adds up, one chunk per block. The grid depends on the shape alone,
+// only its own columns), then the block adds its warps in order, in double, and stores the
+// sum rounded to f32 into part[block][j] (Σ gy x̂) and part[blocks + block][j] (Σ gy) — the
+// layout that layer_norm_params_finish_f32 adds up, one chunk per block. f32, not double:
+// each warp's sums are f32 already, and the partials are a tenth of the backward's traffic. The grid depends on the shape alone,
 // so the partition, and the sums, are reproducible.
 // With `gxh` (else null) gx is also written rounded to Y, as a cast kernel rounds it: the
 // gradient of a half residual branch whose f32 sum these rows are, with no cast launch. With
@@ -318,7 +319,7 @@ __device__ void layer_norm_fwd_warp(const T* x, const Y* res, T* sum, const T* w
 template <typename T, typename Y, int PER, bool HALF_TOO>
 __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, const void* rstd,
                                     int sk, const Y* gy, const T* prior, T* gx, Y* gxh, i64 rows,
-                                    i64 n, double* part, int vec, int half_sums) {
+                                    i64 n, float* part, int vec, int half_sums) {
     constexpr int G = PER / 4;
     const int lane = threadIdx.x & 31;
     const bool sum_half = HALF_TOO && part && half_sums;
@@ -410,9 +411,9 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
                 b += (double)rows_v[n + j];
                 if (sum_half) c += (double)rows_v[2 * n + j];
             }
-            part[(i64)blockIdx.x * n + j] = a;
-            part[((i64)gridDim.x + blockIdx.x) * n + j] = b;
-            if (sum_half) part[(2 * (i64)gridDim.x + blockIdx.x) * n + j] = c;
+            part[(i64)blockIdx.x * n + j] = (float)a;
+            part[((i64)gridDim.x + blockIdx.x) * n + j] = (float)b;
+            if (sum_half) part[(2 * (i64)gridDim.x + blockIdx.x) * n + j] = (float)c;
         }
     }
 }
@@ -444,14 +445,14 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
     extern "C" __global__ void __launch_bounds__(LN_WARP_BLOCK, BWD_MIN)                                    \
         layer_norm_bwd_warp##PER##_##S(const T* x, const T* w, const void* mean,                   \
                                        const void* rstd, int sk, const Y* gy, const T* prior,      \
-                                       T* gx, i64 rows, i64 n, double* part, int vec) {            \
+                                       T* gx, i64 rows, i64 n, float* part, int vec) {             \
         layer_norm_bwd_warp<T, Y, PER, false>(x, w, mean, rstd, sk, gy, prior, gx, nullptr, rows,  \
                                               n, part, vec, 0);                                    \
     }                                                                                              \
     extern "C" __global__ void __launch_bounds__(LN_WARP_BLOCK, LN_HALF_TOO_MIN(BWD_MIN))                   \
         layer_norm_bwd_warp##PER##_##S##_half_too(const T* x, const T* w, const void* mean,        \
                                        const void* rstd, int sk, const Y* gy, const T* prior,      \
-                                       T* gx, Y* gxh, i64 rows, i64 n, double* part, int vec,      \
+                                       T* gx, Y* gxh, i64 rows, i64 n, float* part, int vec,       \
                                        int half_sums) {                                            \
         layer_norm_bwd_warp<T, Y, PER, true>(x, w, mean, rstd, sk, gy, prior, gx, gxh, rows, n,    \
                                              part, vec, half_sums);                                \
@@ -485,28 +486,29 @@ __device__ void layer_norm_params(const T* x, const Y* gy, const void* mean, con
     part[(chunks + c) * n + j] = gb;
 }
 
-// Stage 2: column j adds its chunk partials; gw / gb / gh (kind ok) may be null (gh, the
+// Stage 2: column j adds its chunk partials (P: double from the chunk sums above, f32 from
+// the warp kernels' blocks), in double; gw / gb / gh (kind ok) may be null (gh, the
 // sums of the half gradient, has a third row of partials only when given). blockIdx.y picks
 // the sum (weight, bias, half) and a block of LN_FIN_COLS x LN_FIN_LANES threads takes
 // LN_FIN_COLS columns of it: lane ty sums chunks ty, ty + LN_FIN_LANES, ... of column tx (a
-// warp reads two 128-byte runs of adjacent columns), lanes fold in four in lane order, and
+// warp reads two runs of adjacent columns), lanes fold in four in lane order, and
 // lane 0 adds the rest in order. A fixed partition, so the sums are reproducible; one block
 // per (sum, 16 columns) fills the GPU at GPT-2's widths (144 blocks at 768 with three sums),
 // where one block per 32 columns of all three sums left most SMs idle.
 #define LN_FIN_COLS 16
 #define LN_FIN_LANES 64
-extern "C" __global__ void __launch_bounds__(LN_FIN_COLS * LN_FIN_LANES)
-    layer_norm_params_finish(const double* part, i64 chunks, i64 n, void* gw, void* gb, void* gh,
-                             int ok) {
+template <typename P>
+__device__ void layer_norm_params_finish_run(const P* part, i64 chunks, i64 n, void* gw,
+                                             void* gb, void* gh, int ok) {
     __shared__ double sh[LN_FIN_LANES][LN_FIN_COLS + 1];
     void* const out = blockIdx.y == 0 ? gw : blockIdx.y == 1 ? gb : gh;
     if (!out) return;  // the whole block: this sum is not asked for
     const int tx = threadIdx.x, ty = threadIdx.y;
     const i64 j = (i64)blockIdx.x * LN_FIN_COLS + tx;
-    const double* rows = part + (i64)blockIdx.y * chunks * n;
+    const P* rows = part + (i64)blockIdx.y * chunks * n;
     double a = 0.0;
     if (j < n)
-        for (i64 c = ty; c < chunks; c += LN_FIN_LANES) a += rows[c * n + j];
+        for (i64 c = ty; c < chunks; c += LN_FIN_LANES) a += (double)rows[c * n + j];
     sh[ty][tx] = a;
     __syncthreads();
     constexpr int Q = LN_FIN_LANES / 4;
@@ -517,6 +519,16 @@ extern "C" __global__ void __launch_bounds__(LN_FIN_COLS * LN_FIN_LANES)
         for (int l = 0; l < Q; ++l) t += sh[l][tx];
         store_f64(out, ok, j, t);
     }
+}
+extern "C" __global__ void __launch_bounds__(LN_FIN_COLS * LN_FIN_LANES)
+    layer_norm_params_finish(const double* part, i64 chunks, i64 n, void* gw, void* gb, void* gh,
+                             int ok) {
+    layer_norm_params_finish_run(part, chunks, n, gw, gb, gh, ok);
+}
+extern "C" __global__ void __launch_bounds__(LN_FIN_COLS * LN_FIN_LANES)
+    layer_norm_params_finish_f32(const float* part, i64 chunks, i64 n, void* gw, void* gb,
+                                 void* gh, int ok) {
+    layer_norm_params_finish_run(part, chunks, n, gw, gb, gh, ok);
 }
 
 // ---- entry points ------------------------------------------------------------------------------
