@@ -179,10 +179,10 @@ CROSS_ENTROPY_VEC_KERNELS(bf16, bf16_t)
 // The fused classifier's chunks: per row, -log p(target) into nll and the logits overwritten by
 // (softmax - onehot) · gloss / count, as cross_entropy_fwd_vec then cross_entropy_bwd_vec would
 // give (the log-sum-exp stays in f32, the value the backward rounds it to). One block of
-// CE_GRAD_BLOCK threads per row and two blocks per SM: the row is read, reduced, then read
-// again while at most two rows per SM (26 MB on 132 SMs for GPT-2's 100 KB rows) are live, so
-// the second read comes from L2 and the logits cross HBM once each way; on Hopper, rows that
-// fit are staged in shared memory instead (the STAGED form below).
+// CE_GRAD_BLOCK threads per row and two blocks per SM: the row is read three times (its max,
+// its sum of exps, its gradient) while at most two rows per SM (26 MB on 132 SMs for GPT-2's
+// 100 KB rows) are live, so the later reads come from L2 and the logits cross HBM once each
+// way; on Hopper, rows that fit are staged in shared memory instead (the STAGED form below).
 
 #define CE_GRAD_BLOCK 1024
 
@@ -206,17 +206,52 @@ __device__ __forceinline__ float ce_block_sum(float v, float* red) {
     return v;
 }
 
-// The gradient of one logit: (exp(v - l) - onehot) · scale, 0 when the target is ignored.
-template <typename T>
-__device__ __forceinline__ T ce_grad(float v, float l, bool hot, bool ignored, float scale) {
-    const float g = (__expf(v - l) - (hot ? 1.0f : 0.0f)) * scale;
-    return from_f<T>(ignored ? 0.0f : g);
+// 2^v on the special-function unit (ex2.approx, flushing subnormal results): the exps below are
+// 2^(x log2 e - shift), one fused multiply-add and this instruction each.
+__device__ __forceinline__ float ex2_approx(float v) {
+    float r;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
+    return r;
+}
+#define LOG2E_F 1.4426950408889634f
+
+// Two f32 values rounded to T (nearest even) in one 32-bit word, lo in the low half: one
+// cvt.rn.*x2 instruction from sm_80 on (the integer rounding of f32_to_bf16 / f32_to_f16
+// takes several an element). The same bits as those, but for a NaN's payload.
+template <typename T> __device__ __forceinline__ u32 pack2_rn(float lo, float hi);
+template <> __device__ __forceinline__ u32 pack2_rn<bf16_t>(float lo, float hi) {
+#if __CUDA_ARCH__ >= 800
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
+#endif
+}
+template <> __device__ __forceinline__ u32 pack2_rn<f16_t>(float lo, float hi) {
+#if __CUDA_ARCH__ >= 800
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return (u32)f32_to_f16(lo) | ((u32)f32_to_f16(hi) << 16);
+#endif
 }
 
+// The gradient of one logit v of a row with log-sum-exp l (l2 = l log2 e):
+// (exp(v - l) - onehot) · scale, in f32.
+__device__ __forceinline__ float ce_grad(float v, float l2, bool hot, float scale) {
+    return (ex2_approx(fmaf(v, LOG2E_F, -l2)) - (hot ? 1.0f : 0.0f)) * scale;
+}
+
+// Per row, three passes over its vectors, none with a branch per element: the max (exact in
+// any order), the sum of exp(x - max), then the gradient (every pass reading shared memory
+// where STAGED). An ignored row writes zeros. The target's element is found per vector (its
+// offset in the vector, or -1), not by a 64-bit compare per element.
 // STAGED: the row's whole vectors go to shared memory first (nv · 16 bytes of it, which the
 // launcher gives): each thread starts all its copies at once (cp.async needs no registers,
 // where the 32 a thread has at two blocks per SM leave room for one 16-byte load in flight),
-// and both passes read shared memory. Each thread stages and reads only its own vectors, in
+// and every pass reads shared memory. Each thread stages and reads only its own vectors, in
 // the same order either way: the same values bit for bit.
 template <typename T, bool STAGED>
 __device__ void cross_entropy_grad_vec(T* x, i64 ld, const i64* t, i64 rows, i64 c, i64 ignore,
@@ -238,23 +273,51 @@ __device__ void cross_entropy_grad_vec(T* x, i64 ld, const i64* t, i64 rows, i64
         const bool ignored = tr == ignore, valid = !ignored && tr >= 0 && tr < c;
         // Read before any thread overwrites the row (the reductions below synchronise).
         const float target = threadIdx.x == 0 && valid ? to_f(xr[tr]) : 0.0f;
-        float m = NEG_INF_F, s = 0.0f;
         if (STAGED) cp_async_wait<0>();
-        online_row<T, CE_GRAD_BLOCK>(src, xr, c, m, s);
-        const float big = ce_block_max(m, red);
-        const float part = m == NEG_INF_F ? 0.0f : s * __expf(m - big);
-        const float l = big + logf(ce_block_sum(part, red));
-        if (threadIdx.x == 0) nll[r] = valid ? (double)l - (double)target : 0.0;
+        if (ignored) {
+            // The whole block: no loss, a zero gradient.
+            const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+            for (i64 v = threadIdx.x; v < nv; v += CE_GRAD_BLOCK) *(uint4*)(xv + v) = zero;
+            for (i64 j = nv * 8 + threadIdx.x; j < c; j += CE_GRAD_BLOCK) xr[j] = from_f<T>(0.0f);
+            if (threadIdx.x == 0) nll[r] = 0.0;
+            __syncthreads();
+            continue;
+        }
+        float m = NEG_INF_F;
         for (i64 v = threadIdx.x; v < nv; v += CE_GRAD_BLOCK) {
             const Pack16<T> p = src[v];
-            Pack16<T> o;
 #pragma unroll
-            for (int k = 0; k < 8; ++k)
-                o.v[k] = ce_grad<T>(to_f(p.v[k]), l, v * 8 + k == tr, ignored, scale);
-            xv[v] = o;
+            for (int k = 0; k < 8; ++k) m = fmaxf(m, to_f(p.v[k]));
+        }
+        for (i64 j = nv * 8 + threadIdx.x; j < c; j += CE_GRAD_BLOCK) m = fmaxf(m, to_f(xr[j]));
+        const float big = ce_block_max(m, red);
+        // A row of -inf: every exp 0 and l = -inf. (fmaxf drops a NaN; the sum then keeps it.)
+        const float shift = big == NEG_INF_F ? 0.0f : big * LOG2E_F;
+        float s = 0.0f;
+        for (i64 v = threadIdx.x; v < nv; v += CE_GRAD_BLOCK) {
+            const Pack16<T> p = src[v];
+#pragma unroll
+            for (int k = 0; k < 8; ++k) s += ex2_approx(fmaf(to_f(p.v[k]), LOG2E_F, -shift));
         }
         for (i64 j = nv * 8 + threadIdx.x; j < c; j += CE_GRAD_BLOCK)
-            xr[j] = ce_grad<T>(to_f(xr[j]), l, j == tr, ignored, scale);
+            s += ex2_approx(fmaf(to_f(xr[j]), LOG2E_F, -shift));
+        const float l = big + logf(ce_block_sum(s, red));
+        if (threadIdx.x == 0) nll[r] = valid ? (double)l - (double)target : 0.0;
+        const float l2 = l * LOG2E_F;
+        for (i64 v = threadIdx.x; v < nv; v += CE_GRAD_BLOCK) {
+            const Pack16<T> p = src[v];
+            const i64 off = tr - v * 8;
+            const int hk = valid && off >= 0 && off < 8 ? (int)off : -1;
+            uint4 o;
+            u32* w = (u32*)&o;
+#pragma unroll
+            for (int k = 0; k < 8; k += 2)
+                w[k / 2] = pack2_rn<T>(ce_grad(to_f(p.v[k]), l2, k == hk, scale),
+                                       ce_grad(to_f(p.v[k + 1]), l2, k + 1 == hk, scale));
+            *(uint4*)(xv + v) = o;
+        }
+        for (i64 j = nv * 8 + threadIdx.x; j < c; j += CE_GRAD_BLOCK)
+            xr[j] = from_f<T>(ce_grad(to_f(xr[j]), l2, j == tr, scale));
         // The next row's target read must not pass this row's last writes of another thread.
         __syncthreads();
     }
