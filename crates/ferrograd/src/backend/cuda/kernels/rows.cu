@@ -310,8 +310,8 @@ __device__ void layer_norm_fwd_warp(const T* x, const Y* res, T* sum, const T* w
 // only its own columns), then the block adds its warps in order, in double, and stores the
 // sum rounded to f32 into part[block][j] (Σ gy x̂) and part[blocks + block][j] (Σ gy) — the
 // layout that layer_norm_params_finish_f32 adds up, one chunk per block. f32, not double:
-// each warp's sums are f32 already, and the partials are a tenth of the backward's traffic. The grid depends on the shape alone,
-// so the partition, and the sums, are reproducible.
+// each warp's sums are f32 already, and the partials are a tenth of the backward's traffic.
+// The grid depends on the shape alone, so the partition, and the sums, are reproducible.
 // With `gxh` (else null) gx is also written rounded to Y, as a cast kernel rounds it: the
 // gradient of a half residual branch whose f32 sum these rows are, with no cast launch. With
 // `half_sums` too (and `part`), a third row of partials sums gxh's columns as written (the
