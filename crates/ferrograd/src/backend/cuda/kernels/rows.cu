@@ -186,6 +186,18 @@ template <>
 __device__ __forceinline__ float f32_as<float>(float v) {
     return v;
 }
+// bf16 by the hardware's rounding (one instruction from sm_80 on, where f32_to_bf16 takes
+// several): the same bits but for a NaN's payload.
+template <>
+__device__ __forceinline__ bf16_t f32_as<bf16_t>(float v) {
+#if __CUDA_ARCH__ >= 800
+    bf16_t r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));
+    return r;
+#else
+    return from_f<bf16_t>(v);
+#endif
+}
 
 // The warp's row index and the warp stride over rows.
 __device__ __forceinline__ i64 warp_row() { return (i64)blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5); }
@@ -280,19 +292,25 @@ __device__ void layer_norm_fwd_warp(const T* x, const Y* res, T* sum, const T* w
                 if (group_at(lane, i) + k < n) q += d * d;
             }
         const float rs = 1.f / sqrtf(warp_sum_f(q) / (float)n + (float)eps);
+        // w and b of group i + 1 are loaded before group i's store: y may alias them as far as
+        // the compiler knows, so loaded after that store, each group would wait for its own.
+        T wg[2][4], bg[2][4];
+        if (w) load_group(w, group_at(lane, 0), n, vec, wg[0]);
+        if (b) load_group(b, group_at(lane, 0), n, vec, bg[0]);
 #pragma unroll
         for (int i = 0; i < G; ++i) {
             const i64 at = group_at(lane, i);
             if (at >= n) break;
-            T wg[4], bg[4];
-            if (w) load_group(w, at, n, vec, wg);
-            if (b) load_group(b, at, n, vec, bg);
+            if (i + 1 < G) {
+                if (w) load_group(w, group_at(lane, i + 1), n, vec, wg[(i + 1) & 1]);
+                if (b) load_group(b, group_at(lane, i + 1), n, vec, bg[(i + 1) & 1]);
+            }
             Y out[4];
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
                 float h = (v[i][k] - mu) * rs;
-                if (w) h *= to_f(wg[k]);
-                if (b) h += to_f(bg[k]);
+                if (w) h *= to_f(wg[i & 1][k]);
+                if (b) h += to_f(bg[i & 1][k]);
                 out[k] = f32_as<Y>(h);
             }
             store_group(y + r * n, at, n, vec, out);
