@@ -382,17 +382,21 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
             for (int i = 0; i < G; ++i) load_group(prior + r * n, group_at(lane, i), n, vec, pe[i]);
         const float mean_g = warp_sum_f(sg) / (float)n;
         const float mean_gx = warp_sum_f(sgx) / (float)n;
+        // w again (a cache hit): keeping the first loop's copy costs a lane PER registers.
+        // Group i + 1's is loaded before group i's stores, which may alias it as far as the
+        // compiler knows: loaded after them, each group would wait for its own.
+        T wg[2][4];
+        if (w) load_group(w, group_at(lane, 0), n, vec, wg[0]);
 #pragma unroll
         for (int i = 0; i < G; ++i) {
             const i64 at = group_at(lane, i);
             if (at >= n) break;
-            // w again (a cache hit): keeping the first loop's copy costs a lane PER registers.
-            T wg[4], out[4];
-            if (w) load_group(w, at, n, vec, wg);
+            if (w && i + 1 < G) load_group(w, group_at(lane, i + 1), n, vec, wg[(i + 1) & 1]);
+            T out[4];
             float gxn[4], gk[4];  // this group's terms of Σ gy x̂ and Σ gy
 #pragma unroll
             for (int k = 0; k < 4; ++k) {
-                const float g = to_f(ge[i][k]) * (w ? to_f(wg[k]) : 1.f);
+                const float g = to_f(ge[i][k]) * (w ? to_f(wg[i & 1][k]) : 1.f);
                 const float xn = (to_f(xe[i][k]) - mu) * rs;
                 const T local = f32_as<T>(rs * (g - mean_g - xn * mean_gx));
                 out[k] = prior ? t_add(pe[i][k], local) : local;
