@@ -445,9 +445,12 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
 // gradients): four blocks of four warps to an SM. Blocks of eight warps would fit two, and
 // bounding the registers to fit more of those made the compiler spill.
 #define LN_WARP_BLOCK 128
-// Blocks per SM the forward is held to at rows up to 768: 80 registers instead of 88 to 96,
-// no spills. The forward waits on its loads, so more warps in flight hide more of them (5%
-// faster on an H100 at GPT-2's rows; 8 blocks spilled and ran slower).
+// Blocks per SM the forward is held to at rows up to 768: 80 registers instead of 88 to 96.
+// The forward waits on its loads, so more warps in flight hide more of them (5% faster on an
+// H100 at GPT-2's rows; 8 blocks spilled and ran slower). With the weights loaded a group
+// ahead, ptxas 13.0 spills a few bytes at rows of 768 (8 B for f32 rows with a bf16 output,
+// 76 B with an f16 one); held to 5 blocks instead (96 registers, none), the bf16 forward
+// was slower on an H100 (38.1 against 36.2 µs).
 #define LN_FWD_MIN_BLOCKS(PER) ((PER) <= 24 ? 6 : 1)
 
 // The backward that also writes gx rounded to Y (`_half_too`) is held to as many blocks per
