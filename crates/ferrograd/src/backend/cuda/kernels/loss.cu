@@ -92,8 +92,8 @@ __device__ __forceinline__ void online_add(float v, float& m, float& s) {
 }
 
 // Adds this thread's share of a row to its running (max m, sum s): the 16-byte vectors
-// threadIdx.x, + STRIDE, ... of the row's whole vectors at xv (the row itself, or its copy in
-// shared memory), then the elements of xr past the last whole vector.
+// threadIdx.x, + STRIDE, ... of the row's whole vectors at xv (the row itself), then the
+// elements of xr past the last whole vector.
 template <typename T, int STRIDE>
 __device__ __forceinline__ void online_row(const Pack16<T>* xv, const T* xr, i64 c, float& m,
                                            float& s) {
