@@ -215,29 +215,6 @@ __device__ __forceinline__ float ex2_approx(float v) {
 }
 #define LOG2E_F 1.4426950408889634f
 
-// Two f32 values rounded to T (nearest even) in one 32-bit word, lo in the low half: one
-// cvt.rn.*x2 instruction from sm_80 on (the integer rounding of f32_to_bf16 / f32_to_f16
-// takes several an element). The same bits as those, but for a NaN's payload.
-template <typename T> __device__ __forceinline__ u32 pack2_rn(float lo, float hi);
-template <> __device__ __forceinline__ u32 pack2_rn<bf16_t>(float lo, float hi) {
-#if __CUDA_ARCH__ >= 800
-    u32 r;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-#else
-    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
-#endif
-}
-template <> __device__ __forceinline__ u32 pack2_rn<f16_t>(float lo, float hi) {
-#if __CUDA_ARCH__ >= 800
-    u32 r;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-    return r;
-#else
-    return (u32)f32_to_f16(lo) | ((u32)f32_to_f16(hi) << 16);
-#endif
-}
-
 // The gradient of one logit v of a row with log-sum-exp l (l2 = l log2 e):
 // (exp(v - l) - onehot) · scale, in f32.
 __device__ __forceinline__ float ce_grad(float v, float l2, bool hot, float scale) {

@@ -313,6 +313,41 @@ template <> __device__ __forceinline__ bf16_t from_f<bf16_t>(float v) {
     return r;
 }
 
+// ---- f32 -> f16/bf16 by the hardware's rounding, for hot kernels ----------------------------
+// cvt.rn from sm_80 on: one instruction for one value, or for two packed in a word, where the
+// integer rounding of f32_to_bf16 / f32_to_f16 takes several a value. Nearest even, the same
+// bits as those but for a NaN's payload (the hardware's canonical NaN).
+__device__ __forceinline__ bf16_t bf16_rn_hw(float v) {
+#if __CUDA_ARCH__ >= 800
+    bf16_t r;
+    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));
+    return r;
+#else
+    return from_f<bf16_t>(v);
+#endif
+}
+
+// Two values rounded to T in one 32-bit word, lo in the low half.
+template <typename T> __device__ __forceinline__ u32 pack2_rn(float lo, float hi);
+template <> __device__ __forceinline__ u32 pack2_rn<bf16_t>(float lo, float hi) {
+#if __CUDA_ARCH__ >= 800
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return (u32)f32_to_bf16(lo) | ((u32)f32_to_bf16(hi) << 16);
+#endif
+}
+template <> __device__ __forceinline__ u32 pack2_rn<f16_t>(float lo, float hi) {
+#if __CUDA_ARCH__ >= 800
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+#else
+    return (u32)f32_to_f16(lo) | ((u32)f32_to_f16(hi) << 16);
+#endif
+}
+
 // Arithmetic in the element type, as the CPU's generic kernels do it: f16/bf16 widen to float
 // per operation and round back. The _rn intrinsics keep the compiler from fusing a multiply
 // and an add into an FMA the CPU does not do.

@@ -186,17 +186,10 @@ template <>
 __device__ __forceinline__ float f32_as<float>(float v) {
     return v;
 }
-// bf16 by the hardware's rounding (one instruction from sm_80 on, where f32_to_bf16 takes
-// several): the same bits but for a NaN's payload.
+// bf16 by the hardware's rounding (prelude.cuh).
 template <>
 __device__ __forceinline__ bf16_t f32_as<bf16_t>(float v) {
-#if __CUDA_ARCH__ >= 800
-    bf16_t r;
-    asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(r.bits) : "f"(v));
-    return r;
-#else
-    return from_f<bf16_t>(v);
-#endif
+    return bf16_rn_hw(v);
 }
 
 // The warp's row index and the warp stride over rows.
