@@ -1,7 +1,7 @@
 //! Command-line definitions and dispatch. Configuration is explicit: every knob is a flag.
 
 use clap::{Args, Parser, Subcommand};
-use ferrograd::backend::cuda::{compile_all_kernels, cuda_info, emit_all_ptx};
+use ferrograd::backend::cuda::{compile_all_kernels, cuda_info, emit_all_ptx, fill_kernel_cache};
 use ferrograd::demo::{self, DemoConfig};
 use ferrograd::{Device, memory};
 
@@ -39,13 +39,19 @@ struct InfoArgs {
     /// spends minutes of first use on it, one module at a time).
     #[arg(long)]
     compile_kernels: bool,
+    /// Compile every kernel module for --arch into the kernel cache with NVRTC alone, no GPU
+    /// needed: a GPU machine that is given the folder (FERROGRAD_KERNEL_CACHE) and has the same
+    /// NVRTC version then compiles nothing.
+    #[arg(long, conflicts_with = "compile_kernels")]
+    fill_kernel_cache: bool,
     /// Write every kernel module's PTX, as NVRTC compiles it for --arch, into this folder
     /// (`<module>.ptx`), to read what the kernels compile to without a GPU: `ptxas -v`,
     /// `cuobjdump -sass`, scripts/check_wgmma.sh. Needs NVRTC only.
     #[arg(long, value_name = "DIR")]
     emit_ptx: Option<std::path::PathBuf>,
-    /// The GPU architecture --emit-ptx compiles for (an H100 or H200 is sm_90a).
-    #[arg(long, default_value = "sm_90a", requires = "emit_ptx")]
+    /// The GPU architecture --emit-ptx and --fill-kernel-cache compile for (an H100 or H200
+    /// is sm_90a).
+    #[arg(long, default_value = "sm_90a")]
     arch: String,
 }
 
@@ -152,6 +158,17 @@ fn run_info(a: InfoArgs) -> anyhow::Result<()> {
             files.len(),
             a.arch,
             dir.display()
+        );
+    }
+    if a.fill_kernel_cache {
+        let f = fill_kernel_cache(&a.arch)?;
+        println!(
+            "kernels  {} modules for {} in {} ({} compiled now) in {:.1} s",
+            f.modules,
+            a.arch,
+            f.dir.display(),
+            f.compiled_now,
+            f.seconds
         );
     }
     if a.compile_kernels {

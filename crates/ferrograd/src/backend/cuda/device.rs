@@ -70,6 +70,19 @@ fn nvrtc_version() -> &'static str {
     VERSION.get_or_init(|| super::info::nvrtc_version().unwrap_or_else(|| "unknown".into()))
 }
 
+/// Where module `key` (from `src`, for `arch`) lies in the kernel cache folder `dir`: its name
+/// hashes every option NVRTC is given and NVRTC's version, so a file written without a GPU
+/// (`fill_kernel_cache`) is the one a GPU of that architecture reads.
+pub(crate) fn cached_module(
+    dir: &std::path::Path,
+    key: &str,
+    src: &str,
+    arch: &str,
+) -> std::path::PathBuf {
+    let options = [format!("--gpu-architecture={arch}"), NVRTC_FLAGS.into()];
+    kernel_cache::file_for(dir, key, src, &options, nvrtc_version())
+}
+
 type Registry = Mutex<HashMap<usize, &'static CudaDevice>>;
 
 fn registry() -> &'static Registry {
@@ -279,19 +292,13 @@ impl CudaDevice {
     /// by an earlier process) or from NVRTC. A cached file the driver refuses is forgotten and
     /// the module compiled afresh.
     fn load_module(&self, key: &'static str, src: &'static str) -> Result<Arc<CudaModule>> {
-        // What the cached file's name hashes: every option NVRTC is given.
-        let options = [
-            format!("--gpu-architecture={}", self.arch),
-            NVRTC_FLAGS.into(),
-        ];
         let compile = || {
             compile_ptx(key, src, self.arch).map_err(|e| Error::DeviceUnavailable {
                 device: Device::Cuda(self.ordinal),
                 reason: format!("compiling kernels failed: {e}"),
             })
         };
-        let file = kernel_cache::default_dir()
-            .map(|dir| kernel_cache::file_for(&dir, key, src, &options, nvrtc_version()));
+        let file = kernel_cache::default_dir().map(|dir| cached_module(&dir, key, src, self.arch));
         let found = kernel_cache::ptx_or_compile(file.as_deref(), compile)?;
         match self.ctx.load_module(Ptx::from_src(found.ptx)) {
             Ok(m) => Ok(m),

@@ -30,7 +30,7 @@ pub use device::{CudaDevice, allow_tf32, device, device_count, driver_present, s
 pub use info::{CudaInfo, GpuInfo, KernelCacheInfo, cuda_info};
 pub use memory::CudaMemory;
 pub use timing::{KernelTime, take_host_waits, take_kernel_times};
-pub use warm::{Warmed, compile_all_kernels, emit_all_ptx};
+pub use warm::{Filled, Warmed, compile_all_kernels, emit_all_ptx, fill_kernel_cache};
 // What the planner asks of a GPU without one: the fused attention's coverage, cuBLAS's
 // workspace, which matmul operands cuBLAS needs copied, and the kernels' larger temporaries.
 pub(crate) use attention::supports as supports_attention;

@@ -9,9 +9,9 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use super::device::compile_ptx;
+use super::device::{cached_module, compile_ptx};
 use super::launch::Module;
-use super::{attention, elementwise, index, loss, optim, reduce, rows};
+use super::{attention, elementwise, index, kernel_cache, loss, optim, reduce, rows};
 use crate::base::{Error, Result};
 
 /// Every kernel module of the backend.
@@ -78,26 +78,9 @@ pub fn emit_all_ptx(dir: &Path, arch: &str) -> Result<Vec<PathBuf>> {
 
 fn emit_ptx(modules: &[&'static Module], dir: &Path, arch: &str) -> Result<Vec<PathBuf>> {
     const OP: &str = "emit_ptx";
-    let valid = arch.strip_prefix("sm_").is_some_and(|v| {
-        let digits = v.strip_suffix('a').unwrap_or(v);
-        !digits.is_empty() && digits.chars().all(|c| c.is_ascii_digit())
-    });
-    if !valid {
-        return Err(Error::invalid(
-            OP,
-            format!("'{arch}' is not a GPU architecture: name one as sm_90a, sm_90 or sm_80"),
-        ));
-    }
-    if super::info::nvrtc_version().is_none() {
-        return Err(Error::invalid(
-            OP,
-            "NVRTC (libnvrtc) was not found: install CUDA's NVRTC or put its folder on LD_LIBRARY_PATH",
-        ));
-    }
+    let arch = nvrtc_arch(OP, arch)?;
     std::fs::create_dir_all(dir)
         .map_err(|e| Error::invalid(OP, format!("cannot make {}: {e}", dir.display())))?;
-    // NVRTC takes a 'static architecture name; one short string a call.
-    let arch: &'static str = Box::leak(arch.to_string().into_boxed_str());
     modules
         .par_iter()
         .map(|m| {
@@ -109,6 +92,77 @@ fn emit_ptx(modules: &[&'static Module], dir: &Path, arch: &str) -> Result<Vec<P
             Ok(file)
         })
         .collect()
+}
+
+/// What `fill_kernel_cache` did.
+#[derive(Clone, Debug)]
+pub struct Filled {
+    /// The kernel cache folder.
+    pub dir: PathBuf,
+    /// Modules in the backend.
+    pub modules: usize,
+    /// Of those, the ones NVRTC compiled now (the rest were in the cache already).
+    pub compiled_now: usize,
+    pub seconds: f64,
+}
+
+/// Every kernel module compiled by NVRTC for `arch` into this process's kernel cache, without
+/// a GPU or its driver: a GPU of that architecture whose processes use the same cache folder
+/// (`FERROGRAD_KERNEL_CACHE`) and the same NVRTC version then compiles nothing, and only the
+/// driver's translation of the PTX to machine code remains on first use.
+pub fn fill_kernel_cache(arch: &str) -> Result<Filled> {
+    let dir = super::kernel_cache::default_dir().ok_or_else(|| {
+        Error::invalid(
+            "fill_kernel_cache",
+            "the kernel cache is off or has no home folder: set FERROGRAD_KERNEL_CACHE to a folder",
+        )
+    })?;
+    fill_cache_in(&all_modules(), dir, arch)
+}
+
+fn fill_cache_in(modules: &[&'static Module], dir: PathBuf, arch: &str) -> Result<Filled> {
+    const OP: &str = "fill_kernel_cache";
+    let arch = nvrtc_arch(OP, arch)?;
+    let t0 = Instant::now();
+    let compiled: Vec<bool> = modules
+        .par_iter()
+        .map(|m| {
+            let file = cached_module(&dir, m.key(), m.source(), arch);
+            let compile = || {
+                compile_ptx(m.key(), m.source(), arch)
+                    .map_err(|e| Error::invalid(OP, format!("NVRTC could not compile {e}")))
+            };
+            kernel_cache::ptx_or_compile(Some(&file), compile).map(|found| !found.from_disk)
+        })
+        .collect::<Result<_>>()?;
+    Ok(Filled {
+        dir,
+        modules: modules.len(),
+        compiled_now: compiled.iter().filter(|&&now| now).count(),
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// `arch` checked as an architecture NVRTC can be given ("sm_90a", "sm_80"), with NVRTC
+/// present; NVRTC takes a 'static name, one short string a call.
+fn nvrtc_arch(op: &'static str, arch: &str) -> Result<&'static str> {
+    let valid = arch.strip_prefix("sm_").is_some_and(|v| {
+        let digits = v.strip_suffix('a').unwrap_or(v);
+        !digits.is_empty() && digits.chars().all(|c| c.is_ascii_digit())
+    });
+    if !valid {
+        return Err(Error::invalid(
+            op,
+            format!("'{arch}' is not a GPU architecture: name one as sm_90a, sm_90 or sm_80"),
+        ));
+    }
+    if super::info::nvrtc_version().is_none() {
+        return Err(Error::invalid(
+            op,
+            "NVRTC (libnvrtc) was not found: install CUDA's NVRTC or put its folder on LD_LIBRARY_PATH",
+        ));
+    }
+    Ok(Box::leak(arch.to_string().into_boxed_str()))
 }
 
 #[cfg(test)]
@@ -139,11 +193,45 @@ mod tests {
         let _ = std::fs::remove_dir_all(&dir);
     }
 
+    /// With NVRTC, the filled file is the one a GPU of that architecture reads, and a second
+    /// fill compiles nothing; without it (CI), the error says what to install.
+    #[test]
+    fn a_filled_cache_holds_the_file_a_gpu_reads() {
+        let dir = std::env::temp_dir().join(format!("ferrograd-fill-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let first = fill_cache_in(&[&index::KERNELS], dir.clone(), "sm_80");
+        match super::super::info::nvrtc_version() {
+            Some(_) => {
+                let first = first.expect("NVRTC is present");
+                assert_eq!((first.modules, first.compiled_now), (1, 1));
+                let file =
+                    cached_module(&dir, index::KERNELS.key(), index::KERNELS.source(), "sm_80");
+                let ptx = std::fs::read_to_string(&file).expect("the GPU's file is there");
+                assert!(
+                    ptx.lines().any(|l| l.trim() == ".target sm_80"),
+                    "{ptx:.300}"
+                );
+                let again =
+                    fill_cache_in(&[&index::KERNELS], dir.clone(), "sm_80").expect("filled");
+                assert_eq!(again.compiled_now, 0);
+            }
+            None => {
+                let e = first.expect_err("no NVRTC here").to_string();
+                assert!(e.contains("NVRTC (libnvrtc) was not found"), "{e}");
+            }
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn an_architecture_is_named_as_sm_and_digits() {
         let dir = std::env::temp_dir();
         for bad in ["90a", "sm_", "sm_a", "sm_9x", "compute_90"] {
             let e = emit_ptx(&[], &dir, bad).expect_err(bad).to_string();
+            assert!(e.contains("is not a GPU architecture"), "{bad}: {e}");
+            let e = fill_cache_in(&[], dir.clone(), bad)
+                .expect_err(bad)
+                .to_string();
             assert!(e.contains("is not a GPU architecture"), "{bad}: {e}");
         }
     }
