@@ -186,7 +186,11 @@ template <>
 __device__ __forceinline__ float f32_as<float>(float v) {
     return v;
 }
-// bf16 by the hardware's rounding (prelude.cuh).
+// f16 and bf16 by the hardware's rounding (prelude.cuh).
+template <>
+__device__ __forceinline__ f16_t f32_as<f16_t>(float v) {
+    return f16_rn_hw(v);
+}
 template <>
 __device__ __forceinline__ bf16_t f32_as<bf16_t>(float v) {
     return bf16_rn_hw(v);
