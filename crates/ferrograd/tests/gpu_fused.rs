@@ -184,14 +184,16 @@ fn layer_norm_with_and_without_affine() {
 /// pending when the norm's backward runs) is folded into the norm's gradient kernel — in
 /// place when only x holds it (mul's gradient), read from a shared buffer when another input
 /// holds it too (add's gradient with c requiring grad) — through the warp kernels (768) and
-/// the block kernels (1100), with f32 rows and a bf16 output, and in bf16.
+/// the block kernels (1100), with f32 rows and a bf16 or f16 output, and in bf16 and f16.
 #[test]
 fn layer_norm_folds_the_residual_gradient() {
     for (n, rows_dtype, out) in [
         (768, DType::F32, DType::F32),
         (1100, DType::F32, DType::F32),
         (768, DType::F32, DType::BF16),
+        (768, DType::F32, DType::F16),
         (768, DType::BF16, DType::BF16),
+        (768, DType::F16, DType::F16),
     ] {
         let x = randn(&[9, n], 50).to_dtype(rows_dtype).unwrap();
         let (w, b) = (randn(&[n], 51), randn(&[n], 52));
@@ -222,7 +224,7 @@ fn layer_norm_folds_the_residual_gradient() {
 
 /// The residual add and the norm after it in one kernel (`add_layer_norm_to`): s and y and
 /// every gradient against the CPU, through the warp kernels (768) and the block kernels
-/// (1100), for an f32 stream with an f32 or bf16 branch and output, and all in bf16.
+/// (1100), for an f32 stream with an f32, bf16 or f16 branch and output, and all in bf16 or f16.
 #[test]
 fn residual_add_and_layer_norm_in_one_kernel() {
     for (n, stream, half) in [
@@ -230,7 +232,9 @@ fn residual_add_and_layer_norm_in_one_kernel() {
         (1100, DType::F32, DType::F32),
         (768, DType::F32, DType::BF16),
         (1100, DType::F32, DType::BF16),
+        (768, DType::F32, DType::F16),
         (768, DType::BF16, DType::BF16),
+        (768, DType::F16, DType::F16),
     ] {
         let x = randn(&[9, n], 60).to_dtype(stream).unwrap();
         let h = randn(&[9, n], 61).to_dtype(half).unwrap();
