@@ -4,27 +4,22 @@
 # for an accumulator inside a branch that differs between a warpgroup's warps: every product
 # then waits for the one before it. The results stay right, so no test of values sees it; the
 # dK/dV attention kernel once ran so.
-# On a GPU machine with CUDA's ptxas: fills the kernel cache (`ferrograd info
-# --compile-kernels`), then assembles each module's newest PTX for the target it names.
-# Without a GPU: PTX_DIR=<folder> assembles the PTX that `ferrograd info --emit-ptx <folder>
-# [--arch sm_90a]` wrote there (NVRTC and ptxas needed, no GPU).
+# It assembles every module's PTX for the target it names: the PTX that `ferrograd info
+# --emit-ptx <folder> [--arch sm_90a]` wrote to PTX_DIR, or, without PTX_DIR, PTX it writes so
+# for sm_90a into a temporary folder (NVRTC and ptxas needed, no GPU; the kernel cache holds
+# machine code, not PTX).
 # Environment: BIN (the folder holding `ferrograd`, default .bin), PTXAS (default: on PATH,
-# else /usr/local/cuda/bin/ptxas), FERROGRAD_KERNEL_CACHE (the cache folder, as ferrograd
-# reads it), PTX_DIR.
+# else /usr/local/cuda/bin/ptxas), PTX_DIR.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-.bin}
 PTXAS=${PTXAS:-$(command -v ptxas || echo /usr/local/cuda/bin/ptxas)}
-CACHE=${FERROGRAD_KERNEL_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/ferrograd/kernels}
-if [ -n "${PTX_DIR:-}" ]; then
-  # PTX written by `ferrograd info --emit-ptx DIR --arch ARCH`, which needs no GPU.
-  mapfile -t files < <(ls "$PTX_DIR"/*.ptx)
-else
-  "$BIN/ferrograd" info --compile-kernels | grep 'kernel modules'
-  # The newest file of each module (files are named <module>-<hash>.ptx; older hashes are
-  # earlier builds' sources, which the cache keeps).
-  mapfile -t files < <(ls -t "$CACHE"/*.ptx | awk '{ k = $0; sub(/-[^-]*\.ptx$/, "", k); if (!(k in seen)) { seen[k] = 1; print } }')
+emitted=
+if [ -z "${PTX_DIR:-}" ]; then
+  PTX_DIR=$(mktemp -d) emitted=$PTX_DIR
+  "$BIN/ferrograd" info --emit-ptx "$PTX_DIR" --arch sm_90a | grep '^ptx'
 fi
+mapfile -t files < <(ls "$PTX_DIR"/*.ptx)
 # One ptxas a file, all at once (the attention modules take seconds each).
 notes=$(mktemp -d)
 for ptx in "${files[@]}"; do
@@ -43,6 +38,6 @@ for n in "$notes"/*; do
     cat "$n"
   fi
 done
-rm -rf "$notes"
+rm -rf "$notes" ${emitted:+"$emitted"}
 echo "wgmma check: ${#files[@]} modules assembled, $bad with serialised products"
 [ "$bad" -eq 0 ]

@@ -264,7 +264,7 @@ fn store_at(file: &Path, problem: &str, index: usize) {
         }
     }
     choices.insert(problem.to_string(), index);
-    let _ = super::kernel_cache::write(file, &render(choices));
+    let _ = super::kernel_cache::write(file, render(choices).as_bytes());
 }
 
 /// The report's line for one problem: times in microseconds.

@@ -1,9 +1,11 @@
 //! NVRTC's output kept on disk between runs. Compiling the kernel modules takes seconds each
 //! (tens of seconds for all of them), and every process compiled them again: a run, each test
-//! binary, each benchmark. The PTX of a module is stored under a name made from everything
-//! that decides it — the source text, the compile options (the GPU architecture among them)
-//! and NVRTC's version — so a changed kernel, another GPU or another NVRTC never reads a stale
-//! file. The driver then turns the PTX into machine code (and keeps its own cache of that).
+//! binary, each benchmark. A module's machine code (a cubin, which the driver loads as it is)
+//! is stored under a name made from everything that decides it — the source text, the compile
+//! options (the GPU architecture among them) and NVRTC's version — so a changed kernel, another
+//! GPU or another NVRTC never reads a stale file. Machine code, not PTX: the driver's
+//! translation of PTX took about 100 s for all the modules on a fresh H100 with their PTX
+//! already here, and only machine code made ahead (`fill_kernel_cache`, anywhere) saves that.
 //!
 //! Where: `FERROGRAD_KERNEL_CACHE` names the folder, or `off` (also `0`, `false`) turns the
 //! cache off; by default `$XDG_CACHE_HOME/ferrograd/kernels`, else `~/.cache/ferrograd/kernels`.
@@ -50,7 +52,7 @@ fn dir_from(
 }
 
 /// The file of module `key` compiled from `src` with `options` by `compiler` (a version):
-/// `{key}-{hash}.ptx`, the hash over all four.
+/// `{key}-{hash}.cubin`, the hash over all four.
 pub(crate) fn file_for(
     dir: &Path,
     key: &str,
@@ -71,34 +73,37 @@ pub(crate) fn file_for(
         .chars()
         .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
         .collect();
-    dir.join(format!("{name}-{:016x}.ptx", h.finish()))
+    dir.join(format!("{name}-{:016x}.{EXT}", h.finish()))
 }
 
-/// A module's PTX and whether it was read from the cache.
+/// The extension of a cached module.
+const EXT: &str = "cubin";
+
+/// A module's machine code and whether it was read from the cache.
 pub(crate) struct Found {
-    pub ptx: String,
+    pub image: Vec<u8>,
     pub from_disk: bool,
 }
 
-/// The PTX at `file` if there is a whole one, else `compile()`'s, stored there for the next
-/// process. Errors are `compile`'s only.
-pub(crate) fn ptx_or_compile(
+/// The machine code at `file` if there is a whole one, else `compile()`'s, stored there for
+/// the next process. Errors are `compile`'s only.
+pub(crate) fn image_or_compile(
     file: Option<&Path>,
-    compile: impl FnOnce() -> Result<String>,
+    compile: impl FnOnce() -> Result<Vec<u8>>,
 ) -> Result<Found> {
-    if let Some(ptx) = file.and_then(read) {
+    if let Some(image) = file.and_then(read) {
         return Ok(Found {
-            ptx,
+            image,
             from_disk: true,
         });
     }
-    let ptx = compile()?;
+    let image = compile()?;
     if let Some(file) = file {
         // A cache that cannot be written only costs the next run the compile.
-        let _ = write(file, &ptx);
+        let _ = write(file, &image);
     }
     Ok(Found {
-        ptx,
+        image,
         from_disk: false,
     })
 }
@@ -110,7 +115,11 @@ pub(crate) fn contents(dir: &Path) -> (usize, u64) {
     };
     entries
         .flatten()
-        .filter(|e| e.file_name().to_string_lossy().ends_with(".ptx"))
+        .filter(|e| {
+            e.file_name()
+                .to_string_lossy()
+                .ends_with(&format!(".{EXT}"))
+        })
         .fold((0, 0), |(n, b), e| {
             (n + 1, b + e.metadata().map_or(0, |m| m.len()))
         })
@@ -121,15 +130,26 @@ pub(crate) fn forget(file: &Path) {
     let _ = std::fs::remove_file(file);
 }
 
-/// A stored module: text that ends as NVRTC's PTX ends (a file cut short is not one).
-fn read(file: &Path) -> Option<String> {
-    let text = std::fs::read_to_string(file).ok()?;
-    let whole = text.starts_with("//") && text.trim_end().ends_with('}');
-    whole.then_some(text)
+/// A stored module: a 64-bit ELF file as long as its header says (its section headers come
+/// last), so a file cut short, or one that is not machine code, is not read.
+fn read(file: &Path) -> Option<Vec<u8>> {
+    let bytes = std::fs::read(file).ok()?;
+    whole_elf(&bytes).then_some(bytes)
 }
 
-/// Writes `text` to a temporary file beside `file`, then renames it into place.
-pub(crate) fn write(file: &Path, text: &str) -> std::io::Result<()> {
+fn whole_elf(b: &[u8]) -> bool {
+    if b.len() < 64 || &b[..4] != b"\x7fELF" || b[4] != 2 || b[5] != 1 {
+        return false;
+    }
+    let u64_at = |o: usize| u64::from_le_bytes(b[o..o + 8].try_into().unwrap_or_default());
+    let u16_at = |o: usize| u16::from_le_bytes([b[o], b[o + 1]]) as u64;
+    // e_shoff + e_shnum · e_shentsize: the end of the section header table.
+    let end = u64_at(0x28).saturating_add(u16_at(0x3c).saturating_mul(u16_at(0x3a)));
+    end <= b.len() as u64
+}
+
+/// Writes `bytes` to a temporary file beside `file`, then renames it into place.
+pub(crate) fn write(file: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = file.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir)?;
     // Unique per process and call: two writers never share a temporary file.
@@ -142,7 +162,7 @@ pub(crate) fn write(file: &Path, text: &str) -> std::io::Result<()> {
         WRITES.fetch_add(1, Ordering::Relaxed)
     ));
     // A failed write (a full disk) or rename leaves no temporary file behind.
-    std::fs::write(&tmp, text)
+    std::fs::write(&tmp, bytes)
         .and_then(|()| std::fs::rename(&tmp, file))
         .inspect_err(|_| {
             let _ = std::fs::remove_file(&tmp);
@@ -174,8 +194,17 @@ mod tests {
 
     use super::*;
 
-    const PTX: &str =
-        "//\n// Generated by NVIDIA NVVM Compiler\n.version 9.0\n.entry k()\n{\n\tret;\n}\n";
+    /// A 64-bit ELF file of 128 bytes whose one section header (64 bytes) ends it, marked by
+    /// `tag`: whole as far as `read` can tell.
+    fn elf(tag: u8) -> Vec<u8> {
+        let mut b = vec![0u8; 128];
+        b[..6].copy_from_slice(b"\x7fELF\x02\x01");
+        b[0x28..0x30].copy_from_slice(&64u64.to_le_bytes()); // e_shoff
+        b[0x3a..0x3c].copy_from_slice(&64u16.to_le_bytes()); // e_shentsize
+        b[0x3c..0x3e].copy_from_slice(&1u16.to_le_bytes()); // e_shnum
+        b[100] = tag;
+        b
+    }
 
     fn scratch(name: &str) -> PathBuf {
         let dir = std::env::temp_dir().join(format!(
@@ -186,16 +215,16 @@ mod tests {
         dir
     }
 
-    /// `ptx_or_compile` with a compiler that counts its calls and returns `out`.
-    fn get(file: Option<&Path>, calls: &Cell<u32>, out: &str) -> String {
+    /// `image_or_compile` with a compiler that counts its calls and returns `out`.
+    fn get(file: Option<&Path>, calls: &Cell<u32>, out: &[u8]) -> Vec<u8> {
         let before = calls.get();
-        let found = ptx_or_compile(file, || {
+        let found = image_or_compile(file, || {
             calls.set(calls.get() + 1);
-            Ok(out.to_string())
+            Ok(out.to_vec())
         })
         .unwrap();
         assert_eq!(found.from_disk, calls.get() == before);
-        found.ptx
+        found.image
     }
 
     #[test]
@@ -204,17 +233,18 @@ mod tests {
         let opts = vec!["--gpu-architecture=sm_90".to_string()];
         let file = file_for(&dir, "rows", "src", &opts, "13.0");
         let calls = Cell::new(0);
-        assert_eq!(get(Some(&file), &calls, PTX), PTX);
+        let image = elf(1);
+        assert_eq!(get(Some(&file), &calls, &image), image);
         assert_eq!(
-            get(Some(&file), &calls, "other"),
-            PTX,
+            get(Some(&file), &calls, &elf(2)),
+            image,
             "read back, not compiled"
         );
         assert_eq!(calls.get(), 1);
         // No temporary file is left beside it.
         let names: Vec<_> = std::fs::read_dir(&dir).unwrap().flatten().collect();
         assert_eq!(names.len(), 1);
-        assert_eq!(contents(&dir), (1, PTX.len() as u64));
+        assert_eq!(contents(&dir), (1, image.len() as u64));
         assert_eq!(contents(&dir.join("none")), (0, 0));
         let _ = std::fs::remove_dir_all(&dir);
     }
@@ -235,7 +265,7 @@ mod tests {
         }
         let name = base.file_name().unwrap().to_string_lossy().to_string();
         assert!(
-            name.starts_with("rows-") && name.ends_with(".ptx"),
+            name.starts_with("rows-") && name.ends_with(".cubin"),
             "{name}"
         );
         // A module key with odd characters still makes one plain file name.
@@ -248,18 +278,22 @@ mod tests {
         let dir = scratch("short");
         std::fs::create_dir_all(&dir).unwrap();
         let file = file_for(&dir, "rows", "src", &[], "13.0");
-        std::fs::write(&file, &PTX[..PTX.len() / 2]).unwrap();
+        let image = elf(1);
         let calls = Cell::new(0);
-        assert_eq!(get(Some(&file), &calls, PTX), PTX);
-        assert_eq!(calls.get(), 1, "the half file was not used");
-        assert_eq!(
-            std::fs::read_to_string(&file).unwrap(),
-            PTX,
-            "and was replaced"
-        );
+        // Cut short, or not machine code at all (the PTX this cache once held).
+        let ptx = b"//\n.version 9.0\n.entry k()\n{\n\tret;\n}\n".to_vec();
+        for (n, bad) in [image[..image.len() - 1].to_vec(), image[..32].to_vec(), ptx]
+            .iter()
+            .enumerate()
+        {
+            std::fs::write(&file, bad).unwrap();
+            assert_eq!(get(Some(&file), &calls, &image), image);
+            assert_eq!(calls.get(), n as u32 + 1, "the bad file was not used");
+            assert_eq!(std::fs::read(&file).unwrap(), image, "and was replaced");
+        }
         forget(&file);
-        assert_eq!(get(Some(&file), &calls, PTX), PTX);
-        assert_eq!(calls.get(), 2);
+        assert_eq!(get(Some(&file), &calls, &image), image);
+        assert_eq!(calls.get(), 4);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
@@ -272,17 +306,18 @@ mod tests {
         std::fs::write(&blocker, "x").unwrap();
         let file = file_for(&blocker, "rows", "src", &[], "13.0");
         let calls = Cell::new(0);
-        assert_eq!(get(Some(&file), &calls, PTX), PTX);
-        assert_eq!(get(Some(&file), &calls, PTX), PTX);
+        let image = elf(1);
+        assert_eq!(get(Some(&file), &calls, &image), image);
+        assert_eq!(get(Some(&file), &calls, &image), image);
         assert_eq!(calls.get(), 2);
-        let e = ptx_or_compile(Some(&file), || {
+        let e = image_or_compile(Some(&file), || {
             Err(crate::base::Error::invalid("nvrtc", "syntax error"))
         })
         .err()
         .unwrap();
         assert!(e.to_string().contains("syntax error"), "{e}");
         // Off: always compiled.
-        assert_eq!(get(None, &calls, PTX), PTX);
+        assert_eq!(get(None, &calls, &image), image);
         assert_eq!(calls.get(), 3);
         let _ = std::fs::remove_dir_all(&dir);
     }

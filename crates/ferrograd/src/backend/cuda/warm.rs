@@ -9,7 +9,7 @@ use std::time::Instant;
 
 use rayon::prelude::*;
 
-use super::device::{cached_module, compile_ptx};
+use super::device::{cached_module, compile_cubin, compile_ptx};
 use super::launch::Module;
 use super::{attention, elementwise, index, kernel_cache, loss, optim, reduce, rows};
 use crate::base::{Error, Result};
@@ -106,10 +106,10 @@ pub struct Filled {
     pub seconds: f64,
 }
 
-/// Every kernel module compiled by NVRTC for `arch` into this process's kernel cache, without
-/// a GPU or its driver: a GPU of that architecture whose processes use the same cache folder
-/// (`FERROGRAD_KERNEL_CACHE`) and the same NVRTC version then compiles nothing, and only the
-/// driver's translation of the PTX to machine code remains on first use.
+/// Every kernel module compiled by NVRTC for `arch` into this process's kernel cache as
+/// machine code, without a GPU or its driver: a GPU of that architecture whose processes use
+/// the same cache folder (`FERROGRAD_KERNEL_CACHE`) and the same NVRTC version then compiles
+/// and translates nothing, only loads.
 pub fn fill_kernel_cache(arch: &str) -> Result<Filled> {
     let dir = super::kernel_cache::default_dir().ok_or_else(|| {
         Error::invalid(
@@ -129,10 +129,10 @@ fn fill_cache_in(modules: &[&'static Module], dir: PathBuf, arch: &str) -> Resul
         .map(|m| {
             let file = cached_module(&dir, m.key(), m.source(), arch);
             let compile = || {
-                compile_ptx(m.key(), m.source(), arch)
+                compile_cubin(m.key(), m.source(), arch)
                     .map_err(|e| Error::invalid(OP, format!("NVRTC could not compile {e}")))
             };
-            kernel_cache::ptx_or_compile(Some(&file), compile).map(|found| !found.from_disk)
+            kernel_cache::image_or_compile(Some(&file), compile).map(|found| !found.from_disk)
         })
         .collect::<Result<_>>()?;
     Ok(Filled {
@@ -206,11 +206,8 @@ mod tests {
                 assert_eq!((first.modules, first.compiled_now), (1, 1));
                 let file =
                     cached_module(&dir, index::KERNELS.key(), index::KERNELS.source(), "sm_80");
-                let ptx = std::fs::read_to_string(&file).expect("the GPU's file is there");
-                assert!(
-                    ptx.lines().any(|l| l.trim() == ".target sm_80"),
-                    "{ptx:.300}"
-                );
+                let image = std::fs::read(&file).expect("the GPU's file is there");
+                assert_eq!(&image[..4], b"\x7fELF", "machine code, not PTX");
                 let again =
                     fill_cache_in(&[&index::KERNELS], dir.clone(), "sm_80").expect("filled");
                 assert_eq!(again.compiled_now, 0);
