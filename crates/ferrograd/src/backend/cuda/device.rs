@@ -83,12 +83,8 @@ pub(crate) fn compile_cubin(
         }
     }
     let prog = Program(prog);
-    let options = [
-        format!("--gpu-architecture={arch}"),
-        NVRTC_FLAGS.to_string(),
-    ];
     // SAFETY: prog is live; the options are plain strings without NULs.
-    if let Err(e) = unsafe { nv::compile_program(prog.0, &options) } {
+    if let Err(e) = unsafe { nv::compile_program(prog.0, &nvrtc_options(arch)) } {
         // SAFETY: prog is live; the log is NUL-terminated.
         let log = unsafe { nv::get_program_log(prog.0) }
             .map(|l| {
@@ -119,6 +115,12 @@ pub(crate) fn compile_cubin(
 /// The options every module is compiled with besides its architecture.
 const NVRTC_FLAGS: &str = "--std=c++17";
 
+/// Every option NVRTC is given for `arch`: what `compile_cubin` passes and what a cached
+/// module's name hashes (`compile_ptx` passes the same through cudarc's options).
+fn nvrtc_options(arch: &str) -> [String; 2] {
+    [format!("--gpu-architecture={arch}"), NVRTC_FLAGS.into()]
+}
+
 /// NVRTC's version ("13.0"), part of every cached module's name.
 fn nvrtc_version() -> &'static str {
     static VERSION: OnceLock<String> = OnceLock::new();
@@ -134,8 +136,7 @@ pub(crate) fn cached_module(
     src: &str,
     arch: &str,
 ) -> std::path::PathBuf {
-    let options = [format!("--gpu-architecture={arch}"), NVRTC_FLAGS.into()];
-    kernel_cache::file_for(dir, key, src, &options, nvrtc_version())
+    kernel_cache::file_for(dir, key, src, &nvrtc_options(arch), nvrtc_version())
 }
 
 type Registry = Mutex<HashMap<usize, &'static CudaDevice>>;
