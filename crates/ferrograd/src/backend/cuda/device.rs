@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::cublas::CudaBlas;
 use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream, LaunchConfig, result};
-use cudarc::nvrtc::{CompileOptions, Ptx, compile_ptx_with_opts};
+use cudarc::nvrtc::Ptx;
 
 use super::kernel_cache;
 
@@ -38,37 +38,40 @@ pub fn set_allow_tf32(allow: bool) {
     ALLOW_TF32.store(allow, Ordering::Relaxed);
 }
 
-/// NVRTC's output as text (its image ends in a NUL).
-fn ptx_text(ptx: &Ptx) -> Option<String> {
-    let bytes = ptx.as_bytes()?;
-    let end = bytes.iter().position(|&b| b == 0).unwrap_or(bytes.len());
-    String::from_utf8(bytes[..end].to_vec()).ok()
+/// Module `key`'s source compiled by NVRTC for `arch` ("sm_90a"), as PTX text (to read, or
+/// assemble elsewhere); the error names the module and says what NVRTC said.
+pub(crate) fn compile_ptx(key: &str, src: &str, arch: &str) -> std::result::Result<String, String> {
+    let ptx = nvrtc_compile(key, src, arch, Output::Ptx)?;
+    // NVRTC's PTX ends in a NUL.
+    let end = ptx.iter().position(|&b| b == 0).unwrap_or(ptx.len());
+    String::from_utf8(ptx[..end].to_vec())
+        .map_err(|_| format!("'{key}' for {arch}: NVRTC's PTX is not text"))
 }
 
-/// Module `key`'s source compiled by NVRTC for `arch` ("sm_90a"), as PTX text; the error
-/// names the module and says what NVRTC said.
-pub(crate) fn compile_ptx(
-    key: &str,
-    src: &str,
-    arch: &'static str,
-) -> std::result::Result<String, String> {
-    let opts = CompileOptions {
-        arch: Some(arch),
-        options: vec![NVRTC_FLAGS.into()],
-        ..Default::default()
-    };
-    let ptx = compile_ptx_with_opts(src, opts).map_err(|e| format!("'{key}' for {arch}: {e:?}"))?;
-    ptx_text(&ptx).ok_or_else(|| format!("'{key}' for {arch}: NVRTC's PTX is not text"))
-}
-
-/// Module `key`'s source compiled by NVRTC for `arch` ("sm_90a") into machine code (a cubin,
-/// which the driver loads as it is), with the same options as `compile_ptx`: the driver's
-/// translation of PTX took about 100 s for all of them on a fresh H100 even on 16 threads,
-/// NVRTC about 5. The error carries NVRTC's log.
+/// Module `key`'s source compiled by NVRTC for `arch` into machine code (a cubin, which the
+/// driver loads as it is): the driver's translation of PTX took about 100 s for all of them
+/// on a fresh H100 even on 16 threads, NVRTC about 5.
 pub(crate) fn compile_cubin(
     key: &str,
     src: &str,
     arch: &str,
+) -> std::result::Result<Vec<u8>, String> {
+    nvrtc_compile(key, src, arch, Output::Cubin)
+}
+
+/// What `nvrtc_compile` returns.
+enum Output {
+    Ptx,
+    Cubin,
+}
+
+/// One NVRTC compile with `nvrtc_options(arch)`, its PTX or machine code; the error carries
+/// NVRTC's log.
+fn nvrtc_compile(
+    key: &str,
+    src: &str,
+    arch: &str,
+    output: Output,
 ) -> std::result::Result<Vec<u8>, String> {
     use cudarc::nvrtc::{result as nv, sys};
     let fail = |what: &str| format!("'{key}' for {arch}: {what}");
@@ -98,25 +101,29 @@ pub(crate) fn compile_cubin(
             .unwrap_or_default();
         return Err(fail(&format!("{e:?}\n{log}")));
     }
+    let (size_of, get): (unsafe fn(_, _) -> _, unsafe fn(_, _) -> _) = match output {
+        Output::Ptx => (sys::nvrtcGetPTXSize, sys::nvrtcGetPTX),
+        Output::Cubin => (sys::nvrtcGetCUBINSize, sys::nvrtcGetCUBIN),
+    };
     let mut size = 0usize;
     // SAFETY: prog is compiled; size is a valid out-pointer, then the buffer holds size bytes.
     unsafe {
-        sys::nvrtcGetCUBINSize(prog.0, &mut size)
+        size_of(prog.0, &mut size)
             .result()
-            .map_err(|e| fail(&format!("no machine code: {e:?}")))?;
-        let mut cubin = vec![0u8; size];
-        sys::nvrtcGetCUBIN(prog.0, cubin.as_mut_ptr().cast())
+            .map_err(|e| fail(&format!("no output: {e:?}")))?;
+        let mut out = vec![0u8; size];
+        get(prog.0, out.as_mut_ptr().cast())
             .result()
-            .map_err(|e| fail(&format!("no machine code: {e:?}")))?;
-        Ok(cubin)
+            .map_err(|e| fail(&format!("no output: {e:?}")))?;
+        Ok(out)
     }
 }
 
 /// The options every module is compiled with besides its architecture.
 const NVRTC_FLAGS: &str = "--std=c++17";
 
-/// Every option NVRTC is given for `arch`: what `compile_cubin` passes and what a cached
-/// module's name hashes (`compile_ptx` passes the same through cudarc's options).
+/// Every option NVRTC is given for `arch`: what `nvrtc_compile` passes and what a cached
+/// module's name hashes.
 fn nvrtc_options(arch: &str) -> [String; 2] {
     [format!("--gpu-architecture={arch}"), NVRTC_FLAGS.into()]
 }

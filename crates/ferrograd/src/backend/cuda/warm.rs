@@ -144,8 +144,8 @@ fn fill_cache_in(modules: &[&'static Module], dir: PathBuf, arch: &str) -> Resul
 }
 
 /// `arch` checked as an architecture NVRTC can be given ("sm_90a", "sm_80"), with NVRTC
-/// present; NVRTC takes a 'static name, one short string a call.
-fn nvrtc_arch(op: &'static str, arch: &str) -> Result<&'static str> {
+/// present.
+fn nvrtc_arch<'a>(op: &'static str, arch: &'a str) -> Result<&'a str> {
     let valid = arch.strip_prefix("sm_").is_some_and(|v| {
         let digits = v.strip_suffix('a').unwrap_or(v);
         !digits.is_empty() && digits.chars().all(|c| c.is_ascii_digit())
@@ -162,7 +162,7 @@ fn nvrtc_arch(op: &'static str, arch: &str) -> Result<&'static str> {
             "NVRTC (libnvrtc) was not found: install CUDA's NVRTC or put its folder on LD_LIBRARY_PATH",
         ));
     }
-    Ok(Box::leak(arch.to_string().into_boxed_str()))
+    Ok(arch)
 }
 
 #[cfg(test)]

@@ -297,7 +297,7 @@ template <> __device__ __forceinline__ bf16_t from_d<bf16_t>(double v) {
 
 // The same in f32, for kernels that compute f16/bf16 (and f32) in float: to_f widens exactly,
 // from_f rounds once (nearest even). An f16 widens by the hardware's cvt (one instruction
-// where f16_to_f32's integer decoding takes about ten; every value the same but for a NaN's
+// where f16_to_f32's integer decoding takes several; every value the same but for a NaN's
 // payload, which these kernels' arithmetic does not keep anyway).
 __device__ __forceinline__ float to_f(float v) { return v; }
 __device__ __forceinline__ float to_f(f16_t v) {

@@ -445,8 +445,8 @@ __device__ void layer_norm_bwd_warp(const T* x, const T* w, const void* mean, co
 // Blocks per SM the forward is held to at rows up to 768: 80 registers instead of 88 to 96.
 // The forward waits on its loads, so more warps in flight hide more of them (5% faster on an
 // H100 at GPT-2's rows; 8 blocks spilled and ran slower). With the weights loaded a group
-// ahead, ptxas 13.0 spills a few bytes at rows of 768 (8 B for f32 rows with a bf16 output,
-// 76 B with an f16 one); held to 5 blocks instead (96 registers, none), the bf16 forward
+// ahead, ptxas 13.0 spills a few bytes at rows of 768 (8 B for f32 rows with a bf16 or f16
+// output); held to 5 blocks instead (96 registers, none), the bf16 forward
 // was slower on an H100 (38.1 against 36.2 µs).
 #define LN_FWD_MIN_BLOCKS(PER) ((PER) <= 24 ? 6 : 1)
 
