@@ -42,9 +42,7 @@ pub fn set_allow_tf32(allow: bool) {
 /// assemble elsewhere); the error names the module and says what NVRTC said.
 pub(crate) fn compile_ptx(key: &str, src: &str, arch: &str) -> std::result::Result<String, String> {
     let ptx = nvrtc_compile(key, src, arch, Output::Ptx)?;
-    // NVRTC's PTX ends in a NUL.
-    let end = ptx.iter().position(|&b| b == 0).unwrap_or(ptx.len());
-    String::from_utf8(ptx[..end].to_vec())
+    String::from_utf8(until_nul(ptx))
         .map_err(|_| format!("'{key}' for {arch}: NVRTC's PTX is not text"))
 }
 
@@ -57,6 +55,11 @@ pub(crate) fn compile_cubin(
     arch: &str,
 ) -> std::result::Result<Vec<u8>, String> {
     nvrtc_compile(key, src, arch, Output::Cubin)
+}
+
+/// NVRTC's text (its PTX, its log) up to the NUL that ends it.
+fn until_nul(bytes: impl IntoIterator<Item = u8>) -> Vec<u8> {
+    bytes.into_iter().take_while(|&b| b != 0).collect()
 }
 
 /// What `nvrtc_compile` returns.
@@ -90,14 +93,7 @@ fn nvrtc_compile(
     if let Err(e) = unsafe { nv::compile_program(prog.0, &nvrtc_options(arch)) } {
         // SAFETY: prog is live; the log is NUL-terminated.
         let log = unsafe { nv::get_program_log(prog.0) }
-            .map(|l| {
-                let bytes: Vec<u8> = l
-                    .iter()
-                    .take_while(|&&c| c != 0)
-                    .map(|&c| c as u8)
-                    .collect();
-                String::from_utf8_lossy(&bytes).into_owned()
-            })
+            .map(|l| String::from_utf8_lossy(&until_nul(l.iter().map(|&c| c as u8))).into_owned())
             .unwrap_or_default();
         return Err(fail(&format!("{e:?}\n{log}")));
     }

@@ -115,11 +115,7 @@ pub(crate) fn contents(dir: &Path) -> (usize, u64) {
     };
     entries
         .flatten()
-        .filter(|e| {
-            e.file_name()
-                .to_string_lossy()
-                .ends_with(&format!(".{EXT}"))
-        })
+        .filter(|e| e.path().extension().is_some_and(|x| x == EXT))
         .fold((0, 0), |(n, b), e| {
             (n + 1, b + e.metadata().map_or(0, |m| m.len()))
         })
